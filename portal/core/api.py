@@ -1,0 +1,119 @@
+"""API primitives every app uses: the error envelope, pagination, throttles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.http import Http404, JsonResponse
+from rest_framework import exceptions as drf
+from rest_framework import pagination, throttling
+from rest_framework.response import Response
+from rest_framework.views import set_rollback
+
+from .exceptions import DomainError
+
+__all__ = ["exception_handler", "envelope", "Pagination", "UserThrottle", "AnonThrottle"]
+
+
+def envelope(code: str, detail: str, fields: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": code, "detail": detail, "fields": fields or {}}
+    body.update(extra)
+    return body
+
+
+def _flatten(errors: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten DRF's nested error structure into {"a.b": "message"}."""
+    out: dict[str, str] = {}
+    if isinstance(errors, dict):
+        for key, value in errors.items():
+            name = "non_field_errors" if key == "non_field_errors" and not prefix else f"{prefix}{key}"
+            out.update(_flatten(value, f"{name}."))
+    elif isinstance(errors, list):
+        if all(not isinstance(e, dict | list) for e in errors):
+            out[prefix.rstrip(".") or "non_field_errors"] = " ".join(str(e) for e in errors)
+        else:
+            for i, value in enumerate(errors):
+                out.update(_flatten(value, f"{prefix}{i}."))
+    else:
+        out[prefix.rstrip(".") or "non_field_errors"] = str(errors)
+    return out
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """Map every error to the one envelope of DESIGN §6."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, DomainError):
+        status, body = exc.status, envelope(exc.code, exc.detail, exc.fields, **exc.extra)
+    elif isinstance(exc, drf.ValidationError):
+        fields = _flatten(exc.detail)
+        first = next(iter(fields.items()), ("", "Invalid input."))
+        status, body = 400, envelope("invalid", f"{first[0]}: {first[1]}" if first[0] else first[1], fields)
+    elif isinstance(exc, drf.ParseError):
+        status, body = 400, envelope("invalid", f"Malformed request body: {exc.detail}", {"body": str(exc.detail)})
+    elif isinstance(exc, drf.UnsupportedMediaType):
+        status, body = 400, envelope(
+            "invalid", "Send the body as application/json.", {"content_type": str(exc.detail)}
+        )
+    elif isinstance(exc, drf.NotAuthenticated | drf.AuthenticationFailed):
+        status, body = 401, envelope("not_authenticated", str(exc.detail))
+        headers["WWW-Authenticate"] = 'Bearer realm="api"'
+    elif isinstance(exc, drf.PermissionDenied | DjangoPermissionDenied):
+        detail = getattr(exc, "detail", None) or "You do not have permission to perform this action."
+        status, body = 403, envelope("permission_denied", str(detail))
+    elif isinstance(exc, drf.NotFound | Http404):
+        status, body = 404, envelope("not_found", "Not found.")
+    elif isinstance(exc, drf.Throttled):
+        wait = int(exc.wait or 1)
+        status, body = 429, envelope("throttled", f"Too many requests; retry in {wait} s.")
+        headers["Retry-After"] = str(wait)
+    elif isinstance(exc, drf.MethodNotAllowed):
+        status, body = 405, envelope("method_not_allowed", str(exc.detail))
+    elif isinstance(exc, drf.NotAcceptable):
+        status, body = 406, envelope("not_acceptable", str(exc.detail))
+    elif isinstance(exc, drf.APIException):
+        status, body = exc.status_code, envelope(exc.default_code, str(exc.detail))
+    else:
+        return None
+    set_rollback()
+    return Response(body, status=status, headers=headers)
+
+
+def json_404(request, exception=None):  # noqa: ARG001
+    """Answer unknown URLs with the envelope under /api/, Django's page elsewhere."""
+    if request.path.startswith("/api/"):
+        return JsonResponse(envelope("not_found", "Not found."), status=404)
+    from django.views.defaults import page_not_found
+
+    return page_not_found(request, exception)
+
+
+def json_500(request):
+    if request.path.startswith("/api/"):
+        return JsonResponse(envelope("server_error", "Internal error; it has been logged."), status=500)
+    from django.views.defaults import server_error
+
+    return server_error(request)
+
+
+class Pagination(pagination.PageNumberPagination):
+    page_size_query_param = "page_size"
+    max_page_size = 500
+
+
+class _SettingsRateMixin:
+    """Read the rate from settings on each request, so the environment (and tests) can set it."""
+
+    setting_name = ""
+
+    def get_rate(self) -> str:
+        return getattr(settings, self.setting_name)
+
+
+class UserThrottle(_SettingsRateMixin, throttling.UserRateThrottle):
+    setting_name = "PORTAL_THROTTLE_USER"
+
+
+class AnonThrottle(_SettingsRateMixin, throttling.AnonRateThrottle):
+    setting_name = "PORTAL_THROTTLE_ANON"

@@ -1,0 +1,25 @@
+from django.conf import settings
+from django.db import models
+
+
+class AuditLog(models.Model):
+    """One state change made through a service: who, what, before → after."""
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    action = models.CharField(max_length=64, db_index=True)
+    object_type = models.CharField(max_length=64)
+    object_id = models.CharField(max_length=64)
+    # Kept as a plain id so the core app does not depend on tenants (imports only go down).
+    tenant_id = models.BigIntegerField(null=True, blank=True, db_index=True)
+    before = models.JSONField(default=dict, blank=True)
+    after = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["object_type", "object_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.object_type}#{self.object_id}"

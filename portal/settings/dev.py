@@ -1,0 +1,8 @@
+"""Local development and `make run`: debug on, a fixed throwaway secret."""
+
+from .base import *  # noqa: F403
+from .base import env
+
+DEBUG = env.bool("DEBUG", default=True)
+SECRET_KEY = env("SECRET_KEY", default="dev-only-insecure-secret-key-change-me")  # noqa: S105
+PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=["ZGV2LW9ubHktZmVybmV0LWtleS0zMi1ieXRlcyEhISE="])

@@ -1,0 +1,12 @@
+"""pytest: real PostgreSQL and Redis, fast hashing, generous throttles unless a test lowers them."""
+
+from .base import *  # noqa: F403
+from .base import env
+
+DEBUG = False
+SECRET_KEY = "test-only-secret-key"  # noqa: S105
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+PORTAL_THROTTLE_USER = "100000/min"
+PORTAL_THROTTLE_ANON = "100000/min"
+CACHES["default"]["KEY_PREFIX"] = env("CACHE_KEY_PREFIX", default="portal-test")  # noqa: F405
+PORTAL_FERNET_KEYS = ["dGVzdC1vbmx5LWZlcm5ldC1rZXktMzItYnl0ZXMhISE="]

@@ -1,0 +1,182 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib.postgres.constraints import ExclusionConstraint
+from django.contrib.postgres.fields import DateTimeRangeField, RangeOperators
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+from tenants.models import slug_validator
+from tenants.querysets import TenantScopedQuerySet
+
+from .choices import (
+    DEFAULT_CUDA_VERSION,
+    AllocationKind,
+    Billing,
+    NodeState,
+    Orchestrator,
+    ReservationStatus,
+)
+
+
+class Pool(models.Model):
+    """A flavour of identical GPU nodes, e.g. h100-sxm with 8 GPUs each."""
+
+    name = models.SlugField(max_length=50, unique=True, validators=[slug_validator])
+    gpu_model = models.CharField(max_length=100)
+    gpus_per_node = models.PositiveSmallIntegerField(validators=[MinValueValidator(1)])
+    slot_minutes = models.PositiveSmallIntegerField(default=60)
+    on_demand_rate = models.DecimalField(
+        max_digits=10, decimal_places=4, default=0, help_text="Price per GPU-hour for burst bookings."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(gpus_per_node__gte=1) & Q(slot_minutes__gte=1) & Q(slot_minutes__lte=1440)
+                & Q(on_demand_rate__gte=0),
+                name="%(app_label)s_%(class)s_positive",
+                violation_error_message="GPUs per node and slot length must be positive.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Node(models.Model):
+    hostname = models.CharField(max_length=253, unique=True)
+    pool = models.ForeignKey(Pool, on_delete=models.PROTECT, related_name="nodes")
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.AVAILABLE)
+    state_reason = models.CharField(max_length=255, blank=True, default="")
+    gpus = models.JSONField(default=list, blank=True, help_text="GPU inventory: [{index, uuid, serial}]")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["hostname"]
+        indexes = [models.Index(fields=["pool", "state"])]
+
+    def __str__(self) -> str:
+        return self.hostname
+
+
+class ReservationQuerySet(TenantScopedQuerySet):
+    def holding(self):
+        from .choices import HOLDING_STATUSES
+
+        return self.filter(status__in=HOLDING_STATUSES)
+
+
+class Reservation(models.Model):
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="reservations")
+    pool = models.ForeignKey(Pool, on_delete=models.PROTECT, related_name="reservations")
+    node_count = models.PositiveIntegerField()
+    period = DateTimeRangeField()
+    name = models.CharField(max_length=200, blank=True, default="")
+    status = models.CharField(max_length=16, choices=ReservationStatus.choices, default=ReservationStatus.CONFIRMED)
+    status_reason = models.CharField(max_length=500, blank=True, default="")
+    billing = models.CharField(max_length=16, choices=Billing.choices, default=Billing.COMMITTED)
+    orchestrator = models.CharField(max_length=16, choices=Orchestrator.choices, default=Orchestrator.SLURM)
+    cuda_version = models.CharField(max_length=16, default=DEFAULT_CUDA_VERSION)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = ReservationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["period", "id"]
+        indexes = [models.Index(fields=["tenant", "pool", "status"])]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(node_count__gte=1),
+                name="%(app_label)s_%(class)s_node_count_positive",
+                violation_error_message="A reservation needs at least one node.",
+            ),
+            models.CheckConstraint(
+                condition=Q(period__isempty=False) & Q(period__lower_inf=False) & Q(period__upper_inf=False),
+                name="%(app_label)s_%(class)s_period_bounded",
+                violation_error_message="A reservation needs a non-empty, bounded period.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.tenant} {self.node_count}×{self.pool}"
+
+    @property
+    def start(self):
+        return self.period.lower
+
+    @property
+    def end(self):
+        return self.period.upper
+
+
+class AllocationQuerySet(TenantScopedQuerySet):
+    tenant_path = "reservation__tenant"
+
+
+class Allocation(models.Model):
+    """One node held for one period. The exclusion constraint is what forbids double-booking."""
+
+    reservation = models.ForeignKey(
+        Reservation, null=True, blank=True, on_delete=models.CASCADE, related_name="allocations"
+    )
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="allocations")
+    period = DateTimeRangeField()
+    kind = models.CharField(max_length=16, choices=AllocationKind.choices, default=AllocationKind.RESERVATION)
+    active = models.BooleanField(default=True)
+    note = models.CharField(max_length=255, blank=True, default="")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = AllocationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["period", "node_id"]
+        constraints = [
+            ExclusionConstraint(
+                name="%(app_label)s_%(class)s_no_double_booking",
+                expressions=[("node", RangeOperators.EQUAL), ("period", RangeOperators.OVERLAPS)],
+                condition=Q(active=True),
+                violation_error_message="That node is already allocated in this period.",
+            ),
+            models.CheckConstraint(
+                condition=Q(period__isempty=False) & Q(period__lower_inf=False) & Q(period__upper_inf=False),
+                name="%(app_label)s_%(class)s_period_bounded",
+                violation_error_message="An allocation needs a non-empty, bounded period.",
+            ),
+            models.CheckConstraint(
+                condition=Q(kind=AllocationKind.MAINTENANCE, reservation__isnull=True)
+                | Q(kind=AllocationKind.RESERVATION, reservation__isnull=False),
+                name="%(app_label)s_%(class)s_kind_matches_owner",
+                violation_error_message="Reservation allocations belong to a reservation; maintenance ones do not.",
+            ),
+        ]
+        indexes = [models.Index(fields=["reservation"])]
+
+    def __str__(self) -> str:
+        return f"{self.node} {self.period}"
+
+
+class IdempotencyKey(models.Model):
+    """A client's Idempotency-Key on POST /reservations/: the same key returns the same booking."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    request_hash = models.CharField(max_length=64)
+    reservation = models.ForeignKey(Reservation, null=True, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "key"], name="%(app_label)s_%(class)s_unique_user_key")
+        ]
