@@ -180,3 +180,6 @@ class IdempotencyKey(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["user", "key"], name="%(app_label)s_%(class)s_unique_user_key")
         ]
+
+    def __str__(self) -> str:
+        return f"{self.user_id}:{self.key}"

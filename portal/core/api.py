@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions as drf
-from rest_framework import pagination, throttling
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
 from .exceptions import DomainError
 
-__all__ = ["exception_handler", "envelope", "Pagination", "UserThrottle", "AnonThrottle"]
+__all__ = ["exception_handler", "envelope", "validated", "json_404", "json_500"]
 
 
 def envelope(code: str, detail: str, fields: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -97,23 +95,10 @@ def json_500(request):
     return server_error(request)
 
 
-class Pagination(pagination.PageNumberPagination):
-    page_size_query_param = "page_size"
-    max_page_size = 500
-
-
-class _SettingsRateMixin:
-    """Read the rate from settings on each request, so the environment (and tests) can set it."""
-
-    setting_name = ""
-
-    def get_rate(self) -> str:
-        return getattr(settings, self.setting_name)
-
-
-class UserThrottle(_SettingsRateMixin, throttling.UserRateThrottle):
-    setting_name = "PORTAL_THROTTLE_USER"
-
-
-class AnonThrottle(_SettingsRateMixin, throttling.AnonRateThrottle):
-    setting_name = "PORTAL_THROTTLE_ANON"
+def validated(serializer_class, request, **kwargs) -> Any:
+    """Validate request.data (which must be a JSON object) and return the validated data."""
+    if not isinstance(request.data, dict):
+        raise DomainError("The body must be a JSON object.", fields={"body": "Expected a JSON object."})
+    serializer = serializer_class(data=request.data, context={"request": request}, **kwargs)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data

@@ -1,0 +1,131 @@
+from rest_framework import serializers
+
+from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField
+from tenants.models import Tenant
+
+from ..choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, NodeState, Orchestrator, ReservationStatus
+from ..models import Node, Pool, Reservation
+
+
+class PoolSerializer(serializers.ModelSerializer):
+    total_nodes = serializers.IntegerField(read_only=True, required=False)
+
+    class Meta:
+        model = Pool
+        fields = ["name", "gpu_model", "gpus_per_node", "slot_minutes", "on_demand_rate", "total_nodes"]
+
+
+class PoolInputSerializer(serializers.Serializer):
+    name = serializers.RegexField(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$", max_length=50)
+    gpu_model = serializers.CharField(max_length=100)
+    gpus_per_node = StrictIntegerField(min_value=1, max_value=64)
+    slot_minutes = StrictIntegerField(min_value=1, max_value=1440, required=False, default=60)
+    on_demand_rate = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0, required=False,
+                                              default=0)
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = Node
+        fields = ["id", "hostname", "pool", "state", "state_reason", "gpus"]
+
+
+class NodeInputSerializer(serializers.Serializer):
+    hostname = serializers.RegexField(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$", max_length=253)
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=Pool.objects.all())
+    state = serializers.ChoiceField(choices=NodeState.choices, required=False, default=NodeState.AVAILABLE)
+
+
+class NodeUpdateSerializer(serializers.Serializer):
+    state = serializers.ChoiceField(choices=NodeState.choices, required=False)
+    state_reason = serializers.CharField(max_length=255, required=False, allow_blank=True)
+
+
+class ClusterSpecSerializer(serializers.Serializer):
+    orchestrator = serializers.ChoiceField(choices=Orchestrator.choices, required=False, default=Orchestrator.SLURM)
+    cuda_version = serializers.ChoiceField(choices=CUDA_VERSIONS, required=False, default=DEFAULT_CUDA_VERSION)
+
+
+def _bookable_tenants(user):
+    return Tenant.objects.for_user(user) if user is not None else Tenant.objects.none()
+
+
+class ReservationCreateSerializer(serializers.Serializer):
+    tenant = ScopedSlugRelatedField(slug_field="slug", scope=_bookable_tenants, required=False)
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=Pool.objects.all())
+    node_count = StrictIntegerField(min_value=1, max_value=100_000)
+    start = AwareDateTimeField()
+    end = AwareDateTimeField()
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    cluster = ClusterSpecSerializer(required=False)
+
+    def validate(self, attrs):
+        if "tenant" not in attrs:
+            user = self.context["request"].user
+            candidates = [] if user.is_staff else list(Tenant.objects.for_user(user)[:2])
+            if len(candidates) != 1:
+                raise serializers.ValidationError({"tenant": "Name the tenant to book for (its slug)."})
+            attrs["tenant"] = candidates[0]
+        return attrs
+
+
+class ReservationUpdateSerializer(serializers.Serializer):
+    start = AwareDateTimeField(required=False)
+    end = AwareDateTimeField(required=False)
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True)
+
+    def validate(self, attrs):
+        if not attrs:
+            raise serializers.ValidationError({"end": "Give end, start or name to change."})
+        return attrs
+
+
+class ReservationSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    start = AwareDateTimeField(source="period.lower", read_only=True)
+    end = AwareDateTimeField(source="period.upper", read_only=True)
+    nodes = serializers.SerializerMethodField()
+    cluster = serializers.SerializerMethodField()
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_at = AwareDateTimeField(read_only=True)
+
+    class Meta:
+        model = Reservation
+        fields = ["id", "tenant", "pool", "node_count", "start", "end", "status", "status_reason", "billing",
+                  "nodes", "name", "cluster", "created_by", "created_at"]
+
+    def get_nodes(self, obj) -> list[str]:
+        # Uses the prefetched active allocations (see the view's queryset): no query per row.
+        return sorted(a.node.hostname for a in obj.active_allocations)
+
+    def get_cluster(self, obj) -> dict:
+        return {"orchestrator": obj.orchestrator, "cuda_version": obj.cuda_version}
+
+
+class ReservationFilterSerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=ReservationStatus.choices, required=False)
+    pool = serializers.CharField(required=False, max_length=50)
+    start = AwareDateTimeField(required=False)
+    end = AwareDateTimeField(required=False)
+
+
+class AvailabilityQuerySerializer(serializers.Serializer):
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=Pool.objects.all())
+    start = AwareDateTimeField(required=False)
+    end = AwareDateTimeField(required=False)
+    step = serializers.IntegerField(required=False, min_value=60)
+
+
+class SlotSerializer(serializers.Serializer):
+    start = AwareDateTimeField()
+    end = AwareDateTimeField()
+    free_nodes = serializers.IntegerField()
+
+
+class AvailabilitySerializer(serializers.Serializer):
+    pool = serializers.CharField()
+    total_nodes = serializers.IntegerField()
+    slots = SlotSerializer(many=True)

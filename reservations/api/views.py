@@ -1,0 +1,166 @@
+"""Pools, nodes, reservations, availability (DESIGN §6). Views parse, call a service, serialise."""
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import Count, Prefetch, Q
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from portal.core.api import validated
+from portal.core.exceptions import InvalidInput
+from portal.core.permissions import StaffWritePermission
+
+from .. import selectors, services
+from ..choices import HOLDING_STATUSES, NodeState
+from ..models import Allocation, Node, Pool
+from ..timeutil import slot_floor
+from . import serializers as s
+
+
+class PoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    permission_classes = [StaffWritePermission]
+    serializer_class = s.PoolSerializer
+    lookup_field = "name"
+
+    def get_queryset(self):
+        return Pool.objects.annotate(total_nodes=Count("nodes", filter=~Q(nodes__state=NodeState.RETIRED)))
+
+    @extend_schema(request=s.PoolInputSerializer, responses={201: s.PoolSerializer})
+    def create(self, request):
+        pool = services.pool_create(actor=request.user, **validated(s.PoolInputSerializer, request))
+        pool.total_nodes = 0
+        return Response(s.PoolSerializer(pool).data, status=status.HTTP_201_CREATED)
+
+
+class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    permission_classes = [StaffWritePermission]
+    serializer_class = s.NodeSerializer
+    filterset_fields = ["state"]
+
+    def get_queryset(self):
+        qs = Node.objects.select_related("pool")
+        user = self.request.user
+        if user.is_staff:
+            return qs
+        # Tenant users see only nodes their tenant holds (now or in a future booking).
+        held = Allocation.objects.for_user(user).filter(
+            active=True, reservation__status__in=HOLDING_STATUSES
+        ).values("node_id")
+        return qs.filter(pk__in=held)
+
+    @extend_schema(request=s.NodeInputSerializer, responses={201: s.NodeSerializer})
+    def create(self, request):
+        node = services.node_create(actor=request.user, **validated(s.NodeInputSerializer, request))
+        return Response(s.NodeSerializer(node).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.NodeUpdateSerializer, responses={200: s.NodeSerializer})
+    def partial_update(self, request, pk=None):
+        node = self.get_object()
+        data = validated(s.NodeUpdateSerializer, request, partial=True)
+        node = services.node_update(actor=request.user, node=node, state=data.get("state"),
+                                    reason=data.get("state_reason"))
+        return Response(s.NodeSerializer(node).data)
+
+
+@extend_schema(parameters=[
+    OpenApiParameter("status", str), OpenApiParameter("pool", str),
+    OpenApiParameter("start", OpenApiTypes.DATETIME), OpenApiParameter("end", OpenApiTypes.DATETIME),
+])
+class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    permission_classes = [IsAuthenticated]
+    serializer_class = s.ReservationSerializer
+    filter_backends = []
+
+    def get_queryset(self):
+        active = Prefetch(
+            "allocations",
+            queryset=Allocation.objects.filter(active=True).select_related("node"),
+            to_attr="active_allocations",
+        )
+        qs = selectors.reservations_for_user(user=self.request.user).prefetch_related(active)
+        if self.action == "list":
+            params = self.request.query_params
+            f = s.ReservationFilterSerializer(data={k: params[k] for k in ("status", "pool", "start", "end")
+                                                    if k in params})
+            f.is_valid(raise_exception=True)
+            data = f.validated_data
+            if "status" in data:
+                qs = qs.filter(status=data["status"])
+            if "pool" in data:
+                qs = qs.filter(pool__name=data["pool"])
+            if "start" in data:
+                qs = qs.filter(period__endswith__gt=data["start"])
+            if "end" in data:
+                qs = qs.filter(period__startswith__lt=data["end"])
+        return qs
+
+    @extend_schema(request=s.ReservationCreateSerializer, responses={201: s.ReservationSerializer},
+                   parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)])
+    def create(self, request):
+        data = validated(s.ReservationCreateSerializer, request)
+        cluster = data.get("cluster") or {}
+        key = request.headers.get("Idempotency-Key")
+        reservation = services.reservation_create(
+            actor=request.user,
+            tenant=data["tenant"],
+            pool=data["pool"],
+            node_count=data["node_count"],
+            start=data["start"],
+            end=data["end"],
+            name=data.get("name", ""),
+            orchestrator=cluster.get("orchestrator", "slurm"),
+            cuda_version=cluster.get("cuda_version", "12.8"),
+            idempotency_key=key,
+            request_hash=services.request_fingerprint(request.data) if key else "",
+        )
+        return Response(self._out(reservation), status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.ReservationUpdateSerializer, responses={200: s.ReservationSerializer})
+    def partial_update(self, request, pk=None):
+        reservation = self.get_object()
+        data = validated(s.ReservationUpdateSerializer, request, partial=True)
+        reservation = services.reservation_update(actor=request.user, reservation=reservation, **data)
+        return Response(self._out(reservation))
+
+    @extend_schema(request=None, responses={200: s.ReservationSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        reservation = services.reservation_cancel(actor=request.user, reservation=self.get_object())
+        return Response(self._out(reservation))
+
+    def _out(self, reservation):
+        fresh = self.get_queryset().get(pk=reservation.pk)
+        return self.get_serializer(fresh).data
+
+
+class AvailabilityApi(APIView):
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(parameters=[s.AvailabilityQuerySerializer], responses={200: s.AvailabilitySerializer})
+    def get(self, request):
+        q = s.AvailabilityQuerySerializer(data=request.query_params.dict())
+        q.is_valid(raise_exception=True)
+        pool = q.validated_data["pool"]
+        slot = timedelta(minutes=pool.slot_minutes)
+        start = q.validated_data.get("start") or slot_floor(timezone.now(), pool.slot_minutes)
+        end = q.validated_data.get("end") or start + timedelta(days=7)
+        step = timedelta(seconds=q.validated_data.get("step") or slot.total_seconds())
+        errors = {}
+        if step % slot:
+            errors["step"] = f"Must be a multiple of the pool's slot ({int(slot.total_seconds())} s)."
+        if end <= start:
+            errors["end"] = "Must be after start."
+        elif (end - start) / step > settings.PORTAL_AVAILABILITY_MAX_SLOTS:
+            errors["step"] = f"At most {settings.PORTAL_AVAILABILITY_MAX_SLOTS} slots a request; widen the step."
+        if errors:
+            raise InvalidInput(next(f"{k}: {v}" for k, v in errors.items()), fields=errors)
+        slots = selectors.availability(pool=pool, start=start, end=end, step=step)
+        total = pool.nodes.exclude(state=NodeState.RETIRED).count()
+        return Response(s.AvailabilitySerializer({"pool": pool.name, "total_nodes": total, "slots": slots}).data)

@@ -1,0 +1,511 @@
+"""Booking writes (DESIGN §4). The exclusion constraint is the guarantee; this code only chooses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+from django.utils import timezone
+
+from portal.core import events
+from portal.core.exceptions import (
+    CapacityUnavailable,
+    InvalidInput,
+    InvalidState,
+    PermissionDenied,
+    QuotaExceeded,
+)
+from portal.core.services import audit_record
+from tenants.choices import BOOKING_ROLES, Role
+from tenants.models import Quota, Tenant
+from tenants.selectors import role_of
+
+from . import selectors
+from .choices import (
+    CUDA_VERSIONS,
+    DEFAULT_CUDA_VERSION,
+    FINAL_STATUSES,
+    AllocationKind,
+    Billing,
+    NodeState,
+    Orchestrator,
+    ReservationStatus,
+)
+from .models import Allocation, IdempotencyKey, Node, Pool, Reservation
+from .timeutil import is_aligned, slot_floor
+
+__all__ = [
+    "pool_create",
+    "node_create",
+    "node_update",
+    "maintenance_window_create",
+    "reservation_create",
+    "reservation_update",
+    "reservation_cancel",
+    "reservation_set_status",
+    "request_fingerprint",
+]
+
+logger = logging.getLogger(__name__)
+
+EXCLUSION_VIOLATION = "23P01"
+DEADLOCK_DETECTED = "40P01"
+MAX_NAME_LENGTH = 200
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    cause = exc.__cause__
+    return getattr(cause, "sqlstate", None) or getattr(getattr(cause, "diag", None), "sqlstate", None)
+
+
+def _validate_window(
+    *, pool: Pool, start: Any, end: Any, now: datetime, allow_past_start: bool = False
+) -> dict[str, str]:
+    errors: dict[str, str] = {}
+    for field, value in (("start", start), ("end", end)):
+        if not isinstance(value, datetime):
+            errors[field] = "A datetime with a UTC offset is required."
+        elif timezone.is_naive(value):
+            errors[field] = "Give the datetime with a UTC offset (e.g. 2026-01-05T09:00:00Z)."
+        elif not is_aligned(value, pool.slot_minutes):
+            errors[field] = f"Must sit on the pool's {pool.slot_minutes}-minute slot grid."
+    if errors:
+        return errors
+    horizon = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
+    if end <= start:
+        errors["end"] = "Must be after start."
+    if not allow_past_start and start < slot_floor(now, pool.slot_minutes):
+        errors["start"] = "Cannot start in the past (the earliest start is the slot running now)."
+    if end > horizon:
+        errors["end"] = f"Beyond the booking horizon of {settings.PORTAL_BOOKING_HORIZON_DAYS} days."
+    return errors
+
+
+def _validate_name(name: Any) -> str:
+    if name is None:
+        return ""
+    if not isinstance(name, str):
+        raise InvalidInput("name: must be a string.", fields={"name": "Must be a string."})
+    if "\x00" in name or any(ord(c) < 32 and c not in "\t" for c in name):
+        raise InvalidInput("name: control characters are not allowed.", fields={"name": "Control characters."})
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidInput(
+            f"name: at most {MAX_NAME_LENGTH} characters.", fields={"name": f"At most {MAX_NAME_LENGTH} characters."}
+        )
+    return name.strip()
+
+
+def _raise_if(errors: dict[str, str]) -> None:
+    if errors:
+        first = next(iter(errors))
+        raise InvalidInput(f"{first}: {errors[first]}", fields=errors)
+
+
+def _require_role(*, actor: Any, tenant: Tenant, roles: frozenset[str]) -> str:
+    if getattr(actor, "is_staff", False):
+        return "staff"
+    role = role_of(user=actor, tenant=tenant)
+    if role is None or role not in roles:
+        raise PermissionDenied("Your role in this tenant does not allow that.")
+    return role
+
+
+def _can_change(*, actor: Any, reservation: Reservation) -> None:
+    role = _require_role(actor=actor, tenant=reservation.tenant, roles=BOOKING_ROLES)
+    if role == Role.MEMBER and reservation.created_by_id != actor.pk:
+        raise PermissionDenied("Members can change only their own reservations; ask a lead.")
+
+
+def request_fingerprint(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# --- quota ------------------------------------------------------------------------------
+
+
+def _classify_billing(
+    *, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime,
+    exclude_reservation_id: int | None = None,
+) -> str:
+    """Lock the quota row and decide committed vs burst, or refuse.
+
+    The row lock serialises one tenant's bookings in one pool, so two concurrent requests
+    can never both see the same headroom (check-then-write race).
+    """
+    quota = Quota.objects.select_for_update(no_key=True).filter(tenant=tenant, pool=pool).first()
+    if quota is None:
+        raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.")
+    hours = (end - start).total_seconds() / 3600
+    if quota.max_duration_hours is not None and hours > quota.max_duration_hours:
+        raise QuotaExceeded(
+            f"{hours:g} h is longer than the {quota.max_duration_hours} h allowed in {pool.name}."
+        )
+    peak = selectors.tenant_peak_usage(
+        tenant_id=tenant.pk, pool_id=pool.pk, start=start, end=end, exclude_reservation_id=exclude_reservation_id
+    )
+    if peak + node_count <= quota.max_nodes:
+        return Billing.COMMITTED
+    limit = quota.max_nodes + (quota.burst_nodes if tenant.burst_enabled else 0)
+    if peak + node_count <= limit:
+        return Billing.BURST
+    raise QuotaExceeded(
+        f"{tenant.slug} already holds up to {peak} {pool.name} nodes in that window; "
+        f"{node_count} more exceeds the limit of {limit}"
+        + (f" ({quota.max_nodes} guaranteed + {quota.burst_nodes} burst)." if tenant.burst_enabled else ".")
+    )
+
+
+# --- node choice ------------------------------------------------------------------------
+
+
+def _capacity_error(
+    *, pool: Pool, node_count: int, start: datetime, end: datetime, now: datetime
+) -> CapacityUnavailable:
+    free = len(selectors.free_node_ids(pool_id=pool.pk, start=start, end=end, limit=node_count))
+    suggestions = selectors.suggest_windows(
+        pool=pool,
+        node_count=node_count,
+        start=start,
+        end=end,
+        earliest=slot_floor(now, pool.slot_minutes),
+        latest_end=now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS),
+        search=timedelta(days=settings.PORTAL_SUGGESTION_SEARCH_DAYS),
+    )
+    total = pool.nodes.filter(state=NodeState.AVAILABLE).count()
+    return CapacityUnavailable(
+        f"Only {free} of {total} available {pool.name} nodes are free from {start:%Y-%m-%d %H:%M}Z "
+        f"to {end:%Y-%m-%d %H:%M}Z; {node_count} requested.",
+        suggestions=[{"start": _z(s["start"]), "end": _z(s["end"])} for s in suggestions],
+    )
+
+
+def _z(dt: datetime) -> str:
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _allocate(*, reservation: Reservation, node_ids: list[int], period: DateTimeTZRange, actor: Any) -> None:
+    # Insert in node-id order: two bookers then wait on each other in the same order and cannot deadlock.
+    Allocation.objects.bulk_create(
+        [
+            Allocation(reservation=reservation, node_id=node_id, period=period, kind=AllocationKind.RESERVATION,
+                       created_by=actor if getattr(actor, "pk", None) else None)
+            for node_id in sorted(node_ids)
+        ]
+    )
+
+
+def _with_retry(attempt_fn, *, on_exhausted):
+    """Run attempt_fn in a savepoint, again when a concurrent booking won the same node (23P01)."""
+    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+        try:
+            with transaction.atomic():
+                return attempt_fn()
+        except IntegrityError as exc:
+            if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+                raise
+            logger.info("booking collided with a concurrent one (attempt %d): %s", attempt + 1, _sqlstate(exc))
+    raise on_exhausted()
+
+
+# --- reservations -----------------------------------------------------------------------
+
+
+def reservation_create(
+    *,
+    actor: Any,
+    tenant: Tenant,
+    pool: Pool,
+    node_count: int,
+    start: datetime,
+    end: datetime,
+    name: str = "",
+    orchestrator: str = Orchestrator.SLURM,
+    cuda_version: str = DEFAULT_CUDA_VERSION,
+    idempotency_key: str | None = None,
+    request_hash: str = "",
+) -> Reservation:
+    """Book node_count dedicated nodes of pool for [start, end) for tenant (DESIGN §4)."""
+    _require_role(actor=actor, tenant=tenant, roles=BOOKING_ROLES)
+    name = _validate_name(name)
+    now = timezone.now()
+    errors = _validate_window(pool=pool, start=start, end=end, now=now)
+    if not isinstance(node_count, int) or isinstance(node_count, bool) or node_count < 1:
+        errors["node_count"] = "Must be a whole number of at least 1."
+    elif node_count > pool.nodes.exclude(state=NodeState.RETIRED).count():
+        errors["node_count"] = f"The {pool.name} pool has only {pool.nodes.count()} nodes."
+    if orchestrator not in Orchestrator.values:
+        errors["cluster.orchestrator"] = f"One of {', '.join(Orchestrator.values)}."
+    if cuda_version not in CUDA_VERSIONS:
+        errors["cluster.cuda_version"] = f"One of {', '.join(CUDA_VERSIONS)}."
+    _raise_if(errors)
+
+    with transaction.atomic(durable=True):
+        if idempotency_key:
+            replay = _claim_idempotency_key(user=actor, key=idempotency_key, request_hash=request_hash)
+            if replay is not None:
+                return replay
+        billing = _classify_billing(tenant=tenant, pool=pool, node_count=node_count, start=start, end=end)
+        period = DateTimeTZRange(start, end, "[)")
+
+        def attempt() -> Reservation:
+            node_ids = selectors.free_node_ids(pool_id=pool.pk, start=start, end=end, limit=node_count)
+            if len(node_ids) < node_count:
+                raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
+            reservation = Reservation.objects.create(
+                tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
+                billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
+                created_by=actor if getattr(actor, "pk", None) else None,
+            )
+            _allocate(reservation=reservation, node_ids=node_ids, period=period, actor=actor)
+            return reservation
+
+        reservation = _with_retry(
+            attempt, on_exhausted=lambda: _capacity_error(
+                pool=pool, node_count=node_count, start=start, end=end, now=now)
+        )
+        if idempotency_key:
+            IdempotencyKey.objects.filter(user=actor, key=idempotency_key).update(reservation=reservation)
+        audit_record(actor=actor, action="reservation.create", obj=reservation, tenant_id=tenant.pk,
+                     after=_snapshot(reservation))
+        events.emit("reservation.confirmed", reservation_id=reservation.pk, tenant_id=tenant.pk)
+    return reservation
+
+
+def _claim_idempotency_key(*, user: Any, key: str, request_hash: str) -> Reservation | None:
+    """Claim (user, key) or return the reservation it already made.
+
+    The unique index makes a concurrent twin wait for our commit; it then sees the row and
+    replays our result instead of booking again. If we roll back, the twin books itself.
+    """
+    if len(key) > 255:
+        raise InvalidInput("Idempotency-Key: at most 255 characters.", fields={"Idempotency-Key": "Too long."})
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO reservations_idempotencykey (user_id, key, request_hash, created_at) "
+            "VALUES (%s, %s, %s, now()) ON CONFLICT (user_id, key) DO NOTHING RETURNING id",
+            [user.pk, key, request_hash],
+        )
+        if cur.fetchone() is not None:
+            return None
+    existing = IdempotencyKey.objects.select_related("reservation").get(user=user, key=key)
+    if existing.request_hash != request_hash:
+        raise InvalidInput(
+            "Idempotency-Key was already used with a different request.",
+            fields={"Idempotency-Key": "Reused with a different request body."},
+        )
+    reservation = existing.reservation
+    reservation._replayed = True
+    return reservation
+
+
+def _snapshot(reservation: Reservation) -> dict[str, Any]:
+    return {
+        "start": _z(reservation.period.lower),
+        "end": _z(reservation.period.upper),
+        "node_count": reservation.node_count,
+        "status": reservation.status,
+        "billing": reservation.billing,
+        "name": reservation.name,
+    }
+
+
+def _lock(reservation: Reservation) -> Reservation:
+    return Reservation.objects.select_for_update().select_related("tenant", "pool").get(pk=reservation.pk)
+
+
+def reservation_update(
+    *, actor: Any, reservation: Reservation, start: datetime | None = None, end: datetime | None = None,
+    name: str | None = None,
+) -> Reservation:
+    """Extend, shorten, move (before it begins) or rename, under the same rules as booking."""
+    with transaction.atomic(durable=True):
+        reservation = _lock(reservation)
+        _can_change(actor=actor, reservation=reservation)
+        if reservation.status in FINAL_STATUSES:
+            raise InvalidState(f"Reservation #{reservation.pk} is {reservation.status}; it can no longer change.")
+        before = _snapshot(reservation)
+        now = timezone.now()
+        pool = reservation.pool
+        old_start, old_end = reservation.period.lower, reservation.period.upper
+        started = old_start <= now
+        new_start = old_start if start is None else start
+        new_end = old_end if end is None else end
+        if started and new_start != old_start:
+            raise InvalidState("The reservation has begun; its start can no longer move.")
+        errors = _validate_window(pool=pool, start=new_start, end=new_end, now=now, allow_past_start=started)
+        if not errors and new_end <= now:
+            errors["end"] = "Cannot end in the past; cancel it instead."
+        _raise_if(errors)
+        if name is not None:
+            reservation.name = _validate_name(name)
+
+        if (new_start, new_end) != (old_start, old_end):
+            reservation.billing = _classify_billing(
+                tenant=reservation.tenant, pool=pool, node_count=reservation.node_count, start=new_start,
+                end=new_end, exclude_reservation_id=reservation.pk,
+            )
+            period = DateTimeTZRange(new_start, new_end, "[)")
+            _repoint_allocations(reservation=reservation, period=period, started=started, now=now, actor=actor)
+            reservation.period = period
+        reservation.save()
+        audit_record(actor=actor, action="reservation.update", obj=reservation, tenant_id=reservation.tenant_id,
+                     before=before, after=_snapshot(reservation))
+        events.emit("reservation.changed", reservation_id=reservation.pk, tenant_id=reservation.tenant_id)
+    return reservation
+
+
+def _repoint_allocations(
+    *, reservation: Reservation, period: DateTimeTZRange, started: bool, now: datetime, actor: Any
+) -> None:
+    """Move the reservation's allocations to period: same nodes if free, else (not yet begun) other nodes."""
+    allocations = reservation.allocations.filter(active=True)
+    try:
+        with transaction.atomic():
+            allocations.update(period=period)
+            return
+    except IntegrityError as exc:
+        if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+            raise
+    pool, n = reservation.pool, reservation.node_count
+    if started:
+        busy = _conflicting_nodes(reservation=reservation, period=period)
+        raise CapacityUnavailable(
+            f"Cannot extend: {', '.join(busy) or 'its nodes'} are booked in the new window; "
+            "a running reservation keeps its nodes.",
+            suggestions=[],
+        )
+
+    def attempt() -> None:
+        reservation.allocations.all().delete()
+        node_ids = selectors.free_node_ids(pool_id=pool.pk, start=period.lower, end=period.upper, limit=n)
+        if len(node_ids) < n:
+            raise _capacity_error(pool=pool, node_count=n, start=period.lower, end=period.upper, now=now)
+        _allocate(reservation=reservation, node_ids=node_ids, period=period, actor=actor)
+
+    _with_retry(attempt, on_exhausted=lambda: _capacity_error(
+        pool=pool, node_count=n, start=period.lower, end=period.upper, now=now))
+
+
+def _conflicting_nodes(*, reservation: Reservation, period: DateTimeTZRange) -> list[str]:
+    node_ids = reservation.allocations.values_list("node_id", flat=True)
+    return sorted(
+        Allocation.objects.filter(node_id__in=node_ids, active=True, period__overlap=period)
+        .exclude(reservation=reservation)
+        .values_list("node__hostname", flat=True)
+        .distinct()
+    )
+
+
+def reservation_cancel(*, actor: Any, reservation: Reservation) -> Reservation:
+    """Cancel; the nodes are free for others the moment this commits."""
+    with transaction.atomic(durable=True):
+        reservation = _lock(reservation)
+        _can_change(actor=actor, reservation=reservation)
+        if reservation.status in FINAL_STATUSES:
+            raise InvalidState(f"Reservation #{reservation.pk} is already {reservation.status}.")
+        before = _snapshot(reservation)
+        reservation.status = ReservationStatus.CANCELLED
+        reservation.save(update_fields=["status", "updated_at"])
+        reservation.allocations.filter(active=True).update(active=False)
+        audit_record(actor=actor, action="reservation.cancel", obj=reservation, tenant_id=reservation.tenant_id,
+                     before=before, after=_snapshot(reservation))
+        events.emit("reservation.cancelled", reservation_id=reservation.pk, tenant_id=reservation.tenant_id)
+    return reservation
+
+
+def reservation_set_status(
+    *, reservation_id: int, status: str, expected: tuple[str, ...], reason: str = "", actor: Any = None
+) -> Reservation | None:
+    """Move a reservation along its lifecycle if it is still in one of the expected states.
+
+    Used by the lifecycle tasks: re-reads under a lock and does nothing when the state has
+    already moved on, so a task that runs twice changes nothing the second time.
+    """
+    with transaction.atomic():
+        reservation = Reservation.objects.select_for_update().filter(pk=reservation_id).first()
+        if reservation is None or reservation.status not in expected:
+            return None
+        before = _snapshot(reservation)
+        reservation.status = status
+        reservation.status_reason = reason[:500]
+        reservation.save(update_fields=["status", "status_reason", "updated_at"])
+        if status in (ReservationStatus.FAILED,):
+            reservation.allocations.filter(active=True).update(active=False)
+        audit_record(actor=actor, action=f"reservation.{status}", obj=reservation, tenant_id=reservation.tenant_id,
+                     before=before, after=_snapshot(reservation))
+        events.emit(f"reservation.{status}", reservation_id=reservation.pk, tenant_id=reservation.tenant_id)
+    return reservation
+
+
+# --- fleet (staff) ----------------------------------------------------------------------
+
+
+@transaction.atomic(durable=True)
+def pool_create(*, actor: Any, name: str, gpu_model: str, gpus_per_node: int, slot_minutes: int = 60,
+                on_demand_rate: Any = 0) -> Pool:
+    if Pool.objects.filter(name=name).exists():
+        raise InvalidInput("name: a pool with that name exists.", fields={"name": "Already in use."})
+    if 1440 % slot_minutes:
+        raise InvalidInput("slot_minutes: must divide a day.", fields={"slot_minutes": "Must divide 1440."})
+    pool = Pool.objects.create(name=name, gpu_model=gpu_model, gpus_per_node=gpus_per_node,
+                               slot_minutes=slot_minutes, on_demand_rate=on_demand_rate)
+    audit_record(actor=actor, action="pool.create", obj=pool,
+                 after={"name": name, "gpu_model": gpu_model, "gpus_per_node": gpus_per_node})
+    return pool
+
+
+@transaction.atomic(durable=True)
+def node_create(*, actor: Any, hostname: str, pool: Pool, state: str = NodeState.AVAILABLE,
+                gpus: list[dict[str, Any]] | None = None) -> Node:
+    if Node.objects.filter(hostname=hostname).exists():
+        raise InvalidInput("hostname: a node with that hostname exists.", fields={"hostname": "Already in use."})
+    node = Node.objects.create(hostname=hostname, pool=pool, state=state, gpus=gpus or [])
+    audit_record(actor=actor, action="node.create", obj=node, after={"hostname": hostname, "pool": pool.name,
+                                                                     "state": state})
+    return node
+
+
+def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str | None = None) -> Node:
+    """Change a node's state; only available nodes are given to new bookings."""
+    with transaction.atomic(durable=True):
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        before = {"state": node.state, "state_reason": node.state_reason}
+        if state is not None:
+            node.state = state
+        if reason is not None:
+            node.state_reason = reason[:255]
+        node.save()
+        audit_record(actor=actor, action="node.update", obj=node, before=before,
+                     after={"state": node.state, "state_reason": node.state_reason})
+        if before["state"] != node.state:
+            events.emit("node.state_changed", node_id=node.pk, old=before["state"], new=node.state)
+    return node
+
+
+def maintenance_window_create(*, actor: Any, node: Node, start: datetime, end: datetime, note: str = "") -> Allocation:
+    """Block node for [start, end); refused if a reservation already holds it then."""
+    now = timezone.now()
+    _raise_if(_validate_window(pool=node.pool, start=start, end=end, now=now))
+    period = DateTimeTZRange(start, end, "[)")
+    try:
+        with transaction.atomic(durable=True):
+            allocation = Allocation.objects.create(
+                node=node, period=period, kind=AllocationKind.MAINTENANCE, note=note[:255],
+                created_by=actor if getattr(actor, "pk", None) else None,
+            )
+            audit_record(actor=actor, action="node.maintenance", obj=allocation,
+                         after={"node": node.hostname, "start": _z(start), "end": _z(end), "note": note})
+    except IntegrityError as exc:
+        if _sqlstate(exc) != EXCLUSION_VIOLATION:
+            raise
+        raise CapacityUnavailable(f"{node.hostname} is booked during that window.", suggestions=[])
+    return allocation

@@ -1,0 +1,149 @@
+"""Writes for tenants, memberships, quotas and API tokens."""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+
+from portal.core.exceptions import InvalidInput
+from portal.core.services import audit_record
+
+from .choices import Role
+from .models import ApiToken, Membership, Quota, Tenant
+
+__all__ = [
+    "tenant_create",
+    "tenant_update",
+    "user_create",
+    "membership_create",
+    "quota_create",
+    "quota_update",
+    "token_issue",
+]
+
+TENANT_FIELDS = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
+QUOTA_FIELDS = ("max_nodes", "burst_nodes", "max_duration_hours")
+
+
+def _snapshot(obj: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    return {f: getattr(obj, f) for f in fields}
+
+
+def _validate_network(cidr: str | None) -> str:
+    if not cidr:
+        return ""
+    try:
+        return str(ipaddress.ip_network(cidr, strict=True))
+    except ValueError as exc:
+        raise InvalidInput(f"cidr: {exc}", fields={"cidr": str(exc)})
+
+
+def _save_checked(obj: Any, *, integrity_fields: dict[str, str]) -> None:
+    """full_clean then save; turn a constraint hit from a concurrent write into an `invalid` error."""
+    try:
+        obj.full_clean(validate_constraints=False, validate_unique=False)
+    except ValidationError as exc:
+        raise InvalidInput(
+            "; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items()),
+            fields={k: " ".join(v) for k, v in exc.message_dict.items()},
+        )
+    try:
+        with transaction.atomic():
+            obj.save()
+    except IntegrityError as exc:
+        text = str(exc)
+        for needle, field in integrity_fields.items():
+            if needle in text:
+                raise InvalidInput(f"{field}: already in use.", fields={field: "Already in use."})
+        raise
+
+
+@transaction.atomic(durable=True)
+def tenant_create(*, actor, slug: str, name: str, burst_enabled: bool = False, **extra: Any) -> Tenant:
+    tenant = Tenant(slug=slug, name=name, burst_enabled=burst_enabled, ical_token=secrets.token_urlsafe(24))
+    for key in ("storage_quota_tib", "vlan_id"):
+        if key in extra:
+            setattr(tenant, key, extra[key])
+    tenant.cidr = _validate_network(extra.get("cidr"))
+    _save_checked(tenant, integrity_fields={"slug": "slug", "vlan": "vlan_id", "cidr": "cidr"})
+    audit_record(actor=actor, action="tenant.create", obj=tenant, tenant_id=tenant.pk,
+                 after=_snapshot(tenant, TENANT_FIELDS))
+    return tenant
+
+
+@transaction.atomic(durable=True)
+def tenant_update(*, actor, tenant: Tenant, **changes: Any) -> Tenant:
+    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    before = _snapshot(tenant, TENANT_FIELDS)
+    for key, value in changes.items():
+        if key == "cidr":
+            value = _validate_network(value)
+        if key in TENANT_FIELDS or key == "slack_webhook_url":
+            setattr(tenant, key, value)
+    _save_checked(tenant, integrity_fields={"slug": "slug", "vlan": "vlan_id", "cidr": "cidr"})
+    audit_record(actor=actor, action="tenant.update", obj=tenant, tenant_id=tenant.pk,
+                 before=before, after=_snapshot(tenant, TENANT_FIELDS))
+    return tenant
+
+
+@transaction.atomic(durable=True)
+def user_create(*, actor, username: str, email: str = "", password: str) -> Any:
+    User = get_user_model()
+    user = User(username=username, email=email)
+    try:
+        validate_password(password, user)
+    except ValidationError as exc:
+        raise InvalidInput("password: " + " ".join(exc.messages), fields={"password": " ".join(exc.messages)})
+    user.set_password(password)
+    _save_checked(user, integrity_fields={"username": "username"})
+    audit_record(actor=actor, action="user.create", obj=user, after={"username": username, "email": email})
+    return user
+
+
+@transaction.atomic(durable=True)
+def membership_create(*, actor, tenant: Tenant, user: Any, role: str = Role.MEMBER) -> Membership:
+    membership = Membership(tenant=tenant, user=user, role=role)
+    _save_checked(membership, integrity_fields={"unique_user_tenant": "user"})
+    audit_record(actor=actor, action="membership.create", obj=membership, tenant_id=tenant.pk,
+                 after={"user": user.username, "role": role})
+    return membership
+
+
+@transaction.atomic(durable=True)
+def quota_create(
+    *, actor, tenant: Tenant, pool: Any, max_nodes: int, burst_nodes: int = 0, max_duration_hours: int | None = None
+) -> Quota:
+    quota = Quota(tenant=tenant, pool=pool, max_nodes=max_nodes, burst_nodes=burst_nodes,
+                  max_duration_hours=max_duration_hours)
+    quota._change_reason = "quota_create"
+    _save_checked(quota, integrity_fields={"unique_tenant_pool": "pool"})
+    audit_record(actor=actor, action="quota.create", obj=quota, tenant_id=tenant.pk,
+                 after=_snapshot(quota, QUOTA_FIELDS))
+    return quota
+
+
+def quota_update(*, actor, quota: Quota, **changes: Any) -> Quota:
+    """Change quota numbers under the same row lock bookings take, so no booking sees a half-update."""
+    with transaction.atomic(durable=True):
+        quota = Quota.objects.select_for_update().get(pk=quota.pk)
+        before = _snapshot(quota, QUOTA_FIELDS)
+        for key in QUOTA_FIELDS:
+            if key in changes:
+                setattr(quota, key, changes[key])
+        _save_checked(quota, integrity_fields={})
+        audit_record(actor=actor, action="quota.update", obj=quota, tenant_id=quota.tenant_id,
+                     before=before, after=_snapshot(quota, QUOTA_FIELDS))
+    return quota
+
+
+def token_issue(*, user: Any, name: str = "") -> tuple[ApiToken, str]:
+    """Create a token and return it with its plaintext, which is never stored."""
+    key = "gpp_" + secrets.token_urlsafe(32)
+    token = ApiToken.objects.create(user=user, name=name, prefix=key[:12], key_hash=ApiToken.hash_key(key))
+    return token, key

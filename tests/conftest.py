@@ -1,0 +1,75 @@
+"""Shared fixtures: a small fleet, two tenants with every role, token-authenticated clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from reservations.models import Node, Pool
+from reservations.timeutil import slot_floor
+from tenants.models import Membership, Quota, Tenant
+from tenants.services import token_issue
+
+
+@pytest.fixture(autouse=True)
+def _clear_cache():
+    """Throttle counters live in Redis; start each test from zero."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield
+
+
+@dataclass
+class World:
+    pool: Pool
+    nodes: list[Node]
+    tenants: dict[str, Tenant]
+    users: dict[str, object] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def client(self, who: str | None) -> APIClient:
+        client = APIClient()
+        if who is not None:
+            client.credentials(HTTP_AUTHORIZATION=f"Bearer {self.tokens[who]}")
+        return client
+
+
+def make_world(*, nodes: int = 4, max_nodes: int = 3, burst_nodes: int = 1, burst_enabled: bool = True) -> World:
+    User = get_user_model()
+    pool = Pool.objects.create(name="h100", gpu_model="H100-SXM", gpus_per_node=8, on_demand_rate="2.5")
+    node_objs = [Node.objects.create(hostname=f"h100-{i:03d}", pool=pool) for i in range(1, nodes + 1)]
+    world = World(pool=pool, nodes=node_objs, tenants={})
+    for slug in ("alpha", "beta"):
+        tenant = Tenant.objects.create(slug=slug, name=f"Team {slug.title()}", burst_enabled=burst_enabled)
+        world.tenants[slug] = tenant
+        Quota.objects.create(tenant=tenant, pool=pool, max_nodes=max_nodes, burst_nodes=burst_nodes)
+        for role in ("lead", "member", "viewer"):
+            user = User.objects.create_user(username=f"{slug}-{role}", password="pw-Long-enough-1")
+            Membership.objects.create(user=user, tenant=tenant, role=role)
+            world.users[f"{slug}-{role}"] = user
+    staff = User.objects.create_user(username="staff", password="pw-Long-enough-1", is_staff=True)
+    world.users["staff"] = staff
+    for name, user in world.users.items():
+        world.tokens[name] = token_issue(user=user)[1]
+    return world
+
+
+@pytest.fixture
+def world(db) -> World:
+    return make_world()
+
+
+@pytest.fixture
+def t0():
+    """A slot-aligned instant a day ahead: the start of most test bookings."""
+    return slot_floor(timezone.now(), 60) + timedelta(days=1)
+
+
+def iso(dt) -> str:
+    return dt.strftime("%Y-%m-%dT%H:%M:%SZ")
