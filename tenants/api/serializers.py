@@ -28,7 +28,7 @@ class TenantInputSerializer(serializers.Serializer):
 
 class UserInputSerializer(serializers.Serializer):
     username = serializers.RegexField(r"^[\w.@+-]+$", max_length=150)
-    email = serializers.EmailField(required=False, allow_blank=True, default="")
+    email = serializers.EmailField(required=False, allow_blank=True)
     password = serializers.CharField(write_only=True, max_length=128, trim_whitespace=False)
 
 

@@ -1,0 +1,101 @@
+"""The contract around the endpoints: schema, docs, tokens, throttling, unknown paths."""
+
+import io
+import re
+
+import pytest
+import yaml
+from django.core.management import call_command
+from django.test import override_settings
+from openapi_spec_validator import validate
+from rest_framework.test import APIClient
+
+from tenants.models import ApiToken
+
+pytestmark = pytest.mark.django_db
+
+DESIGN_PATHS = [
+    "/api/v1/tenants/", "/api/v1/tenants/{slug}/", "/api/v1/users/", "/api/v1/memberships/", "/api/v1/pools/",
+    "/api/v1/nodes/", "/api/v1/nodes/{id}/", "/api/v1/quotas/", "/api/v1/quotas/{id}/", "/api/v1/reservations/",
+    "/api/v1/reservations/{id}/", "/api/v1/reservations/{id}/cancel/", "/api/v1/availability/",
+]
+
+
+def test_schema_is_valid_openapi_3_with_every_design_path(world):
+    r = world.client("alpha-viewer").get("/api/schema/")
+    assert r.status_code == 200
+    spec = yaml.safe_load(r.content)
+    assert spec["openapi"].startswith("3.")
+    validate(spec)
+    for path in DESIGN_PATHS:
+        assert path in spec["paths"], path
+    create = spec["paths"]["/api/v1/reservations/"]["post"]
+    assert any(p["name"] == "Idempotency-Key" for p in create["parameters"])
+
+
+def test_swagger_ui_is_served_locally(world):
+    client = APIClient()
+    client.force_login(world.users["alpha-viewer"])
+    r = client.get("/api/docs/")
+    assert r.status_code == 200
+    html = r.content.decode()
+    assert "swagger-ui" in html
+    external = re.findall(r"""(?:src|href)=["'](https?://[^"']+)""", html)
+    assert external == [], external
+
+
+def test_issue_token_prints_a_working_token_last(world):
+    out, err = io.StringIO(), io.StringIO()
+    call_command("issue_token", "alpha-lead", stdout=out, stderr=err)
+    token = out.getvalue().strip().splitlines()[-1]
+    assert token.startswith("gpp_")
+    assert not ApiToken.objects.filter(key_hash=token).exists()  # only the hash is stored
+    assert ApiToken.objects.filter(key_hash=ApiToken.hash_key(token)).exists()
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert c.get("/api/v1/reservations/").status_code == 200
+
+
+def test_revoked_token_is_refused(world):
+    ApiToken.objects.filter(user=world.users["alpha-lead"]).update(revoked=True)
+    r = world.client("alpha-lead").get("/api/v1/pools/")
+    assert r.status_code == 401
+
+
+def test_session_auth_needs_csrf_for_writes(world, t0):
+    c = APIClient(enforce_csrf_checks=True)
+    c.force_login(world.users["alpha-lead"])
+    assert c.get("/api/v1/reservations/").status_code == 200
+    r = c.post("/api/v1/reservations/", {"pool": "h100"}, format="json")
+    assert r.status_code == 403 and r.json()["code"] == "permission_denied"
+
+
+def test_throttling_answers_429_with_retry_after(world):
+    with override_settings(PORTAL_THROTTLE_USER="3/min"):
+        c = world.client("alpha-viewer")
+        codes = [c.get("/api/v1/pools/").status_code for _ in range(4)]
+        assert codes == [200, 200, 200, 429]
+        r = c.get("/api/v1/pools/")
+        assert r.json()["code"] == "throttled" and int(r["Retry-After"]) >= 1
+
+
+def test_default_rate_leaves_room_for_scripts():
+    from django.conf import settings
+
+    from portal.settings import base
+
+    number, per = base.PORTAL_THROTTLE_USER.split("/")
+    assert per.startswith("min") and int(number) >= 600
+    assert settings.REST_FRAMEWORK["DEFAULT_THROTTLE_CLASSES"]
+
+
+def test_unknown_paths_and_methods_use_the_envelope(world):
+    c = world.client("alpha-lead")
+    r = c.get("/api/v1/nothing-here/")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = c.get("/api/v1/reservations/999999/")
+    assert r.status_code == 404 and r.json() == {"code": "not_found", "detail": "Not found.", "fields": {}}
+    r = c.put("/api/v1/reservations/1/", {}, format="json")
+    assert r.status_code in (404, 405) and r.json()["code"] in ("not_found", "method_not_allowed")
+    r = world.client("staff").delete("/api/v1/pools/h100/")
+    assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"

@@ -1,0 +1,163 @@
+"""Every bad input ⇒ the 400 envelope naming the field, and nothing stored (DESIGN §6)."""
+
+from datetime import timedelta
+
+import pytest
+
+from portal.core.models import AuditLog
+from reservations.models import Allocation, IdempotencyKey, Reservation
+
+from .conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+
+def good(t0):
+    return {"pool": "h100", "node_count": 1, "start": iso(t0), "end": iso(t0 + timedelta(hours=2))}
+
+
+CASES = [
+    ("naive start", lambda t0: {**good(t0), "start": t0.replace(tzinfo=None).isoformat()}, "start"),
+    ("naive end", lambda t0: {**good(t0), "end": (t0 + timedelta(hours=2)).replace(tzinfo=None).isoformat()}, "end"),
+    ("end equals start", lambda t0: {**good(t0), "end": iso(t0)}, "end"),
+    ("end before start", lambda t0: {**good(t0), "end": iso(t0 - timedelta(hours=1))}, "end"),
+    ("misaligned start", lambda t0: {**good(t0), "start": iso(t0 + timedelta(minutes=30))}, "start"),
+    ("misaligned end", lambda t0: {**good(t0), "end": iso(t0 + timedelta(minutes=90))}, "end"),
+    ("seconds off the grid", lambda t0: {**good(t0), "start": iso(t0 + timedelta(seconds=1))}, "start"),
+    ("start in the past", lambda t0: {**good(t0), "start": iso(t0 - timedelta(days=3)),
+                                      "end": iso(t0 - timedelta(days=2))}, "start"),
+    ("beyond horizon", lambda t0: {**good(t0), "start": iso(t0 + timedelta(days=400)),
+                                   "end": iso(t0 + timedelta(days=400, hours=2))}, "end"),
+    ("not a date", lambda t0: {**good(t0), "start": "next tuesday"}, "start"),
+    ("date as number", lambda t0: {**good(t0), "start": 1767225600}, "start"),
+    ("node_count zero", lambda t0: {**good(t0), "node_count": 0}, "node_count"),
+    ("node_count negative", lambda t0: {**good(t0), "node_count": -3}, "node_count"),
+    ("node_count huge", lambda t0: {**good(t0), "node_count": 10**12}, "node_count"),
+    ("node_count over pool size", lambda t0: {**good(t0), "node_count": 5}, "node_count"),
+    ("node_count fractional", lambda t0: {**good(t0), "node_count": 1.5}, "node_count"),
+    ("node_count float-integral", lambda t0: {**good(t0), "node_count": 2.0}, "node_count"),
+    ("node_count string", lambda t0: {**good(t0), "node_count": "2"}, "node_count"),
+    ("node_count bool", lambda t0: {**good(t0), "node_count": True}, "node_count"),
+    ("node_count missing", lambda t0: {k: v for k, v in good(t0).items() if k != "node_count"}, "node_count"),
+    ("node_count null", lambda t0: {**good(t0), "node_count": None}, "node_count"),
+    ("start missing", lambda t0: {k: v for k, v in good(t0).items() if k != "start"}, "start"),
+    ("unknown pool", lambda t0: {**good(t0), "pool": "tpu-v9"}, "pool"),
+    ("foreign tenant", lambda t0: {**good(t0), "tenant": "beta"}, "tenant"),
+    ("unknown tenant", lambda t0: {**good(t0), "tenant": "nobody"}, "tenant"),
+    ("overlong name", lambda t0: {**good(t0), "name": "x" * 201}, "name"),
+    ("NUL in name", lambda t0: {**good(t0), "name": "bad\x00name"}, "name"),
+    ("control char in name", lambda t0: {**good(t0), "name": "bell\x07"}, "name"),
+    ("name not a string", lambda t0: {**good(t0), "name": ["a"]}, "name"),
+    ("unknown orchestrator", lambda t0: {**good(t0), "cluster": {"orchestrator": "nomad"}}, "cluster.orchestrator"),
+    ("unknown cuda", lambda t0: {**good(t0), "cluster": {"cuda_version": "9.0"}}, "cluster.cuda_version"),
+]
+
+
+def assert_nothing_stored():
+    assert Reservation.objects.count() == 0
+    assert Allocation.objects.count() == 0
+    assert IdempotencyKey.objects.count() == 0
+    assert not AuditLog.objects.filter(action__startswith="reservation").exists()
+
+
+@pytest.mark.parametrize("label,make,field", CASES, ids=[c[0] for c in CASES])
+def test_bad_booking_input(world, t0, label, make, field):
+    r = world.client("alpha-lead").post("/api/v1/reservations/", make(t0), format="json",
+                                        HTTP_IDEMPOTENCY_KEY=f"bad-{label}")
+    assert r.status_code == 400, (label, r.status_code, r.content)
+    body = r.json()
+    assert body["code"] == "invalid"
+    assert field in body["fields"], body
+    assert body["detail"]
+    assert_nothing_stored()
+
+
+def test_malformed_json(world):
+    r = world.client("alpha-lead").post("/api/v1/reservations/", data=b'{"pool": "h100", ', content_type="application/json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid" and "body" in r.json()["fields"]
+    assert_nothing_stored()
+
+
+@pytest.mark.parametrize("payload", [b"[]", b'"text"', b"42", b"null"])
+def test_body_not_an_object(world, payload):
+    r = world.client("alpha-lead").post("/api/v1/reservations/", data=payload, content_type="application/json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid" and r.json()["fields"], r.content
+    assert_nothing_stored()
+
+
+@pytest.mark.parametrize("ctype,data", [
+    ("application/x-www-form-urlencoded", "pool=h100&node_count=1"),
+    ("text/plain", "pool=h100"),
+    ("multipart/form-data; boundary=x", "--x--"),
+])
+def test_wrong_content_type(world, ctype, data):
+    r = world.client("alpha-lead").post("/api/v1/reservations/", data=data, content_type=ctype)
+    assert r.status_code == 400, r.content
+    assert r.json()["code"] == "invalid" and "content_type" in r.json()["fields"]
+    assert_nothing_stored()
+
+
+def test_bad_patch_changes_nothing(world, t0):
+    rid = world.client("alpha-lead").post("/api/v1/reservations/", good(t0), format="json").json()["id"]
+    before = Reservation.objects.get(pk=rid)
+    c = world.client("alpha-lead")
+    for body, field in [({"end": "soon"}, "end"), ({"end": iso(t0 - timedelta(hours=1))}, "end"),
+                        ({"end": iso(t0 + timedelta(minutes=150))}, "end"), ({"name": "x\x00"}, "name"), ({}, "end")]:
+        r = c.patch(f"/api/v1/reservations/{rid}/", body, format="json")
+        assert r.status_code == 400 and field in r.json()["fields"], (body, r.json())
+    after = Reservation.objects.get(pk=rid)
+    assert (after.period, after.name, after.updated_at) == (before.period, before.name, before.updated_at)
+
+
+@pytest.mark.parametrize("params,field", [
+    ({}, "pool"),
+    ({"pool": "nope"}, "pool"),
+    ({"pool": "h100", "start": "2026-01-01T00:00:00"}, "start"),
+    ({"pool": "h100", "step": "90"}, "step"),
+    ({"pool": "h100", "step": "5400"}, "step"),
+    ({"pool": "h100", "step": "abc"}, "step"),
+    ({"pool": "h100", "start": "2026-01-02T00:00:00Z", "end": "2026-01-01T00:00:00Z"}, "end"),
+    ({"pool": "h100", "start": "2026-01-01T00:00:00Z", "end": "2027-01-01T00:00:00Z"}, "step"),
+])
+def test_bad_availability_query(world, params, field):
+    r = world.client("alpha-viewer").get("/api/v1/availability/", params)
+    assert r.status_code == 400 and r.json()["code"] == "invalid" and field in r.json()["fields"], r.json()
+
+
+@pytest.mark.parametrize("url,body,field", [
+    ("/api/v1/pools/", {"name": "Bad Name", "gpu_model": "x", "gpus_per_node": 8}, "name"),
+    ("/api/v1/pools/", {"name": "ok", "gpu_model": "x", "gpus_per_node": 0}, "gpus_per_node"),
+    ("/api/v1/pools/", {"name": "h100", "gpu_model": "x", "gpus_per_node": 8}, "name"),
+    ("/api/v1/nodes/", {"hostname": "n1", "pool": "nope"}, "pool"),
+    ("/api/v1/nodes/", {"hostname": "h100-001", "pool": "h100"}, "hostname"),
+    ("/api/v1/quotas/", {"tenant": "alpha", "pool": "h100", "max_nodes": 1}, "pool"),
+    ("/api/v1/quotas/", {"tenant": "alpha", "pool": "h100", "max_nodes": -1}, "max_nodes"),
+    ("/api/v1/tenants/", {"slug": "alpha", "name": "dup"}, "slug"),
+    ("/api/v1/tenants/", {"slug": "UPPER", "name": "x"}, "slug"),
+    ("/api/v1/tenants/", {"slug": "net", "name": "x", "cidr": "10.0.0.0/33"}, "cidr"),
+    ("/api/v1/users/", {"username": "alpha-lead", "password": "Another-long-pw-9"}, "username"),
+    ("/api/v1/users/", {"username": "newbie", "password": "123"}, "password"),
+    ("/api/v1/memberships/", {"tenant": "alpha", "user": "ghost", "role": "lead"}, "user"),
+    ("/api/v1/memberships/", {"tenant": "alpha", "user": "beta-lead", "role": "king"}, "role"),
+    ("/api/v1/memberships/", {"tenant": "alpha", "user": "alpha-lead", "role": "member"}, "user"),
+])
+def test_bad_staff_writes(world, url, body, field):
+    from django.contrib.auth import get_user_model
+
+    from reservations.models import Node, Pool
+    from tenants.models import Membership, Quota, Tenant
+
+    counts = [m.objects.count() for m in (Pool, Node, Quota, Tenant, Membership, get_user_model())]
+    r = world.client("staff").post(url, body, format="json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid" and field in r.json()["fields"], r.json()
+    assert counts == [m.objects.count() for m in (Pool, Node, Quota, Tenant, Membership, get_user_model())]
+
+
+def test_overlapping_tenant_networks_are_refused_by_the_database(world):
+    c = world.client("staff")
+    assert c.post("/api/v1/tenants/", {"slug": "n1", "name": "n1", "cidr": "10.8.0.0/16", "vlan_id": 100},
+                  format="json").status_code == 201
+    r = c.post("/api/v1/tenants/", {"slug": "n2", "name": "n2", "cidr": "10.8.4.0/24"}, format="json")
+    assert r.status_code == 400 and "cidr" in r.json()["fields"]
+    r = c.post("/api/v1/tenants/", {"slug": "n3", "name": "n3", "vlan_id": 100}, format="json")
+    assert r.status_code == 400 and "vlan_id" in r.json()["fields"]

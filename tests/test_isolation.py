@@ -1,0 +1,146 @@
+"""The isolation matrix: every endpoint × (other tenant's lead and viewer, member on a lead's booking, anonymous)."""
+
+from datetime import timedelta
+
+import pytest
+
+from reservations.models import Reservation
+
+from .conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def booked(world, t0):
+    def book(who, offset):
+        return world.client(who).post("/api/v1/reservations/", {
+            "pool": "h100", "node_count": 2, "start": iso(t0 + timedelta(hours=offset)),
+            "end": iso(t0 + timedelta(hours=offset + 2)), "name": f"{who}-secret-run"}, format="json").json()
+    return {"alpha": book("alpha-lead", 0), "beta": book("beta-lead", 0)}
+
+
+def object_urls(world, booked):
+    ra = booked["alpha"]
+    alpha_node = world.nodes[[n.hostname for n in world.nodes].index(ra["nodes"][0])]
+    quota = world.tenants["alpha"].quotas.get()
+    return {
+        "reservation": f"/api/v1/reservations/{ra['id']}/",
+        "cancel": f"/api/v1/reservations/{ra['id']}/cancel/",
+        "node": f"/api/v1/nodes/{alpha_node.pk}/",
+        "tenant": "/api/v1/tenants/alpha/",
+        "quota": f"/api/v1/quotas/{quota.pk}/",
+    }
+
+
+# (endpoint, method, body) × who ⇒ expected status
+MATRIX = {
+    ("reservation", "get"): {"beta-lead": 404, "beta-viewer": 404, "alpha-member": 200, None: 401},
+    ("reservation", "patch"): {"beta-lead": 404, "beta-viewer": 404, "alpha-member": 403, "alpha-viewer": 403,
+                               None: 401},
+    ("cancel", "post"): {"beta-lead": 404, "beta-viewer": 404, "alpha-member": 403, "alpha-viewer": 403, None: 401},
+    ("node", "get"): {"beta-lead": 404, "beta-viewer": 404, "alpha-viewer": 200, None: 401},
+    ("node", "patch"): {"beta-lead": 403, "alpha-lead": 403, None: 401},
+    ("tenant", "get"): {"beta-lead": 404, "beta-viewer": 404, "alpha-viewer": 200, None: 401},
+    ("tenant", "patch"): {"beta-lead": 403, "alpha-lead": 403, None: 401},
+    ("quota", "get"): {"beta-lead": 404, "beta-viewer": 404, "alpha-member": 200, None: 401},
+    ("quota", "patch"): {"beta-lead": 403, "alpha-lead": 403, None: 401},
+}
+BODIES = {"patch": {"end": None, "name": "pwned", "state": "failed", "max_nodes": 99}, "post": {}}
+CASES = [(ep, method, who, status) for (ep, method), row in MATRIX.items() for who, status in row.items()]
+ENVELOPE = {401: "not_authenticated", 403: "permission_denied", 404: "not_found"}
+
+
+@pytest.mark.parametrize("endpoint,method,who,expected", CASES,
+                         ids=[f"{m}-{e}-{w or 'anon'}" for e, m, w, _ in CASES])
+def test_object_matrix(world, booked, t0, endpoint, method, who, expected):
+    url = object_urls(world, booked)[endpoint]
+    body = dict(BODIES.get(method, {}))
+    if endpoint == "reservation":
+        body = {"end": iso(t0 + timedelta(hours=3)), "name": "pwned"}
+    before = Reservation.objects.get(pk=booked["alpha"]["id"])
+    r = getattr(world.client(who), method)(url, body, format="json")
+    assert r.status_code == expected, r.content
+    if expected in ENVELOPE:
+        assert r.json()["code"] == ENVELOPE[expected]
+        # A refusal never leaks the object: no tenant name, booking name or hostnames in the answer.
+        assert b"alpha" not in r.content and b"secret" not in r.content
+        after = Reservation.objects.get(pk=booked["alpha"]["id"])
+        assert (after.status, after.name, after.period) == (before.status, before.name, before.period)
+    if expected == 401:
+        assert r["WWW-Authenticate"].startswith("Bearer")
+
+
+LISTS = ["/api/v1/reservations/", "/api/v1/nodes/", "/api/v1/tenants/", "/api/v1/quotas/",
+         "/api/v1/memberships/", "/api/v1/pools/", "/api/v1/availability/?pool=h100"]
+
+
+@pytest.mark.parametrize("url", LISTS)
+@pytest.mark.parametrize("who", ["beta-lead", "beta-member", "beta-viewer"])
+def test_lists_never_show_another_tenant(world, booked, url, who):
+    r = world.client(who).get(url)
+    assert r.status_code == 200
+    assert b"alpha" not in r.content.lower() and b"secret" not in r.content.replace(b"beta-lead-secret", b"")
+    for hostname in booked["alpha"]["nodes"]:
+        if url.startswith("/api/v1/nodes/"):
+            assert hostname.encode() not in r.content
+
+
+@pytest.mark.parametrize("url", LISTS + ["/api/v1/reservations/1/", "/api/v1/users/"])
+def test_anonymous_gets_401_everywhere(world, url):
+    r = world.client(None).get(url)
+    assert r.status_code == 401 and r.json()["code"] == "not_authenticated"
+
+
+def test_bad_token_is_401(world):
+    from rest_framework.test import APIClient
+
+    c = APIClient()
+    c.credentials(HTTP_AUTHORIZATION="Bearer gpp_not-a-real-token")
+    r = c.get("/api/v1/reservations/")
+    assert r.status_code == 401 and r.json()["code"] == "not_authenticated"
+
+
+def test_cannot_book_or_add_members_in_a_foreign_tenant(world, booked, t0):
+    r = world.client("beta-lead").post("/api/v1/reservations/", {
+        "tenant": "alpha", "pool": "h100", "node_count": 1, "start": iso(t0 + timedelta(hours=5)),
+        "end": iso(t0 + timedelta(hours=6))}, format="json")
+    assert r.status_code == 400 and "tenant" in r.json()["fields"]
+    unknown = world.client("beta-lead").post("/api/v1/reservations/", {
+        "tenant": "zzz", "pool": "h100", "node_count": 1, "start": iso(t0 + timedelta(hours=5)),
+        "end": iso(t0 + timedelta(hours=6))}, format="json")
+    # Foreign and nonexistent tenants read the same, so existence is not leaked.
+    assert r.json()["fields"]["tenant"].replace("'alpha'", "X") == unknown.json()["fields"]["tenant"].replace(
+        "'zzz'", "X")
+    r = world.client("beta-lead").post("/api/v1/memberships/", {"tenant": "alpha", "user": "beta-viewer",
+                                                                "role": "lead"}, format="json")
+    assert r.status_code == 400 and "tenant" in r.json()["fields"]
+    r = world.client("beta-member").post("/api/v1/memberships/", {"tenant": "beta", "user": "alpha-viewer",
+                                                                  "role": "viewer"}, format="json")
+    assert r.status_code == 403
+
+
+def test_lead_adds_a_member_and_staff_sees_everything(world, booked):
+    r = world.client("beta-lead").post("/api/v1/memberships/", {"tenant": "beta", "user": "alpha-viewer",
+                                                                "role": "viewer"}, format="json")
+    assert r.status_code == 201 and r.json()["tenant"] == "beta"
+    staff = world.client("staff")
+    assert staff.get("/api/v1/reservations/").json()["count"] == 2
+    assert staff.get("/api/v1/tenants/").json()["count"] == 2
+    assert staff.get("/api/v1/nodes/").json()["count"] == 4
+
+
+def test_staff_only_writes(world):
+    for who in ("alpha-lead", "alpha-member"):
+        c = world.client(who)
+        assert c.post("/api/v1/pools/", {"name": "x", "gpu_model": "x", "gpus_per_node": 1},
+                      format="json").status_code == 403
+        assert c.post("/api/v1/users/", {"username": "x", "password": "Long-enough-pw-1"},
+                      format="json").status_code == 403
+        assert c.post("/api/v1/tenants/", {"slug": "x", "name": "x"}, format="json").status_code == 403
+    staff = world.client("staff")
+    assert staff.post("/api/v1/pools/", {"name": "l40s", "gpu_model": "L40S", "gpus_per_node": 4},
+                      format="json").status_code == 201
+    r = staff.post("/api/v1/users/", {"username": "newbie", "email": "n@example.com",
+                                      "password": "Long-enough-pw-1"}, format="json")
+    assert r.status_code == 201 and set(r.json()) == {"id", "username"}
