@@ -1,6 +1,7 @@
 """Settings shared by every environment; everything that varies comes from the environment."""
 
 from pathlib import Path
+from urllib.parse import unquote
 
 import environ
 
@@ -73,6 +74,8 @@ TEMPLATES = [
 
 # PostgreSQL only: range types, GiST exclusion constraints and row locks are the design.
 DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/portal")}
+# A Unix-socket directory arrives percent-encoded in the URL host (postgres://u@%2Fpath/db).
+DATABASES["default"]["HOST"] = unquote(DATABASES["default"].get("HOST") or "")
 DATABASES["default"]["ATOMIC_REQUESTS"] = False  # services own their (durable) transactions
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

@@ -30,7 +30,9 @@ class PoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     lookup_field = "name"
 
     def get_queryset(self):
-        return Pool.objects.annotate(total_nodes=Count("nodes", filter=~Q(nodes__state=NodeState.RETIRED)))
+        return Pool.objects.annotate(
+            total_nodes=Count("nodes", filter=~Q(nodes__state=NodeState.RETIRED))
+        ).order_by("name")
 
     @extend_schema(request=s.PoolInputSerializer, responses={201: s.PoolSerializer})
     def create(self, request):

