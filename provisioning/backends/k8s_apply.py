@@ -1,0 +1,298 @@
+"""Apply a tenant's Kubernetes objects with the official ``kubernetes`` client.
+
+- Namespaced objects (and the Namespace) go in by **server-side apply**: a PATCH with
+  ``Content-Type: application/apply-patch+yaml``, ``fieldManager=gpu-portal`` and
+  ``force=true``. Applying is idempotent, so a retried provisioning task converges instead
+  of failing on "already exists"; force makes the portal the owner of the fields it
+  declares even if someone edited them by hand, which is what a controller of record
+  should do.
+- Nodes are read, then changed by a conditional JSON merge patch (see ``k8s_manifests``
+  for why taints cannot be server-side applied); a 409 from a concurrent change re-reads
+  and retries a bounded number of times.
+- Teardown deletes the Namespace (the API server's namespace controller deletes
+  everything in it) and releases the nodes only once the Namespace is gone, so no tenant
+  pod is still on a node when it is handed back. ``teardown`` returns False until then;
+  the caller polls (a Celery retry).
+- Credentials: a TokenRequest for the tenant's ServiceAccount, expiring with the window.
+
+Responses are read raw (``_preload_content=False``) and parsed as JSON: the pure
+functions in ``k8s_manifests`` work on the API's own camelCase dicts, and this does not
+depend on how a given client version models them.
+
+What was tried, and what was not. No Kubernetes API server runs where this was written.
+Tests drive the real ``kubernetes`` client (configured from a real kubeconfig file)
+against a loopback HTTP server that records the requests (method, path, query,
+headers, body) and answers like the API server would for the calls used; they check the
+paths, verbs, content types, ``fieldManager``/``force`` parameters, bodies, bearer token,
+the 404/409 handling and the teardown order. Never tried against a live cluster: that the
+API server accepts these apply bodies and merge patches (the objects are validated
+against the published OpenAPI schemas, not by an API server's admission chain), the
+409 on a stale ``resourceVersion`` in a merge patch, TokenRequest expiry caps
+(``--service-account-max-token-expiration`` may shorten tokens), namespace finalisation
+timing, and the effect of the admission-plugin annotations, Pod Security labels,
+NetworkPolicies (CNI-dependent) and the GPU operator's MIG label.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any, Self
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from .k8s_manifests import (
+    SERVICE_ACCOUNT_NAME,
+    Manifest,
+    TenantClusterSpec,
+    kubeconfig_yaml,
+    node_claim_patch,
+    node_release_patch,
+    tenant_objects,
+    token_expiration_seconds,
+)
+
+FIELD_MANAGER = "gpu-portal"
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
+
+
+class K8sApplyError(Exception):
+    """A Kubernetes request failed in a way the caller must handle (or retry later)."""
+
+
+# (apiVersion, kind) -> (API class, patch method, namespaced). A fixed table rather than the
+# dynamic client: no discovery round-trips, and an unexpected kind fails loudly here.
+_APPLY_TABLE: dict[tuple[str, str], tuple[str, str, bool]] = {
+    ("v1", "Namespace"): ("core", "patch_namespace", False),
+    ("v1", "ResourceQuota"): ("core", "patch_namespaced_resource_quota", True),
+    ("v1", "LimitRange"): ("core", "patch_namespaced_limit_range", True),
+    ("v1", "ServiceAccount"): ("core", "patch_namespaced_service_account", True),
+    ("v1", "PersistentVolumeClaim"): ("core", "patch_namespaced_persistent_volume_claim", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networking", "patch_namespaced_network_policy", True),
+    ("rbac.authorization.k8s.io/v1", "Role"): ("rbac", "patch_namespaced_role", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rbac", "patch_namespaced_role_binding", True),
+}
+
+
+def _json(response: Any) -> dict[str, Any]:
+    data = response.data
+    return json.loads(data) if data else {}
+
+
+def object_ref(manifest: Manifest) -> str:
+    """Return ``Kind/namespace/name`` (or ``Kind/name``) for logs and results."""
+    meta = manifest["metadata"]
+    return "/".join(p for p in (manifest["kind"], meta.get("namespace"), meta["name"]) if p)
+
+
+class TenantClusterApplier:
+    """Create, update and remove one tenant's objects on a Kubernetes cluster."""
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        *,
+        field_manager: str = FIELD_MANAGER,
+        conflict_retries: int = 5,
+        request_timeout: float = 30.0,
+    ) -> None:
+        self.api_client = api_client
+        self.field_manager = field_manager
+        self.conflict_retries = conflict_retries
+        self.request_timeout = request_timeout
+        self._apis: dict[str, Any] = {
+            "core": k8s.CoreV1Api(api_client),
+            "networking": k8s.NetworkingV1Api(api_client),
+            "rbac": k8s.RbacAuthorizationV1Api(api_client),
+        }
+
+    @classmethod
+    def from_kubeconfig(cls, path: str | os.PathLike[str], *, context: str | None = None, **kwargs: Any) -> Self:
+        """Build an applier for the cluster named by a kubeconfig file (the portal's own credentials)."""
+        api_client = k8s_config.new_client_from_config(config_file=os.fspath(path), context=context)
+        return cls(api_client, **kwargs)
+
+    def close(self) -> None:
+        """Release the client's connection pool."""
+        self.api_client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def _core(self) -> k8s.CoreV1Api:
+        return self._apis["core"]
+
+    # --- Server-side apply ---
+
+    def apply(self, manifest: Manifest) -> Manifest:
+        """Server-side apply one object and return the object as the API server now has it."""
+        key = (manifest["apiVersion"], manifest["kind"])
+        if key not in _APPLY_TABLE:
+            raise K8sApplyError(f"no apply route for {key}")
+        api_name, method_name, namespaced = _APPLY_TABLE[key]
+        method: Callable[..., Any] = getattr(self._apis[api_name], method_name)
+        meta = manifest["metadata"]
+        kwargs: dict[str, Any] = {"namespace": meta["namespace"]} if namespaced else {}
+        try:
+            response = method(
+                name=meta["name"],
+                body=manifest,
+                field_manager=self.field_manager,
+                force=True,
+                _content_type=APPLY_CONTENT_TYPE,
+                _preload_content=False,
+                _request_timeout=self.request_timeout,
+                **kwargs,
+            )
+        except ApiException as exc:
+            raise K8sApplyError(f"apply {object_ref(manifest)} failed: {exc.status} {exc.reason}") from exc
+        return _json(response)
+
+    def apply_all(self, manifests: Iterable[Manifest]) -> list[str]:
+        """Apply objects in the given order, stopping at the first failure; return their refs."""
+        applied = []
+        for manifest in manifests:
+            self.apply(manifest)
+            applied.append(object_ref(manifest))
+        return applied
+
+    def apply_objects(self, spec: TenantClusterSpec) -> list[str]:
+        """Apply the reservation's Namespace and everything in it."""
+        return self.apply_all(tenant_objects(spec))
+
+    # --- Nodes ---
+
+    def _read_node(self, hostname: str) -> dict[str, Any]:
+        return _json(self._core.read_node(hostname, _preload_content=False, _request_timeout=self.request_timeout))
+
+    def _patch_node_until_settled(
+        self, hostname: str, make_patch: Callable[[dict[str, Any]], Manifest | None]
+    ) -> bool:
+        """Read the node, build a patch from it, send it; on 409 start over. Return whether it patched."""
+        for _attempt in range(self.conflict_retries + 1):
+            patch = make_patch(self._read_node(hostname))
+            if patch is None:
+                return False
+            try:
+                self._core.patch_node(
+                    hostname,
+                    patch,
+                    field_manager=self.field_manager,
+                    _content_type=MERGE_PATCH_CONTENT_TYPE,
+                    _preload_content=False,
+                    _request_timeout=self.request_timeout,
+                )
+                return True
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+        raise K8sApplyError(f"node {hostname} kept changing; gave up after {self.conflict_retries} retries")
+
+    def claim_node(self, spec: TenantClusterSpec, hostname: str, *, now: datetime | None = None) -> None:
+        """Label, taint and annotate one node for the reservation (raises ``NodeClaimConflict``)."""
+        at = now or datetime.now(UTC)
+        try:
+            self._patch_node_until_settled(hostname, lambda node: node_claim_patch(spec, node, now=at))
+        except ApiException as exc:
+            raise K8sApplyError(f"claim node {hostname} failed: {exc.status} {exc.reason}") from exc
+
+    def claim_nodes(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> None:
+        """Claim every node of the reservation."""
+        for hostname in spec.node_hostnames:
+            self.claim_node(spec, hostname, now=now)
+
+    def release_node(self, spec: TenantClusterSpec, hostname: str) -> bool:
+        """Undo the claim on one node; return False if it was not (or no longer) this reservation's."""
+        try:
+            return self._patch_node_until_settled(hostname, lambda node: node_release_patch(spec, node))
+        except ApiException as exc:
+            if exc.status == 404:  # The node left the cluster: nothing to hand back.
+                return False
+            raise K8sApplyError(f"release node {hostname} failed: {exc.status} {exc.reason}") from exc
+
+    def release_nodes(self, spec: TenantClusterSpec) -> list[str]:
+        """Release every node of the reservation; return the hostnames actually changed."""
+        return [h for h in spec.node_hostnames if self.release_node(spec, h)]
+
+    # --- Whole lifecycle ---
+
+    def provision(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> list[str]:
+        """Claim the nodes, then apply the objects; idempotent, so safe to retry after a failure.
+
+        Nodes first: a node held by someone else fails the step before any tenant object
+        exists.
+        """
+        self.claim_nodes(spec, now=now)
+        return self.apply_objects(spec)
+
+    def namespace_exists(self, spec: TenantClusterSpec) -> bool:
+        """Return whether the reservation's Namespace still exists (possibly terminating)."""
+        try:
+            self._core.read_namespace(spec.namespace, _preload_content=False, _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise K8sApplyError(f"read namespace {spec.namespace} failed: {exc.status} {exc.reason}") from exc
+        return True
+
+    def teardown(self, spec: TenantClusterSpec) -> bool:
+        """Delete the Namespace; once it is gone, release the nodes. Return True when all is done.
+
+        Call again until it returns True: namespace deletion is asynchronous (pods get
+        their grace period, the PVC's volume is reclaimed per its storage class).
+        """
+        try:
+            self._core.delete_namespace(
+                spec.namespace,
+                propagation_policy="Background",
+                _preload_content=False,
+                _request_timeout=self.request_timeout,
+            )
+        except ApiException as exc:
+            # 404: already gone. 409: already terminating -- the namespace registry refuses a
+            # second delete while its finalizers run ("The system is ensuring all content is
+            # removed from this namespace"), which is exactly the state we are waiting for.
+            if exc.status not in (404, 409):
+                raise K8sApplyError(f"delete namespace {spec.namespace} failed: {exc.status} {exc.reason}") from exc
+        if self.namespace_exists(spec):
+            return False
+        self.release_nodes(spec)
+        return True
+
+    # --- Credentials ---
+
+    def issue_token(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> str:
+        """Request a token for the tenant's ServiceAccount that expires at the window end."""
+        at = now or datetime.now(UTC)
+        body = k8s.AuthenticationV1TokenRequest(
+            api_version="authentication.k8s.io/v1",
+            kind="TokenRequest",
+            spec=k8s.V1TokenRequestSpec(audiences=[], expiration_seconds=token_expiration_seconds(spec, now=at)),
+        )
+        try:
+            response = self._core.create_namespaced_service_account_token(
+                SERVICE_ACCOUNT_NAME,
+                spec.namespace,
+                body,
+                _preload_content=False,
+                _request_timeout=self.request_timeout,
+            )
+        except ApiException as exc:
+            raise K8sApplyError(f"token request for {spec.namespace} failed: {exc.status} {exc.reason}") from exc
+        token = (_json(response).get("status") or {}).get("token")
+        if not token:
+            raise K8sApplyError(f"token request for {spec.namespace} returned no token")
+        return token
+
+    def tenant_kubeconfig(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> str:
+        """Issue a token and return the tenant's kubeconfig YAML (a secret: encrypt it at rest)."""
+        return kubeconfig_yaml(spec, self.issue_token(spec, now=now))
