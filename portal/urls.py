@@ -8,10 +8,16 @@ handler500 = "portal.core.api.json_500"
 api_v1 = [
     path("", include("tenants.api.urls")),
     path("", include("reservations.api.urls")),
+    path("", include("provisioning.api.urls")),
 ]
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("", include("portal.ops.urls")),
+    path("", include("tenants.urls")),
+    path("", include("reservations.urls")),
+    path("", include("provisioning.urls")),
+    path("notifications/", include("notifications.urls")),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),

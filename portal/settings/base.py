@@ -5,6 +5,9 @@ from urllib.parse import unquote
 
 import environ
 
+from notifications.schedule import BEAT as _notifications_beat
+from provisioning.schedule import BEAT as _provisioning_beat
+
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 
 env = environ.Env()
@@ -163,6 +166,14 @@ CELERY_TASK_SOFT_TIME_LIMIT = env.int("CELERY_TASK_SOFT_TIME_LIMIT", default=540
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+CELERY_TASK_ROUTES = {
+    "provisioning.health.*": {"queue": "health"},
+    "provisioning.*": {"queue": "provisioning"},
+    "notifications.*": {"queue": "notifications"},
+}
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE = {**_provisioning_beat, **_notifications_beat}
 
 # Booking rules (DESIGN §4).
 PORTAL_BOOKING_HORIZON_DAYS = env.int("PORTAL_BOOKING_HORIZON_DAYS", default=365)

@@ -76,7 +76,7 @@ class Command(BaseCommand):
             f"Demo fleet: {Node.objects.count()} nodes in {Pool.objects.count()} pools, "
             f"{Tenant.objects.count()} tenants, {Reservation.objects.count()} reservations ({made} new)."
         ))
-        self.stdout.write("Logins (password for all: %s): admin (staff), " % PASSWORD
+        self.stdout.write(f"Logins (password for all: {PASSWORD}): admin (staff), "
                           + ", ".join(f"{t[0]}-lead/-member/-viewer" for t in TENANTS))
 
     def _bookings(self) -> int:
