@@ -16,15 +16,6 @@ from tenants.models import Membership, Quota, Tenant
 from tenants.services import token_issue
 
 
-@pytest.fixture(autouse=True)
-def _clear_cache():
-    """Throttle counters live in Redis; start each test from zero."""
-    from django.core.cache import cache
-
-    cache.clear()
-    yield
-
-
 @dataclass
 class World:
     pool: Pool

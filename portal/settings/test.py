@@ -10,3 +10,5 @@ PORTAL_THROTTLE_USER = "100000/min"
 PORTAL_THROTTLE_ANON = "100000/min"
 CACHES["default"]["KEY_PREFIX"] = env("CACHE_KEY_PREFIX", default="portal-test")  # noqa: F405
 PORTAL_FERNET_KEYS = ["dGVzdC1vbmx5LWZlcm5ldC1rZXktMzItYnl0ZXMhISE="]
+# Parallel test sessions on one machine (e.g. several developers' worktrees) each name their own database.
+DATABASES["default"]["TEST"] = {"NAME": env("TEST_DB_NAME", default="test_portal")}  # noqa: F405
