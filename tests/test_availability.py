@@ -89,7 +89,8 @@ def test_availability_is_one_query_whatever_the_range(world, t0):
         from django.test.utils import CaptureQueriesContext
 
         with CaptureQueriesContext(connection) as ctx:
-            r = c.get("/api/v1/availability/", {"pool": "h100", "start": iso(t0), "end": iso(t0 + timedelta(days=days))})
+            r = c.get("/api/v1/availability/",
+                      {"pool": "h100", "start": iso(t0), "end": iso(t0 + timedelta(days=days))})
         assert r.status_code == 200 and len(r.json()["slots"]) == days * 24
         counts.append(len(ctx.captured_queries))
     assert counts[0] == counts[1]

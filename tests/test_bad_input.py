@@ -73,7 +73,8 @@ def test_bad_booking_input(world, t0, label, make, field):
 
 
 def test_malformed_json(world):
-    r = world.client("alpha-lead").post("/api/v1/reservations/", data=b'{"pool": "h100", ', content_type="application/json")
+    r = world.client("alpha-lead").post("/api/v1/reservations/", data=b'{"pool": "h100", ',
+                                        content_type="application/json")
     assert r.status_code == 400 and r.json()["code"] == "invalid" and "body" in r.json()["fields"]
     assert_nothing_stored()
 

@@ -1,0 +1,103 @@
+"""Helpers shared by the benchmarks: a scratch database, a running app server, percentiles."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import environ
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def base_database_url() -> str:
+    """The server the dev commands use: DATABASE_URL, else the embedded one from var/dev.env."""
+    if os.environ.get("DATABASE_URL"):
+        return os.environ["DATABASE_URL"]
+    subprocess.run([sys.executable, str(ROOT / "bin" / "devservices.py"), "up"], check=True,
+                   stdout=subprocess.DEVNULL)
+    for line in (ROOT / "var" / "dev.env").read_text().splitlines():
+        if line.startswith("DATABASE_URL="):
+            return line.split("=", 1)[1]
+    raise SystemExit("no DATABASE_URL in the environment or var/dev.env")
+
+
+def redis_url() -> str:
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"]
+    for line in (ROOT / "var" / "dev.env").read_text().splitlines():
+        if line.startswith("REDIS_URL="):
+            return line.split("=", 1)[1]
+    return "redis://127.0.0.1:6379/0"
+
+
+def with_dbname(url: str, name: str) -> str:
+    head, _, _ = url.rpartition("/")
+    return f"{head}/{name}"
+
+
+def psycopg_kwargs(url: str) -> dict:
+    cfg = environ.Env.db_url_config(url)
+    from urllib.parse import unquote
+
+    return {"host": unquote(cfg["HOST"] or "") or None, "port": cfg["PORT"] or None, "user": cfg["USER"] or None,
+            "password": cfg["PASSWORD"] or None, "dbname": cfg["NAME"]}
+
+
+def recreate_database(url: str, name: str) -> str:
+    """Drop and create database name on the server of url; return its URL."""
+    kwargs = psycopg_kwargs(with_dbname(url, "postgres"))
+    with psycopg.connect(**kwargs, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return with_dbname(url, name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def manage(env: dict, *args: str) -> None:
+    subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
+
+
+@contextmanager
+def app_server(env: dict, *, workers: int = 3):
+    """Run the portal under gunicorn on a free loopback port; yield its base URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{port}",
+         "-w", str(workers), "--log-level", "warning"],
+        cwd=ROOT, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if proc.poll() is not None:
+                    raise SystemExit("gunicorn exited during start-up")
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]

@@ -1,0 +1,238 @@
+#!/usr/bin/env python
+"""Booking throughput: the REST API against hand-written SQL making the same decisions.
+
+N client threads book random windows on a 1,000-node pool, first through the running app
+(gunicorn, HTTP, Bearer tokens, the full service: quota lock, peak-usage sweep, node choice,
+exclusion-constraint retry, audit row, serialisation), then — after the allocations are wiped —
+through psycopg doing the same decisions in plain SQL against the same schema and the same
+constraint. Both phases replay the same request sequence. It prints both rates, their ratio
+(goal: API ≥ 50 % of raw SQL), p50/p99 latencies, and checks that no node is double-booked.
+
+    .venv/bin/python bench/booking.py [--clients 16] [--requests 1500] [--nodes 1000]
+
+It uses a scratch database `portal_bench` on the dev server (DATABASE_URL, else the embedded one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    ROOT,
+    app_server,
+    base_database_url,
+    manage,
+    percentile,
+    psycopg_kwargs,
+    recreate_database,
+)
+
+TENANTS = 8
+
+
+def seed(db_url: str, nodes: int) -> dict[str, str]:
+    """Create the pool, tenants, quotas and one lead with a token per tenant; return tokens by tenant slug."""
+    env = {**os.environ, "DATABASE_URL": db_url, "DJANGO_SETTINGS_MODULE": "portal.settings.dev"}
+    manage(env, "migrate", "--no-input", "-v", "0")
+    code = f"""
+from django.contrib.auth import get_user_model
+from reservations.models import Node, Pool
+from tenants.models import Membership, Quota, Tenant
+from tenants.services import token_issue
+pool = Pool.objects.create(name="bench", gpu_model="H100-SXM", gpus_per_node=8)
+Node.objects.bulk_create([Node(hostname=f"bench-{{i:04d}}", pool=pool) for i in range({nodes})])
+for t in range({TENANTS}):
+    tenant = Tenant.objects.create(slug=f"t{{t}}", name=f"T{{t}}", burst_enabled=True)
+    Quota.objects.create(tenant=tenant, pool=pool, max_nodes={nodes}, burst_nodes=0)
+    user = get_user_model().objects.create_user(username=f"lead{{t}}")
+    Membership.objects.create(user=user, tenant=tenant, role="lead")
+    print(f"TOKEN t{{t}} {{token_issue(user=user)[1]}}")
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "manage.py", "shell", "-c", code], cwd=ROOT, env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return {parts[1]: parts[2] for parts in (line.split() for line in out.splitlines()) if parts[:1] == ["TOKEN"]}
+
+
+def workload(n: int, seed_: int = 42) -> list[tuple[str, int, int, int]]:
+    """(tenant slug, start offset h, hours, node count) — a busy month for a 1,000-node pool."""
+    rng = random.Random(seed_)
+    return [(f"t{rng.randrange(TENANTS)}", rng.randrange(0, 24 * 30), rng.choice([1, 2, 4, 8, 12, 24]),
+             rng.choice([1, 2, 4, 8, 16, 32])) for _ in range(n)]
+
+
+def run_clients(jobs, clients: int, fn) -> tuple[float, list[float], dict[str, int]]:
+    lock = threading.Lock()
+    queue = list(enumerate(jobs))
+    latencies: list[float] = []
+    outcomes: dict[str, int] = {}
+
+    def worker():
+        state = fn()
+        while True:
+            with lock:
+                if not queue:
+                    break
+                _, job = queue.pop()
+            t = time.perf_counter()
+            outcome = state(job)
+            dt = time.perf_counter() - t
+            with lock:
+                latencies.append(dt)
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start, latencies, outcomes
+
+
+def api_phase(base_url: str, tokens: dict[str, str], jobs, clients: int, t0: datetime):
+    def make():
+        session = requests.Session()
+
+        def book(job):
+            slug, offset, hours, n = job
+            start = t0 + timedelta(hours=offset)
+            r = session.post(f"{base_url}/api/v1/reservations/", json={
+                "tenant": slug, "pool": "bench", "node_count": n,
+                "start": start.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "end": (start + timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            }, headers={"Authorization": f"Bearer {tokens[slug]}"}, timeout=60)
+            if r.status_code >= 500:
+                raise SystemExit(f"server error {r.status_code}: {r.text[:300]}")
+            return "created" if r.status_code == 201 else r.json()["code"]
+        return book
+
+    return run_clients(jobs, clients, make)
+
+
+SQL_PEAK = """
+    WITH r AS (
+        SELECT greatest(lower(period), %(s)s) AS s, least(upper(period), %(e)s) AS e, node_count
+        FROM reservations_reservation
+        WHERE tenant_id = %(t)s AND pool_id = %(p)s AND status IN ('confirmed','provisioning','active','ending')
+          AND period && tstzrange(%(s)s, %(e)s))
+    SELECT coalesce(max((SELECT sum(node_count) FROM r r2 WHERE r2.s <= r1.s AND r2.e > r1.s)), 0) FROM r r1
+"""
+SQL_PICK = """
+    SELECT n.id FROM reservations_node n
+    WHERE n.pool_id = %(p)s AND n.state = 'available' AND NOT EXISTS (
+        SELECT 1 FROM reservations_allocation a
+        WHERE a.node_id = n.id AND a.active AND a.period && tstzrange(%(s)s, %(e)s))
+    ORDER BY random() LIMIT %(n)s
+"""
+
+
+def sql_phase(db_url: str, jobs, clients: int, t0: datetime):
+    kwargs = psycopg_kwargs(db_url)
+    with psycopg.connect(**kwargs) as conn:
+        pool_id = conn.execute("SELECT id FROM reservations_pool WHERE name = 'bench'").fetchone()[0]
+        tenants = dict(conn.execute("SELECT slug, id FROM tenants_tenant").fetchall())
+
+    def make():
+        conn = psycopg.connect(**kwargs)
+
+        def book(job):
+            slug, offset, hours, n = job
+            start = t0 + timedelta(hours=offset)
+            p = {"t": tenants[slug], "p": pool_id, "s": start, "e": start + timedelta(hours=hours), "n": n}
+            with conn.transaction():
+                quota = conn.execute(
+                    "SELECT max_nodes, burst_nodes FROM tenants_quota WHERE tenant_id = %(t)s AND pool_id = %(p)s "
+                    "FOR NO KEY UPDATE", p).fetchone()
+                peak = conn.execute(SQL_PEAK, p).fetchone()[0]
+                if peak + n > quota[0] + quota[1]:
+                    return "quota_exceeded"
+                for _ in range(12):
+                    try:
+                        with conn.transaction():
+                            ids = sorted(r[0] for r in conn.execute(SQL_PICK, p).fetchall())
+                            if len(ids) < n:
+                                return "capacity_unavailable"
+                            rid = conn.execute(
+                                "INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name,"
+                                " status, status_reason, billing, orchestrator, cuda_version, created_at, updated_at)"
+                                " VALUES (%(t)s, %(p)s, %(n)s, tstzrange(%(s)s, %(e)s), '', 'confirmed', '',"
+                                " 'committed', 'slurm', '12.8', now(), now()) RETURNING id", p).fetchone()[0]
+                            with conn.cursor() as cur:
+                                cur.executemany(
+                                    "INSERT INTO reservations_allocation (reservation_id, node_id, period, kind,"
+                                    " active, note, created_at) VALUES (%s, %s, tstzrange(%s, %s), 'reservation',"
+                                    " true, '', now())", [(rid, i, p["s"], p["e"]) for i in ids])
+                            return "created"
+                    except psycopg.errors.ExclusionViolation:
+                        continue
+                return "capacity_unavailable"
+        return book
+
+    return run_clients(jobs, clients, make)
+
+
+def overlaps(db_url: str) -> int:
+    with psycopg.connect(**psycopg_kwargs(db_url)) as conn:
+        row = conn.execute("""SELECT count(*) FROM reservations_allocation a JOIN reservations_allocation b
+            ON a.node_id = b.node_id AND a.id < b.id AND a.period && b.period WHERE a.active AND b.active""").fetchone()
+        return row[0]
+
+
+def wipe(db_url: str) -> None:
+    with psycopg.connect(**psycopg_kwargs(db_url)) as conn:
+        conn.execute("TRUNCATE reservations_allocation, reservations_reservation, core_auditlog, "
+                     "reservations_idempotencykey")
+
+
+def report(name, elapsed, lat, outcomes):
+    rate = len(lat) / elapsed
+    print(f"{name:>8}: {len(lat)} requests in {elapsed:.2f} s = {rate:.1f}/s; p50 {percentile(lat, 50) * 1000:.1f} ms,"
+          f" p99 {percentile(lat, 99) * 1000:.1f} ms; outcomes {dict(sorted(outcomes.items()))}")
+    return rate
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=3, help="gunicorn worker processes")
+    args = ap.parse_args()
+
+    db_url = recreate_database(base_database_url(), "portal_bench")
+    tokens = seed(db_url, args.nodes)
+    jobs = workload(args.requests)
+    t0 = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) + timedelta(days=1)
+    env = {**os.environ, "DATABASE_URL": db_url, "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "DEBUG": "false",
+           "PORTAL_THROTTLE_USER": "10000000/min", "LOG_LEVEL": "WARNING"}
+    print(f"booking benchmark: {args.nodes} nodes, {TENANTS} tenants, {args.clients} clients, "
+          f"{args.requests} requests, gunicorn -w {args.workers}, {os.cpu_count()} CPUs")
+    with app_server(env, workers=args.workers) as url:
+        api_phase(url, tokens, jobs[:50], args.clients, t0 + timedelta(days=200))  # warm-up: imports, pools
+        wipe(db_url)
+        api = report("API", *api_phase(url, tokens, jobs, args.clients, t0))
+    api_overlaps = overlaps(db_url)
+    wipe(db_url)
+    sql = report("raw SQL", *sql_phase(db_url, jobs, args.clients, t0))
+    sql_overlaps = overlaps(db_url)
+    ratio = api / sql
+    print(f"overlapping allocations: API {api_overlaps}, raw SQL {sql_overlaps}")
+    print(f"RATIO api/sql = {ratio:.2f} (goal >= 0.50) -> {'PASS' if ratio >= 0.5 else 'BELOW GOAL'}")
+    return 0 if api_overlaps == sql_overlaps == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
