@@ -15,6 +15,7 @@ __all__ = [
     "availability",
     "tenant_peak_usage",
     "free_node_ids",
+    "free_nodes",
     "suggest_windows",
     "reservations_for_user",
 ]
@@ -89,13 +90,18 @@ def tenant_peak_usage(
 
 
 def free_node_ids(*, pool_id: int, start: datetime, end: datetime, limit: int) -> list[int]:
-    """Return up to limit available nodes of the pool with nothing allocated in [start, end).
+    """Return the ids of up to limit available nodes of the pool with nothing allocated in [start, end)."""
+    return [node_id for node_id, _ in free_nodes(pool_id=pool_id, start=start, end=end, limit=limit)]
 
-    Random order spreads concurrent bookers over different nodes, so fewer of them collide on
+
+def free_nodes(*, pool_id: int, start: datetime, end: datetime, limit: int) -> list[tuple[int, str]]:
+    """Return (id, hostname) of up to limit free nodes of the pool in [start, end), in id order.
+
+    Random choice spreads concurrent bookers over different nodes, so fewer of them collide on
     the exclusion constraint and have to retry.
     """
     sql = """
-        SELECT n.id FROM reservations_node n
+        SELECT n.id, n.hostname FROM reservations_node n
         WHERE n.pool_id = %(pool)s AND n.state = %(available)s
           AND NOT EXISTS (
               SELECT 1 FROM reservations_allocation a
@@ -107,7 +113,7 @@ def free_node_ids(*, pool_id: int, start: datetime, end: datetime, limit: int) -
     params = {"pool": pool_id, "available": NodeState.AVAILABLE, "start": start, "end": end, "limit": limit}
     with connection.cursor() as cur:
         cur.execute(sql, params)
-        return sorted(row[0] for row in cur.fetchall())
+        return sorted(cur.fetchall())
 
 
 def suggest_windows(

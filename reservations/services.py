@@ -257,15 +257,17 @@ def reservation_create(
         period = DateTimeTZRange(start, end, "[)")
 
         def attempt() -> Reservation:
-            node_ids = selectors.free_node_ids(pool_id=pool.pk, start=start, end=end, limit=node_count)
-            if len(node_ids) < node_count:
+            nodes = selectors.free_nodes(pool_id=pool.pk, start=start, end=end, limit=node_count)
+            if len(nodes) < node_count:
                 raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
             reservation = Reservation.objects.create(
                 tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
                 billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
                 created_by=actor if getattr(actor, "pk", None) else None,
             )
-            _allocate(reservation=reservation, node_ids=node_ids, period=period, actor=actor)
+            _allocate(reservation=reservation, node_ids=[node_id for node_id, _ in nodes], period=period, actor=actor)
+            # Handed to the caller so the response needs no second read of what was just written.
+            reservation.node_hostnames = sorted(hostname for _, hostname in nodes)
             return reservation
 
         reservation = _with_retry(

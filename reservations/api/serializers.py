@@ -98,7 +98,9 @@ class ReservationSerializer(serializers.ModelSerializer):
                   "nodes", "name", "cluster", "created_by", "created_at"]
 
     def get_nodes(self, obj) -> list[str]:
-        # Uses the prefetched active allocations (see the view's queryset): no query per row.
+        # Fresh bookings carry their hostnames; lists use the prefetched active allocations.
+        if hasattr(obj, "node_hostnames"):
+            return obj.node_hostnames
         return sorted(a.node.hostname for a in obj.active_allocations)
 
     def get_cluster(self, obj) -> dict:

@@ -122,6 +122,8 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
             idempotency_key=key,
             request_hash=services.request_fingerprint(request.data) if key else "",
         )
+        if hasattr(reservation, "node_hostnames"):  # just booked: everything needed is in hand
+            return Response(self.get_serializer(reservation).data, status=status.HTTP_201_CREATED)
         return Response(self._out(reservation), status=status.HTTP_201_CREATED)
 
     @extend_schema(request=s.ReservationUpdateSerializer, responses={200: s.ReservationSerializer})
