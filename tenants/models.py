@@ -8,6 +8,8 @@ from django.db import models
 from django.db.models import Q
 from simple_history.models import HistoricalRecords
 
+from portal.core.crypto import EncryptedTextField
+
 from .choices import Role
 from .querysets import TenantScopedQuerySet
 
@@ -32,7 +34,7 @@ class Tenant(models.Model):
     slug = models.SlugField(max_length=50, unique=True, validators=[slug_validator])
     name = models.CharField(max_length=120)
     burst_enabled = models.BooleanField(default=False)
-    slack_webhook_url = models.TextField(blank=True, default="", help_text="Encrypted at rest.")
+    slack_webhook_url = EncryptedTextField(blank=True, default="", help_text="Encrypted at rest.")
     storage_quota_tib = models.PositiveIntegerField(default=10)
     vlan_id = models.PositiveIntegerField(null=True, blank=True, unique=True)
     # Network segments never overlap between tenants: a GiST exclusion on cidr::inet (migration 0002).

@@ -1,0 +1,151 @@
+"""HTML forms for signing in, switching tenant and choosing a time zone."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import zoneinfo
+from functools import lru_cache
+
+from django import forms
+from django.conf import settings
+from django.contrib.auth.forms import AuthenticationForm
+from django.core.cache import cache
+
+from .models import Tenant
+
+__all__ = [
+    "LockoutAuthenticationForm",
+    "TenantSwitchForm",
+    "TimeZoneForm",
+    "login_lock_remaining",
+    "valid_time_zone",
+    "time_zone_choices",
+]
+
+logger = logging.getLogger(__name__)
+
+# Defaults; a deployment may override them in settings (read per request, never at import).
+LOGIN_MAX_FAILURES = 5  # per username within the window
+LOGIN_MAX_FAILURES_PER_IP = 30  # one address guessing many usernames
+LOGIN_WINDOW_SECONDS = 15 * 60
+LOGIN_LOCKOUT_SECONDS = 15 * 60
+
+
+def _setting(name: str, default: int) -> int:
+    return int(getattr(settings, name, default))
+
+
+@lru_cache(maxsize=1)
+def _zones() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones())
+
+
+def valid_time_zone(name: str | None) -> str | None:
+    """Return name if it is a known IANA zone, else None (never trust a browser-sent string)."""
+    if name and name in _zones():
+        return name
+    return None
+
+
+def time_zone_choices() -> list[tuple[str, str]]:
+    return [(z, z.replace("_", " ")) for z in sorted(_zones()) if "/" in z or z == "UTC"]
+
+
+# --- sign-in lockout (Redis cache: shared by every web process) ---------------------------
+
+
+def _key(kind: str, value: str) -> str:
+    # Hash so odd usernames never form odd cache keys.
+    return f"login:{kind}:" + hashlib.sha256(value.encode()).hexdigest()[:32]
+
+
+def _subjects(username: str, ip: str) -> list[tuple[str, str, int]]:
+    return [
+        ("user", username.strip().lower(), _setting("PORTAL_LOGIN_MAX_FAILURES", LOGIN_MAX_FAILURES)),
+        ("ip", ip or "unknown", _setting("PORTAL_LOGIN_MAX_FAILURES_PER_IP", LOGIN_MAX_FAILURES_PER_IP)),
+    ]
+
+
+def login_lock_remaining(username: str, ip: str) -> int:
+    """Return the seconds left on a lockout of this username or address (0 when not locked)."""
+    now = time.time()
+    until = max(
+        (cache.get(_key(f"lock-{kind}", value)) or 0) for kind, value, _limit in _subjects(username, ip)
+    )
+    return max(0, int(until - now))
+
+
+def _record_failure(username: str, ip: str) -> None:
+    window = _setting("PORTAL_LOGIN_WINDOW_SECONDS", LOGIN_WINDOW_SECONDS)
+    lockout = _setting("PORTAL_LOGIN_LOCKOUT_SECONDS", LOGIN_LOCKOUT_SECONDS)
+    for kind, value, limit in _subjects(username, ip):
+        key = _key(f"fail-{kind}", value)
+        cache.add(key, 0, timeout=window)
+        try:
+            count = cache.incr(key)
+        except ValueError:  # expired between add and incr
+            cache.set(key, 1, timeout=window)
+            count = 1
+        if count >= limit:
+            cache.set(_key(f"lock-{kind}", value), time.time() + lockout, timeout=lockout)
+            cache.delete(key)
+            logger.warning("sign-in locked for %s %s after %d failures", kind, value, count)
+
+
+def _clear_failures(username: str) -> None:
+    cache.delete(_key("fail-user", username.strip().lower()))
+
+
+class LockoutAuthenticationForm(AuthenticationForm):
+    """Django's sign-in form, refusing a username (or address) for a while after repeated failures.
+
+    The lock is checked before the password, so a correct guess during the lockout still fails.
+    """
+
+    tz = forms.CharField(required=False, widget=forms.HiddenInput)
+
+    error_messages = {
+        **AuthenticationForm.error_messages,
+        "locked": "Too many failed sign-in attempts. Try again in %(minutes)d minute(s).",
+    }
+
+    def clean(self):
+        username = self.cleaned_data.get("username") or ""
+        ip = self.request.META.get("REMOTE_ADDR", "") if self.request else ""
+        remaining = login_lock_remaining(username, ip)
+        if remaining:
+            self.locked = True
+            raise forms.ValidationError(
+                self.error_messages["locked"], code="locked", params={"minutes": max(1, -(-remaining // 60))}
+            )
+        try:
+            cleaned = super().clean()
+        except forms.ValidationError as exc:
+            if exc.code == "invalid_login":
+                _record_failure(username, ip)
+            raise
+        _clear_failures(username)
+        return cleaned
+
+    @property
+    def is_locked(self) -> bool:
+        return getattr(self, "locked", False)
+
+
+class TenantSwitchForm(forms.Form):
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.none(), to_field_name="slug", label="Tenant")
+
+    def __init__(self, *args, user, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Only tenants the user may see: a foreign slug is simply "not a valid choice".
+        self.fields["tenant"].queryset = Tenant.objects.for_user(user)
+
+
+class TimeZoneForm(forms.Form):
+    tz = forms.ChoiceField(label="Time zone", choices=())
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["tz"].choices = time_zone_choices()
