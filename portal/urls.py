@@ -14,6 +14,7 @@ api_v1 = [
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("", include("portal.ops.urls")),
+    path("", include("portal.core.urls")),
     path("", include("tenants.urls")),
     path("", include("reservations.urls")),
     path("", include("provisioning.urls")),
