@@ -174,3 +174,255 @@ def suggest_windows(
         cur.execute(sql, params)
         starts = sorted(row[0] for row in cur.fetchall())
     return [{"start": t, "end": t + duration} for t in starts]
+
+
+# --- browser portal reads (calendar, booking preview, dashboard, fleet, feed) -------------
+
+
+def reservations_in_window(*, user, tenant, start: datetime, end: datetime, pool: Pool | None = None):
+    """Return the tenant's reservations overlapping [start, end) that the user may see: one query.
+
+    Cancelled and failed bookings hold nothing and are left out of the calendar.
+    """
+    from .choices import ReservationStatus
+
+    qs = (
+        Reservation.objects.for_user(user)
+        .for_tenant(tenant)
+        .filter(period__overlap=(start, end))
+        .exclude(status__in=[ReservationStatus.CANCELLED, ReservationStatus.FAILED])
+        .select_related("pool")
+        .order_by("period", "id")
+    )
+    if pool is not None:
+        qs = qs.filter(pool=pool)
+    return qs
+
+
+@dataclass(frozen=True)
+class BookingPreview:
+    """What a booking would look like, read without locks: the service still decides on submit."""
+
+    pool: Pool
+    node_count: int
+    start: datetime
+    end: datetime
+    available_nodes: int
+    free_nodes: int
+    has_quota: bool
+    max_nodes: int = 0
+    burst_nodes: int = 0
+    burst_enabled: bool = False
+    max_duration_hours: int | None = None
+    peak_before: int = 0
+    billing: str | None = None
+    burst_part_nodes: int = 0
+    problems: tuple[str, ...] = ()
+
+    @property
+    def hours(self) -> float:
+        return (self.end - self.start).total_seconds() / 3600
+
+    @property
+    def peak_after(self) -> int:
+        return self.peak_before + self.node_count
+
+    @property
+    def limit(self) -> int:
+        return self.max_nodes + (self.burst_nodes if self.burst_enabled else 0)
+
+    @property
+    def burst_gpu_hours(self):
+        from decimal import Decimal
+
+        return (Decimal(self.burst_part_nodes * self.pool.gpus_per_node) * Decimal(str(self.hours))).quantize(
+            Decimal("0.01")
+        )
+
+    @property
+    def burst_cost(self):
+        from decimal import Decimal
+
+        return (self.burst_gpu_hours * self.pool.on_demand_rate).quantize(Decimal("0.01"))
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def booking_preview(
+    *, tenant, pool: Pool, node_count: int, start: datetime, end: datetime,
+    exclude_reservation_id: int | None = None,
+) -> BookingPreview:
+    """Return free nodes, quota use after booking, committed vs burst and the burst part's cost.
+
+    The quota arithmetic is the same as the booking service's (`services._classify_billing`),
+    read without its row lock; a test keeps the two in agreement. Three queries.
+    """
+    from tenants.models import Quota
+
+    sql = """
+        SELECT count(*) FILTER (WHERE NOT EXISTS (
+                   SELECT 1 FROM reservations_allocation a
+                   WHERE a.node_id = n.id AND a.active AND a.period && tstzrange(%(start)s, %(end)s)
+                     AND a.reservation_id IS DISTINCT FROM %(exclude)s)),
+               count(*)
+        FROM reservations_node n WHERE n.pool_id = %(pool)s AND n.state = %(available)s
+    """
+    with connection.cursor() as cur:
+        cur.execute(sql, {"pool": pool.pk, "available": NodeState.AVAILABLE, "start": start, "end": end,
+                          "exclude": exclude_reservation_id})
+        free, available = (int(v) for v in cur.fetchone())
+    problems: list[str] = []
+    if free < node_count:
+        problems.append(f"Only {free} of {available} available {pool.name} nodes are free for the whole window.")
+    quota = Quota.objects.for_tenant(tenant).filter(pool=pool).first()
+    if quota is None:
+        problems.append(f"{tenant.name} has no quota for {pool.name}.")
+        return BookingPreview(pool=pool, node_count=node_count, start=start, end=end, available_nodes=available,
+                              free_nodes=free, has_quota=False, problems=tuple(problems))
+    peak = tenant_peak_usage(tenant_id=tenant.pk, pool_id=pool.pk, start=start, end=end,
+                             exclude_reservation_id=exclude_reservation_id)
+    hours = (end - start).total_seconds() / 3600
+    if quota.max_duration_hours is not None and hours > quota.max_duration_hours:
+        problems.append(f"{hours:g} h is longer than the {quota.max_duration_hours} h allowed in {pool.name}.")
+    billing, burst_part = None, 0
+    limit = quota.max_nodes + (quota.burst_nodes if tenant.burst_enabled else 0)
+    if peak + node_count <= quota.max_nodes:
+        billing = "committed"
+    elif peak + node_count <= limit:
+        billing = "burst"
+        burst_part = min(node_count, peak + node_count - quota.max_nodes)
+    else:
+        problems.append(f"Over quota: up to {peak} already held, {node_count} more exceeds {limit}.")
+    return BookingPreview(
+        pool=pool, node_count=node_count, start=start, end=end, available_nodes=available, free_nodes=free,
+        has_quota=True, max_nodes=quota.max_nodes, burst_nodes=quota.burst_nodes,
+        burst_enabled=tenant.burst_enabled, max_duration_hours=quota.max_duration_hours, peak_before=peak,
+        billing=billing, burst_part_nodes=burst_part, problems=tuple(problems),
+    )
+
+
+@dataclass(frozen=True)
+class QuotaUsage:
+    pool: Pool
+    max_nodes: int
+    burst_nodes: int
+    burst_enabled: bool
+    peak_now: int
+    peak_ahead: int
+
+    @property
+    def limit(self) -> int:
+        return self.max_nodes + (self.burst_nodes if self.burst_enabled else 0)
+
+
+def tenant_quota_usage(*, tenant, now: datetime, days: int = 14) -> list[QuotaUsage]:
+    """Return, per pool the tenant has a quota in, its peak nodes now and over the next days."""
+    from tenants.models import Quota
+
+    out = []
+    for quota in Quota.objects.for_tenant(tenant).select_related("pool").order_by("pool__name"):
+        peak_now = tenant_peak_usage(tenant_id=tenant.pk, pool_id=quota.pool_id, start=now,
+                                     end=now + timedelta(seconds=1))
+        peak_ahead = tenant_peak_usage(tenant_id=tenant.pk, pool_id=quota.pool_id, start=now,
+                                       end=now + timedelta(days=days))
+        out.append(QuotaUsage(pool=quota.pool, max_nodes=quota.max_nodes, burst_nodes=quota.burst_nodes,
+                              burst_enabled=tenant.burst_enabled, peak_now=peak_now, peak_ahead=peak_ahead))
+    return out
+
+
+def reservation_history(*, reservation: Reservation):
+    """Return the audit trail of one reservation, oldest first: its status timeline."""
+    from portal.core.models import AuditLog
+
+    return (
+        AuditLog.objects.filter(object_type=Reservation._meta.label_lower, object_id=str(reservation.pk))
+        .select_related("actor")
+        .order_by("created_at", "id")
+    )
+
+
+def tenant_recent_activity(*, tenant, limit: int = 10):
+    """Return the latest audited changes concerning the tenant, newest first."""
+    from portal.core.models import AuditLog
+
+    return AuditLog.objects.filter(tenant_id=tenant.pk).select_related("actor").order_by("-created_at", "-id")[
+        :limit
+    ]
+
+
+def fleet_timeline(*, user, start: datetime, end: datetime, pool: Pool | None = None):
+    """Return (nodes, allocations overlapping [start, end) grouped by node id): two queries.
+
+    Meant for staff, who see every tenant's allocations through the same tenant scope.
+    """
+    from collections import defaultdict
+
+    from .models import Allocation, Node
+
+    nodes = Node.objects.select_related("pool").exclude(state=NodeState.RETIRED).order_by("pool__name", "hostname")
+    if pool is not None:
+        nodes = nodes.filter(pool=pool)
+    nodes = list(nodes)
+    allocations = (
+        Allocation.objects.for_user(user)
+        .filter(active=True, period__overlap=(start, end), node_id__in=[n.pk for n in nodes])
+        .select_related("reservation__tenant")
+        .order_by("period")
+    )
+    by_node: dict[int, list] = defaultdict(list)
+    for allocation in allocations:
+        by_node[allocation.node_id].append(allocation)
+    return nodes, by_node
+
+
+def heatmap_step(pool: Pool) -> timedelta:
+    """Return the smallest multiple of the pool's slot that is at least an hour."""
+    minutes = pool.slot_minutes * max(1, -(-60 // pool.slot_minutes))
+    return timedelta(minutes=minutes)
+
+
+def pool_heatmap(*, start: datetime, end: datetime) -> list[tuple[Pool, int, list[Slot]]]:
+    """Return (pool, available nodes, hourly free-node slots) for every pool: one query per pool."""
+    from django.db.models import Count, Q
+
+    pools = Pool.objects.annotate(
+        available_nodes=Count("nodes", filter=Q(nodes__state=NodeState.AVAILABLE))
+    ).order_by("name")
+    return [
+        (pool, pool.available_nodes, availability(pool=pool, start=start, end=end, step=heatmap_step(pool)))
+        for pool in pools
+    ]
+
+
+def feed_reservations(*, tenant, since: datetime):
+    """Return the tenant's reservations ending after since, with their active nodes, for the feed."""
+    from django.db.models import Prefetch
+
+    from .models import Allocation
+
+    active = Prefetch("allocations", queryset=Allocation.objects.filter(active=True).select_related("node"),
+                      to_attr="active_allocations")
+    return (
+        Reservation.objects.for_tenant(tenant)
+        .filter(period__endswith__gt=since)
+        .select_related("pool")
+        .prefetch_related(active)
+        .order_by("period", "id")
+    )
+
+
+__all__ += [
+    "reservations_in_window",
+    "BookingPreview",
+    "booking_preview",
+    "QuotaUsage",
+    "tenant_quota_usage",
+    "reservation_history",
+    "tenant_recent_activity",
+    "fleet_timeline",
+    "heatmap_step",
+    "pool_heatmap",
+    "feed_reservations",
+]

@@ -248,6 +248,27 @@ def reservation_create(
         errors["cluster.cuda_version"] = f"One of {', '.join(CUDA_VERSIONS)}."
     _raise_if(errors)
 
+    # A concurrent booking that won one of our nodes aborts our transaction with 23P01 (its
+    # insert committed first); the whole booking is then retried from the quota lock on, on a
+    # fresh snapshot. The common, uncontended case pays for no savepoints.
+    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+        try:
+            return _book_once(
+                actor=actor, tenant=tenant, pool=pool, node_count=node_count, start=start, end=end, name=name,
+                orchestrator=orchestrator, cuda_version=cuda_version, idempotency_key=idempotency_key,
+                request_hash=request_hash, now=now,
+            )
+        except IntegrityError as exc:
+            if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+                raise
+            logger.info("booking collided with a concurrent one (attempt %d): %s", attempt + 1, _sqlstate(exc))
+    raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
+
+
+def _book_once(
+    *, actor: Any, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime, name: str,
+    orchestrator: str, cuda_version: str, idempotency_key: str | None, request_hash: str, now: datetime,
+) -> Reservation:
     with transaction.atomic(durable=True):
         if idempotency_key:
             replay = _claim_idempotency_key(user=actor, key=idempotency_key, request_hash=request_hash)
@@ -255,25 +276,17 @@ def reservation_create(
                 return replay
         billing = _classify_billing(tenant=tenant, pool=pool, node_count=node_count, start=start, end=end)
         period = DateTimeTZRange(start, end, "[)")
-
-        def attempt() -> Reservation:
-            nodes = selectors.free_nodes(pool_id=pool.pk, start=start, end=end, limit=node_count)
-            if len(nodes) < node_count:
-                raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
-            reservation = Reservation.objects.create(
-                tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
-                billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
-                created_by=actor if getattr(actor, "pk", None) else None,
-            )
-            _allocate(reservation=reservation, node_ids=[node_id for node_id, _ in nodes], period=period, actor=actor)
-            # Handed to the caller so the response needs no second read of what was just written.
-            reservation.node_hostnames = sorted(hostname for _, hostname in nodes)
-            return reservation
-
-        reservation = _with_retry(
-            attempt, on_exhausted=lambda: _capacity_error(
-                pool=pool, node_count=node_count, start=start, end=end, now=now)
+        nodes = selectors.free_nodes(pool_id=pool.pk, start=start, end=end, limit=node_count)
+        if len(nodes) < node_count:
+            raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
+        reservation = Reservation.objects.create(
+            tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
+            billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
+            created_by=actor if getattr(actor, "pk", None) else None,
         )
+        _allocate(reservation=reservation, node_ids=[node_id for node_id, _ in nodes], period=period, actor=actor)
+        # Handed to the caller so the response needs no second read of what was just written.
+        reservation.node_hostnames = sorted(hostname for _, hostname in nodes)
         if idempotency_key:
             IdempotencyKey.objects.filter(user=actor, key=idempotency_key).update(reservation=reservation)
         audit_record(actor=actor, action="reservation.create", obj=reservation, tenant_id=tenant.pk,

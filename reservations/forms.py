@@ -1,0 +1,176 @@
+"""HTML forms: booking, extending, the fleet window. They parse input; services apply the rules."""
+
+from __future__ import annotations
+
+import zoneinfo
+from datetime import UTC, datetime, timedelta
+
+from django import forms
+from django.utils import timezone
+
+from tenants.models import Quota, Tenant
+
+from .choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, Orchestrator
+from .models import Pool
+
+__all__ = [
+    "ZonedDateTimeField",
+    "parse_zoned",
+    "BookingForm",
+    "ExtendForm",
+    "FleetWindowForm",
+    "CalendarWindowForm",
+    "SERVICE_FIELD_MAP",
+]
+
+# Field names in a service's InvalidInput.fields -> the form field that shows the message.
+SERVICE_FIELD_MAP = {
+    "cluster.orchestrator": "orchestrator",
+    "cluster.cuda_version": "cuda_version",
+}
+
+
+def _shifts(naive: datetime, tz: zoneinfo.ZoneInfo) -> bool:
+    """True when naive wall-clock time is skipped or repeated in tz (a daylight-saving change)."""
+    early, late = naive.replace(tzinfo=tz, fold=0), naive.replace(tzinfo=tz, fold=1)
+    return early.utcoffset() != late.utcoffset()
+
+
+def parse_zoned(value: str, tz: zoneinfo.ZoneInfo) -> datetime:
+    """Parse ISO 8601: with an offset it is exact; without one it is wall-clock time in tz.
+
+    A wall-clock time that a DST change skips or repeats is refused rather than guessed.
+    Raises ValueError with a message for the user.
+    """
+    text = (value or "").strip()
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError("Enter a date and time, e.g. 2026-03-02 09:00.")
+    if parsed.tzinfo is not None and parsed.utcoffset() is not None:
+        return parsed.astimezone(UTC)
+    if _shifts(parsed, tz):
+        raise ValueError(
+            f"{parsed:%Y-%m-%d %H:%M} is skipped or repeated in {tz.key} (a daylight-saving change); "
+            "pick another time."
+        )
+    return parsed.replace(tzinfo=tz).astimezone(UTC)
+
+
+class ZonedDateTimeInput(forms.DateTimeInput):
+    input_type = "datetime-local"
+
+    def format_value(self, value):
+        if isinstance(value, datetime):
+            if timezone.is_aware(value):
+                value = timezone.localtime(value)
+            return value.strftime("%Y-%m-%dT%H:%M")
+        if isinstance(value, str) and value:
+            try:
+                return self.format_value(parse_zoned(value, timezone.get_current_timezone()))
+            except ValueError:
+                return value
+        return value
+
+
+class ZonedDateTimeField(forms.Field):
+    """A datetime typed in the user's time zone (the active one) or given with an offset; UTC out."""
+
+    widget = ZonedDateTimeInput
+
+    def to_python(self, value):
+        if value in self.empty_values:
+            return None
+        if isinstance(value, datetime):
+            return value if timezone.is_aware(value) else parse_zoned(value.isoformat(),
+                                                                     timezone.get_current_timezone())
+        try:
+            return parse_zoned(str(value), timezone.get_current_timezone())
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc), code="invalid")
+
+
+class BookingForm(forms.Form):
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.none(), to_field_name="slug",
+                                    widget=forms.HiddenInput)
+    pool = forms.ModelChoiceField(queryset=Pool.objects.none(), to_field_name="name", label="Pool",
+                                  empty_label=None)
+    node_count = forms.IntegerField(label="Nodes", min_value=1, max_value=10_000, initial=1)
+    start = ZonedDateTimeField(label="Start")
+    end = ZonedDateTimeField(label="End")
+    name = forms.CharField(label="Name", max_length=200, required=False,
+                           widget=forms.TextInput(attrs={"placeholder": "e.g. pretrain run 7"}))
+    orchestrator = forms.ChoiceField(label="Orchestrator", choices=Orchestrator.choices, initial=Orchestrator.SLURM)
+    cuda_version = forms.ChoiceField(label="CUDA version", choices=[(v, v) for v in CUDA_VERSIONS],
+                                     initial=DEFAULT_CUDA_VERSION)
+
+    def __init__(self, *args, user, tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Scoped choices: a user can only name their own tenants, and only pools that tenant has a quota in.
+        self.fields["tenant"].queryset = Tenant.objects.for_user(user)
+        self.fields["tenant"].initial = tenant.slug if tenant else None
+        quota_pools = Quota.objects.for_user(user).filter(tenant=tenant).values("pool_id")
+        self.fields["pool"].queryset = Pool.objects.filter(pk__in=quota_pools).order_by("name")
+        self.fields["node_count"].widget.attrs.update({"inputmode": "numeric"})
+
+    def clean(self):
+        data = super().clean()
+        start, end = data.get("start"), data.get("end")
+        if start and end and end <= start:
+            self.add_error("end", "Must be after the start.")
+        return data
+
+    def apply_service_errors(self, fields: dict[str, str], detail: str) -> None:
+        """Show a service's InvalidInput messages next to the fields they name."""
+        placed = False
+        for key, message in fields.items():
+            name = SERVICE_FIELD_MAP.get(key, key)
+            if name in self.fields:
+                self.add_error(name, message)
+                placed = True
+        if not placed:
+            self.add_error(None, detail)
+
+
+class ExtendForm(forms.Form):
+    end = ZonedDateTimeField(label="New end")
+
+
+class FleetWindowForm(forms.Form):
+    DAYS = ((1, "1 day"), (3, "3 days"), (7, "7 days"), (14, "14 days"))
+
+    start = forms.DateField(label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}))
+    days = forms.TypedChoiceField(label="Span", choices=DAYS, coerce=int, required=False, empty_value=3)
+    pool = forms.ModelChoiceField(queryset=Pool.objects.order_by("name"), to_field_name="name", required=False,
+                                  empty_label="All pools", label="Pool")
+
+    def window(self) -> tuple[datetime, datetime]:
+        """Return [local midnight of start, local midnight days later) in UTC: DST days are 23 or 25 h."""
+        tz = timezone.get_current_timezone()
+        data = self.cleaned_data if self.is_valid() else {}
+        day = data.get("start") or timezone.localdate()
+        days = data.get("days") or 3
+        lo = datetime.combine(day, datetime.min.time(), tzinfo=tz)
+        hi = datetime.combine(day + timedelta(days=days), datetime.min.time(), tzinfo=tz)
+        return lo.astimezone(UTC), hi.astimezone(UTC)
+
+
+class CalendarWindowForm(forms.Form):
+    """The query of the calendar's JSON feeds: start/end as FullCalendar sends them."""
+
+    start = ZonedDateTimeField()
+    end = ZonedDateTimeField()
+    pool = forms.ModelChoiceField(queryset=Pool.objects.all(), to_field_name="name", required=False)
+    granularity = forms.ChoiceField(choices=(("slot", "slot"), ("day", "day")), required=False)
+
+    MAX_SPAN = timedelta(days=62)
+
+    def clean(self):
+        data = super().clean()
+        start, end = data.get("start"), data.get("end")
+        if start and end:
+            if end <= start:
+                self.add_error("end", "Must be after start.")
+            elif end - start > self.MAX_SPAN:
+                self.add_error("end", "At most 62 days at a time.")
+        return data

@@ -1,0 +1,72 @@
+"""A tenant's reservations as an iCalendar (RFC 5545) feed for Google Calendar, Outlook, Apple Calendar."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+from icalendar import Calendar, Event
+
+from .choices import ReservationStatus
+from .models import Reservation
+
+__all__ = ["event_uid", "build_feed"]
+
+PRODID = "-//GPU Portal//Reservations//EN"
+DOMAIN = "gpu-portal"
+_STATUS = {
+    ReservationStatus.CANCELLED: "CANCELLED",
+    ReservationStatus.FAILED: "CANCELLED",
+}
+
+
+def event_uid(reservation: Reservation) -> str:
+    """Return the UID of a reservation's event: stable, so clients update instead of duplicating."""
+    return f"reservation-{reservation.pk}@{DOMAIN}"
+
+
+def _sequence(reservation: Reservation) -> int:
+    # Grows with every change (seconds from creation to the last update) and never goes back,
+    # which is all RFC 5545 asks of SEQUENCE; clients then replace their copy.
+    return max(0, int((reservation.updated_at - reservation.created_at).total_seconds()))
+
+
+def build_feed(*, tenant, reservations: Iterable[Reservation], base_url: str, now: datetime) -> bytes:
+    """Serialise reservations (with `active_allocations` prefetched) into one VCALENDAR."""
+    cal = Calendar.new(
+        prodid=PRODID,
+        uid=f"tenant-{tenant.slug}@{DOMAIN}",
+        name=f"{tenant.name} GPU reservations",
+        description=f"GPU node reservations of {tenant.name}.",
+    )
+    cal.add("X-PUBLISHED-TTL", "PT15M")
+    base = base_url.rstrip("/")
+    for r in reservations:
+        nodes = sorted(a.node.hostname for a in getattr(r, "active_allocations", []))
+        title = r.name or f"{r.pool.name} booking"
+        lines = [
+            f"{r.node_count} × {r.pool.name} ({r.pool.gpu_model}, {r.node_count * r.pool.gpus_per_node} GPUs)",
+            f"Status: {r.get_status_display()}; billing: {r.get_billing_display()}",
+            f"Cluster: {r.get_orchestrator_display()}, CUDA {r.cuda_version}",
+        ]
+        if nodes:
+            lines.append("Nodes: " + ", ".join(nodes))
+        url = f"{base}/reservations/{r.pk}/"
+        lines.append(url)
+        event = Event.new(
+            uid=event_uid(r),
+            start=r.period.lower.astimezone(UTC),
+            end=r.period.upper.astimezone(UTC),
+            summary=f"{title} — {r.node_count}× {r.pool.name}",
+            description="\n".join(lines),
+            stamp=now.astimezone(UTC),
+            last_modified=r.updated_at.astimezone(UTC),
+            created=r.created_at.astimezone(UTC),
+            sequence=_sequence(r),
+            status=_STATUS.get(r.status, "CONFIRMED"),
+            url=url,
+            location=f"{r.pool.name} pool",
+            categories=["GPU reservation", r.pool.name],
+        )
+        cal.add_component(event)
+    return cal.to_ical()
