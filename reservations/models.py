@@ -79,6 +79,8 @@ class Reservation(models.Model):
     name = models.CharField(max_length=200, blank=True, default="")
     status = models.CharField(max_length=16, choices=ReservationStatus.choices, default=ReservationStatus.CONFIRMED)
     status_reason = models.CharField(max_length=500, blank=True, default="")
+    # Nodes lost to failures with no spare to replace them; > 0 means the reservation is degraded.
+    missing_nodes = models.PositiveIntegerField(default=0)
     billing = models.CharField(max_length=16, choices=Billing.choices, default=Billing.COMMITTED)
     orchestrator = models.CharField(max_length=16, choices=Orchestrator.choices, default=Orchestrator.SLURM)
     cuda_version = models.CharField(max_length=16, default=DEFAULT_CUDA_VERSION)

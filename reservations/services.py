@@ -50,6 +50,7 @@ __all__ = [
     "reservation_cancel",
     "reservation_set_status",
     "request_fingerprint",
+    "node_replace_allocations",
 ]
 
 logger = logging.getLogger(__name__)
@@ -524,3 +525,84 @@ def maintenance_window_create(*, actor: Any, node: Node, start: datetime, end: d
             raise
         raise CapacityUnavailable(f"{node.hostname} is booked during that window.", suggestions=[])
     return allocation
+
+
+# --- failed nodes -----------------------------------------------------------------------
+
+
+def node_replace_allocations(*, node: Node, actor: Any = None, reason: str = "") -> list[dict[str, Any]]:
+    """Move every running and future booking off node onto a free spare of the same pool.
+
+    A running allocation is cut at now (its past stays on record) and the rest of its window
+    goes to a spare; a future one moves whole. The spare's allocation is inserted under the
+    same exclusion constraint as any booking, so a swap racing a booking can never
+    double-book: the loser of the race retries or, with no spare left, the reservation is
+    marked degraded with the number of nodes it is missing. Returns one outcome per booking.
+    """
+    if Node.objects.filter(pk=node.pk, state=NodeState.AVAILABLE).exists():
+        raise InvalidState(f"{node.hostname} is still available; drain or fail it before moving its bookings.")
+    now = timezone.now()
+    outcomes: list[dict[str, Any]] = []
+    allocation_ids = list(
+        Allocation.objects.filter(
+            node=node, active=True, kind=AllocationKind.RESERVATION, period__endswith__gt=now,
+            reservation__status__in=[s for s in ReservationStatus.values if s not in FINAL_STATUSES],
+        ).values_list("id", flat=True)
+    )
+    for allocation_id in allocation_ids:
+        outcomes.append(_replace_one(allocation_id=allocation_id, now=now, actor=actor, reason=reason))
+    return outcomes
+
+
+def _replace_one(*, allocation_id: int, now: datetime, actor: Any, reason: str) -> dict[str, Any]:
+    with transaction.atomic(durable=True):
+        reservation_id = Allocation.objects.values_list("reservation_id", flat=True).get(pk=allocation_id)
+        # Lock order as in reservation_update: the reservation, then its allocations.
+        reservation = Reservation.objects.select_for_update().get(pk=reservation_id)
+        allocation = Allocation.objects.select_for_update().select_related("node").get(pk=allocation_id)
+        if not allocation.active or allocation.period.upper <= now or reservation.status in FINAL_STATUSES:
+            return {"reservation_id": reservation.pk, "result": "unchanged"}
+        old = allocation.node
+        cut = max(allocation.period.lower, now)
+        remaining = DateTimeTZRange(cut, allocation.period.upper, "[)")
+        # The old row stays as the record of what the node served (up to the cut), inactive so
+        # it no longer holds the node.
+        if allocation.period.lower < cut:
+            allocation.period = DateTimeTZRange(allocation.period.lower, cut, "[)")
+        allocation.active = False
+        allocation.note = f"replaced at {_z(cut)}: {reason}"[:255]
+        allocation.save(update_fields=["period", "active", "note"])
+        spare = _insert_spare(reservation=reservation, period=remaining, actor=actor)
+        before = _snapshot(reservation)
+        if spare is None:
+            reservation.missing_nodes += 1
+            reservation.save(update_fields=["missing_nodes", "updated_at"])
+            result = {"reservation_id": reservation.pk, "result": "degraded", "failed": old.hostname,
+                      "missing_nodes": reservation.missing_nodes}
+            events.emit("reservation.degraded", reservation_id=reservation.pk, tenant_id=reservation.tenant_id,
+                        node=old.hostname, missing_nodes=reservation.missing_nodes, reason=reason)
+        else:
+            result = {"reservation_id": reservation.pk, "result": "replaced", "failed": old.hostname,
+                      "spare": spare.hostname}
+            events.emit("node.replaced", reservation_id=reservation.pk, tenant_id=reservation.tenant_id,
+                        failed=old.hostname, spare=spare.hostname, reason=reason)
+        audit_record(actor=actor, action="reservation.replace_node", obj=reservation,
+                     tenant_id=reservation.tenant_id, before={**before, "node": old.hostname},
+                     after={**_snapshot(reservation), **{k: v for k, v in result.items() if k != "reservation_id"}})
+    return result
+
+
+def _insert_spare(*, reservation: Reservation, period: DateTimeTZRange, actor: Any) -> Node | None:
+    """Allocate one free available node of the reservation's pool for period, or None."""
+    for _ in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+        nodes = selectors.free_nodes(pool_id=reservation.pool_id, start=period.lower, end=period.upper, limit=1)
+        if not nodes:
+            return None
+        try:
+            with transaction.atomic():
+                _allocate(reservation=reservation, node_ids=[nodes[0][0]], period=period, actor=actor)
+            return Node.objects.get(pk=nodes[0][0])
+        except IntegrityError as exc:
+            if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+                raise
+    return None

@@ -64,3 +64,18 @@ def t0():
 
 def iso(dt) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.fixture
+def captured_events():
+    """Record every domain event dispatched (after commit) during the test: [(name, payload)]."""
+    from portal.core import events
+
+    seen: list[tuple[str, dict]] = []
+
+    def handler(name, payload):
+        seen.append((name, payload))
+
+    events.subscribe("*", handler)
+    yield seen
+    events.unsubscribe("*", handler)

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.db import transaction
 
-__all__ = ["subscribe", "emit", "clear_subscribers"]
+__all__ = ["subscribe", "unsubscribe", "emit", "clear_subscribers"]
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[str, dict[str, Any]], None]
@@ -24,6 +24,11 @@ def subscribe(event: str, handler: Handler) -> None:
     """Register handler for event ("*" receives every event)."""
     if handler not in _subscribers[event]:
         _subscribers[event].append(handler)
+
+
+def unsubscribe(event: str, handler: Handler) -> None:
+    if handler in _subscribers.get(event, []):
+        _subscribers[event].remove(handler)
 
 
 def clear_subscribers() -> None:

@@ -95,7 +95,7 @@ class ReservationSerializer(serializers.ModelSerializer):
     class Meta:
         model = Reservation
         fields = ["id", "tenant", "pool", "node_count", "start", "end", "status", "status_reason", "billing",
-                  "nodes", "name", "cluster", "created_by", "created_at"]
+                  "nodes", "missing_nodes", "name", "cluster", "created_by", "created_at"]
 
     def get_nodes(self, obj) -> list[str]:
         # Fresh bookings carry their hostnames; lists use the prefetched active allocations.

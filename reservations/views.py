@@ -1,0 +1,568 @@
+"""Browser pages: dashboard, calendar and its JSON feeds, booking with a live preview, the
+reservation page, the pool heatmap, the staff fleet timeline and the iCalendar feed.
+
+Views parse input, call a service or a selector and render; the rules live in services.
+Every read goes through the tenant scope (`for_user`, or `for_tenant` behind the feed's token).
+"""
+
+from __future__ import annotations
+
+import hmac
+import zlib
+from datetime import UTC, date, datetime, timedelta
+
+from django.conf import settings
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import Prefetch
+from django.http import Http404, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.shortcuts import get_object_or_404
+from django.template.loader import select_template
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+from django_htmx.http import trigger_client_event
+
+from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
+from tenants.models import Tenant
+from tenants.views import portal_json, portal_view, render_page
+
+from . import selectors, services
+from .choices import FINAL_STATUSES, NodeState
+from .forms import BookingForm, CalendarWindowForm, ExtendForm, FleetWindowForm
+from .ical import build_feed
+from .models import Allocation, Pool
+from .timeutil import is_aligned, slot_ceil
+
+__all__ = [
+    "dashboard",
+    "calendar",
+    "calendar_events",
+    "calendar_availability",
+    "booking_form",
+    "booking_preview",
+    "reservation_detail",
+    "reservation_panel",
+    "reservation_extend",
+    "reservation_cancel",
+    "heatmap",
+    "heatmap_grid",
+    "fleet",
+    "ical_feed",
+]
+
+CALENDAR_VIEWS = ("dayGridMonth", "timeGridWeek", "timeGridDay")
+HEATMAP_DAYS = 14
+HEATMAP_REFRESH_SECONDS = 30
+FEED_HISTORY = timedelta(days=30)
+# Hooks for later work (virtual clusters, credentials, health): the first template that exists wins.
+CLUSTER_TEMPLATES = ["provisioning/_reservation_cluster.html", "reservations/_cluster_placeholder.html"]
+CLUSTER_BADGE_TEMPLATES = ["provisioning/_cluster_badge.html", "reservations/_cluster_badge_placeholder.html"]
+
+
+def _z(dt: datetime) -> str:
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _is_partial(request) -> bool:
+    return bool(getattr(request, "htmx", False)) and not request.htmx.boosted
+
+
+def _envelope(code: str, detail: str, fields: dict | None = None, status: int = 400) -> JsonResponse:
+    return JsonResponse({"code": code, "detail": detail, "fields": fields or {}}, status=status)
+
+
+def _form_errors(form) -> JsonResponse:
+    fields = {k: " ".join(v) for k, v in form.errors.items()}
+    first = next(iter(fields.items()))
+    return _envelope("invalid", f"{first[0]}: {first[1]}", fields)
+
+
+def _own_reservations(request):
+    active = Prefetch("allocations", queryset=Allocation.objects.filter(active=True).select_related("node"),
+                      to_attr="active_allocations")
+    return selectors.reservations_for_user(user=request.user).prefetch_related(active)
+
+
+def _require_booking(request) -> None:
+    if not request.portal.can_book:
+        raise PermissionDenied("Your role does not allow booking.")
+
+
+# --- dashboard --------------------------------------------------------------------------------
+
+
+@portal_view
+def dashboard(request):
+    portal = request.portal
+    context: dict = {"cluster_badge_template": select_template(CLUSTER_BADGE_TEMPLATES).template.name}
+    if portal.tenant is not None:
+        now = timezone.now()
+        context.update(
+            now=now,
+            upcoming=list(
+                selectors.reservations_for_user(user=request.user).for_tenant(portal.tenant).holding()
+                .filter(period__endswith__gt=now).order_by("period", "id")[:20]
+            ),
+            usage=selectors.tenant_quota_usage(tenant=portal.tenant, now=now, days=HEATMAP_DAYS),
+            activity=list(selectors.tenant_recent_activity(tenant=portal.tenant, limit=10)),
+            feed_url=_feed_url(request, portal.tenant),
+        )
+    return render_page(request, "reservations/dashboard.html", context)
+
+
+def _feed_url(request, tenant: Tenant) -> str | None:
+    if not tenant.ical_token:
+        return None
+    return request.build_absolute_uri(reverse("ical-feed", args=[tenant.slug, tenant.ical_token]))
+
+
+# --- calendar ---------------------------------------------------------------------------------
+
+
+def _pick_pool(request, pools: list[Pool]) -> Pool | None:
+    wanted = request.GET.get("pool")
+    by_name = {p.name: p for p in pools}
+    if wanted in by_name:
+        return by_name[wanted]
+    tenant = request.portal.tenant
+    if tenant is not None:
+        quota_pool = tenant.quotas.order_by("pool__name").values_list("pool__name", flat=True).first()
+        if quota_pool in by_name:
+            return by_name[quota_pool]
+    return pools[0] if pools else None
+
+
+@portal_view
+def calendar(request):
+    portal = request.portal
+    pools = list(Pool.objects.order_by("name"))
+    pool = _pick_pool(request, pools)
+    view = request.GET.get("view") if request.GET.get("view") in CALENDAR_VIEWS else None
+    try:
+        initial_date = date.fromisoformat(request.GET.get("date", "")).isoformat()
+    except ValueError:
+        initial_date = None
+    config = {
+        "tz": portal.tz_name,
+        "pool": pool.name if pool else None,
+        "slotMinutes": pool.slot_minutes if pool else 60,
+        "canBook": portal.can_book,
+        "tenant": portal.tenant.slug if portal.tenant else None,
+        "initialView": view,
+        "initialDate": initial_date,
+        "eventsUrl": reverse("calendar-events"),
+        "availabilityUrl": reverse("calendar-availability"),
+        "formUrl": reverse("booking-form"),
+        "panelUrl": reverse("reservation-panel", args=[0]),
+        "apiUrl": reverse("reservation-detail", args=[0]),  # the REST API: drag and resize PATCH it
+    }
+    return render_page(request, "reservations/calendar.html", {"pools": pools, "pool": pool, "config": config})
+
+
+def _event(reservation, *, portal, now: datetime, urls: dict[str, str]) -> dict:
+    changeable = (
+        portal.can_book and portal.can_change(reservation)
+        and reservation.status not in FINAL_STATUSES and reservation.end > now
+    )
+    started = reservation.start <= now
+    pk = str(reservation.pk)
+    return {
+        "id": pk,
+        "title": f"{reservation.name or 'Reservation'} · {reservation.node_count}× {reservation.pool.name}",
+        "start": _z(reservation.start),
+        "end": _z(reservation.end),
+        "classNames": [f"st-{reservation.status}", f"bill-{reservation.billing}"],
+        "editable": changeable,
+        "startEditable": changeable and not started,
+        "durationEditable": changeable,
+        "extendedProps": {
+            "status": reservation.status,
+            "billing": reservation.billing,
+            "nodeCount": reservation.node_count,
+            "pool": reservation.pool.name,
+            "url": urls["detail"].replace("/0/", f"/{pk}/"),
+            "panel": urls["panel"].replace("/0/", f"/{pk}/"),
+        },
+    }
+
+
+@require_GET
+@portal_json
+def calendar_events(request):
+    """FullCalendar's event feed: the current tenant's reservations in [start, end). Constant queries."""
+    form = CalendarWindowForm(request.GET)
+    if not form.is_valid():
+        return _form_errors(form)
+    portal = request.portal
+    if portal.tenant is None:
+        return JsonResponse([], safe=False)
+    data = form.cleaned_data
+    now = timezone.now()
+    urls = {"detail": reverse("reservation-page", args=[0]), "panel": reverse("reservation-panel", args=[0])}
+    reservations = selectors.reservations_in_window(
+        user=request.user, tenant=portal.tenant, start=data["start"], end=data["end"], pool=data.get("pool")
+    )
+    return JsonResponse([_event(r, portal=portal, now=now, urls=urls) for r in reservations], safe=False)
+
+
+def _level(free: int, total: int) -> int:
+    return 0 if total <= 0 or free <= 0 else max(1, min(4, round(4 * free / total)))
+
+
+def _background(start, end, free: int, total: int, *, all_day: bool = False) -> dict:
+    return {
+        "start": start.isoformat() if all_day else _z(start),
+        "end": end.isoformat() if all_day else _z(end),
+        "allDay": all_day,
+        "display": "background",
+        "title": f"{free}/{total} free",
+        "classNames": ["free", f"free-l{_level(free, total)}"],
+        "extendedProps": {"free": free, "total": total, "availability": True},
+    }
+
+
+@require_GET
+@portal_json
+def calendar_availability(request):
+    """Free nodes of one pool as background events: runs of equal free slots, or per local day. Constant queries."""
+    form = CalendarWindowForm(request.GET)
+    if not form.is_valid():
+        return _form_errors(form)
+    data = form.cleaned_data
+    pool = data.get("pool")
+    if pool is None:
+        return _envelope("invalid", "pool: This field is required.", {"pool": "This field is required."})
+    total = pool.nodes.filter(state=NodeState.AVAILABLE).count()
+    start, end = data["start"], data["end"]
+    if data.get("granularity") == "day":
+        step = selectors.heatmap_step(pool)
+        tz = timezone.get_current_timezone()
+        per_day: dict[date, int] = {}
+        for slot in selectors.availability(pool=pool, start=start, end=end, step=step):
+            day = slot.start.astimezone(tz).date()
+            per_day[day] = min(per_day.get(day, total), slot.free_nodes)
+        events = [_background(day, day + timedelta(days=1), free, total, all_day=True)
+                  for day, free in sorted(per_day.items())]
+        return JsonResponse(events, safe=False)
+    step = timedelta(minutes=pool.slot_minutes)
+    while (end - start) / step > settings.PORTAL_AVAILABILITY_MAX_SLOTS:
+        step *= 2
+    events: list[dict] = []
+    run_start = run_end = None
+    run_free = None
+    for slot in selectors.availability(pool=pool, start=start, end=end, step=step):
+        if slot.free_nodes == run_free and slot.start == run_end:
+            run_end = slot.end
+            continue
+        if run_start is not None:
+            events.append(_background(run_start, run_end, run_free, total))
+        run_start, run_end, run_free = slot.start, slot.end, slot.free_nodes
+    if run_start is not None:
+        events.append(_background(run_start, run_end, run_free, total))
+    return JsonResponse(events, safe=False)
+
+
+# --- booking ----------------------------------------------------------------------------------
+
+
+def _suggestions(raw: list[dict]) -> list[dict]:
+    out = []
+    for s in raw:
+        out.append({"start": s["start"], "end": s["end"],
+                    "start_dt": datetime.fromisoformat(s["start"]), "end_dt": datetime.fromisoformat(s["end"])})
+    return out
+
+
+def _default_window(pool: Pool | None) -> tuple[datetime, datetime]:
+    minutes = pool.slot_minutes if pool else 60
+    start = slot_ceil(timezone.now(), minutes) + timedelta(minutes=minutes)
+    return start, start + timedelta(hours=4)
+
+
+@require_http_methods(["GET", "POST"])
+@portal_view
+def booking_form(request):
+    """GET: the booking form (prefilled from a calendar selection). POST: book through the service."""
+    portal = request.portal
+    _require_booking(request)
+    suggestions: list[dict] = []
+    status = 200
+    if request.method == "POST":
+        form = BookingForm(request.POST, user=request.user, tenant=portal.tenant)
+        if form.is_valid():
+            d = form.cleaned_data
+            try:
+                reservation = services.reservation_create(
+                    actor=request.user, tenant=d["tenant"], pool=d["pool"], node_count=d["node_count"],
+                    start=d["start"], end=d["end"], name=d["name"], orchestrator=d["orchestrator"],
+                    cuda_version=d["cuda_version"],
+                )
+            except CapacityUnavailable as exc:
+                form.add_error(None, exc.detail)
+                suggestions = _suggestions(exc.extra.get("suggestions") or [])
+                status = 409
+            except InvalidInput as exc:
+                form.apply_service_errors(exc.fields, exc.detail)
+                status = 400
+            except DomainError as exc:
+                form.add_error(None, exc.detail)
+                status = exc.status
+            else:
+                if _is_partial(request):
+                    response = render_page(request, "reservations/_booking_done.html", {"reservation": reservation})
+                    return trigger_client_event(response, "reservation-changed", {"id": reservation.pk})
+                messages.success(request, f"Booked reservation #{reservation.pk}.")
+                return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
+        else:
+            status = 400
+    else:
+        pool_name = request.GET.get("pool")
+        pool = Pool.objects.filter(name=pool_name).first() if pool_name else None
+        start, end = _default_window(pool)
+        form = BookingForm(
+            initial={
+                "tenant": portal.tenant.slug,
+                "pool": pool_name,
+                "node_count": 1,
+                "start": request.GET.get("start") or start,
+                "end": request.GET.get("end") or end,
+            },
+            user=request.user, tenant=portal.tenant,
+        )
+    context = {"form": form, "suggestions": suggestions}
+    if _is_partial(request):
+        # htmx swaps only 2xx answers; the refusal is in the body.
+        return render_page(request, "reservations/_booking_form.html", context)
+    return render_page(request, "reservations/booking_page.html", context, status=status)
+
+
+@require_POST
+@portal_view
+def booking_preview(request):
+    """The live preview beside the form: free nodes, quota after booking, committed vs burst, burst cost."""
+    _require_booking(request)
+    form = BookingForm(request.POST, user=request.user, tenant=request.portal.tenant)
+    preview = None
+    misaligned = False
+    if form.is_valid():
+        d = form.cleaned_data
+        preview = selectors.booking_preview(tenant=d["tenant"], pool=d["pool"], node_count=d["node_count"],
+                                            start=d["start"], end=d["end"])
+        minutes = d["pool"].slot_minutes
+        misaligned = not (is_aligned(d["start"], minutes) and is_aligned(d["end"], minutes))
+    return render_page(request, "reservations/_preview.html", {"form": form, "preview": preview,
+                                                               "misaligned": misaligned})
+
+
+# --- one reservation --------------------------------------------------------------------------
+
+
+def _detail_context(request, reservation) -> dict:
+    portal = request.portal
+    pool = reservation.pool
+    now = timezone.now()
+    changeable = (portal.can_book and portal.can_change(reservation)
+                  and reservation.status not in FINAL_STATUSES and reservation.end > now)
+    slot = timedelta(minutes=pool.slot_minutes)
+    extend_options = [
+        (label, _z(reservation.end + delta))
+        for label, delta in (("+1 slot", slot), ("+4 hours", timedelta(hours=4)), ("+1 day", timedelta(days=1)))
+        if delta >= slot and delta % slot == timedelta(0)
+    ]
+    return {
+        "reservation": reservation,
+        "nodes": sorted(a.node.hostname for a in reservation.active_allocations),
+        "history": list(selectors.reservation_history(reservation=reservation)),
+        "changeable": changeable,
+        "extend_form": ExtendForm(initial={"end": reservation.end + slot}),
+        "extend_options": extend_options,
+        "gpus": reservation.node_count * pool.gpus_per_node,
+        "hours": (reservation.end - reservation.start).total_seconds() / 3600,
+        "cluster_template": select_template(CLUSTER_TEMPLATES).template.name,
+        "now": now,
+    }
+
+
+@portal_view
+def reservation_detail(request, pk: int):
+    reservation = get_object_or_404(_own_reservations(request), pk=pk)
+    return render_page(request, "reservations/detail.html", _detail_context(request, reservation))
+
+
+@portal_view
+def reservation_panel(request, pk: int):
+    """The calendar's side panel for one event."""
+    reservation = get_object_or_404(_own_reservations(request), pk=pk)
+    return render_page(request, "reservations/_panel.html", _detail_context(request, reservation))
+
+
+@require_POST
+@portal_view
+def reservation_extend(request, pk: int):
+    reservation = get_object_or_404(_own_reservations(request), pk=pk)
+    form = ExtendForm(request.POST)
+    if form.is_valid():
+        try:
+            reservation = services.reservation_update(actor=request.user, reservation=reservation,
+                                                      end=form.cleaned_data["end"])
+        except DomainError as exc:
+            messages.error(request, f"Not changed: {exc.detail}")
+        else:
+            end = timezone.localtime(reservation.end)
+            messages.success(request, f"Reservation #{reservation.pk} now ends {end:%a %d %b %H:%M %Z}.")
+    else:
+        messages.error(request, "Not changed: " + " ".join(form.errors.get("end", ["Give a new end."])))
+    return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
+
+
+@require_http_methods(["GET", "POST"])
+@portal_view
+def reservation_cancel(request, pk: int):
+    """GET asks for confirmation (a page that works without JavaScript); POST cancels."""
+    reservation = get_object_or_404(_own_reservations(request), pk=pk)
+    if request.method == "GET":
+        return render_page(request, "reservations/cancel_confirm.html", _detail_context(request, reservation))
+    try:
+        reservation = services.reservation_cancel(actor=request.user, reservation=reservation)
+    except DomainError as exc:
+        messages.error(request, f"Not cancelled: {exc.detail}")
+        ok = False
+    else:
+        messages.success(request, f"Reservation #{reservation.pk} cancelled; its nodes are free again.")
+        ok = True
+    if _is_partial(request):
+        reservation = get_object_or_404(_own_reservations(request), pk=pk)
+        response = render_page(request, "reservations/_panel.html", _detail_context(request, reservation))
+        return trigger_client_event(response, "reservation-changed", {"id": reservation.pk}) if ok else response
+    return HttpResponseRedirect(reverse("reservation-page", args=[pk]))
+
+
+# --- availability heatmap ---------------------------------------------------------------------
+
+
+def _heatmap_context() -> dict:
+    tz = timezone.get_current_timezone()
+    now = timezone.now()
+    today = timezone.localdate(now)
+    start = datetime.combine(today, datetime.min.time(), tzinfo=tz)
+    end = datetime.combine(today + timedelta(days=HEATMAP_DAYS), datetime.min.time(), tzinfo=tz)
+    pools = []
+    for pool, total, slots in selectors.pool_heatmap(start=start.astimezone(UTC), end=end.astimezone(UTC)):
+        # One row per local day, one column per local hour. A DST day repeats an hour (both slots
+        # fold into one cell, the lower count shown) or skips one (an empty cell): never misplaced.
+        cells: dict[tuple[date, int], dict] = {}
+        for slot in slots:
+            t = slot.start
+            while t < slot.end:
+                local = t.astimezone(tz)
+                key = (local.date(), local.hour)
+                cell = cells.get(key)
+                if cell is None:
+                    cells[key] = {"free": slot.free_nodes, "start": t, "past": slot.end <= now, "twice": False,
+                                  "level": _level(slot.free_nodes, total)}
+                else:
+                    cell["twice"] = True
+                    cell["free"] = min(cell["free"], slot.free_nodes)
+                    cell["level"] = _level(cell["free"], total)
+                t += timedelta(hours=1)
+        rows = []
+        for i in range(HEATMAP_DAYS):
+            day = today + timedelta(days=i)
+            rows.append({"day": day, "cells": [cells.get((day, h)) for h in range(24)]})
+        pools.append({"pool": pool, "total": total, "rows": rows})
+    return {"heatmap": pools, "hours": range(24), "updated": now, "refresh": HEATMAP_REFRESH_SECONDS}
+
+
+@portal_view
+def heatmap(request):
+    return render_page(request, "reservations/heatmap.html", _heatmap_context())
+
+
+@portal_view
+def heatmap_grid(request):
+    """The part of the heatmap page that htmx polls."""
+    return render_page(request, "reservations/_heatmap.html", _heatmap_context())
+
+
+# --- staff fleet timeline ---------------------------------------------------------------------
+
+
+def _hue(slug: str) -> int:
+    return zlib.crc32(slug.encode()) % 360
+
+
+@portal_view(staff_only=True)
+def fleet(request):
+    form = FleetWindowForm(request.GET or None)
+    lo, hi = form.window()
+    pool = form.cleaned_data.get("pool") if form.is_valid() else None
+    nodes, by_node = selectors.fleet_timeline(user=request.user, start=lo, end=hi, pool=pool)
+    span = (hi - lo).total_seconds()
+    now = timezone.now()
+
+    def pct(t: datetime) -> float:
+        return round(100 * (min(max(t, lo), hi) - lo).total_seconds() / span, 3)
+
+    rows = []
+    for node in nodes:
+        bars = []
+        for a in by_node.get(node.pk, []):
+            left, right = pct(a.period.lower), pct(a.period.upper)
+            r = a.reservation
+            bar = {"left": left, "width": max(right - left, 0.2), "start": a.period.lower, "end": a.period.upper,
+                   "kind": a.kind}
+            if r is not None:
+                bar.update(label=f"{r.tenant.slug} · {r.name or f'#{r.pk}'}", tenant=r.tenant, reservation=r,
+                           hue=_hue(r.tenant.slug), url=reverse("reservation-page", args=[r.pk]))
+            else:
+                bar.update(label=f"maintenance{': ' + a.note if a.note else ''}")
+            bars.append(bar)
+        rows.append({"node": node, "bars": bars})
+    tz = timezone.get_current_timezone()
+    ticks = []
+    day = timezone.localtime(lo).date()
+    while True:
+        for hour in (0, 6, 12, 18):
+            t = datetime.combine(day, datetime.min.time(), tzinfo=tz).replace(hour=hour)
+            if lo <= t < hi:
+                ticks.append({"left": pct(t), "at": t, "day": hour == 0})
+        day += timedelta(days=1)
+        if datetime.combine(day, datetime.min.time(), tzinfo=tz) >= hi:
+            break
+    context = {
+        "form": form,
+        "rows": rows,
+        "ticks": ticks,
+        "lo": lo,
+        "hi": hi,
+        "now_pct": pct(now) if lo <= now < hi else None,
+        "tenants": sorted({b["tenant"] for row in rows for b in row["bars"] if "tenant" in b}, key=lambda t: t.slug),
+    }
+    for tenant in context["tenants"]:
+        tenant.hue = _hue(tenant.slug)
+    return render_page(request, "reservations/fleet.html", context)
+
+
+# --- iCalendar feed ---------------------------------------------------------------------------
+
+
+@require_GET
+def ical_feed(request, slug: str, token: str):
+    """The tenant's reservations as text/calendar. The secret token in the URL is the credential."""
+    tenant = Tenant.objects.filter(slug=slug).exclude(ical_token="").first()
+    if tenant is None or not hmac.compare_digest(tenant.ical_token.encode(), token.encode()):
+        raise Http404("No such feed.")
+    now = timezone.now()
+    body = build_feed(
+        tenant=tenant,
+        reservations=selectors.feed_reservations(tenant=tenant, since=now - FEED_HISTORY),
+        base_url=request.build_absolute_uri("/"),
+        now=now,
+    )
+    response = HttpResponse(body, content_type="text/calendar; charset=utf-8")
+    response["Content-Disposition"] = f'inline; filename="{tenant.slug}-reservations.ics"'
+    response["Cache-Control"] = "private, max-age=300"
+    response["X-Robots-Tag"] = "noindex"
+    response["Referrer-Policy"] = "no-referrer"
+    return response

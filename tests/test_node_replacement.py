@@ -1,0 +1,95 @@
+"""A failed node's bookings move to spares under the same exclusion constraint, or degrade."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from portal.core.exceptions import CapacityUnavailable, InvalidState
+from reservations.models import Allocation, Node, Reservation
+from reservations.services import node_replace_allocations, node_update, reservation_create
+from reservations.timeutil import slot_floor
+
+from .test_races import overlapping_allocations, run_threads, tenants_with_leads
+
+
+def fail(world_or_node, staff=None):
+    node = world_or_node
+    node_update(actor=staff, node=node, state="failed", reason="XID 79")
+    return node_replace_allocations(node=node, actor=staff, reason="XID 79: fallen off the bus")
+
+
+@pytest.mark.django_db
+def test_running_booking_moves_the_rest_of_its_window_to_a_spare(world, captured_events):
+    now_slot = slot_floor(timezone.now(), 60)
+    r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                           node_count=2, start=now_slot, end=now_slot + timedelta(hours=4))
+    failed = Node.objects.get(hostname=r.node_hostnames[0])
+    with pytest.raises(InvalidState):
+        node_replace_allocations(node=failed)  # still available: refuse to shuffle a healthy node
+    outcomes = fail(failed, world.users["staff"])
+    assert [o["result"] for o in outcomes] == ["replaced"]
+    spare = outcomes[0]["spare"]
+    assert spare not in r.node_hostnames
+    old = Allocation.objects.get(reservation=r, node=failed)
+    assert old.active is False and old.period.lower == now_slot and old.period.upper <= timezone.now()
+    new = Allocation.objects.get(reservation=r, node__hostname=spare)
+    assert new.active and new.period.upper == now_slot + timedelta(hours=4)
+    assert new.period.lower == old.period.upper
+    r.refresh_from_db()
+    assert r.missing_nodes == 0
+    assert ("node.replaced", {"reservation_id": r.pk, "tenant_id": r.tenant_id, "failed": failed.hostname,
+                              "spare": spare, "reason": "XID 79: fallen off the bus"}) in captured_events
+    assert overlapping_allocations() == 0
+    body = world.client("alpha-lead").get(f"/api/v1/reservations/{r.pk}/").json()
+    assert failed.hostname not in body["nodes"] and spare in body["nodes"] and body["missing_nodes"] == 0
+
+
+@pytest.mark.django_db
+def test_future_booking_moves_whole_and_without_spare_it_degrades(world, t0, captured_events):
+    r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                           node_count=3, start=t0, end=t0 + timedelta(hours=2))
+    reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                       node_count=1, start=t0, end=t0 + timedelta(hours=2))
+    failed = Node.objects.get(hostname=r.node_hostnames[0])
+    outcomes = fail(failed)
+    assert outcomes[0]["result"] == "degraded" and outcomes[0]["missing_nodes"] == 1
+    r.refresh_from_db()
+    assert r.missing_nodes == 1 and r.status == "confirmed"
+    assert [p["missing_nodes"] for n, p in captured_events if n == "reservation.degraded"] == [1]
+    assert Allocation.objects.filter(reservation=r, active=True).count() == 2
+    assert not Allocation.objects.filter(node=failed, active=True).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bookings_racing_a_swap_never_double_book(t0):
+    from reservations.models import Pool
+
+    pool = Pool.objects.create(name="swap", gpu_model="H100", gpus_per_node=8)
+    for i in range(6):
+        Node.objects.create(hostname=f"swap-{i}", pool=pool)
+    leads = tenants_with_leads(pool, 12, max_nodes=6)
+    victim = reservation_create(actor=leads[0][1], tenant=leads[0][0], pool=pool, node_count=2, start=t0,
+                                end=t0 + timedelta(hours=3))
+    failed = Node.objects.get(hostname=victim.node_hostnames[0])
+    node_update(actor=None, node=failed, state="failed", reason="ECC")
+
+    def act(i):
+        if i == 0:
+            return node_replace_allocations(node=failed, reason="ECC")
+        tenant, user = leads[i]
+        return reservation_create(actor=user, tenant=tenant, pool=pool, node_count=1, start=t0,
+                                  end=t0 + timedelta(hours=3))
+
+    results = run_threads(act, 12)
+    swap = results[0]
+    assert isinstance(swap, list), swap
+    booked = [r for r in results[1:] if isinstance(r, Reservation)]
+    assert all(isinstance(r, Reservation | CapacityUnavailable) for r in results[1:]), results
+    # 5 healthy nodes: the victim's survivor + whatever the swap and the bookers got, never more.
+    victim.refresh_from_db()
+    active = Allocation.objects.filter(node__pool=pool, active=True, period__overlap=(t0, t0 + timedelta(hours=3)))
+    assert active.count() == 5
+    assert len(booked) + (1 if swap[0]["result"] == "replaced" else 0) == 4
+    assert victim.missing_nodes == (0 if swap[0]["result"] == "replaced" else 1)
+    assert overlapping_allocations() == 0
