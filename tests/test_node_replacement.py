@@ -20,14 +20,16 @@ def fail(world_or_node, staff=None):
 
 
 @pytest.mark.django_db
-def test_running_booking_moves_the_rest_of_its_window_to_a_spare(world, captured_events):
+def test_running_booking_moves_the_rest_of_its_window_to_a_spare(world, captured_events,
+                                                                 django_capture_on_commit_callbacks):
     now_slot = slot_floor(timezone.now(), 60)
     r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
                            node_count=2, start=now_slot, end=now_slot + timedelta(hours=4))
     failed = Node.objects.get(hostname=r.node_hostnames[0])
     with pytest.raises(InvalidState):
         node_replace_allocations(node=failed)  # still available: refuse to shuffle a healthy node
-    outcomes = fail(failed, world.users["staff"])
+    with django_capture_on_commit_callbacks(execute=True):
+        outcomes = fail(failed, world.users["staff"])
     assert [o["result"] for o in outcomes] == ["replaced"]
     spare = outcomes[0]["spare"]
     assert spare not in r.node_hostnames
@@ -46,13 +48,15 @@ def test_running_booking_moves_the_rest_of_its_window_to_a_spare(world, captured
 
 
 @pytest.mark.django_db
-def test_future_booking_moves_whole_and_without_spare_it_degrades(world, t0, captured_events):
+def test_future_booking_moves_whole_and_without_spare_it_degrades(world, t0, captured_events,
+                                                                 django_capture_on_commit_callbacks):
     r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
                            node_count=3, start=t0, end=t0 + timedelta(hours=2))
     reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
                        node_count=1, start=t0, end=t0 + timedelta(hours=2))
     failed = Node.objects.get(hostname=r.node_hostnames[0])
-    outcomes = fail(failed)
+    with django_capture_on_commit_callbacks(execute=True):
+        outcomes = fail(failed)
     assert outcomes[0]["result"] == "degraded" and outcomes[0]["missing_nodes"] == 1
     r.refresh_from_db()
     assert r.missing_nodes == 1 and r.status == "confirmed"
