@@ -1,0 +1,153 @@
+"""XIDs: kernel-log parsing, live events, and reporting each XID once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from provisioning.health.agent import run_checks
+from provisioning.health.fake_nvml import FakeNvml, Fault
+from provisioning.health.xid import HealthState, parse_kernel_log, xid_policy
+
+from .conftest import DATA, PINS, check, quick, validate_report
+
+LOG = (DATA / "kernel_log_xids.txt").read_text().splitlines()
+
+
+def test_kernel_log_parser_reads_dmesg_and_journal_lines_once() -> None:
+    xids = parse_kernel_log(LOG)
+    # two distinct XID 13 lines, the duplicated XID 48 line once, 63, the journal-format 74, 94 with ".0"
+    assert [(x.xid, x.pci) for x in xids] == [
+        (13, (0, 0x2A, 0)),
+        (13, (0, 0x2A, 0)),
+        (48, (0, 0x5D, 0)),
+        (63, (0, 0x5D, 0)),
+        (74, (0, 0x9A, 0)),
+        (94, (0, 0xDB, 0)),
+    ]
+    assert xids[2].detail.startswith("pid='<unknown>', name=<unknown>, An uncorrectable double bit error")
+    assert len({x.key for x in xids}) == len(xids)
+
+
+def test_kernel_log_xids_are_mapped_to_gpus_by_pci_address() -> None:
+    fake = FakeNvml(seed=3)  # H100 HGX bus ids 18 2a 3a 5d 9a ab ba db
+    report = quick(fake, kernel_log=lambda: LOG)
+    by_gpu = {gpu["index"]: check(report, "xid", gpu["index"]) for gpu in report["gpus"]}
+    assert [e["xid"] for e in by_gpu[1]["value"]] == [13] and by_gpu[1]["value"][0]["count"] == 2
+    assert by_gpu[1]["status"] == "pass"  # application fault: listed, not held against the GPU
+    assert [e["xid"] for e in by_gpu[3]["value"]] == [48, 63]
+    assert (by_gpu[3]["status"], by_gpu[3]["action"]) == ("fail", "drain_and_reset")
+    assert (by_gpu[4]["status"], by_gpu[4]["action"]) == ("fail", "drain_and_reset")
+    assert (by_gpu[7]["status"], by_gpu[7]["action"]) == ("warn", "reset_when_idle")
+    assert by_gpu[0]["value"] == [] and by_gpu[0]["status"] == "pass"
+    assert report["verdict"] == "fail"
+
+
+def test_the_same_xid_is_reported_once_across_runs() -> None:
+    fake = FakeNvml(seed=3, faults=[Fault("xid", gpu=2, xid=79, repeat=2)])
+    state = HealthState()
+    first = quick(fake, state=state)
+    assert check(first, "xid", 2)["status"] == "fail"
+    assert check(first, "xid", 2)["value"][0]["count"] == 1  # identical duplicate lines count once
+    second = quick(fake, state=state)
+    assert check(second, "xid", 2)["status"] == "pass"
+    assert second["verdict"] == "pass"
+
+
+def test_a_new_occurrence_after_reporting_is_reported_again() -> None:
+    state = HealthState()
+    old = "[  100.000000] NVRM: Xid (PCI:0000:18:00): 92, pid='<unknown>', name=<unknown>, High single-bit ECC"
+    new = "[  900.000000] NVRM: Xid (PCI:0000:18:00): 92, pid='<unknown>', name=<unknown>, High single-bit ECC"
+    fake = FakeNvml(seed=3)
+    assert check(quick(fake, state=state, kernel_log=lambda: [old]), "xid", 0)["status"] == "warn"
+    assert check(quick(fake, state=state, kernel_log=lambda: [old]), "xid", 0)["status"] == "pass"
+    assert check(quick(fake, state=state, kernel_log=lambda: [old, new]), "xid", 0)["status"] == "warn"
+
+
+def test_dedup_survives_processes_through_the_state_file(tmp_path: Path) -> None:
+    spec = {"model": "H100-SXM", "seed": 9, "faults": [{"kind": "xid", "gpu": 6, "xid": 95}]}
+    path = tmp_path / "state" / "health.json"
+    first = validate_report(run_checks("quick", FakeNvml.from_spec(spec), state_path=path, event_wait_ms=0, **PINS))
+    assert first["verdict"] == "fail"
+    assert path.exists()
+    saved = HealthState.load(path)
+    assert len(saved.reported_xids) == 1
+    assert len(saved.counters) == 8  # a baseline per GPU UUID
+    # a fresh fake from the same spec has the same log: nothing new to report
+    second = validate_report(run_checks("quick", FakeNvml.from_spec(spec), state_path=path, event_wait_ms=0, **PINS))
+    assert second["verdict"] == "pass"
+
+
+def test_corrupt_state_file_starts_afresh(tmp_path: Path) -> None:
+    path = tmp_path / "health.json"
+    path.write_text("{not json")
+    state = HealthState.load(path)
+    assert state.reported_xids == {} and state.counters == {}
+    state.mark_reported("abc")
+    state.save(path)
+    assert HealthState.load(path).is_reported("abc")
+
+
+def test_state_forgets_the_oldest_xids_beyond_its_cap() -> None:
+    state = HealthState(max_xids=3)
+    for key in "abcde":
+        state.mark_reported(key)
+    assert list(state.reported_xids) == ["c", "d", "e"]
+
+
+def test_live_event_with_mig_ids_is_delivered_once() -> None:
+    fake = FakeNvml(seed=3, faults=[Fault("xid", gpu=5, xid=94, source="event", gi=2, ci=1)])
+    first = quick(fake)
+    result = check(first, "xid", 5)
+    assert result["status"] == "warn" and result["action"] == "reset_when_idle"
+    assert result["value"] == [
+        {
+            "xid": 94,
+            "sources": ["event"],
+            "count": 1,
+            "mig": [{"gi": 2, "ci": 1}],
+            "meaning": xid_policy(94).meaning,
+            "severity": "warn",
+        }
+    ]
+    assert check(first, "xid_events")["value"]["events"] == 1
+    # NVML delivers an event once: the next run on the same node sees nothing
+    assert check(quick(fake), "xid", 5)["status"] == "pass"
+
+
+def test_event_and_log_of_the_same_xid_are_one_finding() -> None:
+    report = quick(FakeNvml(seed=3, faults=[Fault("xid", gpu=0, xid=119, source="both")]))
+    value = check(report, "xid", 0)["value"]
+    assert len(value) == 1
+    assert value[0]["sources"] == ["event", "kernel_log"] and value[0]["count"] == 2
+
+
+def test_unreadable_kernel_log_makes_xids_unknown() -> None:
+    def broken() -> list[str]:
+        raise OSError("dmesg: read kernel buffer failed: Operation not permitted")
+
+    report = quick(FakeNvml(seed=3), kernel_log=broken)
+    assert "xid_log" in report["parts_unknown"] and "xid_log" not in report["parts_ran"]
+    assert check(report, "xid_log")["status"] == "unknown"
+    assert {check(report, "xid", g["index"])["status"] for g in report["gpus"]} == {"unknown"}
+    assert report["verdict"] == "unknown"
+
+
+def test_event_registration_failure_is_unknown_for_that_gpu_only() -> None:
+    fake = FakeNvml(seed=3, faults=[Fault("nvml_error", gpu=4, call="nvmlDeviceRegisterEvents", error="Unknown")])
+    report = quick(fake)
+    assert check(report, "xid", 4)["status"] == "unknown"
+    assert "nvmlDeviceRegisterEvents" in check(report, "xid", 4)["message"]
+    assert [check(report, "xid", g)["status"] for g in (0, 1, 2, 3, 5, 6, 7)] == ["pass"] * 7
+
+
+def test_ecc_events_unsupported_still_listen_for_xids() -> None:
+    fake = FakeNvml(
+        seed=3,
+        faults=[
+            Fault("not_supported", gpu=1, call="nvmlDeviceRegisterEvents"),
+        ],
+    )
+    report = quick(fake)
+    # both registrations fail with NotSupported: unknown, never a pass
+    assert check(report, "xid", 1)["status"] == "unknown"
+    assert fake.call_counts["nvmlDeviceRegisterEvents"] == 8 + 1  # one retry with XIDs only
