@@ -9,6 +9,7 @@ api_v1 = [
     path("", include("tenants.api.urls")),
     path("", include("reservations.api.urls")),
     path("", include("provisioning.api.urls")),
+    path("", include("provisioning.health.api_urls")),
 ]
 
 urlpatterns = [
@@ -18,6 +19,7 @@ urlpatterns = [
     path("", include("tenants.urls")),
     path("", include("reservations.urls")),
     path("", include("provisioning.urls")),
+    path("", include("provisioning.health.urls")),
     path("notifications/", include("notifications.urls")),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

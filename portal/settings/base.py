@@ -40,6 +40,7 @@ INSTALLED_APPS = [
     "tenants",
     "reservations",
     "provisioning",
+    "provisioning.health",
     "notifications",
 ]
 
