@@ -204,3 +204,20 @@ def test_extensions_racing_into_the_same_gap_only_one_wins(small_pool, t0):
     assert len(wins) == 1, results
     assert isinstance(next(r for r in results if not isinstance(r, Reservation)), DomainError)
     assert overlapping_allocations() == 0
+
+
+def test_same_idempotency_key_racing_books_once(small_pool, t0):
+    (tenant, lead), = tenants_with_leads(small_pool, 1, max_nodes=4)
+    from reservations.services import request_fingerprint
+
+    body = {"pool": "race", "node_count": 1, "start": t0.isoformat()}
+
+    def book(i):
+        return reservation_create(actor=lead, tenant=tenant, pool=small_pool, node_count=1, start=t0,
+                                  end=t0 + timedelta(hours=1), idempotency_key="retry-me",
+                                  request_hash=request_fingerprint(body))
+
+    results = run_threads(book, 16)
+    assert all(isinstance(r, Reservation) for r in results), results
+    assert len({r.pk for r in results}) == 1
+    assert Reservation.objects.count() == 1
