@@ -1,3 +1,9 @@
 """Beat entries of this app, merged into CELERY_BEAT_SCHEDULE by the settings (no Django imports here)."""
 
-BEAT: dict = {}
+BEAT: dict = {
+    # Requeue deliveries whose task was lost (the delivery rows are the source of truth).
+    "notifications-sweep": {"task": "notifications.sweep", "schedule": 60.0},
+    # "Starts in 1 h", "ends in 24 h / 1 h"; the delivery key makes a repeat (or the lifecycle
+    # tick announcing the same reminder) a no-op.
+    "notifications-reminders": {"task": "notifications.reminders", "schedule": 60.0},
+}

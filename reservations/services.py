@@ -606,3 +606,117 @@ def _insert_spare(*, reservation: Reservation, period: DateTimeTZRange, actor: A
             if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
                 raise
     return None
+
+
+# --- lifecycle support for provisioning (appended; called by provisioning services) -------
+
+
+def reservation_reopen(*, reservation_id: int, actor: Any, reason: str = "") -> Reservation:
+    """Give a failed reservation another try (staff retry): hold its nodes again, back to confirmed.
+
+    The nodes it held are claimed again through the exclusion constraint; if another booking
+    took one of them meanwhile, nothing changes and CapacityUnavailable is raised. Nests
+    inside the caller's transaction.
+    """
+    with transaction.atomic():
+        reservation = Reservation.objects.select_for_update().filter(pk=reservation_id).first()
+        if reservation is None:
+            raise InvalidState(f"Reservation #{reservation_id} does not exist.")
+        if reservation.status != ReservationStatus.FAILED:
+            raise InvalidState(f"Reservation #{reservation.pk} is {reservation.status}, not failed.")
+        if reservation.period.upper <= timezone.now():
+            raise InvalidState(f"Reservation #{reservation.pk} has ended; it cannot be retried.")
+        before = _snapshot(reservation)
+        try:
+            with transaction.atomic():
+                # Allocations a node swap replaced stay released ("replaced …" note).
+                reservation.allocations.filter(active=False, kind=AllocationKind.RESERVATION).exclude(
+                    note__startswith="replaced").update(active=True)
+        except IntegrityError as exc:
+            if _sqlstate(exc) != EXCLUSION_VIOLATION:
+                raise
+            raise CapacityUnavailable(
+                f"Reservation #{reservation.pk}'s nodes were booked by others since it failed.", suggestions=[])
+        reservation.status = ReservationStatus.CONFIRMED
+        reservation.status_reason = reason[:500]
+        reservation.save(update_fields=["status", "status_reason", "updated_at"])
+        audit_record(actor=actor, action="reservation.reopen", obj=reservation, tenant_id=reservation.tenant_id,
+                     before=before, after=_snapshot(reservation))
+        events.emit("reservation.reopened", reservation_id=reservation.pk, tenant_id=reservation.tenant_id)
+    return reservation
+
+
+def allocation_replace_node(*, reservation_id: int, node_id: int, actor: Any = None) -> Node | None:
+    """Move a holding reservation off node_id onto a free available node of its pool.
+
+    The replacement holds [max(now, start), end); the old allocation is released with a
+    "replaced by …" note. Return the new node, or None when the reservation does not hold
+    that node or no spare is free for the remaining window (the caller marks it degraded).
+    """
+    from .choices import HOLDING_STATUSES
+
+    now = timezone.now()
+    with transaction.atomic():
+        reservation = Reservation.objects.select_for_update().select_related("pool").filter(pk=reservation_id).first()
+        if reservation is None or reservation.status not in HOLDING_STATUSES:
+            return None
+        old = reservation.allocations.select_related("node").filter(node_id=node_id, active=True).first()
+        if old is None or reservation.period.upper <= now:
+            return None
+        start = max(now, reservation.period.lower)
+        for _attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+            candidates = selectors.free_node_ids(
+                pool_id=reservation.pool_id, start=start, end=reservation.period.upper, limit=1)
+            if not candidates:
+                return None
+            new_node = Node.objects.get(pk=candidates[0])
+            try:
+                with transaction.atomic():
+                    old.active = False
+                    old.note = f"replaced by {new_node.hostname} at {_z(now)}"[:255]
+                    old.save(update_fields=["active", "note"])
+                    Allocation.objects.create(
+                        reservation=reservation, node=new_node,
+                        period=DateTimeTZRange(start, reservation.period.upper, "[)"),
+                        created_by=actor if getattr(actor, "pk", None) else None,
+                        note=f"replaces {old.node.hostname}"[:255],
+                    )
+            except IntegrityError as exc:
+                if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+                    raise
+                old.refresh_from_db()
+                continue
+            audit_record(actor=actor, action="reservation.node_replaced", obj=reservation,
+                         tenant_id=reservation.tenant_id,
+                         before={"node": old.node.hostname}, after={"node": new_node.hostname, "from": _z(start)})
+            events.emit("reservation.changed", reservation_id=reservation.pk, tenant_id=reservation.tenant_id)
+            return new_node
+    return None
+
+
+# --- admin (appended) -------------------------------------------------------------------
+
+__all__ += ["pool_update"]
+
+POOL_FIELDS = ("gpu_model", "gpus_per_node", "slot_minutes", "on_demand_rate")
+
+
+def pool_update(*, actor: Any, pool: Pool, **changes: Any) -> Pool:
+    """Change a pool's description or rate; the slot length only while no booking is open in it."""
+    with transaction.atomic(durable=True):
+        pool = Pool.objects.select_for_update().get(pk=pool.pk)
+        before = {f: str(getattr(pool, f)) for f in POOL_FIELDS}
+        if "slot_minutes" in changes and changes["slot_minutes"] != pool.slot_minutes:
+            slot = changes["slot_minutes"]
+            if not isinstance(slot, int) or slot < 1 or 1440 % slot:
+                raise InvalidInput("slot_minutes: must divide a day.", fields={"slot_minutes": "Must divide 1440."})
+            if Reservation.objects.filter(pool=pool, status__in=[s for s in ReservationStatus.values
+                                                                 if s not in FINAL_STATUSES]).exists():
+                raise InvalidState("The slot length cannot change while the pool has open reservations.")
+        for key in POOL_FIELDS:
+            if key in changes:
+                setattr(pool, key, changes[key])
+        pool.save()
+        audit_record(actor=actor, action="pool.update", obj=pool,
+                     before=before, after={f: str(getattr(pool, f)) for f in POOL_FIELDS})
+    return pool

@@ -147,3 +147,104 @@ def token_issue(*, user: Any, name: str = "") -> tuple[ApiToken, str]:
     key = "gpp_" + secrets.token_urlsafe(32)
     token = ApiToken.objects.create(user=user, name=name, prefix=key[:12], key_hash=ApiToken.hash_key(key))
     return token, key
+
+
+# --- admin and notification settings (appended) -------------------------------------------
+
+__all__ += [
+    "quota_bulk_update",
+    "quota_delete",
+    "membership_update",
+    "membership_delete",
+    "tenant_slack_webhook_set",
+]
+
+
+def quota_bulk_update(*, actor, changes: list[tuple[Any, dict[str, Any]]], reason: str = "bulk edit") -> list[Quota]:
+    """Apply several quota edits in one transaction, each audited (who, old → new) like quota_update.
+
+    changes is [(quota or its id, {field: value})]. The rows are locked in id order, the same
+    lock bookings take, so no booking sees some rows changed and others not, and two bulk
+    edits cannot deadlock. Any invalid row rolls the whole batch back.
+    """
+    wanted = {getattr(q, "pk", q): values for q, values in changes}
+    updated: list[Quota] = []
+    with transaction.atomic(durable=True):
+        for quota in Quota.objects.select_for_update().filter(pk__in=list(wanted)).order_by("pk"):
+            values = wanted[quota.pk]
+            before = _snapshot(quota, QUOTA_FIELDS)
+            for key in QUOTA_FIELDS:
+                if key in values:
+                    setattr(quota, key, values[key])
+            after = _snapshot(quota, QUOTA_FIELDS)
+            if after == before:
+                continue
+            quota._change_reason = reason
+            try:
+                _save_checked(quota, integrity_fields={})
+            except InvalidInput as exc:
+                raise InvalidInput(f"{quota}: {exc.detail}", fields=exc.fields)
+            audit_record(actor=actor, action="quota.update", obj=quota, tenant_id=quota.tenant_id,
+                         before=before, after=after)
+            updated.append(quota)
+        missing = set(wanted) - {q.pk for q in Quota.objects.filter(pk__in=list(wanted))}
+        if missing:
+            raise InvalidInput(f"Unknown quota ids: {sorted(missing)}.", fields={"quota": "Unknown."})
+    return updated
+
+
+@transaction.atomic(durable=True)
+def quota_delete(*, actor, quota: Quota) -> None:
+    """Remove a quota row: the tenant can no longer book that pool (existing bookings stay)."""
+    quota = Quota.objects.select_for_update().get(pk=quota.pk)
+    audit_record(actor=actor, action="quota.delete", obj=quota, tenant_id=quota.tenant_id,
+                 before=_snapshot(quota, QUOTA_FIELDS))
+    quota._change_reason = "quota_delete"
+    quota.delete()
+
+
+@transaction.atomic(durable=True)
+def membership_update(*, actor, membership: Membership, role: str) -> Membership:
+    membership = Membership.objects.select_for_update().select_related("user").get(pk=membership.pk)
+    if role not in Role.values:
+        raise InvalidInput("role: unknown role.", fields={"role": f"One of {', '.join(Role.values)}."})
+    before = {"user": membership.user.username, "role": membership.role}
+    membership.role = role
+    membership.save(update_fields=["role"])
+    audit_record(actor=actor, action="membership.update", obj=membership, tenant_id=membership.tenant_id,
+                 before=before, after={"user": membership.user.username, "role": role})
+    return membership
+
+
+@transaction.atomic(durable=True)
+def membership_delete(*, actor, membership: Membership) -> None:
+    membership = Membership.objects.select_for_update().select_related("user").get(pk=membership.pk)
+    audit_record(actor=actor, action="membership.delete", obj=membership, tenant_id=membership.tenant_id,
+                 before={"user": membership.user.username, "role": membership.role})
+    membership.delete()
+
+
+@transaction.atomic(durable=True)
+def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
+    """Set (or clear, with "") the tenant's Slack incoming-webhook URL; audited masked, never in full."""
+    from urllib.parse import urlsplit
+
+    from portal.core.crypto import mask
+
+    url = (url or "").strip()
+    if url:
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        except ValueError:
+            ok = False
+        if not ok or len(url) > 2000:
+            raise InvalidInput("slack_webhook_url: an absolute http(s) URL is required.",
+                               fields={"slack_webhook_url": "Give the incoming-webhook URL Slack showed you."})
+    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    before = {"slack_webhook_url": mask(tenant.slack_webhook_url, keep=6)}
+    tenant.slack_webhook_url = url
+    tenant.save(update_fields=["slack_webhook_url"])
+    audit_record(actor=actor, action="tenant.slack_webhook", obj=tenant, tenant_id=tenant.pk,
+                 before=before, after={"slack_webhook_url": mask(url, keep=6)})
+    return tenant

@@ -1,1 +1,7 @@
-urlpatterns: list = []
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("audit/", views.audit_log, name="audit-log"),
+]

@@ -185,6 +185,16 @@ PORTAL_PROVISIONING_BACKEND = env("PORTAL_PROVISIONING_BACKEND", default="simula
 PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=[])
 PORTAL_BASE_URL = env("PORTAL_BASE_URL", default="http://127.0.0.1:8000")
 
+# Notifications (notifications/): platform channel, demo receiver, delivery policy.
+PORTAL_PLATFORM_SLACK_WEBHOOK = env("PORTAL_PLATFORM_SLACK_WEBHOOK", default="")
+PORTAL_PLATFORM_SLACK_EVENTS = env.list("PORTAL_PLATFORM_SLACK_EVENTS", default=[])
+PORTAL_DEMO_WEBHOOK_URL = env("PORTAL_DEMO_WEBHOOK_URL", default="")
+PORTAL_DEMO_TENANT = env("PORTAL_DEMO_TENANT", default="research")
+PORTAL_DEMO_WEBHOOK_SECRET = env("PORTAL_DEMO_WEBHOOK_SECRET", default="")
+PORTAL_NOTIFY_HTTP_TIMEOUT = env.float("PORTAL_NOTIFY_HTTP_TIMEOUT", default=10.0)
+PORTAL_NOTIFY_MAX_ATTEMPTS = env.int("PORTAL_NOTIFY_MAX_ATTEMPTS", default=12)
+PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT = env.int("PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT", default=80)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

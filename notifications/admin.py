@@ -1,0 +1,181 @@
+"""Admin for notification channels and the delivery log (staff).
+
+Secrets are never shown back: URLs appear masked, signing secrets only once, on the page
+that follows creating or rotating one. Changes are service calls, audited like the rest.
+"""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+from django.template.response import TemplateResponse
+from django.utils.html import format_html
+
+from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
+from portal.core.crypto import mask
+from tenants.services import tenant_slack_webhook_set
+
+from . import services
+from .choices import EVENT_LABELS, SUBSCRIBABLE_EVENTS, ChannelKind, DeliveryStatus
+from .models import Channel, Delivery, DeliveryAttempt
+
+EVENT_CHOICES = [(e, EVENT_LABELS[e]) for e in SUBSCRIBABLE_EVENTS]
+
+
+class ChannelForm(forms.ModelForm):
+    events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False,
+                                       widget=forms.CheckboxSelectMultiple)
+    new_url = forms.URLField(
+        required=False, max_length=2000, assume_scheme="https", label="New URL",
+        widget=forms.TextInput(attrs={"autocomplete": "off", "size": 60}),
+        help_text="Replaces the URL (shown masked above). For a tenant's Slack channel this is the tenant's "
+                  "incoming-webhook URL; the platform channel's comes from PORTAL_PLATFORM_SLACK_WEBHOOK.",
+    )
+
+    class Meta:
+        model = Channel
+        fields = ("name", "events", "enabled")
+
+
+class AttemptInline(ReadOnlyAdminMixin, admin.TabularInline):
+    model = DeliveryAttempt
+    fields = ("number", "started_at", "finished_at", "verdict", "status_code", "error", "retry_after",
+              "next_attempt_at", "worker")
+    readonly_fields = fields
+    extra = 0
+
+
+@admin.register(Channel)
+class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
+    form = ChannelForm
+    list_display = ("label", "tenant", "kind", "enabled", "health", "url_masked", "event_count")
+    list_filter = ("kind", "enabled", "tenant")
+    search_fields = ("name", "tenant__slug")
+    list_select_related = ("tenant",)
+    readonly_fields = ("tenant", "kind", "url_masked", "secret_masked", "health", "created_at")
+    actions = ["send_test", "clear_broken", "rotate_secret"]
+
+    def get_fields(self, request, obj=None):
+        fields = ["tenant", "kind", "name", "url_masked", "new_url", "events", "enabled", "health"]
+        if obj is not None and obj.kind == ChannelKind.WEBHOOK:
+            fields.insert(4, "secret_masked")
+        if obj is not None and obj.is_platform:
+            fields.remove("new_url")
+        return fields
+
+    def has_add_permission(self, request, *args):
+        return False  # leads add webhooks on their notifications page (staff can open any tenant's)
+
+    @admin.display(description="URL")
+    def url_masked(self, obj: Channel) -> str:
+        return obj.masked_url() or "not set"
+
+    @admin.display(description="signing secret")
+    def secret_masked(self, obj: Channel) -> str:
+        text = mask(obj.secret) if obj.secret else "—"
+        if obj.previous_secret and obj.previous_secret_expires_at:
+            text += f" (previous secret also signs until {obj.previous_secret_expires_at:%Y-%m-%d %H:%M} UTC)"
+        return text
+
+    @admin.display(description="status")
+    def health(self, obj: Channel) -> str:
+        if obj.is_broken:
+            return format_html('<strong style="color:#ba2121">broken: {}</strong> (since {:%Y-%m-%d %H:%M})',
+                               obj.broken_error, obj.broken_at)
+        return "ok" if obj.enabled else "disabled"
+
+    @admin.display(description="events")
+    def event_count(self, obj: Channel) -> int:
+        return len(obj.events)
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        changed = set(form.changed_data)
+        if obj.kind == ChannelKind.WEBHOOK:
+            services.webhook_update(
+                actor=request.user, channel=obj,
+                name=data["name"] if "name" in changed else None,
+                events=data["events"] if "events" in changed else None,
+                enabled=data["enabled"] if "enabled" in changed else None,
+                url=data["new_url"] or None,
+            )
+            return
+        if obj.is_platform:
+            services.platform_channel_update(actor=request.user, channel=obj, events=data["events"],
+                                             enabled=data["enabled"])
+            return
+        if data.get("new_url"):
+            tenant_slack_webhook_set(actor=request.user, tenant=obj.tenant, url=data["new_url"])
+        if changed & {"events", "enabled"}:
+            services.slack_subscriptions_update(actor=request.user, tenant=obj.tenant, events=data["events"],
+                                                enabled=data["enabled"])
+
+    def delete_model(self, request, obj):
+        services.channel_delete(actor=request.user, channel=obj)
+
+    def delete_queryset(self, request, queryset):
+        for channel in queryset:
+            services.channel_delete(actor=request.user, channel=channel)
+
+    @admin.action(description="Send a test message")
+    def send_test(self, request, queryset):
+        for channel in queryset.select_related("tenant"):
+            delivery = self.run_service(request, services.channel_send_test, actor=request.user, channel=channel)
+            if delivery is not None:
+                self.message_user(request, f"Test message to {channel.label} queued (delivery #{delivery.pk}).")
+
+    @admin.action(description="Clear the broken flag (after fixing the receiver)")
+    def clear_broken(self, request, queryset):
+        for channel in queryset:
+            self.run_service(request, services.channel_clear_broken, actor=request.user, channel=channel)
+        self.message_user(request, "Cleared; the channels send again.", messages.SUCCESS)
+
+    @admin.action(description="Rotate the signing secret (signed webhooks)")
+    def rotate_secret(self, request, queryset):
+        rotated = []
+        for channel in queryset.filter(kind=ChannelKind.WEBHOOK).select_related("tenant"):
+            result = self.run_service(request, services.webhook_rotate_secret, actor=request.user, channel=channel)
+            if result is not None:
+                rotated.append(result)
+        if not rotated:
+            self.message_user(request, "Only signed webhooks have a signing secret.", messages.WARNING)
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "New signing secrets",
+            "opts": self.model._meta,
+            "rotated": rotated,
+        }
+        # Shown once, in this response only (never stored in a message or the session).
+        return TemplateResponse(request, "admin/notifications/channel/secrets.html", context)
+
+
+@admin.register(Delivery)
+class DeliveryAdmin(ReadOnlyAdminMixin, ServiceAdminMixin, admin.ModelAdmin):
+    list_display = ("created_at", "event", "channel_label", "tenant", "status", "attempts", "last_status_code",
+                    "last_error", "delivered_at")
+    list_filter = ("status", "kind", "event", "tenant")
+    search_fields = ("summary", "key", "message_id", "last_error")
+    list_select_related = ("tenant",)
+    date_hierarchy = "created_at"
+    readonly_fields = ("key", "event", "source_event", "channel_label", "kind", "tenant", "summary", "status",
+                       "attempts", "next_attempt_at", "lease_until", "last_attempt_at", "last_status_code",
+                       "last_error", "delivered_at", "message_id", "payload", "created_at")
+    fields = readonly_fields
+    inlines = [AttemptInline]
+    actions = ["retry_now"]
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    @admin.action(description="Retry now (failed or skipped deliveries)")
+    def retry_now(self, request, queryset):
+        done = 0
+        for delivery in queryset.filter(status__in=[DeliveryStatus.FAILED, DeliveryStatus.SKIPPED,
+                                                    DeliveryStatus.RETRYING]):
+            if self.run_service(request, services.delivery_requeue, actor=request.user, delivery=delivery):
+                done += 1
+        self.message_user(request, f"Queued {done} delivery(ies) again.", messages.SUCCESS if done else
+                          messages.WARNING)

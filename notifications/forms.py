@@ -1,0 +1,52 @@
+"""HTML forms for a lead's notification settings. They validate shape; the services decide."""
+
+from __future__ import annotations
+
+from django import forms
+
+from .choices import EVENT_LABELS, SUBSCRIBABLE_EVENTS, DeliveryStatus
+
+__all__ = ["SlackUrlForm", "EventsForm", "WebhookForm", "WebhookEditForm", "DeliveryFilterForm", "EVENT_CHOICES"]
+
+EVENT_CHOICES = [(e, EVENT_LABELS[e]) for e in SUBSCRIBABLE_EVENTS]
+
+
+class SlackUrlForm(forms.Form):
+    # Never pre-filled: the current URL is a secret and is only ever shown masked.
+    url = forms.URLField(
+        required=False, max_length=2000, assume_scheme="https", label="Slack incoming-webhook URL",
+        widget=forms.TextInput(attrs={"autocomplete": "off", "placeholder": "https://hooks.slack.com/services/…"}),
+    )
+    clear = forms.BooleanField(required=False, label="Remove the Slack webhook")
+
+    def clean(self):
+        data = super().clean()
+        if not data.get("url") and not data.get("clear"):
+            raise forms.ValidationError("Paste the new URL, or tick “Remove”.")
+        return data
+
+
+class EventsForm(forms.Form):
+    events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False, widget=forms.CheckboxSelectMultiple)
+    enabled = forms.BooleanField(required=False)
+
+
+class WebhookForm(forms.Form):
+    name = forms.CharField(max_length=100, required=False)
+    url = forms.URLField(max_length=2000, assume_scheme="https", label="Endpoint URL",
+                         widget=forms.TextInput(attrs={"autocomplete": "off",
+                                                       "placeholder": "https://ci.example.com/hooks/gpu-portal"}))
+    events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False, widget=forms.CheckboxSelectMultiple,
+                                       initial=list(SUBSCRIBABLE_EVENTS))
+
+
+class WebhookEditForm(forms.Form):
+    name = forms.CharField(max_length=100, required=False)
+    url = forms.URLField(max_length=2000, assume_scheme="https", required=False, label="New endpoint URL",
+                         widget=forms.TextInput(attrs={"autocomplete": "off"}))
+    events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False, widget=forms.CheckboxSelectMultiple)
+    enabled = forms.BooleanField(required=False)
+
+
+class DeliveryFilterForm(forms.Form):
+    status = forms.ChoiceField(choices=[("", "any status"), *DeliveryStatus.choices], required=False)

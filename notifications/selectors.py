@@ -1,0 +1,607 @@
+"""Reads: which domain events become which notices, who listens, the delivery log, the alerts.
+
+A *notice* is one thing to tell (one Slack ``Event`` with its payload and an idempotency key);
+a delivery is a notice for one channel. Domain events are translated here, in one table
+(``TRANSLATORS``), so an event nobody translates is ignored, and the key of a notice does not
+depend on who announced it: the lifecycle tick's ``reservation.starting_soon`` and our own
+reminder sweep name the same reminder with the same key, so it is sent once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.apps import apps
+from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db.models import DateTimeField, Exists, F, Func, OuterRef, Q
+from django.utils import timezone
+
+from portal.core.models import AuditLog
+from reservations.choices import HOLDING_STATUSES, AllocationKind
+from reservations.models import Allocation, Node, Reservation
+from tenants.choices import Role
+from tenants.models import Tenant
+
+from .choices import PLATFORM_DEFAULT_EVENTS, TERMINAL_STATUSES, DeliveryStatus
+from .models import Channel, Delivery, url_fingerprint
+from .slack import Event
+
+__all__ = [
+    "Notice",
+    "TRANSLATORS",
+    "handles",
+    "notices_for",
+    "channels_for_notice",
+    "anyone_listening",
+    "platform_url",
+    "jsonable",
+    "as_id",
+    "reservation_payload",
+    "reminders_due",
+    "deliveries_for_user",
+    "channels_for_user",
+    "broken_channels_for_user",
+    "failed_deliveries_count",
+    "lead_tenants",
+    "stuck_delivery_ids",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One thing to tell: a Slack event name, its payload, and the key that makes it unique."""
+
+    event: str
+    key: str
+    payload: dict[str, Any]
+    source_event: str
+    tenant_id: int | None = None
+    to_tenant: bool = True
+    to_platform: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def jsonable(payload: dict[str, Any]) -> dict[str, Any]:
+    """Return payload as plain JSON types (datetimes become ISO strings), as Celery will carry it."""
+    return json.loads(json.dumps(payload, cls=DjangoJSONEncoder))
+
+
+def _iso(dt: datetime) -> str:
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(jsonable(payload), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def platform_url() -> str:
+    return getattr(settings, "PORTAL_PLATFORM_SLACK_WEBHOOK", "") or ""
+
+
+# --- payloads ---------------------------------------------------------------------------
+
+
+def as_id(value: Any) -> int | None:
+    """Return value as a primary key, or None for anything that is not a whole number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        pk = int(value)
+    except (TypeError, ValueError):
+        return None
+    return pk if 0 < pk < 2**63 else None
+
+
+def _reservation(reservation_id: Any) -> Reservation | None:
+    pk = as_id(reservation_id)
+    if pk is None:
+        return None
+    return Reservation.objects.select_related("tenant", "pool", "created_by").filter(pk=pk).first()
+
+
+def _last_audit(reservation: Reservation, actions: Iterable[str]) -> AuditLog | None:
+    return (
+        AuditLog.objects.select_related("actor")
+        .filter(object_type="reservations.reservation", object_id=str(reservation.pk), action__in=list(actions))
+        .order_by("-id")
+        .first()
+    )
+
+
+def reservation_payload(reservation: Reservation, *, actor: str | None = None) -> dict[str, Any]:
+    """Return what the Slack builders and webhook receivers get about one reservation."""
+    allocations = Allocation.objects.filter(reservation=reservation, kind=AllocationKind.RESERVATION)
+    active = sorted(set(allocations.filter(active=True).values_list("node__hostname", flat=True)))
+    nodes = active or sorted(set(allocations.values_list("node__hostname", flat=True)))
+    payload: dict[str, Any] = {
+        "tenant": reservation.tenant.slug,
+        "tenant_name": reservation.tenant.name,
+        "reservation_id": reservation.pk,
+        "name": reservation.name,
+        "pool": reservation.pool.name,
+        "node_count": reservation.node_count,
+        "start": _iso(reservation.period.lower),
+        "end": _iso(reservation.period.upper),
+        "billing": reservation.billing,
+        "status": reservation.status,
+        "orchestrator": reservation.orchestrator,
+        "cuda_version": reservation.cuda_version,
+        "nodes": nodes,
+    }
+    if actor is None and reservation.created_by is not None:
+        actor = reservation.created_by.get_username()
+    if actor:
+        payload["actor"] = actor
+    return payload
+
+
+# --- translators: domain event -> notices -------------------------------------------------
+
+Translator = Callable[[str, dict[str, Any]], list[Notice]]
+
+# Audit actions that change a reservation and announce reservation.changed: the newest one names the change.
+CHANGE_ACTIONS = ("reservation.update", "reservation.node_replaced", "reservation.replace_node")
+# What an audit snapshot of a reservation says about it at that moment (reservations.services._snapshot).
+SNAPSHOT_KEYS = frozenset({"start", "end", "node_count", "status", "billing", "name"})
+# A reminder arriving this long before its boundary is "in about 1 hour"; further out, "in 24 hours".
+REMINDER_1H_UNTIL = timedelta(hours=6)
+
+
+def _reservation_notice(slack_event: str, *, key_suffix: str = "") -> Translator:
+    def translate(name: str, payload: dict[str, Any]) -> list[Notice]:
+        reservation = _reservation(payload.get("reservation_id"))
+        if reservation is None:
+            return []
+        data = reservation_payload(reservation)
+        key = f"{slack_event}:r{reservation.pk}{key_suffix}"
+        # The audit row of the change holds the reservation as it was right then; a fan-out running
+        # after a later change (or a cancel) still tells this event's story, not the latest state.
+        snapshot_action = {Event.RESERVATION_CONFIRMED: "reservation.create",
+                           Event.RESERVATION_CANCELLED: "reservation.cancel"}.get(slack_event)
+        if snapshot_action:
+            audit = _last_audit(reservation, [snapshot_action])
+            if audit is not None:
+                data.update({k: v for k, v in (audit.after or {}).items() if k in SNAPSHOT_KEYS})
+        if slack_event == Event.RESERVATION_CHANGED:
+            # One message per change: the audit row of the change names it. Two changes fanned
+            # out late both find the newest row and coalesce into one message with the latest state.
+            audit = _last_audit(reservation, CHANGE_ACTIONS)
+            if audit is not None:
+                key += f":a{audit.pk}"
+                if audit.actor is not None:
+                    data["actor"] = audit.actor.get_username()
+                before = (audit.before or {}) if audit.action == "reservation.update" else {}
+                if audit.action == "reservation.update":
+                    data.update({k: v for k, v in (audit.after or {}).items() if k in SNAPSHOT_KEYS})
+                for src, dst in (("start", "previous_start"), ("end", "previous_end"),
+                                 ("node_count", "previous_node_count")):
+                    if before.get(src) is not None:
+                        data[dst] = before[src]
+            else:
+                key += f":u{reservation.updated_at.timestamp():.6f}"
+        elif slack_event == Event.RESERVATION_CANCELLED:
+            audit = _last_audit(reservation, ["reservation.cancel"])
+            if audit is not None and audit.actor is not None:
+                data["actor"] = audit.actor.get_username()
+        return [Notice(event=slack_event, key=key, payload=data, source_event=name, tenant_id=reservation.tenant_id)]
+
+    return translate
+
+
+def _reminder(kind: str) -> Translator:
+    """reservation.starting_soon / ending_soon with ``hours``: keyed by the reservation's boundary."""
+
+    def translate(name: str, payload: dict[str, Any]) -> list[Notice]:
+        reservation = _reservation(payload.get("reservation_id"))
+        if reservation is None or reservation.status not in HOLDING_STATUSES:
+            return []
+        boundary = reservation.period.lower if kind == "starting" else reservation.period.upper
+        left = boundary - timezone.now()
+        if left <= timedelta(0):
+            return []  # announced too late to be true
+        hours = payload.get("hours")
+        if hours is None:
+            # The lifecycle tick says only which boundary (start=/end=); how far off it is decides.
+            hours = 1 if left <= REMINDER_1H_UNTIL else 24
+        if kind == "starting":
+            slack_event = Event.RESERVATION_STARTING_1H if hours == 1 else None
+        else:
+            slack_event = {24: Event.RESERVATION_ENDING_24H, 1: Event.RESERVATION_ENDING_1H}.get(as_id(hours) or 0)
+        if slack_event is None:
+            return []
+        key = f"{slack_event}:r{reservation.pk}:{_iso(boundary)}"
+        return [Notice(event=slack_event, key=key, payload=reservation_payload(reservation), source_event=name,
+                       tenant_id=reservation.tenant_id)]
+
+    return translate
+
+
+def _cluster_lookup(payload: dict[str, Any]) -> tuple[Reservation | None, dict[str, Any]]:
+    """Find the reservation behind a cluster event (by reservation_id, else via the cluster)."""
+    extra: dict[str, Any] = {}
+    reservation = _reservation(payload.get("reservation_id"))
+    cluster_id = payload.get("cluster_id")
+    if cluster_id is not None:
+        extra["cluster_id"] = cluster_id
+    if reservation is None and cluster_id is not None:
+        VirtualCluster = _optional_model("provisioning", "VirtualCluster")
+        if VirtualCluster is not None:
+            cluster = VirtualCluster.objects.filter(pk=as_id(cluster_id) or 0).values("reservation_id").first()
+            if cluster:
+                reservation = _reservation(cluster["reservation_id"])
+    return reservation, extra
+
+
+_CLUSTER_KEYS = ("phase", "reason", "access", "orchestrator", "cuda_version")
+
+
+def _optional_model(app_label: str, name: str):
+    """A model of an app above us in the stack that may not be installed (looked up, never imported)."""
+    try:
+        return apps.get_model(app_label, name)
+    except LookupError:
+        return None
+
+
+def _transition_ident(cluster_id: Any, payload: dict[str, Any]) -> str:
+    """Name one cluster transition: its row when provisioning records it, else the payload."""
+    ClusterTransition = _optional_model("provisioning", "ClusterTransition")
+    status = payload.get("status")
+    pk = as_id(cluster_id)
+    if ClusterTransition is not None and pk is not None and status:
+        row = ClusterTransition.objects.filter(cluster_id=pk, phase=status).order_by("-pk").values("pk").first()
+        if row:
+            return f"t{row['pk']}"
+    return _digest(payload)
+
+
+def _cluster_notice(slack_event: str) -> Translator:
+    def translate(name: str, payload: dict[str, Any]) -> list[Notice]:
+        reservation, extra = _cluster_lookup(payload)
+        if reservation is None:
+            return []
+        data = {**reservation_payload(reservation), **extra}
+        for key in _CLUSTER_KEYS:
+            if payload.get(key) not in (None, ""):
+                data[key] = payload[key]
+        if slack_event == Event.CLUSTER_DEGRADED and (payload.get("nodes") or payload.get("node")):
+            data["nodes"] = list(payload.get("nodes") or [payload["node"]])
+        if slack_event == Event.CLUSTER_DEGRADED and payload.get("node"):
+            # The same node failure may also arrive as reservation.degraded: one message for both.
+            key = f"{slack_event}:r{reservation.pk}:{payload['node']}"
+        else:
+            key = f"{slack_event}:r{reservation.pk}:{_transition_ident(extra.get('cluster_id'), payload)}"
+        return [Notice(event=slack_event, key=key, payload=data, source_event=name, tenant_id=reservation.tenant_id)]
+
+    return translate
+
+
+def _reservation_degraded(name: str, payload: dict[str, Any]) -> list[Notice]:
+    """A failed node with no spare left: the tenant's cluster runs short (reservations.node_replace_allocations)."""
+    reservation = _reservation(payload.get("reservation_id"))
+    if reservation is None:
+        return []
+    data = reservation_payload(reservation)
+    if payload.get("node"):
+        data["nodes"] = [payload["node"]]
+    missing = payload.get("missing_nodes")
+    reason = str(payload.get("reason") or "")
+    if missing:
+        reason = f"{missing} node(s) missing. {reason}".strip()
+    if reason:
+        data["reason"] = reason
+    key = f"{Event.CLUSTER_DEGRADED}:r{reservation.pk}:{payload.get('node') or f'm{missing}'}"
+    return [Notice(event=Event.CLUSTER_DEGRADED, key=key, payload=data, source_event=name,
+                   tenant_id=reservation.tenant_id)]
+
+
+def _node_replaced(name: str, payload: dict[str, Any]) -> list[Notice]:
+    reservation = _reservation(payload.get("reservation_id"))
+    failed = payload.get("failed") or payload.get("node")
+    spare = payload.get("spare") or payload.get("replacement")
+    if reservation is None or not failed or not spare:
+        return []
+    data = {**reservation_payload(reservation), "node": failed, "replacement": spare}
+    if payload.get("reason"):
+        data["reason"] = str(payload["reason"])
+    if payload.get("cluster_id") is not None:
+        data["cluster_id"] = payload["cluster_id"]
+    key = f"{Event.NODE_REPLACED}:r{reservation.pk}:{failed}:{spare}"
+    return [Notice(event=Event.NODE_REPLACED, key=key, payload=data, source_event=name,
+                   tenant_id=reservation.tenant_id)]
+
+
+def _node(payload: dict[str, Any]) -> Node | None:
+    if payload.get("node_id") is not None:
+        pk = as_id(payload["node_id"])
+        return None if pk is None else Node.objects.select_related("pool").filter(pk=pk).first()
+    hostname = payload.get("node") or payload.get("hostname")
+    if hostname:
+        return Node.objects.select_related("pool").filter(hostname=str(hostname)).first()
+    return None
+
+
+def _running_reservations(node: Node) -> list[Reservation]:
+    """The reservations holding node right now (the tenants a node failure hits)."""
+    now = timezone.now()
+    return list(
+        Reservation.objects.select_related("tenant", "pool", "created_by")
+        .filter(
+            status__in=HOLDING_STATUSES,
+            allocations__node=node, allocations__active=True, allocations__period__contains=now,
+        )
+        .distinct()
+    )
+
+
+def _node_notices(slack_event: str, name: str, payload: dict[str, Any], node: Node, *, key: str,
+                  extra: dict[str, Any]) -> list[Notice]:
+    """One notice per tenant running on the node (tenant channels), one for the platform channel."""
+    notices = []
+    holders = _running_reservations(node)
+    base = {"node": node.hostname, "pool": node.pool.name, **extra}
+    if node.state_reason and "reason" not in base:
+        base["reason"] = node.state_reason
+    for reservation in holders:
+        data = {**reservation_payload(reservation), **base}
+        data.pop("nodes", None)
+        notices.append(Notice(event=slack_event, key=f"{key}:r{reservation.pk}", payload=data, source_event=name,
+                              tenant_id=reservation.tenant_id, to_platform=False))
+    # The health checks name the tenants they took the node from (its bookings may have moved already).
+    told = {r.tenant_id for r in holders}
+    named = [pk for pk in (as_id(t) for t in payload.get("tenant_ids") or []) if pk is not None and pk not in told]
+    others = list(Tenant.objects.filter(pk__in=named))
+    for tenant in others:
+        notices.append(Notice(event=slack_event, key=f"{key}:t{tenant.pk}", source_event=name, tenant_id=tenant.pk,
+                              payload={"tenant": tenant.slug, "tenant_name": tenant.name, **base}, to_platform=False))
+    tenants = ", ".join(sorted({r.tenant.slug for r in holders} | {t.slug for t in others})) or "no tenant"
+    notices.append(Notice(event=slack_event, key=key, payload={"tenant": tenants, **base}, source_event=name,
+                          tenant_id=None, to_tenant=False))
+    return notices
+
+
+def _failure_ident(node: Node, payload: dict[str, Any]) -> str:
+    """Name one failure of a node: its repair when the health checks opened one, else the node's row version.
+
+    node.failed (health checks) and node.state_changed to failed (any path) then name a
+    failure alike, so it is announced once.
+    """
+    repair_id = as_id(payload.get("repair_id"))
+    if repair_id is None:
+        Repair = _optional_model("health", "Repair")
+        if Repair is not None:
+            repair_id = Repair.objects.filter(node_id=node.pk).order_by("-pk").values_list("pk", flat=True).first()
+    return f"repair{repair_id}" if repair_id is not None else f"u{node.updated_at.timestamp():.0f}"
+
+
+def _node_failed(name: str, payload: dict[str, Any]) -> list[Notice]:
+    """node.failed, or node.state_changed to failed: the same failure, named by the node's row version."""
+    if name == "node.state_changed" and payload.get("new") != "failed":
+        return []
+    node = _node(payload)
+    if node is None:
+        return []
+    key = f"{Event.NODE_FAILED}:n{node.pk}:{_failure_ident(node, payload)}"
+    extra = {"reason": str(payload["reason"])} if payload.get("reason") else {}
+    return _node_notices(Event.NODE_FAILED, name, payload, node, key=key, extra=extra)
+
+
+_HEALTH_KEYS = ("level", "verdict", "failures", "reason", "cluster_id")
+
+
+def _problem_text(problem: Any) -> str:
+    """One line per problem the health checks report ({gpu, check, status, action, message})."""
+    if not isinstance(problem, dict):
+        return str(problem)
+    where = f"GPU {problem['gpu']}: " if problem.get("gpu") is not None else ""
+    what = " ".join(str(problem[k]) for k in ("check", "status") if problem.get(k))
+    text = f"{where}{what}"
+    if problem.get("message"):
+        text += f" — {problem['message']}"
+    if problem.get("action"):
+        text += f" ({problem['action']})"
+    return text or "failed"
+
+
+def _health_check_failed(name: str, payload: dict[str, Any]) -> list[Notice]:
+    if payload.get("verdict") in ("pass", "warn"):
+        return []
+    node = _node(payload)
+    if node is None:
+        return []
+    extra = {k: payload[k] for k in _HEALTH_KEYS if payload.get(k) not in (None, "")}
+    if "failures" in extra:
+        extra["failures"] = [str(f) for f in extra["failures"]][:100]
+    elif payload.get("problems"):
+        extra["failures"] = [_problem_text(p) for p in payload["problems"]][:100]
+    ident = payload.get("health_check_id") or payload.get("check_id") or payload.get("id") or _digest(payload)
+    key = f"{Event.HEALTH_CHECK_FAILED}:n{node.pk}:{ident}"
+    reservation = _reservation(payload.get("reservation_id"))
+    if reservation is not None:
+        data = {**reservation_payload(reservation), "node": node.hostname, **extra}
+        data.pop("nodes", None)
+        return [
+            Notice(event=Event.HEALTH_CHECK_FAILED, key=f"{key}:r{reservation.pk}", payload=data, source_event=name,
+                   tenant_id=reservation.tenant_id, to_platform=False),
+            Notice(event=Event.HEALTH_CHECK_FAILED, key=key,
+                   payload={"tenant": reservation.tenant.slug, "node": node.hostname, "pool": node.pool.name,
+                            **extra},
+                   source_event=name, tenant_id=None, to_tenant=False),
+        ]
+    return _node_notices(Event.HEALTH_CHECK_FAILED, name, payload, node, key=key, extra=extra)
+
+
+TRANSLATORS: dict[str, Translator] = {
+    "reservation.confirmed": _reservation_notice(Event.RESERVATION_CONFIRMED),
+    "reservation.changed": _reservation_notice(Event.RESERVATION_CHANGED),
+    "reservation.cancelled": _reservation_notice(Event.RESERVATION_CANCELLED),
+    "reservation.starting_soon": _reminder("starting"),
+    "reservation.ending_soon": _reminder("ending"),
+    "reservation.degraded": _reservation_degraded,
+    "cluster.ready": _cluster_notice(Event.CLUSTER_READY),
+    "cluster.failed": _cluster_notice(Event.CLUSTER_FAILED),
+    "cluster.degraded": _cluster_notice(Event.CLUSTER_DEGRADED),
+    "node.failed": _node_failed,
+    "node.state_changed": _node_failed,
+    "node.replaced": _node_replaced,
+    "health_check.failed": _health_check_failed,
+    "health.check_failed": _health_check_failed,
+}
+# Booking changes move the tenant's usage: re-check the quota alert for that pool.
+QUOTA_EVENTS = frozenset({"reservation.confirmed", "reservation.changed", "reservation.cancelled"})
+
+
+def handles(event: str) -> bool:
+    return event in TRANSLATORS
+
+
+def notices_for(event: str, payload: dict[str, Any]) -> list[Notice]:
+    """Translate a domain event into notices; an unknown event or a vanished object gives []."""
+    translate = TRANSLATORS.get(event)
+    if translate is None:
+        return []
+    return translate(event, payload)
+
+
+# --- who listens ----------------------------------------------------------------------------
+
+
+def _tenants_listening():
+    """Tenants with an enabled channel or a Slack URL (whose channel row is made on first use)."""
+    return Tenant.objects.filter(
+        Q(Exists(Channel.objects.filter(tenant=OuterRef("pk"), enabled=True))) | ~Q(slack_webhook_url="")
+    )
+
+
+def anyone_listening(event: str, payload: dict[str, Any]) -> bool:
+    """Cheap check (one query) before queueing a fan-out: could any channel want this event at all?"""
+    if platform_url():
+        return True
+    tenants = _tenants_listening()
+    tenant_id = as_id(payload.get("tenant_id"))
+    if tenant_id is not None:
+        tenants = tenants.filter(pk=tenant_id)
+    # Fleet events name no tenant (or several): any listening tenant might be affected.
+    return tenants.exists()
+
+
+def channels_for_notice(notice: Notice, *, platform: Channel | None) -> list[Channel]:
+    """The enabled channels subscribed to the notice's event, among its tenant's and the platform's."""
+    found: list[Channel] = []
+    if notice.to_tenant and notice.tenant_id is not None:
+        for channel in Channel.objects.select_related("tenant").filter(
+            tenant_id=notice.tenant_id, enabled=True, events__contains=[notice.event]
+        ):
+            if channel.target_url():
+                found.append(channel)
+    if notice.to_platform and platform is not None and platform.enabled and notice.event in platform.events:
+        found.append(platform)
+    return found
+
+
+def platform_default_events() -> list[str]:
+    configured = getattr(settings, "PORTAL_PLATFORM_SLACK_EVENTS", None)
+    events = configured or PLATFORM_DEFAULT_EVENTS
+    return [str(e) for e in events]
+
+
+# --- reminders ------------------------------------------------------------------------------
+
+
+def reminders_due(*, now: datetime) -> list[tuple[str, int, int]]:
+    """Return (domain event, reservation id, hours) for every reminder whose moment has come.
+
+    "Starts in 1 h" goes out in the hour before the start, "ends in 24 h" between 24 h and 1 h
+    before the end (only for reservations at least a day long), "ends in 1 h" in the last hour.
+    A reminder is never sent for a booking made after its moment (a booking made 30 minutes
+    ahead does not need "starts in 1 h"). The delivery key makes repeats harmless.
+    """
+    hour, day = timedelta(hours=1), timedelta(hours=24)
+    lower = Func(F("period"), function="lower", output_field=DateTimeField())
+    upper = Func(F("period"), function="upper", output_field=DateTimeField())
+    base = Reservation.objects.filter(status__in=HOLDING_STATUSES, tenant__in=_tenants_listening()).annotate(
+        start=lower, end=upper
+    )
+    due: list[tuple[str, int, int]] = []
+    for pk in base.filter(start__gt=now, start__lte=now + hour, created_at__lte=F("start") - hour).values_list(
+        "pk", flat=True
+    ):
+        due.append(("reservation.starting_soon", pk, 1))
+    for pk in base.filter(
+        end__gt=now + hour, end__lte=now + day, start__lte=F("end") - day, created_at__lte=F("end") - day
+    ).values_list("pk", flat=True):
+        due.append(("reservation.ending_soon", pk, 24))
+    for pk in base.filter(
+        end__gt=now, end__lte=now + hour, start__lte=F("end") - hour, created_at__lte=F("end") - hour
+    ).values_list("pk", flat=True):
+        due.append(("reservation.ending_soon", pk, 1))
+    return due
+
+
+# --- the log, the settings page and the alerts ------------------------------------------------
+
+
+def lead_tenants(*, user):
+    """Tenants whose notifications user may see and manage: leads their own, staff all."""
+    return Tenant.objects.for_user(user) if user.is_staff else Tenant.objects.for_user(user, roles=[Role.LEAD])
+
+
+def deliveries_for_user(*, user, tenant: Tenant | None = None, status: str | None = None):
+    """The delivery log: a lead sees their tenants' deliveries, staff everything (platform too)."""
+    qs = Delivery.objects.for_user(user) if user.is_staff else Delivery.objects.for_user(user, roles=[Role.LEAD])
+    if tenant is not None:
+        qs = qs.filter(tenant=tenant)
+    if status:
+        qs = qs.filter(status=status)
+    return qs.select_related("tenant", "channel")
+
+
+def channels_for_user(*, user, tenant: Tenant):
+    qs = Channel.objects.for_user(user) if user.is_staff else Channel.objects.for_user(user, roles=[Role.LEAD])
+    return qs.filter(tenant=tenant).select_related("tenant")
+
+
+def broken_channels_for_user(*, user, tenant: Tenant | None = None) -> list[Channel]:
+    """Channels a lead must fix (and, for staff, the platform channel): broken on their current URL."""
+    if not getattr(user, "is_authenticated", False):
+        return []
+    scoped = Channel.objects.filter(broken_at__isnull=False).select_related("tenant")
+    if user.is_staff:
+        if tenant is not None:
+            scoped = scoped.filter(Q(tenant=tenant) | Q(tenant__isnull=True))
+    else:
+        scoped = scoped.filter(tenant__in=Tenant.objects.for_user(user, roles=[Role.LEAD]))
+        if tenant is not None:
+            scoped = scoped.filter(tenant=tenant)
+    return [c for c in scoped if c.broken_url_fp == url_fingerprint(c.target_url())]
+
+
+def failed_deliveries_count(*, user, tenant: Tenant | None = None, days: int = 7) -> int:
+    since = timezone.now() - timedelta(days=days)
+    return deliveries_for_user(user=user, tenant=tenant, status=DeliveryStatus.FAILED).filter(
+        created_at__gte=since
+    ).count()
+
+
+def stuck_delivery_ids(*, now: datetime, grace: timedelta, limit: int = 500) -> list[int]:
+    """Deliveries a worker should be busy with but apparently is not (lost message, killed worker)."""
+    late = now - grace
+    return list(
+        Delivery.objects.exclude(status__in=TERMINAL_STATUSES)
+        .filter(
+            Q(status__in=[DeliveryStatus.PENDING, DeliveryStatus.RETRYING], next_attempt_at__lte=late)
+            | Q(status=DeliveryStatus.PENDING, next_attempt_at__isnull=True, created_at__lte=late)
+            | Q(status=DeliveryStatus.SENDING, lease_until__lte=late)
+        )
+        .order_by("id")
+        .values_list("id", flat=True)[:limit]
+    )

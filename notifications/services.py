@@ -1,0 +1,765 @@
+"""Writes: channels and their secrets, fanning events out into deliveries, and sending them.
+
+Delivery guarantees, and what gives each one:
+
+- **Once per (event, channel)**: ``Delivery.key`` is unique; fan-out is ``get_or_create`` on it,
+  so a repeated event, a re-run fan-out task or the reminder sweep finding the same reminder
+  adds nothing.
+- **Never two senders at once**: a worker sends only after *claiming* the row with one
+  conditional UPDATE (status pending/retrying and due, or a sending lease that has expired).
+  PostgreSQL re-checks the condition after a concurrent UPDATE commits, so of any number of
+  racing workers exactly one gets the row. The lease outlives the HTTP timeout, so a live
+  sender is never overtaken; a killed one is, once its lease expires.
+- **Never lost**: the row exists (committed) before any task is queued; tasks are acked late and
+  re-queued when a worker dies; ``deliveries_requeue_stuck`` (beat) re-queues any open row
+  nobody is working on, whatever happened to its message.
+- **Retries**: 5xx/timeouts back off exponentially with full jitter, 429 waits ``Retry-After``;
+  a permanent error (any other 4xx, Slack's ``channel_not_found`` …) stops at once and flags
+  the channel broken so its lead sees it; every attempt is recorded.
+- **≤ 1 message per second per webhook URL**, across all workers (``ratelimit``, in Redis).
+
+The network call happens outside any transaction; the outcome is written in a short one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from portal.core.crypto import mask
+from portal.core.exceptions import InvalidInput, InvalidState
+from portal.core.services import audit_record
+from reservations.models import Reservation
+from reservations.selectors import tenant_peak_usage
+from tenants.models import Quota, Tenant
+
+from . import ratelimit, selectors, signing, slack, transport
+from .choices import (
+    SUBSCRIBABLE_EVENTS,
+    TENANT_DEFAULT_EVENTS,
+    TERMINAL_STATUSES,
+    AttemptVerdict,
+    ChannelKind,
+    DeliveryStatus,
+)
+from .models import Channel, Delivery, DeliveryAttempt, QuotaAlertState, url_fingerprint
+from .selectors import Notice
+from .slack import Event
+
+__all__ = [
+    "SendResult",
+    "platform_channel_ensure",
+    "demo_channel_ensure",
+    "slack_channel_ensure",
+    "slack_subscriptions_update",
+    "platform_channel_update",
+    "webhook_create",
+    "webhook_update",
+    "webhook_rotate_secret",
+    "channel_delete",
+    "channel_clear_broken",
+    "channel_send_test",
+    "event_fanout",
+    "quota_threshold_check",
+    "reminders_emit",
+    "delivery_send",
+    "delivery_requeue",
+    "deliveries_requeue_stuck",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_URL_LENGTH = 2000
+# Celery countdowns stay well below the broker's visibility timeout (an ETA beyond it would be
+# re-delivered in a loop); a longer wait simply wakes up, finds it is early, and sleeps again.
+MAX_COUNTDOWN_S = 600.0
+# A message a little early (clock granularity, countdown rounding) is as good as on time.
+DUE_TOLERANCE = timedelta(milliseconds=250)
+
+
+def _setting(name: str, default: Any) -> Any:
+    value = getattr(settings, name, None)
+    return default if value in (None, "") else value
+
+
+def http_timeout() -> float:
+    return float(_setting("PORTAL_NOTIFY_HTTP_TIMEOUT", 10.0))
+
+
+def lease_seconds() -> float:
+    """How long a claim holds a delivery: longer than any POST can take, so a live sender keeps it."""
+    return float(_setting("PORTAL_NOTIFY_LEASE_SECONDS", http_timeout() * 2 + 10))
+
+
+def max_attempts() -> int:
+    return int(_setting("PORTAL_NOTIFY_MAX_ATTEMPTS", 12))
+
+
+def _backoff_base() -> float:
+    return float(_setting("PORTAL_NOTIFY_BACKOFF_BASE", 2.0))
+
+
+def _backoff_cap() -> float:
+    return float(_setting("PORTAL_NOTIFY_BACKOFF_CAP", 600.0))
+
+
+def _min_interval() -> float:
+    return float(_setting("PORTAL_NOTIFY_MIN_INTERVAL", 1.0))
+
+
+_redis_clients: dict[str, Any] = {}
+
+
+def _redis():
+    url = settings.REDIS_URL
+    client = _redis_clients.get(url)
+    if client is None:
+        client = _redis_clients[url] = ratelimit.client_from_url(url)
+    return client
+
+
+def _enqueue(delivery_ids: list[int], *, countdown: float | None = None) -> None:
+    """Queue the send tasks once the rows they name are committed."""
+    if not delivery_ids:
+        return
+    from .tasks import deliver_task
+
+    def send() -> None:
+        for pk in delivery_ids:
+            deliver_task.apply_async(args=[pk], countdown=countdown)
+
+    transaction.on_commit(send)
+
+
+# --- channels -------------------------------------------------------------------------------
+
+
+def _validate_url(url: str, field: str = "url") -> str:
+    url = (url or "").strip()
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        host = None
+        parts = None
+    if not url or parts is None or parts.scheme not in ("http", "https") or not host:
+        raise InvalidInput(f"{field}: an absolute http(s) URL is required.", fields={field: "Give an http(s) URL."})
+    if len(url) > MAX_URL_LENGTH:
+        raise InvalidInput(f"{field}: at most {MAX_URL_LENGTH} characters.", fields={field: "Too long."})
+    return url
+
+
+def _validate_events(events: Any) -> list[str]:
+    events = list(events or [])
+    unknown = [e for e in events if e not in SUBSCRIBABLE_EVENTS]
+    if unknown:
+        raise InvalidInput(f"events: unknown {', '.join(map(str, unknown))}.", fields={"events": "Unknown event."})
+    # Keep the catalogue's order so the page and the audit log read the same way every time.
+    return [e for e in SUBSCRIBABLE_EVENTS if e in events]
+
+
+def _channel_snapshot(channel: Channel) -> dict[str, Any]:
+    return {
+        "kind": channel.kind,
+        "name": channel.name,
+        "url": channel.masked_url(),
+        "events": list(channel.events),
+        "enabled": channel.enabled,
+    }
+
+
+def platform_channel_ensure() -> Channel | None:
+    """Return the platform Slack channel when PORTAL_PLATFORM_SLACK_WEBHOOK is set, creating its row."""
+    if not selectors.platform_url():
+        return None
+    channel = Channel.objects.filter(tenant__isnull=True, kind=ChannelKind.SLACK).first()
+    if channel is not None:
+        return channel
+    try:
+        with transaction.atomic():
+            return Channel.objects.create(
+                tenant=None, kind=ChannelKind.SLACK, name="platform", events=selectors.platform_default_events()
+            )
+    except IntegrityError:  # created concurrently by another worker
+        return Channel.objects.get(tenant__isnull=True, kind=ChannelKind.SLACK)
+
+
+def slack_channel_ensure(tenant: Tenant) -> Channel | None:
+    """The tenant's Slack channel row (created with every event on first use), if a URL is set."""
+    channel = Channel.objects.select_related("tenant").filter(tenant=tenant, kind=ChannelKind.SLACK).first()
+    if channel is not None or not tenant.slack_webhook_url:
+        return channel
+    try:
+        with transaction.atomic():
+            return Channel.objects.create(
+                tenant=tenant, kind=ChannelKind.SLACK, name="slack", events=list(TENANT_DEFAULT_EVENTS)
+            )
+    except IntegrityError:
+        return Channel.objects.get(tenant=tenant, kind=ChannelKind.SLACK)
+
+
+_demo_ready: set[str] = set()
+
+
+def demo_channel_ensure() -> Channel | None:
+    """In a demo (`make run`), point the demo tenant's signed webhook at PORTAL_DEMO_WEBHOOK_URL.
+
+    Idempotent and cheap after the first success in a process. The secret is
+    PORTAL_DEMO_WEBHOOK_SECRET when given (so a receiver can verify), else generated.
+    """
+    url = _setting("PORTAL_DEMO_WEBHOOK_URL", "")
+    if not url:
+        return None
+    slug = _setting("PORTAL_DEMO_TENANT", "research")
+    marker = f"{slug}|{url}"
+    if marker in _demo_ready:
+        return None
+    tenant = Tenant.objects.filter(slug=slug).first()
+    if tenant is None:
+        return None  # not seeded yet; try again on the next event
+    secret = _setting("PORTAL_DEMO_WEBHOOK_SECRET", "") or signing.generate_secret()
+    with transaction.atomic():
+        channel = (
+            Channel.objects.select_for_update()
+            .filter(tenant=tenant, kind=ChannelKind.WEBHOOK, name="demo")
+            .first()
+        )
+        if channel is None:
+            channel = Channel.objects.create(
+                tenant=tenant, kind=ChannelKind.WEBHOOK, name="demo", url=url, secret=secret,
+                events=list(TENANT_DEFAULT_EVENTS),
+            )
+            audit_record(actor=None, action="notifications.webhook.create", obj=channel, tenant_id=tenant.pk,
+                         after={**_channel_snapshot(channel), "source": "PORTAL_DEMO_WEBHOOK_URL"})
+        elif channel.url != url:
+            channel.url = url
+            channel.save(update_fields=["url", "updated_at"])
+    _demo_ready.add(marker)
+    return channel
+
+
+def slack_subscriptions_update(
+    *, actor: Any, tenant: Tenant, events: list[str] | None = None, enabled: bool | None = None
+) -> Channel:
+    """Choose which events go to the tenant's Slack channel (the URL itself is set on the tenant)."""
+    with transaction.atomic(durable=True):
+        Tenant.objects.select_for_update().get(pk=tenant.pk)  # one writer per tenant's settings
+        channel, _ = Channel.objects.get_or_create(
+            tenant=tenant, kind=ChannelKind.SLACK, defaults={"name": "slack", "events": list(TENANT_DEFAULT_EVENTS)}
+        )
+        channel.tenant = tenant
+        before = _channel_snapshot(channel)
+        if events is not None:
+            channel.events = _validate_events(events)
+        if enabled is not None:
+            channel.enabled = bool(enabled)
+        channel.save()
+        audit_record(actor=actor, action="notifications.slack.update", obj=channel, tenant_id=tenant.pk,
+                     before=before, after=_channel_snapshot(channel))
+    return channel
+
+
+def platform_channel_update(*, actor: Any, channel: Channel, events: list[str] | None = None,
+                            enabled: bool | None = None) -> Channel:
+    """Choose what the platform channel receives (its URL is PORTAL_PLATFORM_SLACK_WEBHOOK)."""
+    with transaction.atomic(durable=True):
+        channel = _lock_channel(channel)
+        if not channel.is_platform:
+            raise InvalidState("Not the platform channel.")
+        before = _channel_snapshot(channel)
+        if events is not None:
+            channel.events = _validate_events(events)
+        if enabled is not None:
+            channel.enabled = bool(enabled)
+        channel.save()
+        audit_record(actor=actor, action="notifications.platform.update", obj=channel, before=before,
+                     after=_channel_snapshot(channel))
+    return channel
+
+
+def webhook_create(
+    *, actor: Any, tenant: Tenant, url: str, name: str = "", events: list[str] | None = None
+) -> tuple[Channel, str]:
+    """Register a tenant's signed webhook; return it with its secret, which is shown only now."""
+    url = _validate_url(url)
+    events = _validate_events(TENANT_DEFAULT_EVENTS if events is None else events)
+    secret = signing.generate_secret()
+    with transaction.atomic(durable=True):
+        channel = Channel.objects.create(
+            tenant=tenant, kind=ChannelKind.WEBHOOK, name=(name or "").strip()[:100], url=url, secret=secret,
+            events=events,
+        )
+        audit_record(actor=actor, action="notifications.webhook.create", obj=channel, tenant_id=tenant.pk,
+                     after=_channel_snapshot(channel))
+    return channel, secret
+
+
+def _lock_channel(channel: Channel) -> Channel:
+    return Channel.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=channel.pk)
+
+
+def webhook_update(
+    *, actor: Any, channel: Channel, url: str | None = None, name: str | None = None,
+    events: list[str] | None = None, enabled: bool | None = None,
+) -> Channel:
+    with transaction.atomic(durable=True):
+        channel = _lock_channel(channel)
+        if channel.kind != ChannelKind.WEBHOOK:
+            raise InvalidState("Only signed webhooks are edited here.")
+        before = _channel_snapshot(channel)
+        if url is not None:
+            channel.url = _validate_url(url)
+        if name is not None:
+            channel.name = name.strip()[:100]
+        if events is not None:
+            channel.events = _validate_events(events)
+        if enabled is not None:
+            channel.enabled = bool(enabled)
+        channel.save()
+        audit_record(actor=actor, action="notifications.webhook.update", obj=channel, tenant_id=channel.tenant_id,
+                     before=before, after=_channel_snapshot(channel))
+    return channel
+
+
+def webhook_rotate_secret(*, actor: Any, channel: Channel, overlap_hours: int | None = None) -> tuple[Channel, str]:
+    """Issue a new signing secret; the old one keeps signing alongside it for overlap_hours.
+
+    Requests carry both signatures meanwhile (Standard Webhooks allows several), so the
+    tenant can switch their receiver to the new secret at leisure.
+    """
+    hours = int(_setting("PORTAL_NOTIFY_SECRET_OVERLAP_HOURS", 24) if overlap_hours is None else overlap_hours)
+    new_secret = signing.generate_secret()
+    with transaction.atomic(durable=True):
+        channel = _lock_channel(channel)
+        if channel.kind != ChannelKind.WEBHOOK:
+            raise InvalidState("Only signed webhooks have a signing secret.")
+        channel.previous_secret = channel.secret if hours > 0 else ""
+        channel.previous_secret_expires_at = timezone.now() + timedelta(hours=hours) if hours > 0 else None
+        channel.secret = new_secret
+        channel.save()
+        audit_record(actor=actor, action="notifications.webhook.rotate", obj=channel, tenant_id=channel.tenant_id,
+                     after={"secret": mask(new_secret), "previous_valid_until":
+                            channel.previous_secret_expires_at.isoformat() if hours > 0 else None})
+    return channel, new_secret
+
+
+def channel_delete(*, actor: Any, channel: Channel) -> None:
+    """Delete a channel; its deliveries stay in the log (open ones are skipped)."""
+    with transaction.atomic(durable=True):
+        channel = _lock_channel(channel)
+        before = _channel_snapshot(channel)
+        tenant_id = channel.tenant_id
+        audit_record(actor=actor, action="notifications.channel.delete", obj=channel, tenant_id=tenant_id,
+                     before=before)
+        channel.delete()
+
+
+def channel_clear_broken(*, actor: Any, channel: Channel) -> Channel:
+    """Let a broken channel send again (after fixing the receiving end)."""
+    with transaction.atomic(durable=True):
+        channel = _lock_channel(channel)
+        before = {"broken_error": channel.broken_error}
+        channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = None, "", None, ""
+        channel.save()
+        audit_record(actor=actor, action="notifications.channel.repaired", obj=channel, tenant_id=channel.tenant_id,
+                     before=before, after={"broken_error": ""})
+    return channel
+
+
+# --- building deliveries ------------------------------------------------------------------
+
+
+def _build_body(channel_kind: str, event: str, payload: dict[str, Any], message_id: str) -> tuple[str, str]:
+    """Return (body to POST, one-line summary). Raise ValueError for a payload the builders reject."""
+    message = slack.build_message(event, payload, settings.PORTAL_BASE_URL)
+    summary = message["text"]
+    if channel_kind == ChannelKind.SLACK:
+        return slack.to_body(message).decode("utf-8"), summary
+    envelope = {
+        "id": message_id,
+        "type": str(event),
+        "timestamp": timezone.now().strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "data": payload,
+    }
+    return json.dumps(envelope, ensure_ascii=False, separators=(",", ":")), summary
+
+
+def _delivery_for(notice: Notice, channel: Channel) -> tuple[Delivery, bool]:
+    """get_or_create the delivery of notice to channel; True when this call created it."""
+    key = f"{notice.key}|c{channel.pk}"[:255]
+    existing = Delivery.objects.filter(key=key).first()
+    if existing is not None:
+        return existing, False
+    message_id = signing.generate_message_id()
+    payload = selectors.jsonable(notice.payload)
+    status, error = DeliveryStatus.PENDING, ""
+    if channel.is_broken and notice.event != Event.TEST:
+        # Recorded (the lead sees what was missed) but not sent until the channel is fixed.
+        status, error = DeliveryStatus.SKIPPED, f"channel_broken: {channel.broken_error}"[:200]
+    try:
+        body, summary = _build_body(channel.kind, notice.event, payload, message_id)
+    except ValueError as exc:
+        # A translator bug or an event we cannot render: keep it visible in the log, do not send.
+        logger.error("cannot build %s for channel %s: %s", notice.event, channel.pk, exc)
+        body, summary, status, error = "", f"{notice.event} (could not be built)", DeliveryStatus.FAILED, (
+            f"build_error: {exc}"[:200])
+    return Delivery.objects.get_or_create(
+        key=key,
+        defaults={
+            "channel": channel,
+            "channel_label": channel.label,
+            "kind": channel.kind,
+            "tenant_id": channel.tenant_id,
+            "event": notice.event,
+            "source_event": notice.source_event,
+            "message_id": message_id,
+            "payload": payload,
+            "body": body,
+            "summary": summary[:300],
+            "status": status,
+            "last_error": error,
+            "next_attempt_at": timezone.now(),
+        },
+    )
+
+
+def _deliver_notices(notices: list[Notice]) -> list[Delivery]:
+    platform = platform_channel_ensure()
+    created: list[Delivery] = []
+    tenant_ids = {n.tenant_id for n in notices if n.tenant_id is not None}
+    for tenant in Tenant.objects.filter(pk__in=tenant_ids):
+        slack_channel_ensure(tenant)
+    for notice in notices:
+        for channel in selectors.channels_for_notice(notice, platform=platform):
+            delivery, new = _delivery_for(notice, channel)
+            if new and delivery.status == DeliveryStatus.PENDING:
+                created.append(delivery)
+    _enqueue([d.pk for d in created])
+    return created
+
+
+def event_fanout(*, event: str, payload: dict[str, Any]) -> list[Delivery]:
+    """Turn one domain event into deliveries (idempotent) and queue them; unknown events do nothing."""
+    demo_channel_ensure()
+    notices = selectors.notices_for(event, payload)
+    created = _deliver_notices(notices) if notices else []
+    if event in selectors.QUOTA_EVENTS:
+        reservation_id = selectors.as_id(payload.get("reservation_id"))
+        row = None if reservation_id is None else (
+            Reservation.objects.filter(pk=reservation_id).values("tenant_id", "pool_id").first())
+        if row:
+            created += quota_threshold_check(tenant_id=row["tenant_id"], pool_id=row["pool_id"])
+    return created
+
+
+def quota_threshold_check(*, tenant_id: int, pool_id: int, now: datetime | None = None) -> list[Delivery]:
+    """Alert once when the tenant's booked peak in the pool reaches the threshold (default 80 %).
+
+    The peak is taken over the whole booking horizon from now, with the alert state row locked,
+    so concurrent checks take turns and each sees the bookings committed before it.
+    """
+    now = now or timezone.now()
+    threshold = float(_setting("PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT", 80))
+    quota = Quota.objects.select_related("tenant", "pool").filter(tenant_id=tenant_id, pool_id=pool_id).first()
+    if quota is None or quota.max_nodes <= 0:
+        return []
+    horizon = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
+    with transaction.atomic():
+        QuotaAlertState.objects.get_or_create(quota=quota)
+        state = QuotaAlertState.objects.select_for_update().get(quota=quota)
+        peak = tenant_peak_usage(tenant_id=tenant_id, pool_id=pool_id, start=now, end=horizon)
+        above = peak * 100 >= threshold * quota.max_nodes
+        crossing = above and not state.above
+        state.above, state.last_peak = above, peak
+        if crossing:
+            state.crossings += 1
+        state.save()
+    if not crossing:
+        return []
+    notice = Notice(
+        event=Event.QUOTA_THRESHOLD,
+        key=f"{Event.QUOTA_THRESHOLD}:q{quota.pk}:n{state.crossings}",
+        payload={
+            "tenant": quota.tenant.slug,
+            "tenant_name": quota.tenant.name,
+            "pool": quota.pool.name,
+            "used_nodes": peak,
+            "max_nodes": quota.max_nodes,
+            "percent": round(100 * peak / quota.max_nodes),
+        },
+        source_event="quota.threshold",
+        tenant_id=tenant_id,
+        to_platform=False,
+    )
+    return _deliver_notices([notice])
+
+
+def reminders_emit(*, now: datetime | None = None) -> list[Delivery]:
+    """Announce the reminders that are due (beat, every minute); the keys make repeats no-ops."""
+    now = now or timezone.now()
+    demo_channel_ensure()
+    created: list[Delivery] = []
+    for event, reservation_id, hours in selectors.reminders_due(now=now):
+        created += event_fanout(event=event, payload={"reservation_id": reservation_id, "hours": hours})
+    return created
+
+
+def channel_send_test(*, actor: Any, channel: Channel) -> Delivery:
+    """Queue a test message to channel, even a broken one (that is how a fixed URL is proven)."""
+    url = channel.target_url()
+    if not url:
+        raise InvalidState("No webhook URL is set for this channel.")
+    payload: dict[str, Any] = {"tenant": channel.tenant.slug} if channel.tenant_id else {}
+    if channel.tenant_id:
+        payload["tenant_name"] = channel.tenant.name
+    if getattr(actor, "pk", None):
+        payload["actor"] = actor.get_username()
+    notice = Notice(event=Event.TEST, key=f"test:{uuid.uuid4().hex}", payload=payload, source_event="test",
+                    tenant_id=channel.tenant_id)
+    with transaction.atomic(durable=True):
+        delivery, _ = _delivery_for(notice, channel)
+        audit_record(actor=actor, action="notifications.test", obj=channel, tenant_id=channel.tenant_id,
+                     after={"delivery": delivery.pk})
+        _enqueue([delivery.pk])
+    return delivery
+
+
+# --- sending --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What one call of delivery_send came to; retry_in says when the task should run again."""
+
+    status: str
+    retry_in: float | None = None
+    posted: bool = False
+    error: str = ""
+
+
+def _secrets_for(channel: Channel, now: datetime) -> list[str]:
+    secrets = [channel.secret]
+    if channel.previous_secret and channel.previous_secret_expires_at and channel.previous_secret_expires_at > now:
+        secrets.append(channel.previous_secret)
+    return secrets
+
+
+def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
+    if channel is None:
+        return "channel_deleted"
+    if not channel.target_url():
+        return "no_url"
+    if delivery.event == Event.TEST:
+        return ""
+    if not channel.enabled:
+        return "channel_disabled"
+    if channel.is_broken:
+        return f"channel_broken: {channel.broken_error}"[:200]
+    return ""
+
+
+def _finish(delivery_id: int, *, status: str, error: str) -> SendResult:
+    Delivery.objects.filter(pk=delivery_id).exclude(status__in=TERMINAL_STATUSES).update(
+        status=status, last_error=error[:200], lease_until=None, claim=None, next_attempt_at=None,
+        updated_at=timezone.now(),
+    )
+    return SendResult(status=status, error=error)
+
+
+def _wait_for(delivery: Delivery, now: datetime) -> float | None:
+    """Seconds until this delivery may be attempted, or None when it may be now."""
+    if delivery.status == DeliveryStatus.SENDING and delivery.lease_until and delivery.lease_until > now:
+        return (delivery.lease_until - now).total_seconds() + 0.5
+    if delivery.status in (DeliveryStatus.PENDING, DeliveryStatus.RETRYING) and delivery.next_attempt_at:
+        early = (delivery.next_attempt_at - now) - DUE_TOLERANCE
+        if early > timedelta(0):
+            return (delivery.next_attempt_at - now).total_seconds()
+    return None
+
+
+def _claim(delivery_id: int, *, now: datetime, worker: str) -> tuple[uuid.UUID, DeliveryAttempt] | None:
+    """Take the delivery for one attempt, or return None when it is not ours to send now."""
+    token = uuid.uuid4()
+    with transaction.atomic(durable=True):
+        claimed = (
+            Delivery.objects.filter(pk=delivery_id)
+            .filter(
+                Q(status__in=[DeliveryStatus.PENDING, DeliveryStatus.RETRYING])
+                & (Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now + DUE_TOLERANCE))
+                | Q(status=DeliveryStatus.SENDING, lease_until__lt=now)
+            )
+            .update(
+                status=DeliveryStatus.SENDING, claim=token, lease_until=now + timedelta(seconds=lease_seconds()),
+                attempts=F("attempts") + 1, last_attempt_at=now, updated_at=now,
+            )
+        )
+        if not claimed:
+            return None
+        number = Delivery.objects.values_list("attempts", flat=True).get(pk=delivery_id)
+        # An attempt still "in flight" belongs to a sender that lost its lease (killed worker).
+        DeliveryAttempt.objects.filter(delivery_id=delivery_id, verdict=AttemptVerdict.SENDING).update(
+            verdict=AttemptVerdict.INTERRUPTED, finished_at=now, error="worker_lost"
+        )
+        attempt = DeliveryAttempt.objects.create(delivery_id=delivery_id, number=number, started_at=now,
+                                                 worker=worker[:200])
+    return token, attempt
+
+
+def _mark_broken(channel_id: int | None, *, url: str, outcome: transport.Outcome) -> None:
+    if channel_id is None:
+        return
+    channel = Channel.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=channel_id).first()
+    if channel is None:
+        return
+    fp = url_fingerprint(url)
+    if channel.broken_at is not None and channel.broken_url_fp == fp:
+        return
+    channel.broken_at = timezone.now()
+    channel.broken_error = (outcome.error or f"http_{outcome.status}")[:100]
+    channel.broken_status = outcome.status
+    channel.broken_url_fp = fp
+    channel.save(update_fields=["broken_at", "broken_error", "broken_status", "broken_url_fp", "updated_at"])
+    audit_record(actor=None, action="notifications.channel.broken", obj=channel, tenant_id=channel.tenant_id,
+                 after={"error": channel.broken_error, "status": outcome.status, "url": channel.masked_url()})
+
+
+def _mark_repaired(channel_id: int | None) -> None:
+    channel = Channel.objects.select_for_update(of=("self",)).filter(pk=channel_id, broken_at__isnull=False).first()
+    if channel is None:
+        return
+    before = {"broken_error": channel.broken_error}
+    channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = None, "", None, ""
+    channel.save(update_fields=["broken_at", "broken_error", "broken_status", "broken_url_fp", "updated_at"])
+    audit_record(actor=None, action="notifications.channel.repaired", obj=channel, tenant_id=channel.tenant_id,
+                 before=before, after={"broken_error": "", "by": "a delivered message"})
+
+
+def _record(delivery_id: int, *, token: uuid.UUID, attempt: DeliveryAttempt, url: str,
+            outcome: transport.Outcome) -> SendResult:
+    now = timezone.now()
+    with transaction.atomic(durable=True):
+        delivery = Delivery.objects.select_for_update().get(pk=delivery_id)
+        attempt.finished_at = now
+        attempt.status_code = outcome.status
+        attempt.error = outcome.error[:200]
+        attempt.retry_after = outcome.retry_after
+        if outcome.delivered:
+            attempt.verdict = AttemptVerdict.DELIVERED
+            attempt.save()
+            # The message got through whoever holds the claim now: it is delivered.
+            if delivery.status != DeliveryStatus.DELIVERED:
+                delivery.status = DeliveryStatus.DELIVERED
+                delivery.delivered_at = now
+                delivery.last_status_code, delivery.last_error = outcome.status, ""
+                delivery.lease_until = delivery.claim = delivery.next_attempt_at = None
+                delivery.save()
+            _mark_repaired(delivery.channel_id)
+            return SendResult(status=DeliveryStatus.DELIVERED, posted=True)
+        attempt.verdict = AttemptVerdict.RETRY if outcome.retryable else AttemptVerdict.PERMANENT
+        if delivery.claim != token or delivery.status != DeliveryStatus.SENDING:
+            # Our lease ran out and another sender took over (or finished): its result counts.
+            attempt.save()
+            return SendResult(status=delivery.status, posted=True, error=outcome.error)
+        delivery.last_status_code, delivery.last_error = outcome.status, outcome.error[:200]
+        delivery.lease_until = delivery.claim = None
+        retry_in = None
+        tries = delivery.attempts - delivery.requeued_after
+        if outcome.retryable and tries < max_attempts():
+            delay = transport.retry_delay(outcome, tries - 1, base_s=_backoff_base(),
+                                          cap_s=_backoff_cap())
+            delivery.status = DeliveryStatus.RETRYING
+            delivery.next_attempt_at = attempt.next_attempt_at = now + timedelta(seconds=delay)
+            retry_in = delay
+        elif outcome.retryable:
+            delivery.status = DeliveryStatus.FAILED
+            delivery.next_attempt_at = None
+            delivery.last_error = f"{outcome.error} (gave up after {tries} attempts)"[:200]
+        else:
+            delivery.status = DeliveryStatus.FAILED
+            delivery.next_attempt_at = None
+            _mark_broken(delivery.channel_id, url=url, outcome=outcome)
+        attempt.save()
+        delivery.save()
+    return SendResult(status=delivery.status, retry_in=retry_in, posted=True, error=outcome.error)
+
+
+def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
+    """Make one attempt at a delivery if it is due and nobody else is on it; say when to come back."""
+    now = timezone.now()
+    delivery = Delivery.objects.select_related("channel__tenant").filter(pk=delivery_id).first()
+    if delivery is None:
+        return SendResult(status="missing")
+    if delivery.status in TERMINAL_STATUSES:
+        return SendResult(status=delivery.status)
+    wait = _wait_for(delivery, now)
+    if wait is not None:
+        return SendResult(status=delivery.status, retry_in=wait)
+    channel = delivery.channel
+    reason = _skip_reason(delivery, channel)
+    if reason:
+        return _finish(delivery.pk, status=DeliveryStatus.SKIPPED, error=reason)
+    url = channel.target_url()
+    # Take the webhook's one-per-second slot before the row: a slot wasted on a lost claim is harmless.
+    wait = ratelimit.acquire(_redis(), ratelimit.key_for_url(url), _min_interval())
+    if wait > 0:
+        # Jitter: many messages queued for one webhook would otherwise all wake in the same instant.
+        return SendResult(status=delivery.status, retry_in=wait + random.uniform(0, _min_interval()))  # noqa: S311
+    claimed = _claim(delivery.pk, now=timezone.now(), worker=worker)
+    if claimed is None:
+        current = Delivery.objects.filter(pk=delivery.pk).first()
+        if current is None or current.status in TERMINAL_STATUSES:
+            return SendResult(status=current.status if current else "missing")
+        return SendResult(status=current.status, retry_in=_wait_for(current, timezone.now()) or 1.0)
+    token, attempt = claimed
+    body = delivery.body.encode("utf-8")
+    headers: dict[str, str] = {}
+    if delivery.kind == ChannelKind.WEBHOOK:
+        # Signed afresh on every attempt (new timestamp), always with the same webhook-id.
+        headers = signing.sign_headers(_secrets_for(channel, timezone.now()), body, msg_id=delivery.message_id)
+    outcome = transport.post(url, body, headers, timeout=http_timeout(), slack=delivery.kind == ChannelKind.SLACK)
+    return _record(delivery.pk, token=token, attempt=attempt, url=url, outcome=outcome)
+
+
+def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:
+    """Send a failed or skipped delivery again (an admin's or lead's "retry now")."""
+    with transaction.atomic(durable=True):
+        delivery = Delivery.objects.select_for_update().get(pk=delivery.pk)
+        if delivery.status not in (DeliveryStatus.FAILED, DeliveryStatus.SKIPPED, DeliveryStatus.RETRYING):
+            raise InvalidState(f"Delivery #{delivery.pk} is {delivery.status}; nothing to retry.")
+        if not delivery.body:
+            raise InvalidState("This delivery could not be built; it cannot be sent.")
+        before = {"status": delivery.status, "attempts": delivery.attempts, "last_error": delivery.last_error}
+        delivery.status = DeliveryStatus.PENDING
+        delivery.next_attempt_at = timezone.now()
+        delivery.requeued_after = delivery.attempts  # a fresh budget of attempts, counted from here
+        delivery.save()
+        if delivery.channel_id:
+            channel = Channel.objects.select_for_update(of=("self",)).get(pk=delivery.channel_id)
+            if channel.broken_at is not None:
+                channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = (
+                    None, "", None, "")
+                channel.save()
+        audit_record(actor=actor, action="notifications.delivery.requeue", obj=delivery,
+                     tenant_id=delivery.tenant_id, before=before, after={"status": delivery.status})
+        _enqueue([delivery.pk])
+    return delivery
+
+
+def deliveries_requeue_stuck(*, now: datetime | None = None, grace_s: float = 60.0) -> list[int]:
+    """Queue again every open delivery nobody is working on (beat): the belt to acks_late's braces."""
+    ids = selectors.stuck_delivery_ids(now=now or timezone.now(), grace=timedelta(seconds=grace_s))
+    if ids:
+        logger.warning("requeueing %d stuck deliveries", len(ids))
+        _enqueue(ids)
+    return ids

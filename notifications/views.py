@@ -1,0 +1,267 @@
+"""A lead's notification pages: Slack and signed webhooks for the current tenant, and the delivery log.
+
+Only the tenant's lead (and staff) may see or change them. Every object is looked up inside
+the user's scope, so another tenant's channel or delivery is a 404. Secrets: the Slack URL
+is shown masked, a signing secret only in the response that created or rotated it.
+"""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.http import Http404, HttpResponseRedirect
+from django.urls import reverse
+from django.views.decorators.http import require_GET, require_POST
+
+from portal.core.crypto import mask
+from portal.core.exceptions import DomainError
+from tenants.choices import Role
+from tenants.services import tenant_slack_webhook_set
+from tenants.views import portal_view, render_page
+
+from . import selectors, services
+from .choices import EVENT_LABELS, ChannelKind
+from .forms import DeliveryFilterForm, EventsForm, SlackUrlForm, WebhookEditForm, WebhookForm
+from .models import Channel
+
+__all__ = [
+    "settings_page",
+    "slack_url",
+    "slack_events",
+    "slack_test",
+    "webhook_create",
+    "webhook_edit",
+    "webhook_rotate",
+    "webhook_delete",
+    "channel_test",
+    "channel_clear",
+    "delivery_log",
+    "delivery_retry",
+]
+
+PAGE_SIZE = 50
+
+
+def _lead_tenant(request):
+    """The current tenant, if the user leads it (or is staff); else 403."""
+    portal = request.portal
+    if portal.tenant is None or not (request.user.is_staff or portal.role == Role.LEAD):
+        raise PermissionDenied("Only the tenant's lead manages its notifications.")
+    return portal.tenant
+
+
+def _channel(request, tenant, pk: int, kind: str | None = None) -> Channel:
+    qs = selectors.channels_for_user(user=request.user, tenant=tenant)
+    if kind:
+        qs = qs.filter(kind=kind)
+    channel = qs.filter(pk=pk).first()
+    if channel is None:
+        raise Http404("No such channel.")
+    return channel
+
+
+def _back() -> HttpResponseRedirect:
+    return HttpResponseRedirect(reverse("notifications:settings"))
+
+
+def _settings_context(request, tenant, **extra):
+    channels = list(selectors.channels_for_user(user=request.user, tenant=tenant))
+    slack = next((c for c in channels if c.kind == ChannelKind.SLACK), None)
+    webhooks = [c for c in channels if c.kind == ChannelKind.WEBHOOK]
+    slack_events = slack.events if slack is not None else list(EVENT_LABELS)
+    context = {
+        "tenant": tenant,
+        "slack": slack,
+        "slack_url_masked": mask(tenant.slack_webhook_url, keep=6),
+        "slack_form": SlackUrlForm(),
+        "events_form": EventsForm(initial={"events": slack_events,
+                                           "enabled": slack.enabled if slack is not None else True}),
+        "webhooks": [
+            (c, WebhookEditForm(initial={"name": c.name, "events": c.events, "enabled": c.enabled},
+                                prefix=f"w{c.pk}"))
+            for c in webhooks
+        ],
+        "webhook_form": WebhookForm(),
+        "event_labels": EVENT_LABELS,
+        "recent": selectors.deliveries_for_user(user=request.user, tenant=tenant)[:10],
+    }
+    context.update(extra)
+    return context
+
+
+def _error(request, exc: DomainError):
+    messages.error(request, exc.detail)
+    return _back()
+
+
+@require_GET
+@portal_view
+def settings_page(request):
+    tenant = _lead_tenant(request)
+    return render_page(request, "notifications/settings.html", _settings_context(request, tenant))
+
+
+@require_POST
+@portal_view
+def slack_url(request):
+    tenant = _lead_tenant(request)
+    form = SlackUrlForm(request.POST)
+    if not form.is_valid():
+        return render_page(request, "notifications/settings.html",
+                           _settings_context(request, tenant, slack_form=form), status=400)
+    url = "" if form.cleaned_data["clear"] else form.cleaned_data["url"]
+    try:
+        tenant_slack_webhook_set(actor=request.user, tenant=tenant, url=url)
+    except DomainError as exc:
+        return _error(request, exc)
+    messages.success(request, "Slack webhook removed." if not url else
+                     "Slack webhook saved. Send a test message to check it.")
+    return _back()
+
+
+@require_POST
+@portal_view
+def slack_events(request):
+    tenant = _lead_tenant(request)
+    form = EventsForm(request.POST)
+    if not form.is_valid():
+        return render_page(request, "notifications/settings.html",
+                           _settings_context(request, tenant, events_form=form), status=400)
+    try:
+        services.slack_subscriptions_update(actor=request.user, tenant=tenant, events=form.cleaned_data["events"],
+                                            enabled=form.cleaned_data["enabled"])
+    except DomainError as exc:
+        return _error(request, exc)
+    messages.success(request, "Slack events saved.")
+    return _back()
+
+
+@require_POST
+@portal_view
+def slack_test(request):
+    tenant = _lead_tenant(request)
+    channel = services.slack_channel_ensure(tenant)
+    if channel is None:
+        messages.error(request, "Set a Slack webhook URL first.")
+        return _back()
+    return _send_test(request, channel)
+
+
+def _send_test(request, channel: Channel):
+    try:
+        delivery = services.channel_send_test(actor=request.user, channel=channel)
+    except DomainError as exc:
+        return _error(request, exc)
+    messages.success(request, f"Test message queued (delivery #{delivery.pk}); its result appears in the log.")
+    return _back()
+
+
+@require_POST
+@portal_view
+def channel_test(request, pk: int):
+    tenant = _lead_tenant(request)
+    return _send_test(request, _channel(request, tenant, pk))
+
+
+@require_POST
+@portal_view
+def channel_clear(request, pk: int):
+    tenant = _lead_tenant(request)
+    try:
+        services.channel_clear_broken(actor=request.user, channel=_channel(request, tenant, pk))
+    except DomainError as exc:
+        return _error(request, exc)
+    messages.success(request, "The channel sends again.")
+    return _back()
+
+
+@require_POST
+@portal_view
+def webhook_create(request):
+    tenant = _lead_tenant(request)
+    form = WebhookForm(request.POST)
+    if not form.is_valid():
+        return render_page(request, "notifications/settings.html",
+                           _settings_context(request, tenant, webhook_form=form), status=400)
+    try:
+        channel, secret = services.webhook_create(actor=request.user, tenant=tenant, url=form.cleaned_data["url"],
+                                                  name=form.cleaned_data["name"], events=form.cleaned_data["events"])
+    except DomainError as exc:
+        return _error(request, exc)
+    # The secret is shown in this response only; it is stored encrypted and never displayed again.
+    return render_page(request, "notifications/settings.html",
+                       _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel))
+
+
+@require_POST
+@portal_view
+def webhook_edit(request, pk: int):
+    tenant = _lead_tenant(request)
+    channel = _channel(request, tenant, pk, ChannelKind.WEBHOOK)
+    form = WebhookEditForm(request.POST, prefix=f"w{channel.pk}")
+    if not form.is_valid():
+        messages.error(request, "; ".join(f"{k}: {' '.join(v)}" for k, v in form.errors.items()))
+        return _back()
+    try:
+        services.webhook_update(actor=request.user, channel=channel, name=form.cleaned_data["name"],
+                                url=form.cleaned_data["url"] or None, events=form.cleaned_data["events"],
+                                enabled=form.cleaned_data["enabled"])
+    except DomainError as exc:
+        return _error(request, exc)
+    messages.success(request, "Webhook saved.")
+    return _back()
+
+
+@require_POST
+@portal_view
+def webhook_rotate(request, pk: int):
+    tenant = _lead_tenant(request)
+    try:
+        channel, secret = services.webhook_rotate_secret(
+            actor=request.user, channel=_channel(request, tenant, pk, ChannelKind.WEBHOOK))
+    except DomainError as exc:
+        return _error(request, exc)
+    return render_page(request, "notifications/settings.html",
+                       _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel,
+                                         rotated=True))
+
+
+@require_POST
+@portal_view
+def webhook_delete(request, pk: int):
+    tenant = _lead_tenant(request)
+    try:
+        services.channel_delete(actor=request.user, channel=_channel(request, tenant, pk, ChannelKind.WEBHOOK))
+    except DomainError as exc:
+        return _error(request, exc)
+    messages.success(request, "Webhook deleted; its deliveries stay in the log.")
+    return _back()
+
+
+@require_GET
+@portal_view
+def delivery_log(request):
+    tenant = _lead_tenant(request)
+    form = DeliveryFilterForm(request.GET)
+    status = form.cleaned_data["status"] if form.is_valid() else ""
+    qs = selectors.deliveries_for_user(user=request.user, tenant=tenant, status=status or None)
+    page = Paginator(qs, PAGE_SIZE).get_page(request.GET.get("page"))
+    return render_page(request, "notifications/deliveries.html",
+                       {"tenant": tenant, "page": page, "filter_form": form, "status": status})
+
+
+@require_POST
+@portal_view
+def delivery_retry(request, pk: int):
+    tenant = _lead_tenant(request)
+    delivery = selectors.deliveries_for_user(user=request.user, tenant=tenant).filter(pk=pk).first()
+    if delivery is None:
+        raise Http404("No such delivery.")
+    try:
+        services.delivery_requeue(actor=request.user, delivery=delivery)
+    except DomainError as exc:
+        messages.error(request, exc.detail)
+    else:
+        messages.success(request, f"Delivery #{delivery.pk} queued again.")
+    return HttpResponseRedirect(reverse("notifications:deliveries"))

@@ -1,0 +1,144 @@
+"""Admin building blocks every app's admin uses, and the audit log's own admin page.
+
+Writes from the admin go through the same services as the API and the pages, so they are
+validated, locked and audited the same way. Those services run in their own durable
+transactions, which Django's admin would otherwise wrap in its own ``atomic`` (and a durable
+block refuses to nest): ``ServiceAdminMixin`` runs the add/change/delete views without that
+wrapper and turns a service's domain error into a message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.options import csrf_protect_m
+from django.http import HttpResponseRedirect
+from django.utils.html import format_html, format_html_join
+
+from .exceptions import DomainError
+from .models import AuditLog
+
+__all__ = [
+    "StaffAdminMixin", "ServiceAdminMixin", "ReadOnlyAdminMixin", "admin_hooks", "AuditLogAdmin", "format_change",
+]
+
+# Late-bound helpers one app's admin offers another without an upward import: e.g. the
+# reservations admin registers "quota_conflicts" (which bookings a lowered quota no longer
+# covers) for the tenants admin, which may not import reservations.
+admin_hooks: dict[str, Callable[..., Any]] = {}
+
+
+def _is_platform_admin(request) -> bool:
+    user = request.user
+    return bool(user.is_active and user.is_staff)
+
+
+class StaffAdminMixin:
+    """Platform admins are the staff users (DESIGN §3): being staff is the permission here."""
+
+    def has_module_permission(self, request):
+        return _is_platform_admin(request)
+
+    def has_view_permission(self, request, obj=None):
+        return _is_platform_admin(request)
+
+    def has_add_permission(self, request, *args):
+        return _is_platform_admin(request)
+
+    def has_change_permission(self, request, obj=None):
+        return _is_platform_admin(request)
+
+    def has_delete_permission(self, request, obj=None):
+        return _is_platform_admin(request)
+
+
+class ServiceAdminMixin(StaffAdminMixin):
+    """Run add/change/delete outside the admin's transaction: the services own theirs."""
+
+    @csrf_protect_m
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        try:
+            return self._changeform_view(request, object_id, form_url, extra_context)
+        except DomainError as exc:
+            self.message_user(request, exc.detail, messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
+
+    @csrf_protect_m
+    def delete_view(self, request, object_id, extra_context=None):
+        try:
+            return self._delete_view(request, object_id, extra_context)
+        except DomainError as exc:
+            self.message_user(request, exc.detail, messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
+
+    def run_service(self, request, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Call a service for an admin action; report a domain error as a message, return None."""
+        try:
+            return fn(*args, **kwargs)
+        except DomainError as exc:
+            self.message_user(request, exc.detail, messages.ERROR)
+            return None
+
+
+class ReadOnlyAdminMixin(StaffAdminMixin):
+    """A log: staff read it; nobody adds, changes or deletes rows here."""
+
+    def has_add_permission(self, request, *args):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
+def format_change(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """Return "field: old → new" for every field that differs (or was set / removed)."""
+    parts = []
+    for key in list(dict.fromkeys([*before.keys(), *after.keys()])):
+        old, new = before.get(key), after.get(key)
+        if key in before and key in after and old == new:
+            continue
+        if key not in before:
+            parts.append(f"{key}: {_short(new)}")
+        elif key not in after:
+            parts.append(f"{key}: {_short(old)} → (removed)")
+        else:
+            parts.append(f"{key}: {_short(old)} → {_short(new)}")
+    return "; ".join(parts)
+
+
+@admin.register(AuditLog)
+class AuditLogAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    list_display = ("created_at", "actor", "action", "object_type", "object_id", "tenant_id", "change")
+    list_filter = ("action", "object_type")
+    search_fields = ("action", "object_type", "object_id", "actor__username")
+    list_select_related = ("actor",)
+    date_hierarchy = "created_at"
+    readonly_fields = ("created_at", "actor", "action", "object_type", "object_id", "tenant_id", "change_table")
+    fields = readonly_fields
+    show_full_result_count = False
+
+    @admin.display(description="before → after")
+    def change(self, obj: AuditLog) -> str:
+        return format_change(obj.before or {}, obj.after or {})
+
+    @admin.display(description="before → after")
+    def change_table(self, obj: AuditLog) -> str:
+        keys = list(dict.fromkeys([*(obj.before or {}).keys(), *(obj.after or {}).keys()]))
+        if not keys:
+            return "—"
+        rows = format_html_join(
+            "", "<tr><th>{}</th><td>{}</td><td>{}</td></tr>",
+            ((k, _short((obj.before or {}).get(k, "")), _short((obj.after or {}).get(k, ""))) for k in keys),
+        )
+        return format_html("<table><tr><th></th><th>before</th><th>after</th></tr>{}</table>", rows)

@@ -1,0 +1,69 @@
+"""The audit log as a page: a tenant's lead sees every change made to their tenant; staff see all.
+
+The core app sits below tenants, so it does not import them: a user's lead roles come through
+the ``memberships`` reverse relation, and staff's tenant names through the app registry.
+"""
+
+from __future__ import annotations
+
+import zoneinfo
+
+from django.apps import apps
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.shortcuts import render
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+
+from .admin import format_change
+from .models import AuditLog
+
+__all__ = ["audit_log"]
+
+PAGE_SIZE = 50
+LEAD = "lead"
+
+
+def _time_zone(request) -> zoneinfo.ZoneInfo:
+    # The zone the portal pages use (chosen on the account page); UTC when unset or unknown.
+    try:
+        return zoneinfo.ZoneInfo(request.session.get("portal_tz") or "UTC")
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        return zoneinfo.ZoneInfo("UTC")
+
+
+def _visible_tenants(user) -> dict[int, str]:
+    """Return {tenant id: name} of the tenants whose audit the user may read."""
+    if user.is_staff:
+        Tenant = apps.get_model("tenants", "Tenant")
+        return dict(Tenant.objects.values_list("pk", "name"))
+    memberships = user.memberships.filter(role=LEAD).select_related("tenant")
+    return {m.tenant_id: m.tenant.name for m in memberships}
+
+
+@require_GET
+@login_required
+def audit_log(request):
+    tenants = _visible_tenants(request.user)
+    if not tenants and not request.user.is_staff:
+        raise PermissionDenied("Only a tenant's lead can read its audit log.")
+    qs = AuditLog.objects.select_related("actor").filter(tenant_id__in=list(tenants))
+    if request.user.is_staff and request.GET.get("all") == "1":
+        qs = AuditLog.objects.select_related("actor")  # including fleet changes with no tenant
+    selected = request.GET.get("tenant", "")
+    if selected.isdigit() and int(selected) in tenants:
+        qs = qs.filter(tenant_id=int(selected))
+    action = request.GET.get("action", "").strip()
+    if action:
+        qs = qs.filter(action__startswith=action)
+    page = Paginator(qs, PAGE_SIZE).get_page(request.GET.get("page"))
+    rows = [
+        {"entry": e, "tenant": tenants.get(e.tenant_id, ""), "change": format_change(e.before or {}, e.after or {})}
+        for e in page.object_list
+    ]
+    with timezone.override(_time_zone(request)):
+        return render(request, "core/audit_list.html", {
+            "page": page, "rows": rows, "tenants": sorted(tenants.items(), key=lambda t: t[1]),
+            "selected": selected, "action": action,
+        })

@@ -1,0 +1,370 @@
+"""Admin for tenants, memberships and quotas: every save goes through the audited services.
+
+Quota edits — on the quota's page, inline on the tenant, in place on the quota list, or in
+bulk from the list's action — all end in ``quota_update`` / ``quota_bulk_update``, which lock
+the rows bookings lock and write an audit row (actor, old → new) per quota. Lowering a quota
+below what the tenant has already booked first shows the affected reservations and asks to
+confirm; existing bookings are never cancelled by a quota change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.html import format_html
+from simple_history.admin import SimpleHistoryAdmin
+
+from portal.core.admin import ServiceAdminMixin, StaffAdminMixin, admin_hooks
+from portal.core.crypto import mask
+from portal.core.exceptions import DomainError
+
+from . import services
+from .models import Membership, Quota, Tenant
+
+QUOTA_FIELDS = services.QUOTA_FIELDS
+CONFIRM_FIELD = "_confirm_lowering"
+
+
+# --- the lowering warning --------------------------------------------------------------------
+
+
+def _lowers(old: Quota, new: dict[str, Any]) -> bool:
+    if new.get("max_nodes", old.max_nodes) < old.max_nodes:
+        return True
+    if new.get("burst_nodes", old.burst_nodes) < old.burst_nodes:
+        return True
+    hours = new.get("max_duration_hours", old.max_duration_hours)
+    return hours is not None and (old.max_duration_hours is None or hours < old.max_duration_hours)
+
+
+def lowering_review(request, model_admin, changes: list[tuple[Quota, dict[str, Any]]]):
+    """Return a confirmation page when changes lower quotas below existing bookings, else None.
+
+    The page lists the affected reservations and re-posts the very same form data with
+    ``_confirm_lowering=yes``, so confirming saves exactly what was reviewed.
+    """
+    if request.POST.get(CONFIRM_FIELD) == "yes":
+        return None
+    finder = admin_hooks.get("quota_conflicts")
+    if finder is None:
+        return None
+    groups = []
+    for old, values in changes:
+        new = {f: values.get(f, getattr(old, f)) for f in QUOTA_FIELDS}
+        if not _lowers(old, new):
+            continue
+        conflicts = finder(quota=old, **new)
+        if conflicts:
+            groups.append({"quota": old, "old": {f: getattr(old, f) for f in QUOTA_FIELDS}, "new": new,
+                           "conflicts": conflicts})
+    if not groups:
+        return None
+    post_items = [
+        (key, value) for key in request.POST for value in request.POST.getlist(key)
+        if key not in ("csrfmiddlewaretoken", CONFIRM_FIELD)
+    ]
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": "Lower a quota below what is booked?",
+        "opts": Quota._meta,
+        "groups": groups,
+        "post_items": post_items,
+        "confirm_field": CONFIRM_FIELD,
+        "back_url": request.get_full_path(),
+    }
+    return TemplateResponse(request, "admin/tenants/quota/confirm_lowering.html", context)
+
+
+def _quota_values(form) -> dict[str, Any]:
+    return {f: form.cleaned_data[f] for f in QUOTA_FIELDS if f in form.cleaned_data}
+
+
+# --- inlines -------------------------------------------------------------------------------
+
+
+class MembershipInline(StaffAdminMixin, admin.TabularInline):
+    model = Membership
+    extra = 0
+    fields = ("user", "role", "created_at")
+    readonly_fields = ("created_at",)
+    raw_id_fields = ("user",)
+
+
+class QuotaInline(StaffAdminMixin, admin.TabularInline):
+    model = Quota
+    extra = 0
+    fields = ("pool", "max_nodes", "burst_nodes", "max_duration_hours", "updated_at")
+    readonly_fields = ("updated_at",)
+    show_change_link = True
+
+
+# --- tenants -------------------------------------------------------------------------------
+
+
+class TenantForm(forms.ModelForm):
+    """Everything but the secrets: the Slack URL is set by the lead (or below) and never shown back."""
+
+    new_slack_webhook_url = forms.URLField(
+        required=False, max_length=2000, assume_scheme="https",
+        widget=forms.TextInput(attrs={"autocomplete": "off", "size": 60}),
+        help_text="Paste a new Slack incoming-webhook URL to replace the current one (shown masked above).",
+    )
+    clear_slack_webhook_url = forms.BooleanField(required=False, label="Remove the Slack webhook")
+
+    class Meta:
+        model = Tenant
+        fields = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
+
+
+@admin.register(Tenant)
+class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
+    form = TenantForm
+    list_display = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr", "slack", "links")
+    search_fields = ("slug", "name")
+    list_filter = ("burst_enabled",)
+    readonly_fields = ("slack_webhook", "links", "created_at")
+    inlines = [MembershipInline, QuotaInline]
+
+    def get_fieldsets(self, request, obj=None):
+        main = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
+        if obj is None:
+            return [(None, {"fields": main})]
+        return [
+            (None, {"fields": main}),
+            ("Slack", {"fields": ("slack_webhook", "new_slack_webhook_url", "clear_slack_webhook_url")}),
+            ("More", {"fields": ("links", "created_at")}),
+        ]
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # tenants keep their history; remove members and quotas instead
+
+    @admin.display(description="Slack")
+    def slack(self, obj: Tenant) -> str:
+        return "set" if obj.slack_webhook_url else "—"
+
+    @admin.display(description="Slack webhook URL")
+    def slack_webhook(self, obj: Tenant) -> str:
+        return mask(obj.slack_webhook_url, keep=6) or "not set"
+
+    @admin.display(description="See also")
+    def links(self, obj: Tenant) -> str:
+        if obj.pk is None:
+            return "—"
+        audit = reverse("admin:core_auditlog_changelist") + f"?tenant_id={obj.pk}"
+        return format_html('<a href="{}">Audit log</a>', audit)
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        if request.method == "POST" and object_id:
+            review = self._review_inline_quotas(request, object_id)
+            if review is not None:
+                return review
+        return super().changeform_view(request, object_id, form_url, extra_context)
+
+    def _review_inline_quotas(self, request, object_id):
+        obj = self.get_object(request, object_id)
+        if obj is None:
+            return None
+        changes = []
+        for inline in self.get_inline_instances(request, obj):
+            if not isinstance(inline, QuotaInline):
+                continue
+            FormSet = inline.get_formset(request, obj)
+            formset = FormSet(request.POST, request.FILES, instance=obj, prefix=FormSet.get_default_prefix())
+            if not formset.is_valid():
+                return None  # the normal view shows the errors
+            for form in formset.forms:
+                if form.instance.pk and form.has_changed() and not formset._should_delete_form(form):
+                    changes.append((Quota.objects.select_related("tenant", "pool").get(pk=form.instance.pk),
+                                    _quota_values(form)))
+        return lowering_review(request, self, changes)
+
+    def save_model(self, request, obj, form, change):
+        data = {f: form.cleaned_data[f] for f in TenantForm.Meta.fields if f in form.cleaned_data}
+        if change:
+            changed = {k: data[k] for k in form.changed_data if k in data}
+            if changed:
+                services.tenant_update(actor=request.user, tenant=obj, **changed)
+            new_url = form.cleaned_data.get("new_slack_webhook_url")
+            if form.cleaned_data.get("clear_slack_webhook_url"):
+                services.tenant_slack_webhook_set(actor=request.user, tenant=obj, url="")
+            elif new_url:
+                services.tenant_slack_webhook_set(actor=request.user, tenant=obj, url=new_url)
+        else:
+            created = services.tenant_create(actor=request.user, **data)
+            obj.pk = created.pk
+            obj._state.adding = False
+
+    def save_formset(self, request, form, formset, change):
+        tenant = form.instance
+        actor = request.user
+        for sub in formset.forms:
+            if not hasattr(sub, "cleaned_data") or not sub.cleaned_data:
+                continue
+            instance = sub.instance
+            if formset._should_delete_form(sub):
+                if instance.pk:
+                    if isinstance(instance, Quota):
+                        services.quota_delete(actor=actor, quota=instance)
+                    else:
+                        services.membership_delete(actor=actor, membership=instance)
+                continue
+            if isinstance(instance, Quota):
+                values = _quota_values(sub)
+                if instance.pk and sub.has_changed():
+                    services.quota_update(actor=actor, quota=instance, **values)
+                elif not instance.pk:
+                    services.quota_create(actor=actor, tenant=tenant, pool=sub.cleaned_data["pool"], **values)
+            elif isinstance(instance, Membership):
+                if instance.pk and sub.has_changed():
+                    services.membership_update(actor=actor, membership=instance, role=sub.cleaned_data["role"])
+                elif not instance.pk:
+                    services.membership_create(actor=actor, tenant=tenant, user=sub.cleaned_data["user"],
+                                               role=sub.cleaned_data["role"])
+        formset.new_objects, formset.changed_objects, formset.deleted_objects = [], [], []
+
+
+# --- quotas --------------------------------------------------------------------------------
+
+
+class QuotaBulkForm(forms.Form):
+    """Set the same numbers on every selected quota; empty fields stay as they are."""
+
+    max_nodes = forms.IntegerField(required=False, min_value=0)
+    burst_nodes = forms.IntegerField(required=False, min_value=0)
+    max_duration_hours = forms.IntegerField(required=False, min_value=1,
+                                            help_text="Leave empty to keep; tick below to remove the limit.")
+    no_duration_limit = forms.BooleanField(required=False, label="Remove the duration limit")
+
+    def changes(self) -> dict[str, Any]:
+        values = {k: self.cleaned_data[k] for k in ("max_nodes", "burst_nodes", "max_duration_hours")
+                  if self.cleaned_data.get(k) is not None}
+        if self.cleaned_data.get("no_duration_limit"):
+            values["max_duration_hours"] = None
+        return values
+
+
+@admin.register(Quota)
+class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
+    list_display = ("tenant", "pool", "max_nodes", "burst_nodes", "max_duration_hours", "updated_at")
+    list_editable = ("max_nodes", "burst_nodes", "max_duration_hours")
+    list_filter = ("pool", "tenant")
+    search_fields = ("tenant__slug", "pool__name")
+    list_select_related = ("tenant", "pool")
+    actions = ["bulk_change"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return ("tenant", "pool", "updated_at") if obj is not None else ("updated_at",)
+
+    def revert_disabled(self, request, obj=None):
+        return True  # a revert would save a historical row past the service (and its audit)
+
+    def history_form_view(self, request, object_id, version_id, extra_context=None):
+        if request.method == "POST":
+            raise PermissionDenied("Quotas are changed through the quota form, never by reverting.")
+        return super().history_form_view(request, object_id, version_id, extra_context)
+
+    # single quota page
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        if request.method == "POST" and object_id:
+            obj = self.get_object(request, object_id)
+            if obj is not None:
+                Form = self.get_form(request, obj, change=True)
+                form = Form(request.POST, request.FILES, instance=self.get_object(request, object_id))
+                if form.is_valid():
+                    review = lowering_review(request, self, [(obj, _quota_values(form))])
+                    if review is not None:
+                        return review
+        return super().changeform_view(request, object_id, form_url, extra_context)
+
+    def save_model(self, request, obj, form, change):
+        values = _quota_values(form)
+        if change:
+            services.quota_update(actor=request.user, quota=obj, **values)
+        else:
+            created = services.quota_create(actor=request.user, tenant=form.cleaned_data["tenant"],
+                                            pool=form.cleaned_data["pool"], **values)
+            obj.pk = created.pk
+            obj._state.adding = False
+
+    def delete_model(self, request, obj):
+        services.quota_delete(actor=request.user, quota=obj)
+
+    def delete_queryset(self, request, queryset):
+        for quota in queryset:
+            services.quota_delete(actor=request.user, quota=quota)
+
+    # in-place edits on the list
+
+    def changelist_view(self, request, extra_context=None):
+        if request.method == "POST" and "_save" in request.POST and self.list_editable:
+            try:
+                response = self._save_list_edits(request)
+            except DomainError as exc:
+                self.message_user(request, exc.detail, messages.ERROR)
+                return HttpResponseRedirect(request.get_full_path())
+            if response is not None:
+                return response
+        return super().changelist_view(request, extra_context)
+
+    def _save_list_edits(self, request):
+        """Validate the list's formset like Django does, then save all rows in one audited service call.
+
+        Returns None to let Django's own view render validation errors (it saves nothing then).
+        """
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        FormSet = self.get_changelist_formset(request)
+        queryset = self._get_list_editable_queryset(request, FormSet.get_default_prefix())
+        formset = FormSet(request.POST, request.FILES, queryset=queryset)
+        if not formset.is_valid():
+            return None
+        edited = [form for form in formset.forms if form.has_changed()]
+        originals = {q.pk: q for q in Quota.objects.select_related("tenant", "pool").filter(
+            pk__in=[form.instance.pk for form in edited])}
+        changes = [(originals[form.instance.pk], {f: form.cleaned_data[f] for f in form.changed_data
+                                                  if f in QUOTA_FIELDS}) for form in edited]
+        review = lowering_review(request, self, changes)
+        if review is not None:
+            return review
+        updated = services.quota_bulk_update(actor=request.user, changes=[(q.pk, v) for q, v in changes],
+                                             reason="admin list edit")
+        for form in edited:
+            self.log_change(request, originals[form.instance.pk], self.construct_change_message(request, form, None))
+        if updated:
+            self.message_user(request, f"{len(updated)} quota(s) changed; each change is in the audit log.",
+                              messages.SUCCESS)
+        return HttpResponseRedirect(request.get_full_path())
+
+    @admin.action(description="Change numbers of selected quotas…")
+    def bulk_change(self, request, queryset):
+        quotas = list(queryset.select_related("tenant", "pool"))
+        if "apply" in request.POST:
+            form = QuotaBulkForm(request.POST)
+            if form.is_valid():
+                values = form.changes()
+                review = lowering_review(request, self, [(q, values) for q in quotas])
+                if review is not None:
+                    return review
+                updated = self.run_service(request, services.quota_bulk_update, actor=request.user,
+                                           changes=[(q.pk, values) for q in quotas], reason="admin bulk action")
+                if updated is not None:
+                    self.message_user(request, f"{len(updated)} quota(s) changed.", messages.SUCCESS)
+                return None
+        else:
+            form = QuotaBulkForm()
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Change the numbers of these quotas",
+            "opts": self.model._meta,
+            "quotas": quotas,
+            "form": form,
+            "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/tenants/quota/bulk_change.html", context)

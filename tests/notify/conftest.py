@@ -1,0 +1,83 @@
+"""Fixtures for the notifications app: the loopback receiver (tests/notifications), channels, bookings.
+
+Service-level tests call the services the Celery tasks call (``event_fanout``,
+``delivery_send``) against the real PostgreSQL, Redis and a real HTTP receiver; the worker
+module (test_worker.py) runs the same through a real Celery worker process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from notifications import services
+from notifications.models import Channel
+from reservations import services as booking
+from tenants.services import tenant_slack_webhook_set
+from tests.notifications.receiver import WebhookReceiver
+
+
+@pytest.fixture
+def receiver() -> Iterator[WebhookReceiver]:
+    """The real loopback webhook receiver of tests/notifications, answering 200 ok unless scripted."""
+    server = WebhookReceiver().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def notify_settings(settings):
+    """Short timeouts and backoff so retries happen within a test."""
+    settings.PORTAL_BASE_URL = "https://portal.example.com"
+    settings.PORTAL_NOTIFY_HTTP_TIMEOUT = 2.0
+    settings.PORTAL_NOTIFY_BACKOFF_BASE = 0.2
+    settings.PORTAL_NOTIFY_BACKOFF_CAP = 2.0
+    settings.PORTAL_NOTIFY_MIN_INTERVAL = 1.0
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = ""
+    settings.PORTAL_DEMO_WEBHOOK_URL = ""
+    return settings
+
+
+@pytest.fixture
+def slack_for(world, notify_settings):
+    """Give a tenant a Slack webhook URL (on the tenant, as leads set it); return its channel row."""
+
+    def _slack(slug: str, url: str, events: list[str] | None = None) -> Channel:
+        tenant = tenant_slack_webhook_set(actor=world.users[f"{slug}-lead"], tenant=world.tenants[slug], url=url)
+        world.tenants[slug] = tenant
+        channel = services.slack_channel_ensure(tenant)
+        if events is not None:
+            channel = services.slack_subscriptions_update(actor=world.users[f"{slug}-lead"], tenant=tenant,
+                                                          events=events)
+        return channel
+
+    return _slack
+
+
+@pytest.fixture
+def webhook_for(world, notify_settings):
+    """Register a signed webhook for a tenant; return (channel, secret)."""
+
+    def _webhook(slug: str, url: str, events: list[str] | None = None) -> tuple[Channel, str]:
+        return services.webhook_create(actor=world.users[f"{slug}-lead"], tenant=world.tenants[slug], url=url,
+                                       name="ci", events=events)
+
+    return _webhook
+
+
+@pytest.fixture
+def book(world):
+    """Book through the real service: book("alpha", t0, hours=2, nodes=1)."""
+
+    def _book(slug: str, start, *, hours: int = 2, nodes: int = 1, name: str = ""):
+        return booking.reservation_create(
+            actor=world.users[f"{slug}-lead"], tenant=world.tenants[slug], pool=world.pool, node_count=nodes,
+            start=start, end=start + timedelta(hours=hours), name=name or f"{slug}-run",
+        )
+
+    return _book
+

@@ -1,0 +1,313 @@
+"""The Django admin: staff only, every edit through the audited services, the quota-lowering warning."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from notifications import services as notify
+from notifications.models import Channel, Delivery
+from portal.core.models import AuditLog
+from reservations.choices import AllocationKind, NodeState, ReservationStatus
+from reservations.models import Allocation, Node, Reservation
+from tenants.models import Quota, Tenant
+from tenants.services import tenant_slack_webhook_set
+
+pytestmark = pytest.mark.django_db
+
+SLACK_URL = "https://hooks.slack.com/services/T000/B000/very-secret-token-xyz"
+
+
+@pytest.fixture
+def staff(world) -> Client:
+    client = Client()
+    client.force_login(world.users["staff"])
+    return client
+
+
+def _quota(world, slug: str) -> Quota:
+    return Quota.objects.get(tenant=world.tenants[slug], pool=world.pool)
+
+
+def _audits(action: str):
+    return list(AuditLog.objects.filter(action=action).order_by("id"))
+
+
+ADMIN_PAGES = [
+    "admin:index", "admin:tenants_tenant_changelist", "admin:tenants_quota_changelist",
+    "admin:reservations_pool_changelist", "admin:reservations_node_changelist",
+    "admin:reservations_reservation_changelist", "admin:notifications_delivery_changelist",
+    "admin:notifications_channel_changelist", "admin:core_auditlog_changelist",
+]
+
+
+@pytest.mark.parametrize("page", ADMIN_PAGES)
+def test_admin_is_for_staff_only(world, page):
+    url = reverse(page)
+    anonymous = Client().get(url)
+    assert anonymous.status_code == 302 and "/admin/login/" in anonymous["Location"]
+    lead = Client()
+    lead.force_login(world.users["alpha-lead"])
+    response = lead.get(url)
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+@pytest.mark.parametrize("page", ADMIN_PAGES)
+def test_staff_see_every_admin_page(world, staff, page):
+    # Platform admins are the staff users: no per-model Django permissions needed.
+    assert not world.users["staff"].is_superuser
+    assert staff.get(reverse(page)).status_code == 200
+
+
+def test_quota_edit_is_audited_with_actor_and_old_and_new(world, staff):
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    assert staff.get(url).status_code == 200
+    response = staff.post(url, {"max_nodes": 4, "burst_nodes": 2, "max_duration_hours": 48, "_save": "Save"})
+    assert response.status_code == 302, response.content[:2000]
+    (audit,) = _audits("quota.update")
+    assert audit.actor == world.users["staff"] and audit.tenant_id == world.tenants["alpha"].pk
+    assert audit.before == {"max_nodes": 3, "burst_nodes": 1, "max_duration_hours": None}
+    assert audit.after == {"max_nodes": 4, "burst_nodes": 2, "max_duration_hours": 48}
+    # django-simple-history records the same change with the same user.
+    assert quota.history.first().history_user == world.users["staff"]
+    assert quota.history.first().max_nodes == 4
+
+
+def _list_edit(world, rows: dict[int, dict], **extra) -> dict:
+    data = {"form-TOTAL_FORMS": str(len(rows)), "form-INITIAL_FORMS": str(len(rows)), "form-MIN_NUM_FORMS": "0",
+            "form-MAX_NUM_FORMS": "1000", "_save": "Save", **extra}
+    for i, (pk, values) in enumerate(rows.items()):
+        quota = Quota.objects.get(pk=pk)
+        data[f"form-{i}-id"] = str(pk)
+        for field in ("max_nodes", "burst_nodes", "max_duration_hours"):
+            value = values.get(field, getattr(quota, field))
+            data[f"form-{i}-{field}"] = "" if value is None else str(value)
+    return data
+
+
+def test_in_place_list_edits_go_through_the_audited_service(world, staff):
+    alpha, beta = _quota(world, "alpha"), _quota(world, "beta")
+    url = reverse("admin:tenants_quota_changelist")
+    response = staff.post(url, _list_edit(world, {alpha.pk: {"max_nodes": 4}, beta.pk: {"burst_nodes": 3}}))
+    assert response.status_code == 302
+    audits = _audits("quota.update")
+    assert [(a.tenant_id, a.before["max_nodes"], a.after["max_nodes"], a.before["burst_nodes"],
+             a.after["burst_nodes"]) for a in audits] == [
+        (world.tenants["alpha"].pk, 3, 4, 1, 1), (world.tenants["beta"].pk, 3, 3, 1, 3)]
+    assert {a.actor for a in audits} == {world.users["staff"]}
+    assert _quota(world, "alpha").max_nodes == 4 and _quota(world, "beta").burst_nodes == 3
+
+
+def test_invalid_list_edit_saves_nothing(world, staff):
+    alpha = _quota(world, "alpha")
+    response = staff.post(reverse("admin:tenants_quota_changelist"),
+                          _list_edit(world, {alpha.pk: {"max_nodes": -1}}))
+    assert response.status_code == 200 and b"errorlist" in response.content
+    assert _audits("quota.update") == [] and _quota(world, "alpha").max_nodes == 3
+
+
+def test_bulk_action_changes_each_quota_audited(world, staff):
+    ids = [_quota(world, "alpha").pk, _quota(world, "beta").pk]
+    url = reverse("admin:tenants_quota_changelist")
+    form = staff.post(url, {"action": "bulk_change", "_selected_action": ids})
+    assert form.status_code == 200 and b"Change the numbers" in form.content
+    done = staff.post(url, {"action": "bulk_change", "_selected_action": ids, "apply": "1", "max_nodes": "6"})
+    assert done.status_code == 302
+    assert sorted(a.after["max_nodes"] for a in _audits("quota.update")) == [6, 6]
+
+
+def test_lowering_below_bookings_lists_them_before_saving(world, staff, t0, book):
+    kept = book("alpha", t0, nodes=3, name="big-run")
+    other = book("alpha", t0 + timedelta(days=2), nodes=1, name="small-run")
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    post = {"max_nodes": 1, "burst_nodes": 0, "max_duration_hours": "", "_save": "Save"}
+
+    warning = staff.post(url, post)
+
+    assert warning.status_code == 200
+    html = warning.content.decode()
+    assert "Lower a quota below what is booked?" in html
+    assert f'data-reservation="{kept.pk}"' in html and "big-run" in html
+    assert f'data-reservation="{other.pk}"' not in html  # 1 node fits the new quota
+    assert _quota(world, "alpha").max_nodes == 3 and _audits("quota.update") == []  # nothing saved yet
+
+    confirmed = staff.post(url, {**post, "_confirm_lowering": "yes"})
+    assert confirmed.status_code == 302
+    assert _quota(world, "alpha").max_nodes == 1
+    (audit,) = _audits("quota.update")
+    assert (audit.before["max_nodes"], audit.after["max_nodes"]) == (3, 1)
+    assert Reservation.objects.get(pk=kept.pk).status == ReservationStatus.CONFIRMED  # bookings are untouched
+
+
+def test_lowering_warning_on_the_list_and_in_bulk(world, staff, t0, book):
+    booked = book("alpha", t0, nodes=2)
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_changelist")
+    data = _list_edit(world, {quota.pk: {"max_nodes": 1, "burst_nodes": 0}})
+    warning = staff.post(url, data)
+    assert warning.status_code == 200 and f'data-reservation="{booked.pk}"' in warning.content.decode()
+    assert _audits("quota.update") == []
+    assert staff.post(url, {**data, "_confirm_lowering": "yes"}).status_code == 302
+    assert _quota(world, "alpha").max_nodes == 1
+
+    bulk = {"action": "bulk_change", "_selected_action": [quota.pk], "apply": "1", "max_nodes": "0"}
+    warning = staff.post(url, bulk)
+    assert f'data-reservation="{booked.pk}"' in warning.content.decode()
+    assert _quota(world, "alpha").max_nodes == 1
+    staff.post(url, {**bulk, "_confirm_lowering": "yes"})
+    assert _quota(world, "alpha").max_nodes == 0
+
+
+def test_tenant_page_with_inlines_audits_and_warns(world, staff, t0, book):
+    tenant = world.tenants["alpha"]
+    booked = book("alpha", t0, nodes=3)
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    page = staff.get(url)
+    assert page.status_code == 200
+    quota, members = _quota(world, "alpha"), list(tenant.memberships.order_by("id"))
+    data = {
+        "slug": "alpha", "name": "Team Alpha", "burst_enabled": "on", "storage_quota_tib": "10", "vlan_id": "",
+        "cidr": "", "new_slack_webhook_url": "", "_save": "Save",
+        "memberships-TOTAL_FORMS": str(len(members)), "memberships-INITIAL_FORMS": str(len(members)),
+        "memberships-MIN_NUM_FORMS": "0", "memberships-MAX_NUM_FORMS": "1000",
+        "quotas-TOTAL_FORMS": "1", "quotas-INITIAL_FORMS": "1", "quotas-MIN_NUM_FORMS": "0",
+        "quotas-MAX_NUM_FORMS": "1000",
+        "quotas-0-id": str(quota.pk), "quotas-0-tenant": str(tenant.pk), "quotas-0-pool": str(world.pool.pk),
+        "quotas-0-max_nodes": "2", "quotas-0-burst_nodes": "0", "quotas-0-max_duration_hours": "",
+    }
+    for i, m in enumerate(members):
+        data.update({f"memberships-{i}-id": str(m.pk), f"memberships-{i}-tenant": str(tenant.pk),
+                     f"memberships-{i}-user": str(m.user_id), f"memberships-{i}-role": m.role})
+    data["memberships-2-role"] = "member"  # the viewer becomes a member
+
+    warning = staff.post(url, data)
+    assert warning.status_code == 200 and f'data-reservation="{booked.pk}"' in warning.content.decode()
+    assert _quota(world, "alpha").max_nodes == 3
+
+    saved = staff.post(url, {**data, "_confirm_lowering": "yes"})
+    assert saved.status_code == 302, saved.content[:3000]
+    assert _quota(world, "alpha").max_nodes == 2
+    assert [(a.before["role"], a.after["role"]) for a in _audits("membership.update")] == [("viewer", "member")]
+    assert _audits("quota.update")[0].actor == world.users["staff"]
+
+
+def test_slack_url_is_never_shown_in_full(world, staff):
+    tenant_slack_webhook_set(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], url=SLACK_URL)
+    channel = notify.slack_channel_ensure(Tenant.objects.get(slug="alpha"))
+    for url in (reverse("admin:tenants_tenant_change", args=[world.tenants["alpha"].pk]),
+                reverse("admin:notifications_channel_change", args=[channel.pk]),
+                reverse("admin:notifications_channel_changelist"),
+                reverse("admin:core_auditlog_changelist")):
+        html = staff.get(url).content.decode()
+        assert "very-secret-token" not in html and "hooks.slack.com/services" not in html
+    assert "••••••••en-xyz" in staff.get(reverse("admin:tenants_tenant_change", args=[world.tenants["alpha"].pk])
+                                    ).content.decode()  # the masked tail
+
+
+def test_staff_replace_the_slack_url_from_the_tenant_page(world, staff):
+    tenant = world.tenants["alpha"]
+    data = {"slug": "alpha", "name": "Team Alpha", "burst_enabled": "on", "storage_quota_tib": "10",
+            "new_slack_webhook_url": SLACK_URL, "_save": "Save",
+            "memberships-TOTAL_FORMS": "0", "memberships-INITIAL_FORMS": "0",
+            "quotas-TOTAL_FORMS": "0", "quotas-INITIAL_FORMS": "0"}
+    response = staff.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]), data)
+    assert response.status_code == 302, response.content[:3000]
+    assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == SLACK_URL
+    (audit,) = _audits("tenant.slack_webhook")
+    assert SLACK_URL not in str(audit.after) and audit.after["slack_webhook_url"].endswith("en-xyz")
+    assert _audits("tenant.update") == []  # nothing else changed, so nothing else is recorded
+
+
+def test_node_actions_go_through_services(world, staff, t0):
+    nodes = world.nodes[:2]
+    url = reverse("admin:reservations_node_changelist")
+    staff.post(url, {"action": "drain", "_selected_action": [n.pk for n in nodes]})
+    assert set(Node.objects.filter(pk__in=[n.pk for n in nodes]).values_list("state", flat=True)) == {
+        NodeState.DRAINING}
+    assert len(_audits("node.update")) == 2
+
+    form = staff.post(url, {"action": "schedule_maintenance", "_selected_action": [nodes[0].pk]})
+    assert form.status_code == 200 and b"maintenance window" in form.content.lower()
+    start, end = t0, t0 + timedelta(hours=4)
+    done = staff.post(url, {"action": "schedule_maintenance", "_selected_action": [nodes[0].pk], "apply": "1",
+                            "start": start.strftime("%Y-%m-%d %H:%M:%S"), "end": end.strftime("%Y-%m-%d %H:%M:%S"),
+                            "note": "firmware"})
+    assert done.status_code == 302
+    window = Allocation.objects.get(node=nodes[0], kind=AllocationKind.MAINTENANCE)
+    assert (window.period.lower, window.period.upper, window.note) == (start, end, "firmware")
+    assert _audits("node.maintenance")[0].actor == world.users["staff"]
+
+    staff.post(url, {"action": "return_to_service", "_selected_action": [n.pk for n in nodes]})
+    assert set(Node.objects.filter(pk__in=[n.pk for n in nodes]).values_list("state", flat=True)) == {
+        NodeState.AVAILABLE}
+
+
+def test_maintenance_over_a_booking_is_refused_with_a_message(world, staff, t0, book):
+    reservation = book("alpha", t0, nodes=4)  # every node
+    node = world.nodes[0]
+    response = staff.post(reverse("admin:reservations_node_changelist"), {
+        "action": "schedule_maintenance", "_selected_action": [node.pk], "apply": "1",
+        "start": t0.strftime("%Y-%m-%d %H:%M:%S"), "end": (t0 + timedelta(hours=1)).strftime("%Y-%m-%d %H:%M:%S")},
+        follow=True)
+    assert "is booked during that window" in response.content.decode()
+    assert not Allocation.objects.filter(kind=AllocationKind.MAINTENANCE).exists()
+    assert Reservation.objects.get(pk=reservation.pk).status == ReservationStatus.CONFIRMED
+
+
+def test_reservations_are_read_only_but_can_be_cancelled(world, staff, t0, book):
+    reservation = book("alpha", t0)
+    page = staff.get(reverse("admin:reservations_reservation_change", args=[reservation.pk]))
+    assert page.status_code == 200 and b'name="node_count"' not in page.content
+    assert staff.post(reverse("admin:reservations_reservation_change", args=[reservation.pk]),
+                      {"node_count": 4}).status_code == 403
+    assert staff.get(reverse("admin:reservations_reservation_add")).status_code == 403
+    staff.post(reverse("admin:reservations_reservation_changelist"),
+               {"action": "cancel", "_selected_action": [reservation.pk]})
+    reservation.refresh_from_db()
+    assert reservation.status == ReservationStatus.CANCELLED
+    (audit,) = _audits("reservation.cancel")
+    assert audit.actor == world.users["staff"]
+
+
+def test_pool_edits_are_audited(world, staff):
+    url = reverse("admin:reservations_pool_change", args=[world.pool.pk])
+    response = staff.post(url, {"gpu_model": "H100-SXM5", "gpus_per_node": 8, "slot_minutes": 60,
+                                "on_demand_rate": "3.0", "_save": "Save"})
+    assert response.status_code == 302
+    (audit,) = _audits("pool.update")
+    assert audit.before["gpu_model"] == "H100-SXM" and audit.after["gpu_model"] == "H100-SXM5"
+
+
+def test_delivery_log_and_retry_in_the_admin(world, staff, t0, book, slack_for):
+    slack_for("alpha", "https://hooks.slack.com/services/T0/B0/x")
+    reservation = book("alpha", t0)
+    (delivery,) = notify.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    Delivery.objects.filter(pk=delivery.pk).update(status="failed", last_error="channel_not_found")
+    listing = staff.get(reverse("admin:notifications_delivery_changelist"))
+    assert b"channel_not_found" in listing.content
+    staff.post(reverse("admin:notifications_delivery_changelist"),
+               {"action": "retry_now", "_selected_action": [delivery.pk]})
+    assert Delivery.objects.get(pk=delivery.pk).status == "pending"
+    assert _audits("notifications.delivery.requeue")[0].actor == world.users["staff"]
+
+
+def test_rotating_a_secret_in_the_admin_shows_it_once(world, staff, webhook_for):
+    channel, old = webhook_for("alpha", "https://ci.example/hook")
+    response = staff.post(reverse("admin:notifications_channel_changelist"),
+                          {"action": "rotate_secret", "_selected_action": [channel.pk]})
+    new = Channel.objects.get(pk=channel.pk).secret
+    assert new != old and new in response.content.decode()
+    assert new not in staff.get(reverse("admin:notifications_channel_change", args=[channel.pk])).content.decode()
+
+
+def test_audit_log_in_the_admin_shows_before_and_after(world, staff):
+    from tenants.services import quota_update
+
+    quota_update(actor=world.users["staff"], quota=_quota(world, "alpha"), max_nodes=7)
+    listing = staff.get(reverse("admin:core_auditlog_changelist") + f"?tenant_id={world.tenants['alpha'].pk}")
+    assert "max_nodes: 3 → 7" in listing.content.decode()

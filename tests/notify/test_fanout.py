@@ -1,0 +1,285 @@
+"""Domain events become one delivery per (event, channel): translated, scoped to the tenant, idempotent."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from notifications import selectors, services
+from notifications.choices import DeliveryStatus
+from notifications.models import Channel, Delivery, QuotaAlertState
+from notifications.slack import Event
+from reservations import services as booking
+from reservations.models import Node
+from tenants.services import quota_update
+
+pytestmark = pytest.mark.django_db
+
+SLACK_URL = "https://hooks.slack.com/services/T000/B000/alpha-secret"
+
+
+def test_confirmed_booking_becomes_one_slack_delivery_with_block_kit(world, t0, book, slack_for):
+    channel = slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0, nodes=2, name="llm-pretrain")
+
+    created = services.event_fanout(event="reservation.confirmed",
+                                    payload={"reservation_id": reservation.pk, "tenant_id": reservation.tenant_id})
+
+    assert [d.channel_id for d in created] == [channel.pk]
+    delivery = created[0]
+    assert delivery.status == DeliveryStatus.PENDING and delivery.event == Event.RESERVATION_CONFIRMED
+    body = json.loads(delivery.body)
+    assert body["text"].startswith("Reservation confirmed: llm-pretrain (Team Alpha)")
+    assert body["blocks"][0]["type"] == "header"
+    links = json.dumps(body["blocks"])
+    assert f"https://portal.example.com/reservations/{reservation.pk}/" in links
+    assert delivery.payload["nodes"] and delivery.payload["actor"] == "alpha-lead"
+    assert delivery.tenant_id == world.tenants["alpha"].pk
+
+
+def test_the_same_event_twice_adds_nothing(world, t0, book, slack_for, webhook_for):
+    slack_for("alpha", SLACK_URL)
+    webhook_for("alpha", "https://ci.alpha.example/hook")
+    reservation = book("alpha", t0)
+    payload = {"reservation_id": reservation.pk, "tenant_id": reservation.tenant_id}
+
+    first = services.event_fanout(event="reservation.confirmed", payload=payload)
+    second = services.event_fanout(event="reservation.confirmed", payload=payload)
+
+    assert len(first) == 2 and second == []
+    assert Delivery.objects.filter(event=Event.RESERVATION_CONFIRMED).count() == 2
+    assert len({d.key for d in Delivery.objects.all()}) == 2
+
+
+def test_other_tenants_channels_never_hear_of_it(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    beta = slack_for("beta", "https://hooks.slack.com/services/T1/B1/beta-secret")
+    reservation = book("alpha", t0)
+    services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    assert not Delivery.objects.filter(channel=beta).exists()
+    assert "alpha" not in json.dumps(list(Delivery.objects.filter(tenant=world.tenants["beta"]).values()))
+
+
+def test_only_subscribed_events_are_sent(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL, events=[Event.RESERVATION_CANCELLED])
+    reservation = book("alpha", t0)
+    assert services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk}) == []
+    booking.reservation_cancel(actor=world.users["alpha-lead"], reservation=reservation)
+    created = services.event_fanout(event="reservation.cancelled", payload={"reservation_id": reservation.pk})
+    assert [d.event for d in created] == [Event.RESERVATION_CANCELLED]
+    assert "was cancelled by alpha-lead" in json.loads(created[0].body)["blocks"][1]["text"]["text"]
+
+
+def test_each_change_is_its_own_message_with_old_and_new(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0, hours=2)
+    booking.reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=t0 + timedelta(hours=4))
+    first = services.event_fanout(event="reservation.changed", payload={"reservation_id": reservation.pk})
+    booking.reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=t0 + timedelta(hours=3))
+    second = services.event_fanout(event="reservation.changed", payload={"reservation_id": reservation.pk})
+    assert len(first) == len(second) == 1 and first[0].key != second[0].key
+    assert second[0].payload["previous_end"] == first[0].payload["end"]
+    assert "~" in json.dumps(json.loads(second[0].body)["blocks"])  # "~old~ → new"
+
+
+@pytest.mark.parametrize("event", ["reservation.provisioning", "cluster.exploded", "weird", "node.state_changed"])
+def test_unknown_or_uninteresting_events_are_ignored(world, slack_for, event):
+    slack_for("alpha", SLACK_URL)
+    payload = {"node_id": world.nodes[0].pk, "old": "available", "new": "draining"}
+    assert services.event_fanout(event=event, payload=payload) == []
+    assert not Delivery.objects.exists()
+
+
+def test_malformed_payloads_are_ignored(world, slack_for):
+    slack_for("alpha", SLACK_URL)
+    for payload in ({}, {"reservation_id": "x"}, {"reservation_id": 999999}, {"reservation_id": None}):
+        assert services.event_fanout(event="reservation.confirmed", payload=payload) == []
+
+
+def test_failed_node_tells_the_tenant_running_on_it_and_the_platform(world, settings, slack_for, notify_settings):
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    alpha = slack_for("alpha", SLACK_URL)
+    beta = slack_for("beta", "https://hooks.slack.com/services/T1/B1/beta-secret")
+    now = timezone.now()
+    start = now.replace(minute=0, second=0, microsecond=0)
+    reservation = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                             pool=world.pool, node_count=1, start=start,
+                                             end=start + timedelta(hours=3))
+    node = Node.objects.get(allocations__reservation=reservation)
+    booking.node_update(actor=world.users["staff"], node=node, state="failed", reason="XID 79")
+
+    created = services.event_fanout(event="node.state_changed",
+                                    payload={"node_id": node.pk, "old": "available", "new": "failed"})
+
+    by_channel = {d.channel_id: d for d in created}
+    platform = Channel.objects.get(tenant__isnull=True)
+    assert set(by_channel) == {alpha.pk, platform.pk}  # beta holds nothing on that node
+    assert beta.pk not in by_channel
+    assert by_channel[alpha.pk].payload["node"] == node.hostname
+    assert by_channel[platform.pk].tenant_id is None and by_channel[platform.pk].payload["tenant"] == "alpha"
+    # The same failure announced again (say, as node.failed by the health checks) is not sent twice.
+    again = services.event_fanout(event="node.failed", payload={"node_id": node.pk})
+    assert again == []
+
+
+def test_replaced_node_and_degraded_reservation_are_translated(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0)
+    replaced = services.event_fanout(event="node.replaced", payload={
+        "reservation_id": reservation.pk, "tenant_id": reservation.tenant_id, "failed": "h100-001",
+        "spare": "h100-004", "reason": "ECC"})
+    degraded = services.event_fanout(event="reservation.degraded", payload={
+        "reservation_id": reservation.pk, "tenant_id": reservation.tenant_id, "node": "h100-001",
+        "missing_nodes": 1, "reason": "no spare"})
+    assert [d.event for d in replaced] == [Event.NODE_REPLACED]
+    assert "h100-004" in replaced[0].summary
+    assert [d.event for d in degraded] == [Event.CLUSTER_DEGRADED]
+
+
+def test_cluster_and_health_events_from_other_apps(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0)
+    ready = services.event_fanout(event="cluster.ready", payload={
+        "reservation_id": reservation.pk, "cluster_id": 7, "access": "ssh alpha@login"})
+    health = services.event_fanout(event="health_check.failed", payload={
+        "reservation_id": reservation.pk, "node": world.nodes[0].hostname, "level": "quick", "verdict": "fail",
+        "failures": ["GPU 3: XID 79"], "health_check_id": 11})
+    assert [d.event for d in ready] == [Event.CLUSTER_READY]
+    assert "/clusters/7/" in ready[0].body
+    assert [d.event for d in health] == [Event.HEALTH_CHECK_FAILED]
+    assert "GPU 3: XID 79" in health[0].body
+
+
+def test_quota_alert_once_per_crossing_of_80_percent(world, t0, book, slack_for, django_capture_on_commit_callbacks):
+    slack_for("alpha", SLACK_URL)
+    quota = world.tenants["alpha"].quotas.get()
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=5)
+    first = book("alpha", t0, nodes=3)  # 60 %: nothing
+    assert services.quota_threshold_check(tenant_id=first.tenant_id, pool_id=first.pool_id) == []
+    second = book("alpha", t0, nodes=1)  # 80 %: alert
+    created = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": second.pk})
+    alerts = [d for d in created if d.event == Event.QUOTA_THRESHOLD]
+    assert len(alerts) == 1 and alerts[0].payload["used_nodes"] == 4 and alerts[0].payload["percent"] == 80
+    assert "80 %" in alerts[0].summary
+    # Still above: re-checking after another change sends nothing new.
+    assert services.quota_threshold_check(tenant_id=first.tenant_id, pool_id=first.pool_id) == []
+    # Falls below, then crosses again: a second alert.
+    booking.reservation_cancel(actor=world.users["alpha-lead"], reservation=second)
+    assert services.quota_threshold_check(tenant_id=first.tenant_id, pool_id=first.pool_id) == []
+    third = book("alpha", t0 + timedelta(hours=1), nodes=1)
+    again = services.quota_threshold_check(tenant_id=third.tenant_id, pool_id=third.pool_id)
+    assert len(again) == 1 and again[0].key != alerts[0].key
+    assert QuotaAlertState.objects.get(quota=quota).crossings == 2
+
+
+def test_reminders_are_due_once_and_keyed_like_the_lifecycle_ticks(world, slack_for, notify_settings):
+    slack_for("alpha", SLACK_URL)
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    soon = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                      pool=world.pool, node_count=1, start=hour, end=hour + timedelta(hours=30))
+    # Pretend it was booked yesterday: the "starts in 1 h" moment came after the booking.
+    type(soon).objects.filter(pk=soon.pk).update(created_at=now - timedelta(days=1))
+
+    due = selectors.reminders_due(now=now)
+    assert ("reservation.starting_soon", soon.pk, 1) in due
+    created = services.reminders_emit(now=now)
+    assert [d.event for d in created] == [Event.RESERVATION_STARTING_1H]
+    # The beat runs every minute, and the lifecycle tick may announce the same reminder.
+    assert services.reminders_emit(now=now) == []
+    assert services.event_fanout(event="reservation.starting_soon",
+                                 payload={"reservation_id": soon.pk, "tenant_id": soon.tenant_id, "hours": 1}) == []
+    # 29 h later: "ends in 24 h" is not due yet at 30-24=6 h after start... but is at end - 23 h.
+    later = soon.period.upper - timedelta(hours=23)
+    assert ("reservation.ending_soon", soon.pk, 24) in selectors.reminders_due(now=later)
+    assert ("reservation.ending_soon", soon.pk, 1) in selectors.reminders_due(now=soon.period.upper -
+                                                                                 timedelta(minutes=30))
+    assert not selectors.reminders_due(now=soon.period.upper + timedelta(minutes=1))
+
+
+def test_a_booking_made_within_the_hour_gets_no_start_reminder(world, slack_for):
+    slack_for("alpha", SLACK_URL)
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                               node_count=1, start=hour, end=hour + timedelta(hours=2))
+    assert selectors.reminders_due(now=now) == []
+
+
+def test_subscriber_queues_nothing_when_nobody_listens(world, t0, book, notify_settings):
+    reservation = book("alpha", t0)
+    assert not selectors.anyone_listening("reservation.confirmed",
+                                          {"reservation_id": reservation.pk, "tenant_id": reservation.tenant_id})
+    assert not selectors.anyone_listening("node.state_changed", {"node_id": world.nodes[0].pk})
+
+
+# --- the payloads the provisioning and health apps actually emit -------------------------
+
+
+def test_lifecycle_tick_reminders_without_hours(world, slack_for):
+    slack_for("alpha", SLACK_URL)
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    r = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                   node_count=1, start=hour, end=hour + timedelta(hours=2))
+    start = services.event_fanout(event="reservation.starting_soon", payload={
+        "reservation_id": r.pk, "tenant_id": r.tenant_id, "cluster_id": 3, "start": r.period.lower.isoformat()})
+    end = services.event_fanout(event="reservation.ending_soon", payload={
+        "reservation_id": r.pk, "tenant_id": r.tenant_id, "cluster_id": 3, "end": r.period.upper.isoformat()})
+    assert [d.event for d in start] == [Event.RESERVATION_STARTING_1H]
+    assert [d.event for d in end] == [Event.RESERVATION_ENDING_1H]
+    # Our own sweep names the same reminders the same way: nothing twice.
+    assert services.event_fanout(event="reservation.starting_soon",
+                                 payload={"reservation_id": r.pk, "hours": 1}) == []
+
+
+def test_health_checks_failure_payload(world, t0, book, slack_for, settings):
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    slack_for("alpha", SLACK_URL)
+    node = world.nodes[0]
+    payload = {
+        "check_id": 41, "node_id": node.pk, "node": node.hostname, "level": "quick", "trigger": "schedule",
+        "verdict": "fail", "recommended_action": "drain",
+        "problems": [{"gpu": 3, "check": "xid", "status": "fail", "action": "drain", "message": "XID 79"}],
+        "tenant_ids": [world.tenants["alpha"].pk], "reservation_id": None,
+    }
+    created = services.event_fanout(event="health_check.failed", payload=payload)
+    by_tenant = {d.tenant_id: d for d in created}
+    assert set(by_tenant) == {world.tenants["alpha"].pk, None}
+    assert "GPU 3: xid fail — XID 79 (drain)" in by_tenant[None].body
+    failed = services.event_fanout(event="node.failed", payload={
+        "node_id": node.pk, "node": node.hostname, "state": "draining", "reason": "check #41 failed",
+        "check_id": 41, "repair_id": 5, "tenant_ids": [world.tenants["alpha"].pk], "outcomes": []})
+    assert {d.event for d in failed} == {Event.NODE_FAILED} and len(failed) == 2
+    # The repair declaring the node failed later is the same failure.
+    assert services.event_fanout(event="node.failed", payload={"node_id": node.pk, "repair_id": 5}) == []
+
+
+def test_degraded_cluster_and_reservation_for_one_node_are_one_message(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    r = book("alpha", t0)
+    first = services.event_fanout(event="reservation.degraded", payload={
+        "reservation_id": r.pk, "tenant_id": r.tenant_id, "node": "h100-001", "missing_nodes": 1, "reason": "x"})
+    second = services.event_fanout(event="cluster.degraded", payload={
+        "cluster_id": 9, "reservation_id": r.pk, "tenant_id": r.tenant_id, "status": "degraded",
+        "node": "h100-001", "reason": "h100-001 is failed; no spare node is free"})
+    assert len(first) == 1 and second == []
+
+
+def test_a_late_fan_out_tells_each_event_as_it_was(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0, hours=2)
+    booking.reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=t0 + timedelta(hours=5))
+    booking.reservation_cancel(actor=world.users["alpha-lead"], reservation=reservation)
+    # All three fan-outs run only now (a busy queue): each still describes its own moment.
+    (confirmed,) = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    (changed,) = services.event_fanout(event="reservation.changed", payload={"reservation_id": reservation.pk})
+    (cancelled,) = services.event_fanout(event="reservation.cancelled", payload={"reservation_id": reservation.pk})
+    assert (confirmed.payload["end"], confirmed.payload["status"]) == (
+        (t0 + timedelta(hours=2)).strftime("%Y-%m-%dT%H:%M:%SZ"), "confirmed")
+    assert changed.payload["status"] == "confirmed" and changed.payload["previous_end"] == confirmed.payload["end"]
+    assert changed.payload["end"] == (t0 + timedelta(hours=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert cancelled.payload["status"] == "cancelled"

@@ -1,0 +1,143 @@
+"""The lead's notification pages and the audit page: leads of their own tenant only, secrets masked."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from notifications import services
+from notifications.choices import DeliveryStatus
+from notifications.models import Channel, Delivery, url_fingerprint
+from notifications.slack import Event
+from portal.core.models import AuditLog
+from tenants.models import Tenant
+from tenants.services import quota_update
+
+pytestmark = pytest.mark.django_db
+
+SLACK_URL = "https://hooks.slack.com/services/T000/B000/lead-secret-abcdef"
+
+
+@pytest.fixture
+def as_user(world):
+    def _client(who: str) -> Client:
+        client = Client()
+        client.force_login(world.users[who])
+        return client
+
+    return _client
+
+
+@pytest.mark.parametrize("who", ["alpha-member", "alpha-viewer"])
+def test_only_leads_manage_notifications(as_user, who):
+    client = as_user(who)
+    assert client.get(reverse("notifications:settings")).status_code == 403
+    assert client.get(reverse("notifications:deliveries")).status_code == 403
+    assert client.post(reverse("notifications:slack-url"), {"url": SLACK_URL}).status_code == 403
+    assert Client().get(reverse("notifications:settings")).status_code == 302  # to the sign-in page
+
+
+def test_lead_sets_the_slack_url_and_never_sees_it_again(world, as_user):
+    lead = as_user("alpha-lead")
+    assert lead.get(reverse("notifications:settings")).status_code == 200
+    response = lead.post(reverse("notifications:slack-url"), {"url": SLACK_URL})
+    assert response.status_code == 302
+    assert Tenant.objects.get(slug="alpha").slack_webhook_url == SLACK_URL
+    html = lead.get(reverse("notifications:settings")).content.decode()
+    assert SLACK_URL not in html and "lead-secret" not in html and "abcdef" in html  # masked tail only
+    (audit,) = AuditLog.objects.filter(action="tenant.slack_webhook")
+    assert audit.actor == world.users["alpha-lead"] and "lead-secret" not in str(audit.after)
+
+
+def test_lead_chooses_events_and_sends_a_test(world, as_user):
+    lead = as_user("alpha-lead")
+    lead.post(reverse("notifications:slack-url"), {"url": SLACK_URL})
+    response = lead.post(reverse("notifications:slack-events"),
+                         {"events": [Event.RESERVATION_CONFIRMED, Event.CLUSTER_READY], "enabled": "on"})
+    assert response.status_code == 302
+    channel = Channel.objects.get(tenant=world.tenants["alpha"], kind="slack")
+    assert channel.events == [Event.RESERVATION_CONFIRMED, Event.CLUSTER_READY] and channel.enabled
+    lead.post(reverse("notifications:slack-test"))
+    (test,) = Delivery.objects.filter(event=Event.TEST)
+    assert test.channel == channel and test.status == DeliveryStatus.PENDING
+    assert AuditLog.objects.filter(action="notifications.test", actor=world.users["alpha-lead"]).exists()
+
+
+def test_webhook_secret_is_shown_once_then_masked(world, as_user):
+    lead = as_user("alpha-lead")
+    created = lead.post(reverse("notifications:webhook-create"),
+                        {"name": "ci", "url": "https://ci.alpha.example/hook", "events": [Event.CLUSTER_READY]})
+    assert created.status_code == 200
+    channel = Channel.objects.get(tenant=world.tenants["alpha"], kind="webhook")
+    assert channel.secret.startswith("whsec_") and channel.secret in created.content.decode()
+    again = lead.get(reverse("notifications:settings")).content.decode()
+    assert channel.secret not in again and "ci.alpha.example/hook" not in again
+
+    rotated = lead.post(reverse("notifications:webhook-rotate", args=[channel.pk]))
+    channel.refresh_from_db()
+    assert channel.secret in rotated.content.decode() and channel.previous_secret_expires_at is not None
+
+    lead.post(reverse("notifications:webhook-edit", args=[channel.pk]),
+              {f"w{channel.pk}-name": "ci-2", f"w{channel.pk}-events": [Event.CLUSTER_FAILED]})
+    channel.refresh_from_db()
+    assert channel.name == "ci-2" and channel.events == [Event.CLUSTER_FAILED] and not channel.enabled
+    lead.post(reverse("notifications:webhook-delete", args=[channel.pk]))
+    assert not Channel.objects.filter(pk=channel.pk).exists()
+
+
+def test_bad_webhook_url_is_refused(as_user):
+    response = as_user("alpha-lead").post(reverse("notifications:webhook-create"), {"url": "ftp://x"})
+    assert response.status_code == 400 and not Channel.objects.exists()
+
+
+def test_another_tenants_channels_and_deliveries_are_404(world, as_user, webhook_for, t0, book):
+    channel, _ = webhook_for("beta", "https://ci.beta.example/hook")
+    reservation = book("beta", t0)
+    (delivery,) = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    lead = as_user("alpha-lead")
+    for name in ("webhook-rotate", "webhook-delete", "channel-test", "channel-clear"):
+        assert lead.post(reverse(f"notifications:{name}", args=[channel.pk])).status_code == 404
+    assert lead.post(reverse("notifications:delivery-retry", args=[delivery.pk])).status_code == 404
+    log = lead.get(reverse("notifications:deliveries")).content.decode()
+    assert f'data-delivery="{delivery.pk}"' not in log and "beta" not in log.lower().replace("alpha", "")
+
+
+def test_delivery_log_shows_status_and_slack_errors(world, as_user, slack_for, t0, book):
+    slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0, name="nightly")
+    (delivery,) = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    Delivery.objects.filter(pk=delivery.pk).update(status=DeliveryStatus.FAILED, last_status_code=404,
+                                                   last_error="channel_not_found", attempts=1)
+    lead = as_user("alpha-lead")
+    html = lead.get(reverse("notifications:deliveries") + "?status=failed").content.decode()
+    assert f'data-delivery="{delivery.pk}"' in html and "channel_not_found" in html and "nightly" in html
+    staff = as_user("staff")
+    assert "channel_not_found" in staff.get(reverse("notifications:deliveries")).content.decode()
+    lead.post(reverse("notifications:delivery-retry", args=[delivery.pk]))
+    assert Delivery.objects.get(pk=delivery.pk).status == DeliveryStatus.PENDING
+
+
+def test_dashboard_tag_tells_the_lead_what_broke(world, as_user, slack_for):
+    channel = slack_for("alpha", SLACK_URL)
+    Channel.objects.filter(pk=channel.pk).update(
+        broken_at="2026-01-01T00:00:00Z", broken_error="channel_is_archived", broken_status=410,
+        broken_url_fp=url_fingerprint(SLACK_URL))
+    html = as_user("alpha-lead").get(reverse("notifications:settings")).content.decode()
+    assert "Notifications need attention" in html and "channel_is_archived" in html
+    assert "Notifications need attention" not in as_user("beta-lead").get(
+        reverse("notifications:settings")).content.decode()
+
+
+def test_leads_read_their_tenants_audit_log_only(world, as_user):
+    quota_update(actor=world.users["staff"], quota=world.tenants["alpha"].quotas.get(), max_nodes=5)
+    quota_update(actor=world.users["staff"], quota=world.tenants["beta"].quotas.get(), max_nodes=6)
+    html = as_user("alpha-lead").get(reverse("audit-log")).content.decode()
+    assert re.search(r"max_nodes: 3 → 5", html) and "3 → 6" not in html
+    assert "staff" in html
+    assert as_user("alpha-member").get(reverse("audit-log")).status_code == 403
+    assert Client().get(reverse("audit-log")).status_code == 302
+    staff_html = as_user("staff").get(reverse("audit-log")).content.decode()
+    assert "3 → 5" in staff_html and "3 → 6" in staff_html
