@@ -335,7 +335,7 @@ def _snapshot(reservation: Reservation) -> dict[str, Any]:
 
 
 def _lock(reservation: Reservation) -> Reservation:
-    return Reservation.objects.select_for_update().select_related("tenant", "pool").get(pk=reservation.pk)
+    return Reservation.objects.select_for_update(of=("self",)).select_related("tenant", "pool").get(pk=reservation.pk)
 
 
 def reservation_update(
@@ -559,7 +559,7 @@ def _replace_one(*, allocation_id: int, now: datetime, actor: Any, reason: str) 
         reservation_id = Allocation.objects.values_list("reservation_id", flat=True).get(pk=allocation_id)
         # Lock order as in reservation_update: the reservation, then its allocations.
         reservation = Reservation.objects.select_for_update().get(pk=reservation_id)
-        allocation = Allocation.objects.select_for_update().select_related("node").get(pk=allocation_id)
+        allocation = Allocation.objects.select_for_update(of=("self",)).select_related("node").get(pk=allocation_id)
         if not allocation.active or allocation.period.upper <= now or reservation.status in FINAL_STATUSES:
             return {"reservation_id": reservation.pk, "result": "unchanged"}
         old = allocation.node
@@ -644,54 +644,6 @@ def reservation_reopen(*, reservation_id: int, actor: Any, reason: str = "") -> 
                      before=before, after=_snapshot(reservation))
         events.emit("reservation.reopened", reservation_id=reservation.pk, tenant_id=reservation.tenant_id)
     return reservation
-
-
-def allocation_replace_node(*, reservation_id: int, node_id: int, actor: Any = None) -> Node | None:
-    """Move a holding reservation off node_id onto a free available node of its pool.
-
-    The replacement holds [max(now, start), end); the old allocation is released with a
-    "replaced by …" note. Return the new node, or None when the reservation does not hold
-    that node or no spare is free for the remaining window (the caller marks it degraded).
-    """
-    from .choices import HOLDING_STATUSES
-
-    now = timezone.now()
-    with transaction.atomic():
-        reservation = Reservation.objects.select_for_update().select_related("pool").filter(pk=reservation_id).first()
-        if reservation is None or reservation.status not in HOLDING_STATUSES:
-            return None
-        old = reservation.allocations.select_related("node").filter(node_id=node_id, active=True).first()
-        if old is None or reservation.period.upper <= now:
-            return None
-        start = max(now, reservation.period.lower)
-        for _attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
-            candidates = selectors.free_node_ids(
-                pool_id=reservation.pool_id, start=start, end=reservation.period.upper, limit=1)
-            if not candidates:
-                return None
-            new_node = Node.objects.get(pk=candidates[0])
-            try:
-                with transaction.atomic():
-                    old.active = False
-                    old.note = f"replaced by {new_node.hostname} at {_z(now)}"[:255]
-                    old.save(update_fields=["active", "note"])
-                    Allocation.objects.create(
-                        reservation=reservation, node=new_node,
-                        period=DateTimeTZRange(start, reservation.period.upper, "[)"),
-                        created_by=actor if getattr(actor, "pk", None) else None,
-                        note=f"replaces {old.node.hostname}"[:255],
-                    )
-            except IntegrityError as exc:
-                if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
-                    raise
-                old.refresh_from_db()
-                continue
-            audit_record(actor=actor, action="reservation.node_replaced", obj=reservation,
-                         tenant_id=reservation.tenant_id,
-                         before={"node": old.node.hostname}, after={"node": new_node.hostname, "from": _z(start)})
-            events.emit("reservation.changed", reservation_id=reservation.pk, tenant_id=reservation.tenant_id)
-            return new_node
-    return None
 
 
 # --- admin (appended) -------------------------------------------------------------------

@@ -24,7 +24,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
-from tenants.models import Tenant
+from tenants.models import Quota, Tenant
 from tenants.views import portal_json, portal_view, render_page
 
 from . import selectors, services
@@ -127,7 +127,8 @@ def _pick_pool(request, pools: list[Pool]) -> Pool | None:
         return by_name[wanted]
     tenant = request.portal.tenant
     if tenant is not None:
-        quota_pool = tenant.quotas.order_by("pool__name").values_list("pool__name", flat=True).first()
+        quota_pool = (Quota.objects.for_user(request.user).filter(tenant=tenant).order_by("pool__name")
+                      .values_list("pool__name", flat=True).first())
         if quota_pool in by_name:
             return by_name[quota_pool]
     return pools[0] if pools else None
@@ -147,10 +148,12 @@ def calendar(request):
         "tz": portal.tz_name,
         "pool": pool.name if pool else None,
         "slotMinutes": pool.slot_minutes if pool else 60,
+        "poolSlots": {p.name: p.slot_minutes for p in pools},
         "canBook": portal.can_book,
         "tenant": portal.tenant.slug if portal.tenant else None,
         "initialView": view,
         "initialDate": initial_date,
+        "showAll": request.GET.get("all") == "1",  # month cells list every event instead of "+N more"
         "eventsUrl": reverse("calendar-events"),
         "availabilityUrl": reverse("calendar-availability"),
         "formUrl": reverse("booking-form"),
@@ -160,31 +163,27 @@ def calendar(request):
     return render_page(request, "reservations/calendar.html", {"pools": pools, "pool": pool, "config": config})
 
 
-def _event(reservation, *, portal, now: datetime, urls: dict[str, str]) -> dict:
-    changeable = (
-        portal.can_book and portal.can_change(reservation)
-        and reservation.status not in FINAL_STATUSES and reservation.end > now
-    )
-    started = reservation.start <= now
-    pk = str(reservation.pk)
-    return {
-        "id": pk,
-        "title": f"{reservation.name or 'Reservation'} · {reservation.node_count}× {reservation.pool.name}",
-        "start": _z(reservation.start),
-        "end": _z(reservation.end),
-        "classNames": [f"st-{reservation.status}", f"bill-{reservation.billing}"],
-        "editable": changeable,
-        "startEditable": changeable and not started,
-        "durationEditable": changeable,
-        "extendedProps": {
-            "status": reservation.status,
-            "billing": reservation.billing,
-            "nodeCount": reservation.node_count,
-            "pool": reservation.pool.name,
-            "url": urls["detail"].replace("/0/", f"/{pk}/"),
-            "panel": urls["panel"].replace("/0/", f"/{pk}/"),
-        },
+EVENT_FIELDS = ("pk", "name", "node_count", "pool__name", "period", "status", "billing", "created_by_id")
+
+
+def _event(row: tuple, *, portal, now: datetime, detail_url: str) -> dict:
+    """One FullCalendar event, kept small: a month can hold a thousand of them."""
+    pk, name, node_count, pool_name, period, status, billing, created_by_id = row
+    event = {
+        "id": str(pk),
+        "title": f"{name or 'Reservation'} · {node_count}× {pool_name}",
+        "start": _z(period.lower),
+        "end": _z(period.upper),
+        "url": detail_url.replace("/0/", f"/{pk}/"),
+        "classNames": [f"st-{status}", f"bill-{billing}"],
     }
+    # Not editable unless said so (the calendar's default); the server still decides on every change.
+    if (portal.can_book and portal.may_change(created_by_id=created_by_id)
+            and status not in FINAL_STATUSES and period.upper > now):
+        event["editable"] = True
+        event["startEditable"] = period.lower > now  # a running booking can only be extended or shortened
+        event["durationEditable"] = True
+    return event
 
 
 @require_GET
@@ -199,11 +198,11 @@ def calendar_events(request):
         return JsonResponse([], safe=False)
     data = form.cleaned_data
     now = timezone.now()
-    urls = {"detail": reverse("reservation-page", args=[0]), "panel": reverse("reservation-panel", args=[0])}
-    reservations = selectors.reservations_in_window(
+    detail_url = reverse("reservation-page", args=[0])
+    rows = selectors.reservations_in_window(
         user=request.user, tenant=portal.tenant, start=data["start"], end=data["end"], pool=data.get("pool")
-    )
-    return JsonResponse([_event(r, portal=portal, now=now, urls=urls) for r in reservations], safe=False)
+    ).values_list(*EVENT_FIELDS)
+    return JsonResponse([_event(row, portal=portal, now=now, detail_url=detail_url) for row in rows], safe=False)
 
 
 def _level(free: int, total: int) -> int:
@@ -216,7 +215,7 @@ def _background(start, end, free: int, total: int, *, all_day: bool = False) -> 
         "end": end.isoformat() if all_day else _z(end),
         "allDay": all_day,
         "display": "background",
-        "title": f"{free}/{total} free",
+        "title": f"{free}/{total}",
         "classNames": ["free", f"free-l{_level(free, total)}"],
         "extendedProps": {"free": free, "total": total, "availability": True},
     }
@@ -441,48 +440,64 @@ def reservation_cancel(request, pk: int):
 # --- availability heatmap ---------------------------------------------------------------------
 
 
-def _heatmap_context() -> dict:
+def heatmap_rows(*, slots, tz, first_day: date, days: int, now: datetime, total: int) -> list[dict]:
+    """Lay slots out as one row per local day and one cell per local hour.
+
+    A day on which the clocks change repeats an hour (both slots fold into one cell showing the
+    lower count, flagged `twice`) or skips one (that cell is None): nothing is ever misplaced.
+    """
+    cells: dict[tuple[date, int], dict] = {}
+    for slot in slots:
+        t = slot.start
+        while t < slot.end:
+            local = t.astimezone(tz)
+            key = (local.date(), local.hour)
+            cell = cells.get(key)
+            if cell is None:
+                cells[key] = {"free": slot.free_nodes, "start": t, "past": slot.end <= now, "twice": False,
+                              "level": _level(slot.free_nodes, total)}
+            else:
+                cell["twice"] = True
+                cell["free"] = min(cell["free"], slot.free_nodes)
+                cell["level"] = _level(cell["free"], total)
+            t += timedelta(hours=1)
+    rows = []
+    for i in range(days):
+        day = first_day + timedelta(days=i)
+        rows.append({"day": day, "cells": [cells.get((day, h)) for h in range(24)]})
+    return rows
+
+
+def _refresh_seconds(request) -> int:
+    try:
+        return min(300, max(2, int(request.GET.get("refresh", HEATMAP_REFRESH_SECONDS))))
+    except ValueError:
+        return HEATMAP_REFRESH_SECONDS
+
+
+def _heatmap_context(*, refresh: int = HEATMAP_REFRESH_SECONDS) -> dict:
     tz = timezone.get_current_timezone()
     now = timezone.now()
     today = timezone.localdate(now)
     start = datetime.combine(today, datetime.min.time(), tzinfo=tz)
     end = datetime.combine(today + timedelta(days=HEATMAP_DAYS), datetime.min.time(), tzinfo=tz)
-    pools = []
-    for pool, total, slots in selectors.pool_heatmap(start=start.astimezone(UTC), end=end.astimezone(UTC)):
-        # One row per local day, one column per local hour. A DST day repeats an hour (both slots
-        # fold into one cell, the lower count shown) or skips one (an empty cell): never misplaced.
-        cells: dict[tuple[date, int], dict] = {}
-        for slot in slots:
-            t = slot.start
-            while t < slot.end:
-                local = t.astimezone(tz)
-                key = (local.date(), local.hour)
-                cell = cells.get(key)
-                if cell is None:
-                    cells[key] = {"free": slot.free_nodes, "start": t, "past": slot.end <= now, "twice": False,
-                                  "level": _level(slot.free_nodes, total)}
-                else:
-                    cell["twice"] = True
-                    cell["free"] = min(cell["free"], slot.free_nodes)
-                    cell["level"] = _level(cell["free"], total)
-                t += timedelta(hours=1)
-        rows = []
-        for i in range(HEATMAP_DAYS):
-            day = today + timedelta(days=i)
-            rows.append({"day": day, "cells": [cells.get((day, h)) for h in range(24)]})
-        pools.append({"pool": pool, "total": total, "rows": rows})
-    return {"heatmap": pools, "hours": range(24), "updated": now, "refresh": HEATMAP_REFRESH_SECONDS}
+    pools = [
+        {"pool": pool, "total": total,
+         "rows": heatmap_rows(slots=slots, tz=tz, first_day=today, days=HEATMAP_DAYS, now=now, total=total)}
+        for pool, total, slots in selectors.pool_heatmap(start=start.astimezone(UTC), end=end.astimezone(UTC))
+    ]
+    return {"heatmap": pools, "hours": range(24), "updated": now, "refresh": refresh}
 
 
 @portal_view
 def heatmap(request):
-    return render_page(request, "reservations/heatmap.html", _heatmap_context())
+    return render_page(request, "reservations/heatmap.html", _heatmap_context(refresh=_refresh_seconds(request)))
 
 
 @portal_view
 def heatmap_grid(request):
     """The part of the heatmap page that htmx polls."""
-    return render_page(request, "reservations/_heatmap.html", _heatmap_context())
+    return render_page(request, "reservations/_heatmap.html", _heatmap_context(refresh=_refresh_seconds(request)))
 
 
 # --- staff fleet timeline ---------------------------------------------------------------------

@@ -205,7 +205,7 @@ def quota_delete(*, actor, quota: Quota) -> None:
 
 @transaction.atomic(durable=True)
 def membership_update(*, actor, membership: Membership, role: str) -> Membership:
-    membership = Membership.objects.select_for_update().select_related("user").get(pk=membership.pk)
+    membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
     if role not in Role.values:
         raise InvalidInput("role: unknown role.", fields={"role": f"One of {', '.join(Role.values)}."})
     before = {"user": membership.user.username, "role": membership.role}
@@ -218,7 +218,7 @@ def membership_update(*, actor, membership: Membership, role: str) -> Membership
 
 @transaction.atomic(durable=True)
 def membership_delete(*, actor, membership: Membership) -> None:
-    membership = Membership.objects.select_for_update().select_related("user").get(pk=membership.pk)
+    membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
     audit_record(actor=actor, action="membership.delete", obj=membership, tenant_id=membership.tenant_id,
                  before={"user": membership.user.username, "role": membership.role})
     membership.delete()

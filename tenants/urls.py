@@ -1,1 +1,11 @@
-urlpatterns: list = []
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("accounts/login/", views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("account/", views.account, name="account"),
+    path("tenant/switch/", views.tenant_switch, name="tenant-switch"),
+]

@@ -135,6 +135,11 @@ def observe_booking(outcome: str, seconds: float) -> None:
     BOOKING_DURATION.labels(outcome).observe(max(0.0, float(seconds)))
 
 
+def on_booking_finished(sender, *, outcome: str, seconds: float, **kwargs: Any) -> None:
+    """Receive portal.core.instrument.booking_finished (sent by the booking API view)."""
+    observe_booking(outcome, seconds)
+
+
 @contextmanager
 def time_booking() -> Iterator[None]:
     """Time the block and record it with observe_booking; the outcome comes from the exception raised."""
@@ -177,12 +182,11 @@ class _ProcessMetrics:
 
 def build_registry() -> CollectorRegistry:
     """Return a registry holding everything /metrics exposes, built for one scrape."""
-    from .collectors import DatabaseCollector, QueueCollector
+    from .collectors import PortalCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ProcessMetrics())
-    registry.register(DatabaseCollector())
-    registry.register(QueueCollector())
+    registry.register(PortalCollector())
     return registry
 
 

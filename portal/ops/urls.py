@@ -1,1 +1,9 @@
-urlpatterns: list = []
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("healthz", views.healthz, name="ops-healthz"),
+    path("readyz", views.readyz, name="ops-readyz"),
+    path("metrics", views.metrics_view, name="ops-metrics"),
+]

@@ -37,6 +37,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "simple_history",
     "portal.core",
+    "portal.ops",
     "tenants",
     "reservations",
     "provisioning",
@@ -45,6 +46,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "portal.ops.logging.RequestIdMiddleware",
+    "portal.ops.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -195,10 +198,21 @@ PORTAL_NOTIFY_HTTP_TIMEOUT = env.float("PORTAL_NOTIFY_HTTP_TIMEOUT", default=10.
 PORTAL_NOTIFY_MAX_ATTEMPTS = env.int("PORTAL_NOTIFY_MAX_ATTEMPTS", default=12)
 PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT = env.int("PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT", default=80)
 
+# Operations (portal/ops): /metrics access, /readyz, queues watched.
+PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
+PORTAL_METRICS_ALLOWED_NETWORKS = env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=["127.0.0.0/8", "::1/128"])
+PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
+PORTAL_CELERY_QUEUES = ["default", "provisioning", "health", "notifications"]
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
+        "json": {"()": "portal.ops.logging.JsonFormatter"},
+    },
+    "filters": {"request_id": {"()": "portal.ops.logging.RequestIdFilter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": env("LOG_FORMAT", default="plain"),
+                             "filters": ["request_id"]}},
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
 }

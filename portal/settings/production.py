@@ -1,24 +1,121 @@
-"""Production: secrets from the environment only; refuses to start without them."""
+"""Production: secrets from the environment only; refuses to start without them.
 
+Behind a TLS-terminating proxy that sets X-Forwarded-Proto. HSTS, secure cookies, a strict CSP
+(django-csp 4), static files from whitenoise with hashed names, JSON logs with request ids, and
+/healthz, /readyz, /metrics reachable over plain HTTP inside the deployment network.
+"""
+
+from pathlib import Path
+
+from csp.constants import NONCE, NONE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
 from .base import *  # noqa: F403
-from .base import env
+from .base import INSTALLED_APPS, MIDDLEWARE, env
 
 DEBUG = False
+
 SECRET_KEY = env("SECRET_KEY", default="")
 if not SECRET_KEY:
     raise ImproperlyConfigured("SECRET_KEY must be set in production")
 PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=[])
 if not PORTAL_FERNET_KEYS:
     raise ImproperlyConfigured("PORTAL_FERNET_KEYS must be set in production (comma-separated Fernet keys)")
+# base.py's default (localhost only) stays; a real deployment names its hosts in ALLOWED_HOSTS.
 
+# --- operations (portal.ops) -------------------------------------------------------------
+if "portal.ops" not in INSTALLED_APPS:
+    INSTALLED_APPS = [*INSTALLED_APPS, "portal.ops"]
+_ops_middleware = ["portal.ops.logging.RequestIdMiddleware", "portal.ops.metrics.RequestMetricsMiddleware"]
+MIDDLEWARE = [m for m in _ops_middleware if m not in MIDDLEWARE] + list(MIDDLEWARE)
+# Prometheus: a bearer token (PORTAL_METRICS_TOKEN, or a file holding it, e.g. a Docker secret) and/or networks.
+PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
+_token_file = env("PORTAL_METRICS_TOKEN_FILE", default="")
+if _token_file and not PORTAL_METRICS_TOKEN:
+    PORTAL_METRICS_TOKEN = Path(_token_file).read_text().strip()
+# No network is trusted by default here: behind a reverse proxy on the same host every request
+# arrives from loopback, so "allow loopback" would publish /metrics. List networks explicitly.
+PORTAL_METRICS_ALLOWED_NETWORKS = [n for n in env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=[]) if n]
+PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
+
+# --- HTTPS -------------------------------------------------------------------------------
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=True)
+# Probes and Prometheus talk plain HTTP to the container; never redirect them.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=31536000)
-SECURE_HSTS_INCLUDE_SUBDOMAINS = True
-SECURE_HSTS_PRELOAD = True
-SESSION_COOKIE_SECURE = True
-CSRF_COOKIE_SECURE = True
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=True)
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=True)
 SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+
+SESSION_COOKIE_SECURE = True
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+SESSION_COOKIE_AGE = env.int("SESSION_COOKIE_AGE", default=60 * 60 * 12)
+CSRF_COOKIE_SECURE = True
+CSRF_COOKIE_SAMESITE = "Lax"
+LANGUAGE_COOKIE_SECURE = True
+
+# --- Content Security Policy (django-csp 4) ----------------------------------------------
+# Everything is served from this origin (vendored JS/CSS, no CDN). Inline <script> needs the
+# per-request nonce: <script nonce="{{ request.csp_nonce }}">. Inline styles stay allowed for
+# htmx's indicator styles and Swagger UI; style injection is not script execution.
+if "csp.middleware.CSPMiddleware" not in MIDDLEWARE:
+    MIDDLEWARE = [*MIDDLEWARE, "csp.middleware.CSPMiddleware"]
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF, NONCE],
+        "style-src": [SELF, "'unsafe-inline'"],
+        "img-src": [SELF, "data:"],
+        "font-src": [SELF, "data:"],
+        "connect-src": [SELF],
+        "object-src": [NONE],
+        "base-uri": [SELF],
+        "form-action": [SELF],
+        "frame-ancestors": [NONE],
+        "upgrade-insecure-requests": True,
+    },
+}
+_csp_report_uri = env("CSP_REPORT_URI", default="")
+if _csp_report_uri:
+    CONTENT_SECURITY_POLICY["DIRECTIVES"]["report-uri"] = [_csp_report_uri]
+
+# --- static files: whitenoise with compressed, content-hashed names ----------------------
 STORAGES["staticfiles"] = {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"}  # noqa: F405
+WHITENOISE_MAX_AGE = 60 * 60 * 24 * 365  # hashed names never change content
+
+# --- database ----------------------------------------------------------------------------
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)  # noqa: F405
+DATABASES["default"].setdefault("OPTIONS", {})  # noqa: F405
+DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", env.int("DB_CONNECT_TIMEOUT", default=5))  # noqa: F405
+
+# --- Celery: keep our JSON logging in workers ---------------------------------------------
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_WORKER_SEND_TASK_EVENTS = env.bool("CELERY_WORKER_SEND_TASK_EVENTS", default=False)
+
+# --- logging: one JSON object per line on stderr ------------------------------------------
+LOG_LEVEL = env("LOG_LEVEL", default="INFO")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "portal.ops.logging.JsonFormatter"}},
+    "filters": {"request_id": {"()": "portal.ops.logging.RequestIdFilter"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "json", "filters": ["request_id"]},
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        # Our access-log line replaces django.server / django.request noise for each request.
+        "django.request": {"level": "ERROR"},
+        "django.security.DisallowedHost": {"level": "ERROR"},
+        "celery": {"level": LOG_LEVEL},
+        "gunicorn.error": {"level": LOG_LEVEL},
+    },
+}
+
+ADMINS = [("Platform team", a) for a in env.list("ADMIN_EMAILS", default=[])]
+SERVER_EMAIL = env("SERVER_EMAIL", default="portal@localhost")

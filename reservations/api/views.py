@@ -15,6 +15,7 @@ from rest_framework.views import APIView
 
 from portal.core.api import validated
 from portal.core.exceptions import InvalidInput
+from portal.core.instrument import timed_booking
 from portal.core.permissions import StaffWritePermission
 
 from .. import selectors, services
@@ -106,6 +107,10 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
     @extend_schema(request=s.ReservationCreateSerializer, responses={201: s.ReservationSerializer},
                    parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)])
     def create(self, request):
+        with timed_booking():
+            return self._create(request)
+
+    def _create(self, request):
         data = validated(s.ReservationCreateSerializer, request)
         cluster = data.get("cluster") or {}
         key = request.headers.get("Idempotency-Key")

@@ -22,6 +22,7 @@ transaction.
 from __future__ import annotations
 
 import io
+import json
 import random
 import time
 from datetime import UTC, datetime
@@ -31,7 +32,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from reservations.choices import AllocationKind, Billing, NodeState, Orchestrator, ReservationStatus
-from reservations.models import Node, Pool
+from reservations.models import Allocation, Node, Pool, Reservation
 from tenants.models import Quota, Tenant
 
 PREFIX = "scale-"
@@ -138,6 +139,8 @@ class Command(BaseCommand):
         """COPY the nodes; return (id, pool id, state) for each."""
         base = _next_id("reservations_node")
         now = _ts_now()
+        columns, extra = _columns(Node, ["id", "hostname", "pool_id", "state", "state_reason", "gpus", "created_at",
+                                         "updated_at"])
         rows, buf = [], io.StringIO()
         per_pool = -(-count // len(pools))
         for i in range(count):
@@ -145,10 +148,9 @@ class Command(BaseCommand):
             state = _weighted(rng, NODE_STATES)
             node_id = base + i
             rows.append((node_id, pool.pk, state))
-            buf.write(f"{node_id}\t{pool.name}-{i:05d}\t{pool.pk}\t{state}\t\t[]\t{now}\t{now}\n")
+            buf.write(f"{node_id}\t{pool.name}-{i:05d}\t{pool.pk}\t{state}\t\t[]\t{now}\t{now}{extra}\n")
         with connection.cursor() as cur:
-            _copy(cur, "reservations_node", "id, hostname, pool_id, state, state_reason, gpus, created_at, updated_at",
-                  buf)
+            _copy(cur, "reservations_node", columns, buf)
             _sync_sequence(cur, "reservations_node")
         return rows
 
@@ -166,6 +168,11 @@ class Command(BaseCommand):
         res_id = _next_id("reservations_reservation")
         alloc_id = _next_id("reservations_allocation")
         res_buf, alloc_buf = io.StringIO(), io.StringIO()
+        res_columns, res_extra = _columns(Reservation, [
+            "id", "tenant_id", "pool_id", "node_count", "period", "name", "status", "status_reason", "billing",
+            "orchestrator", "cuda_version", "created_by_id", "created_at", "updated_at"])
+        alloc_columns, alloc_extra = _columns(Allocation, [
+            "id", "reservation_id", "node_id", "period", "kind", "active", "note", "created_by_id", "created_at"])
         n_res = 0
         billing = (Billing.COMMITTED,) * 4 + (Billing.BURST,)
         orchestrators = (Orchestrator.SLURM, Orchestrator.SLURM, Orchestrator.KUBERNETES)
@@ -179,7 +186,7 @@ class Command(BaseCommand):
                 if rng.random() < 0.005:
                     node_id = rng.choice(rack)[0]
                     alloc_buf.write(f"{alloc_id}\t\\N\t{node_id}\t{period}\t{AllocationKind.MAINTENANCE}\tt\t"
-                                    f"scale maintenance\t\\N\t{created}\n")
+                                    f"scale maintenance\t\\N\t{created}{alloc_extra}\n")
                     alloc_id += 1
                     left -= 1
                 else:
@@ -203,23 +210,20 @@ class Command(BaseCommand):
                         tenant = tenants[rng.randrange(len(tenants))]
                         res_buf.write(
                             f"{res_id}\t{tenant.pk}\t{members[0][1]}\t{size}\t{period}\tscale-{res_id}\t{status}\t\t"
-                            f"{rng.choice(billing)}\t{rng.choice(orchestrators)}\t12.8\t\\N\t{created}\t{created}\n"
+                            f"{rng.choice(billing)}\t{rng.choice(orchestrators)}\t12.8\t\\N\t{created}\t{created}{res_extra}\n"
                         )
                         active = "f" if cancelled else "t"
                         for node_id, _, _ in members:
                             alloc_buf.write(f"{alloc_id}\t{res_id}\t{node_id}\t{period}\t"
-                                            f"{AllocationKind.RESERVATION}\t{active}\t\t\\N\t{created}\n")
+                                            f"{AllocationKind.RESERVATION}\t{active}\t\t\\N\t{created}{alloc_extra}\n")
                             alloc_id += 1
                         res_id += 1
                         n_res += 1
                         left -= size
                 hour = hi + int(rng.expovariate(1 / 18))
         with connection.cursor() as cur:
-            _copy(cur, "reservations_reservation",
-                  "id, tenant_id, pool_id, node_count, period, name, status, status_reason, billing, orchestrator, "
-                  "cuda_version, created_by_id, created_at, updated_at", res_buf)
-            _copy(cur, "reservations_allocation",
-                  "id, reservation_id, node_id, period, kind, active, note, created_by_id, created_at", alloc_buf)
+            _copy(cur, "reservations_reservation", res_columns, res_buf)
+            _copy(cur, "reservations_allocation", alloc_columns, alloc_buf)
             _sync_sequence(cur, "reservations_reservation")
             _sync_sequence(cur, "reservations_allocation")
             cur.execute("SELECT count(*) FROM reservations_allocation a JOIN reservations_node n ON n.id = a.node_id "
@@ -241,6 +245,39 @@ def _split_by_pool(rack):
     if cur:
         out.append(cur)
     return out
+
+
+def _copy_text(value) -> str:
+    if value is None:
+        return "\\N"
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, dict | list):
+        value = json.dumps(value)
+    text = str(value)
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _columns(model, known: list[str]) -> tuple[str, str]:
+    """Return the COPY column list and the text to append to each row for the model's other columns.
+
+    Columns this command does not know (added by later migrations) get their field default, so the
+    load keeps working as the models grow; a required column without a default stops it loudly.
+    """
+    extra_columns, extra_values = [], []
+    for field in model._meta.concrete_fields:
+        if field.column in known:
+            continue
+        if field.has_default():
+            value = field.get_default()
+        elif field.null:
+            value = None
+        else:
+            raise CommandError(f"seed_scale does not know how to fill {model._meta.db_table}.{field.column}")
+        extra_columns.append(field.column)
+        extra_values.append(_copy_text(value))
+    columns = ", ".join(connection.ops.quote_name(c) for c in [*known, *extra_columns])
+    return columns, "".join(f"\t{v}" for v in extra_values)
 
 
 def _ts_now() -> str:

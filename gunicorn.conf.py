@@ -1,0 +1,62 @@
+"""gunicorn settings for the portal (docker-compose's web service and bench/availability.py).
+
+Everything can be overridden from the environment: GUNICORN_BIND / PORT, WEB_CONCURRENCY,
+GUNICORN_THREADS, GUNICORN_TIMEOUT, FORWARDED_ALLOW_IPS, PROMETHEUS_MULTIPROC_DIR.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+bind = os.environ.get("GUNICORN_BIND") or f"0.0.0.0:{os.environ.get('PORT', '8000')}"
+workers = int(os.environ.get("WEB_CONCURRENCY", str(min(2 * (os.cpu_count() or 1) + 1, 9))))
+threads = int(os.environ.get("GUNICORN_THREADS", "1"))
+worker_class = "gthread" if threads > 1 else "sync"
+timeout = int(os.environ.get("GUNICORN_TIMEOUT", "30"))
+graceful_timeout = 30
+keepalive = 5
+# Recycle workers now and then so a slow leak can never take the site down.
+max_requests = int(os.environ.get("GUNICORN_MAX_REQUESTS", "2000"))
+max_requests_jitter = 200
+# The TLS proxy in front sets X-Forwarded-Proto; trust it only from these addresses.
+forwarded_allow_ips = os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1")
+# Heartbeat files on tmpfs: a container's overlay filesystem can stall workers.
+worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+# The portal writes its own JSON access-log line (portal.ops.logging.RequestIdMiddleware).
+accesslog = None
+errorlog = "-"
+loglevel = os.environ.get("LOG_LEVEL", "info").lower()
+logconfig_dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "portal.ops.logging.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "loggers": {
+        "gunicorn.error": {"handlers": ["console"], "level": loglevel.upper(), "propagate": False},
+        "gunicorn.access": {"handlers": ["console"], "level": "WARNING", "propagate": False},
+    },
+}
+proc_name = "portal-web"
+
+# Prometheus multiprocess mode: every worker writes its counters under this directory and the
+# worker answering /metrics sums them. It must be set before a worker imports prometheus_client,
+# i.e. here in the master; it is emptied at start so values of an earlier run never leak in.
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="portal-prometheus-")
+
+
+def on_starting(server):
+    directory = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for child in directory.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
+def child_exit(server, worker):
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)

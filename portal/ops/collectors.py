@@ -1,0 +1,484 @@
+"""Collectors that read PostgreSQL and the Celery broker when /metrics is scraped.
+
+Each section runs in its own savepoint with a statement timeout, so a slow or failing query
+costs one section (reported by ``portal_metrics_source_up``), never the whole scrape.
+
+Families of apps that may not be installed or migrated yet (provisioning, health, notifications)
+are looked up with ``apps.get_model`` and only emitted when their table exists, so this module
+never imports upward in the dependency order (DESIGN §2) and keeps working while those apps grow.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timedelta
+
+from django.apps import apps
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
+from django.db.models import Model
+from django.utils import timezone
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+
+__all__ = ["PortalCollector", "DEFAULT_QUEUES", "UTILIZATION_WINDOWS", "FAMILIES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUEUES = ("default", "provisioning", "health", "notifications")
+# Celery's Redis transport stores priorities 3, 6, 9 of queue Q in the lists "Q\x06\x16<n>".
+REDIS_PRIORITY_SEPARATOR = "\x06\x16"
+REDIS_PRIORITY_STEPS = (3, 6, 9)
+# name -> (offset of the window's start from now, length)
+UTILIZATION_WINDOWS = {
+    "last_24h": (timedelta(hours=-24), timedelta(hours=24)),
+    "next_7d": (timedelta(0), timedelta(days=7)),
+}
+GPU_STATES = ("reserved", "idle", "failed", "unavailable")
+PHASE_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+# The virtual-cluster phases whose durations are provisioning work (DESIGN §5), plus teardown.
+PROVISIONING_PHASES = (
+    "pending", "allocating_nodes", "configuring_network", "attaching_storage", "installing_drivers",
+    "running_acceptance_tests", "tearing_down",
+)
+# Repair records in one of these states are no longer open (health.choices.OPEN_REPAIR_STATES is
+# the authority when that app is installed).
+CLOSED_REPAIR_STATES = frozenset({"rejoined", "failed", "closed", "cancelled"})
+STATEMENT_TIMEOUT_MS = 5000
+
+# Every family /metrics can expose: name -> (type, when). "always": every scrape; otherwise the
+# app whose tables must exist (provisioning, notifications) or the source that must answer.
+# Dashboards may only query these (tests/ops/test_deploy.py checks it).
+FAMILIES = {
+    "portal_booking_requests": ("counter", "always"),
+    "portal_booking_duration_seconds": ("histogram", "always"),
+    "portal_domain_events": ("counter", "after the first event in this process"),
+    "portal_http_requests": ("counter", "after the first request"),
+    "portal_http_request_duration_seconds": ("histogram", "after the first request"),
+    "portal_metrics_source_up": ("gauge", "always"),
+    "portal_metrics_collect_duration_seconds": ("gauge", "always"),
+    "portal_celery_queue_length": ("gauge", "broker"),
+    "portal_pool_gpus_per_node": ("gauge", "always"),
+    "portal_nodes": ("gauge", "always"),
+    "portal_gpus": ("gauge", "always"),
+    "portal_pool_booked_nodes_average": ("gauge", "always"),
+    "portal_pool_available_nodes_average": ("gauge", "always"),
+    "portal_pool_utilization_ratio": ("gauge", "always"),
+    "portal_reservations": ("gauge", "always"),
+    "portal_virtual_clusters": ("gauge", "provisioning"),
+    "portal_provisioning_phase_duration_seconds": ("histogram", "provisioning"),
+    "portal_health_checks": ("gauge", "provisioning"),
+    "portal_node_health": ("gauge", "provisioning"),
+    "portal_repairs_open": ("gauge", "provisioning"),
+    "portal_notification_deliveries": ("gauge", "notifications"),
+}
+
+
+def _setting(name: str, default):
+    return getattr(settings, name, default)
+
+
+def _optional_model(app_label: str, *names: str) -> type[Model] | None:
+    for name in names:
+        try:
+            return apps.get_model(app_label, name)
+        except LookupError:
+            continue
+    return None
+
+
+def _field(model: type[Model], *names: str) -> str | None:
+    concrete = {f.name: f for f in model._meta.concrete_fields}
+    for name in names:
+        if name in concrete:
+            return concrete[name].column
+    return None
+
+
+def _q(identifier: str) -> str:
+    return connection.ops.quote_name(identifier)
+
+
+class _Section:
+    """Run one group of queries; on failure report the source as down instead of failing the scrape."""
+
+    def __init__(self, up: GaugeMetricFamily, took: GaugeMetricFamily, name: str) -> None:
+        self.up, self.took, self.name = up, took, name
+
+    def run(self, fn) -> list[Metric]:
+        started = time.perf_counter()
+        try:
+            with transaction.atomic():
+                with connection.cursor() as cur:
+                    cur.execute(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}")
+                metrics = list(fn())
+        except DatabaseError as exc:
+            logger.warning("metrics section %s failed: %s", self.name, exc.__class__.__name__, exc_info=True)
+            self.up.add_metric([self.name], 0)
+            return []
+        finally:
+            self.took.add_metric([self.name], time.perf_counter() - started)
+        self.up.add_metric([self.name], 1)
+        return metrics
+
+
+class PortalCollector:
+    """Fleet, GPU, utilisation, reservation, provisioning, health, notification and queue families."""
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # never query the database at registration time
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("portal_metrics_source_up", "1 when this section of the scrape could be read.",
+                               labels=["source"])
+        took = GaugeMetricFamily("portal_metrics_collect_duration_seconds",
+                                 "Time spent reading this section of the scrape.", labels=["source"])
+        yield from _queue_depths(up, took)
+        now = timezone.now()
+        try:
+            tables = set(connection.introspection.table_names())
+        except DatabaseError as exc:
+            logger.warning("metrics: database unreachable: %s", exc.__class__.__name__)
+            up.add_metric(["database"], 0)
+            yield up
+            yield took
+            return
+        up.add_metric(["database"], 1)
+        sections = [
+            ("fleet", lambda: self._fleet(now)),
+            ("reservations", self._reservations),
+            ("provisioning", lambda: self._provisioning(tables)),
+            ("health", lambda: self._health(tables)),
+            ("notifications", lambda: self._notifications(tables)),
+        ]
+        for name, fn in sections:
+            yield from _Section(up, took, name).run(fn)
+        yield up
+        yield took
+
+    # --- fleet ------------------------------------------------------------------------------
+
+    def _fleet(self, now: datetime) -> Iterator[Metric]:
+        from reservations.choices import NodeState
+        from reservations.models import Allocation, Node, Pool
+
+        pools = list(Pool.objects.order_by("name").values_list("id", "name", "gpu_model", "gpus_per_node"))
+        names = {pid: name for pid, name, _, _ in pools}
+        per_node = GaugeMetricFamily("portal_pool_gpus_per_node", "GPUs in each node of the pool.",
+                                     labels=["pool", "gpu_model"])
+        for _, name, model, gpus in pools:
+            per_node.add_metric([name, model], gpus)
+        yield per_node
+
+        nodes = GaugeMetricFamily("portal_nodes", "Nodes by pool and state.", labels=["pool", "state"])
+        counts: dict[tuple[int, str], int] = defaultdict(int)
+        for pool_id, state, count in _rows(
+            f"SELECT pool_id, state, count(*) FROM {_q(Node._meta.db_table)} GROUP BY 1, 2"  # noqa: S608
+        ):
+            counts[(pool_id, state)] = count
+        for pid, name, _, _ in pools:
+            for state in NodeState.values:
+                nodes.add_metric([name, state], counts[(pid, state)])
+        yield nodes
+
+        node_t, alloc_t = _q(Node._meta.db_table), _q(Allocation._meta.db_table)
+        # Every non-retired GPU is in exactly one state, in this order of precedence:
+        # failed (node failed), reserved (a reservation holds the node now), unavailable
+        # (draining, maintenance, or inside a maintenance window), idle (bookable, unused).
+        gpus = GaugeMetricFamily("portal_gpus", "GPUs of non-retired nodes by pool and what they are doing now.",
+                                 labels=["pool", "state"])
+        gpu_counts: dict[tuple[int, str], int] = defaultdict(int)
+        for pool_id, state, count in _rows(
+            f"""
+            WITH cur AS (
+                SELECT node_id, bool_or(kind = 'reservation') AS reserved, bool_or(kind = 'maintenance') AS maint
+                FROM {alloc_t} WHERE active AND period @> %(now)s::timestamptz GROUP BY node_id
+            )
+            SELECT n.pool_id,
+                   CASE WHEN n.state = 'failed' THEN 'failed'
+                        WHEN coalesce(cur.reserved, false) THEN 'reserved'
+                        WHEN n.state <> 'available' OR coalesce(cur.maint, false) THEN 'unavailable'
+                        ELSE 'idle' END,
+                   count(*)
+            FROM {node_t} n LEFT JOIN cur ON cur.node_id = n.id
+            WHERE n.state <> 'retired'
+            GROUP BY 1, 2
+            """,  # noqa: S608
+            {"now": now},
+        ):
+            gpu_counts[(pool_id, state)] = count
+        for pid, name, _, per in pools:
+            for state in GPU_STATES:
+                gpus.add_metric([name, state], gpu_counts[(pid, state)] * per)
+        yield gpus
+
+        yield from self._utilization(now, pools, names, node_t, alloc_t)
+
+    def _utilization(self, now, pools, names, node_t, alloc_t) -> Iterator[Metric]:
+        """Booked node-hours ÷ available node-hours per pool, for each window.
+
+        Available: nodes in service now (available or draining) over the whole window, less
+        their maintenance windows. Booked: active reservation allocations on those nodes,
+        clipped to the window. Both are exported as average node counts over the window
+        (node-hours ÷ window hours), so they read as "nodes" on a dashboard.
+        """
+        booked = GaugeMetricFamily("portal_pool_booked_nodes_average",
+                                   "Average number of in-service nodes held by reservations over the window.",
+                                   labels=["pool", "window"])
+        available = GaugeMetricFamily("portal_pool_available_nodes_average",
+                                      "Average number of in-service nodes outside maintenance over the window.",
+                                      labels=["pool", "window"])
+        ratio = GaugeMetricFamily("portal_pool_utilization_ratio",
+                                  "Booked node-hours divided by available node-hours over the window (0-1).",
+                                  labels=["pool", "window"])
+        in_service = dict(_rows(
+            f"SELECT pool_id, count(*) FROM {node_t} WHERE state IN ('available', 'draining') GROUP BY 1"  # noqa: S608
+        ))
+        hours: dict[tuple[int, str, str], float] = defaultdict(float)
+        for window, (offset, length) in UTILIZATION_WINDOWS.items():
+            lo, hi = now + offset, now + offset + length
+            for pool_id, kind, seconds in _rows(
+                f"""
+                SELECT n.pool_id, a.kind,
+                       sum(date_part('epoch', least(upper(a.period), %(hi)s::timestamptz)
+                                              - greatest(lower(a.period), %(lo)s::timestamptz)))
+                FROM {alloc_t} a JOIN {node_t} n ON n.id = a.node_id
+                WHERE a.active AND a.period && tstzrange(%(lo)s, %(hi)s) AND n.state IN ('available', 'draining')
+                GROUP BY 1, 2
+                """,  # noqa: S608
+                {"lo": lo, "hi": hi},
+            ):
+                hours[(pool_id, window, kind)] = float(seconds or 0) / 3600
+        for pid, name, _, _ in pools:
+            for window, (_, length) in UTILIZATION_WINDOWS.items():
+                window_h = length.total_seconds() / 3600
+                avail_h = in_service.get(pid, 0) * window_h - hours[(pid, window, "maintenance")]
+                booked_h = hours[(pid, window, "reservation")]
+                booked.add_metric([name, window], booked_h / window_h)
+                available.add_metric([name, window], max(avail_h, 0.0) / window_h)
+                ratio.add_metric([name, window], booked_h / avail_h if avail_h > 0 else 0.0)
+        yield booked
+        yield available
+        yield ratio
+
+    # --- reservations -----------------------------------------------------------------------
+
+    def _reservations(self) -> Iterator[Metric]:
+        from reservations.choices import Billing, ReservationStatus
+        from reservations.models import Pool, Reservation
+
+        family = GaugeMetricFamily("portal_reservations", "Reservations by pool, status and billing.",
+                                   labels=["pool", "status", "billing"])
+        counts: dict[tuple[int, str, str], int] = defaultdict(int)
+        for pool_id, status, billing, count in _rows(
+            f"SELECT pool_id, status, billing, count(*) FROM {_q(Reservation._meta.db_table)} "  # noqa: S608
+            "GROUP BY 1, 2, 3"
+        ):
+            counts[(pool_id, status, billing)] = count
+        for pid, name in Pool.objects.order_by("name").values_list("id", "name"):
+            for status in ReservationStatus.values:
+                for billing in Billing.values:
+                    family.add_metric([name, status, billing], counts[(pid, status, billing)])
+        yield family
+
+    # --- apps that may not exist yet --------------------------------------------------------
+
+    def _provisioning(self, tables: set[str]) -> Iterator[Metric]:
+        cluster = _optional_model("provisioning", "VirtualCluster", "Cluster")
+        if cluster is None or cluster._meta.db_table not in tables:
+            return
+        status = _field(cluster, "status", "phase", "state")
+        if status:
+            family = GaugeMetricFamily("portal_virtual_clusters", "Virtual clusters by status.", labels=["status"])
+            for value, count in _rows(
+                f"SELECT {_q(status)}, count(*) FROM {_q(cluster._meta.db_table)} GROUP BY 1"  # noqa: S608
+            ):
+                family.add_metric([str(value)], count)
+            yield family
+        yield from self._phase_durations(cluster, tables)
+
+    def _phase_durations(self, cluster: type[Model], tables: set[str]) -> Iterator[Metric]:
+        """Histogram of how long clusters spent in each phase, from the recorded phase timestamps.
+
+        Understands the two shapes a phased status can be recorded in: a transition log model
+        (cluster FK + phase + timestamp, one row per phase entered) or one ``<phase>_at`` column
+        per phase on the cluster. A phase's duration is the time until the next phase began.
+        """
+        timelines = _timelines_from_log(cluster, tables)
+        if timelines is None:
+            timelines = _timelines_from_columns(cluster)
+        if timelines is None:
+            return
+        observations: dict[str, list[float]] = defaultdict(list)
+        for entries in timelines:
+            entries = sorted((at, phase) for phase, at in entries if at is not None)
+            for (at, phase), (next_at, _) in zip(entries, entries[1:], strict=False):
+                if phase in PROVISIONING_PHASES:
+                    observations[phase].append(max(0.0, (next_at - at).total_seconds()))
+        family = HistogramMetricFamily("portal_provisioning_phase_duration_seconds",
+                                       "Time virtual clusters spent in each provisioning phase.", labels=["phase"])
+        for phase in sorted(observations):
+            values = observations[phase]
+            buckets = [(str(float(b)), sum(1 for v in values if v <= b)) for b in PHASE_BUCKETS]
+            buckets.append(("+Inf", len(values)))
+            family.add_metric([phase], buckets, sum_value=sum(values))
+        yield family
+
+    def _health(self, tables: set[str]) -> Iterator[Metric]:
+        check = _optional_model("health", "HealthCheck") or _optional_model("provisioning", "HealthCheck")
+        if check is not None and check._meta.db_table in tables:
+            verdict, level = _field(check, "verdict"), _field(check, "level")
+            node = _field(check, "node")
+            if verdict:
+                family = GaugeMetricFamily("portal_health_checks", "Recorded GPU health checks by level and verdict.",
+                                           labels=["level", "verdict"])
+                level_sql = _q(level) if level else "''"
+                for lvl, value, count in _rows(
+                    f"SELECT {level_sql}, {_q(verdict)}, count(*) FROM {_q(check._meta.db_table)} "  # noqa: S608
+                    "GROUP BY 1, 2"
+                ):
+                    # A check without a verdict yet is queued or running.
+                    family.add_metric([str(lvl or ""), str(value or "pending")], count)
+                yield family
+            if verdict and node:
+                yield from self._latest_verdicts(check, node, verdict)
+        repair = _optional_model("health", "Repair") or _optional_model("provisioning", "Repair", "NodeRepair")
+        if repair is not None and repair._meta.db_table in tables:
+            status = _field(repair, "status", "state", "phase")
+            family = GaugeMetricFamily("portal_repairs_open", "Node repairs not yet closed.", labels=[])
+            if status:
+                (count,), = _rows(
+                    f"SELECT count(*) FROM {_q(repair._meta.db_table)} "  # noqa: S608
+                    f"WHERE {_q(status)} = ANY(%(open)s)",
+                    {"open": _open_repair_states(repair, status)},
+                )
+            else:
+                (count,), = _rows(f"SELECT count(*) FROM {_q(repair._meta.db_table)}")  # noqa: S608
+            family.add_metric([], count)
+            yield family
+
+    def _latest_verdicts(self, check: type[Model], node: str, verdict: str) -> Iterator[Metric]:
+        from reservations.models import Node, Pool
+
+        order = _field(check, "finished_at", "completed_at", "created_at", "started_at") or "id"
+        # Only checks that reached a verdict; the newest finished one per node wins.
+        family = GaugeMetricFamily("portal_node_health", "Nodes by pool and the verdict of their latest health check.",
+                                   labels=["pool", "verdict"])
+        for pool, value, count in _rows(
+            f"""
+            SELECT p.name, latest.v, count(*) FROM (
+                SELECT DISTINCT ON ({_q(node)}) {_q(node)} AS node_id, {_q(verdict)} AS v
+                FROM {_q(check._meta.db_table)} WHERE {_q(verdict)} <> ''
+                ORDER BY {_q(node)}, {_q(order)} DESC NULLS LAST, id DESC
+            ) latest
+            JOIN {_q(Node._meta.db_table)} n ON n.id = latest.node_id
+            JOIN {_q(Pool._meta.db_table)} p ON p.id = n.pool_id
+            GROUP BY 1, 2
+            """  # noqa: S608
+        ):
+            family.add_metric([pool, str(value)], count)
+        yield family
+
+    def _notifications(self, tables: set[str]) -> Iterator[Metric]:
+        delivery = _optional_model("notifications", "Delivery", "NotificationDelivery", "DeliveryLog",
+                                   "WebhookDelivery", "Notification")
+        if delivery is None or delivery._meta.db_table not in tables:
+            return
+        status = _field(delivery, "status", "state", "outcome")
+        channel = _field(delivery, "channel_kind", "transport", "kind", "channel_type", "target_kind", "channel")
+        if not status:
+            return
+        family = GaugeMetricFamily("portal_notification_deliveries",
+                                   "Notification deliveries by channel kind and status (delivered, failed, pending…).",
+                                   labels=["channel", "status"])
+        channel_sql = _q(channel) if channel else "''"
+        for chan, value, count in _rows(
+            f"SELECT {channel_sql}, {_q(status)}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
+            "GROUP BY 1, 2"
+        ):
+            family.add_metric([str(chan or ""), str(value or "")], count)
+        yield family
+
+
+def _open_repair_states(repair: type[Model], column: str) -> list[str]:
+    try:
+        from importlib import import_module
+
+        states = import_module(f"{repair._meta.app_config.name}.choices").OPEN_REPAIR_STATES
+        return [str(s) for s in states]
+    except (ImportError, AttributeError):
+        field = next(f for f in repair._meta.concrete_fields if f.column == column)
+        return [value for value, _ in field.choices or [] if value not in CLOSED_REPAIR_STATES]
+
+
+def _timelines_from_log(cluster: type[Model], tables: set[str]) -> list[list[tuple[str, datetime]]] | None:
+    for model in apps.get_app_config(cluster._meta.app_label).get_models():
+        if model is cluster or model._meta.db_table not in tables:
+            continue
+        fk = next((f for f in model._meta.concrete_fields
+                   if f.is_relation and f.related_model is cluster), None)
+        phase = _field(model, "phase", "to_phase")
+        at = _field(model, "at", "entered_at", "timestamp")
+        if fk is None or phase is None or at is None:
+            continue
+        by_cluster: dict[int, list[tuple[str, datetime]]] = defaultdict(list)
+        for cid, value, when in _rows(
+            f"SELECT {_q(fk.column)}, {_q(phase)}, {_q(at)} FROM {_q(model._meta.db_table)}"  # noqa: S608
+        ):
+            by_cluster[cid].append((str(value), when))
+        return list(by_cluster.values())
+    return None
+
+
+def _timelines_from_columns(cluster: type[Model]) -> list[list[tuple[str, datetime]]] | None:
+    columns = [f for f in cluster._meta.concrete_fields
+               if f.get_internal_type() == "DateTimeField" and f.name.endswith("_at")
+               and f.name not in ("created_at", "updated_at", "deleted_at")]
+    if len(columns) < 2:
+        return None
+    names = [f.name[: -len("_at")] for f in columns]
+    select = ", ".join(_q(f.column) for f in columns)
+    return [list(zip(names, row, strict=True))
+            for row in _rows(f"SELECT {select} FROM {_q(cluster._meta.db_table)}")]  # noqa: S608
+
+
+def _rows(sql: str, params: dict | None = None) -> list[tuple]:
+    with connection.cursor() as cur:
+        cur.execute(sql, params or {})
+        return cur.fetchall()
+
+
+def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Metric]:
+    """Celery queue depths: LLEN of each queue's Redis lists on the broker (all priority levels)."""
+    import redis
+
+    started = time.perf_counter()
+    queues = list(_setting("PORTAL_CELERY_QUEUES", DEFAULT_QUEUES))
+    url = _setting("CELERY_BROKER_URL", None) or _setting("REDIS_URL", "")
+    timeout = float(_setting("PORTAL_READYZ_TIMEOUT", 2.0))
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for queue in queues:
+                pipe.llen(queue)
+                for step in REDIS_PRIORITY_STEPS:
+                    pipe.llen(f"{queue}{REDIS_PRIORITY_SEPARATOR}{step}")
+            lengths = pipe.execute()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        logger.warning("metrics: broker unreachable: %s", exc.__class__.__name__)
+        up.add_metric(["broker"], 0)
+        return
+    finally:
+        took.add_metric(["broker"], time.perf_counter() - started)
+    up.add_metric(["broker"], 1)
+    family = GaugeMetricFamily("portal_celery_queue_length", "Messages waiting in each Celery queue.",
+                               labels=["queue"])
+    per_queue = 1 + len(REDIS_PRIORITY_STEPS)
+    for i, queue in enumerate(queues):
+        family.add_metric([queue], sum(lengths[i * per_queue:(i + 1) * per_queue]))
+    yield family

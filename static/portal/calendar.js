@@ -1,0 +1,217 @@
+/* The booking calendar: FullCalendar (MIT standard bundle) in the user's time zone (Luxon plugin),
+ * the tenant's reservations plus the selected pool's free capacity as background shading.
+ * Drag-select opens the htmx booking form; drag/resize PATCHes the REST API and snaps back on refusal. */
+(function () {
+  "use strict";
+  var cfgEl = document.getElementById("calendar-config");
+  var el = document.getElementById("calendar");
+  if (!cfgEl || !el || !window.FullCalendar) { return; }
+  var cfg = JSON.parse(cfgEl.textContent);
+  var panel = document.getElementById("side-panel");
+  var statusEl = document.getElementById("calendar-status");
+  var csrf = document.querySelector('meta[name="csrf-token"]').getAttribute("content");
+  var narrow = window.matchMedia("(max-width: 720px)").matches;
+  var cal;
+
+  function say(message, kind) {
+    statusEl.textContent = message;
+    statusEl.setAttribute("data-kind", kind || "info");
+  }
+
+  // One formatter for every label: building an Intl formatter per call costs more than the rendering.
+  var whenFormat = new Intl.DateTimeFormat(undefined, {
+    timeZone: cfg.tz, weekday: "short", day: "numeric", month: "short", hour: "2-digit", minute: "2-digit",
+    hour12: false
+  });
+
+  function when(iso) {
+    return whenFormat.format(new Date(iso));
+  }
+
+  function loadPanel(url) {
+    return window.htmx.ajax("GET", url, { target: panel, swap: "innerHTML" });
+  }
+
+  function openForm(start, end) {
+    var params = new URLSearchParams({ start: start, end: end });
+    if (cfg.pool) { params.set("pool", cfg.pool); }
+    return loadPanel(cfg.formUrl + "?" + params.toString());
+  }
+
+  // A month can hold a thousand bookings. FullCalendar puts every event in the DOM even when a day shows
+  // "+N more" (fullcalendar#6148), so the month view gets the first few per day and one link to the rest.
+  var MONTH_PER_DAY = 4;
+  var dayKeyFormat = new Intl.DateTimeFormat("en-CA", { timeZone: cfg.tz, year: "numeric", month: "2-digit",
+                                                        day: "2-digit" });
+
+  function compactMonth(events) {
+    var perDay = {};
+    var order = [];
+    events.forEach(function (e) {
+      var day = dayKeyFormat.format(new Date(e.start));
+      if (!perDay[day]) { perDay[day] = []; order.push(day); }
+      perDay[day].push(e);
+    });
+    var out = [];
+    order.forEach(function (day) {
+      var list = perDay[day];
+      for (var i = 0; i < Math.min(list.length, MONTH_PER_DAY); i++) { out.push(list[i]); }
+      if (list.length > MONTH_PER_DAY) {
+        out.push({
+          id: "more-" + day, title: "+" + (list.length - MONTH_PER_DAY) + " more", start: day, allDay: true,
+          url: "?view=timeGridDay&date=" + day + (cfg.pool ? "&pool=" + encodeURIComponent(cfg.pool) : ""),
+          classNames: ["more-link"], extendedProps: { more: day }
+        });
+      }
+    });
+    return out;
+  }
+
+  function reservations(info, success, failure) {
+    var params = new URLSearchParams({ start: info.startStr, end: info.endStr });
+    if (cfg.pool) { params.set("pool", cfg.pool); }
+    var month = (info.end.valueOf() - info.start.valueOf()) / 86400000 > 8;
+    fetch(cfg.eventsUrl + "?" + params.toString(), {
+      credentials: "same-origin", headers: { Accept: "application/json" }
+    }).then(function (r) { return r.ok ? r.json() : Promise.reject(r); }).then(function (events) {
+      success(month && !cfg.showAll ? compactMonth(events) : events);
+    }).catch(function (err) {
+      say("Could not load reservations.", "error");
+      failure(err);
+    });
+  }
+
+  function availability(info, success, failure) {
+    if (!cfg.pool) { success([]); return; }
+    var days = (info.end.valueOf() - info.start.valueOf()) / 86400000;
+    var params = new URLSearchParams({
+      pool: cfg.pool, start: info.startStr, end: info.endStr, granularity: days > 8 ? "day" : "slot"
+    });
+    fetch(cfg.availabilityUrl + "?" + params.toString(), {
+      credentials: "same-origin", headers: { Accept: "application/json" }
+    }).then(function (r) { return r.ok ? r.json() : Promise.reject(r); }).then(success).catch(failure);
+  }
+
+  // Move or extend through the REST API; the server decides, a refusal puts the event back.
+  function change(info, body, verb) {
+    var id = info.event.id;
+    say("Saving reservation #" + id + "…");
+    fetch(cfg.apiUrl.replace("/0/", "/" + id + "/"), {
+      method: "PATCH",
+      credentials: "same-origin",
+      headers: { "Content-Type": "application/json", Accept: "application/json", "X-CSRFToken": csrf },
+      body: JSON.stringify(body)
+    }).then(function (r) {
+      return r.json().catch(function () { return {}; }).then(function (data) {
+        if (!r.ok) { throw data; }
+        return data;
+      });
+    }).then(function (data) {
+      say("Reservation #" + id + " " + verb + ": " + when(data.start) + " – " + when(data.end) + ".", "ok");
+      cal.refetchEvents();
+    }).catch(function (err) {
+      info.revert();
+      say("Not changed — " + ((err && err.detail) || "the server refused the change.") , "error");
+    });
+  }
+
+  // The browser's own zone needs no conversion library: only a different chosen zone goes through Luxon.
+  var browserTz = "";
+  try { browserTz = Intl.DateTimeFormat().resolvedOptions().timeZone; } catch (e) { browserTz = ""; }
+
+  cal = new FullCalendar.Calendar(el, {
+    timeZone: cfg.tz === browserTz ? "local" : cfg.tz,
+    initialView: cfg.initialView || (narrow ? "timeGridDay" : "timeGridWeek"),
+    initialDate: cfg.initialDate || undefined,
+    headerToolbar: narrow
+      ? { left: "prev,next", center: "title", right: "today" }
+      : { left: "prev,next today", center: "title", right: "dayGridMonth,timeGridWeek,timeGridDay" },
+    footerToolbar: narrow ? { center: "dayGridMonth,timeGridWeek,timeGridDay" } : false,
+    buttonText: { today: "Today", month: "Month", week: "Week", day: "Day" },
+    firstDay: 1,
+    // "Week" is the next seven days from the shown date: the days worth booking, not a half-gone calendar week.
+    views: { timeGridWeek: { duration: { days: 7 }, buttonText: "Week" } },
+    eventDisplay: "block",
+    height: "auto",
+    expandRows: true,
+    nowIndicator: true,
+    allDaySlot: false,
+    scrollTime: "07:00:00",
+    slotDuration: { minutes: cfg.slotMinutes },
+    snapDuration: { minutes: cfg.slotMinutes },
+    slotLabelFormat: { hour: "2-digit", minute: "2-digit", hour12: false },
+    eventTimeFormat: { hour: "2-digit", minute: "2-digit", hour12: false },
+    dayMaxEvents: false,  // the month view is compacted before rendering (compactMonth)
+    lazyFetching: false,  // so a day or week view never reuses a compacted month's events
+    selectable: !!cfg.canBook,
+    selectMirror: true,
+    unselectAuto: false,
+    editable: false,
+    eventResizableFromStart: false,
+    eventSources: [
+      { id: "reservations", events: reservations },
+      { id: "availability", events: availability }
+    ],
+    select: function (info) {
+      if (cfg.canBook) { openForm(info.startStr, info.endStr); }
+    },
+    eventClick: function (info) {
+      if (info.event.display === "background") { return; }
+      info.jsEvent.preventDefault();
+      if (info.event.extendedProps.more) { cal.changeView("timeGridDay", info.event.extendedProps.more); return; }
+      loadPanel(cfg.panelUrl.replace("/0/", "/" + info.event.id + "/"));
+    },
+    eventDrop: function (info) {
+      change(info, { start: info.event.startStr, end: info.event.endStr }, "moved");
+    },
+    eventResize: function (info) {
+      var longer = info.event.end > info.oldEvent.end;
+      change(info, { end: info.event.endStr }, longer ? "extended" : "shortened");
+    },
+    eventDidMount: function (arg) {
+      // Events are links to their page (focusable, Enter opens the panel); tests and scripts find them by id.
+      if (arg.event.display !== "background" && !arg.event.extendedProps.more) {
+        arg.el.setAttribute("data-reservation-id", arg.event.id);
+      }
+    },
+    loading: function (isLoading) {
+      if (isLoading) { el.setAttribute("data-ready", "0"); return; }
+      // Two frames after the last source renders, the events are painted.
+      requestAnimationFrame(function () {
+        requestAnimationFrame(function () {
+          el.setAttribute("data-ready", "1");
+          if (window.performance && performance.mark) { performance.mark("portal:events-painted"); }
+        });
+      });
+    }
+  });
+  cal.render();
+  window.portalCalendar = cal;
+
+  document.body.addEventListener("reservation-changed", function () {
+    cal.unselect();
+    cal.refetchEvents();
+  });
+  document.addEventListener("portal:panel-closed", function () { cal.unselect(); });
+
+  // Changing the pool re-shades without a page load (the form still works without JavaScript).
+  var poolForm = document.getElementById("pool-form");
+  if (poolForm) {
+    poolForm.addEventListener("submit", function (e) {
+      e.preventDefault();
+      cfg.pool = poolForm.elements.pool.value;
+      var slot = { minutes: cfg.poolSlots[cfg.pool] || 60 };
+      cal.setOption("slotDuration", slot);
+      cal.setOption("snapDuration", slot);
+      var url = new URL(window.location.href);
+      url.searchParams.set("pool", cfg.pool);
+      window.history.replaceState(null, "", url);
+      var newBooking = document.getElementById("new-booking");
+      if (newBooking) {
+        newBooking.setAttribute("hx-get", cfg.formUrl + "?pool=" + encodeURIComponent(cfg.pool));
+        window.htmx.process(newBooking);
+      }
+      cal.refetchEvents();
+    });
+  }
+})();

@@ -1,0 +1,186 @@
+"""Browser pages for signing in, the tenant switcher and the user's time zone.
+
+`portal_view` is the one entry point every HTML page of the portal goes through: it requires
+a signed-in user, resolves the current tenant and role (from the session, within
+`Tenant.objects.for_user`) and renders in the user's time zone.
+"""
+
+from __future__ import annotations
+
+import zoneinfo
+from dataclasses import dataclass, field
+from functools import wraps
+from typing import Any
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import OuterRef, Subquery
+from django.http import HttpResponseRedirect, JsonResponse
+from django.shortcuts import render
+from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST
+
+from .choices import BOOKING_ROLES, Role
+from .forms import LockoutAuthenticationForm, TenantSwitchForm, TimeZoneForm, valid_time_zone
+from .models import Membership, Tenant
+
+__all__ = [
+    "Portal",
+    "resolve_portal",
+    "portal_view",
+    "portal_json",
+    "render_page",
+    "LoginView",
+    "tenant_switch",
+    "account",
+]
+
+SESSION_TENANT = "portal_tenant"
+SESSION_TZ = "portal_tz"
+
+
+@dataclass
+class Portal:
+    """Who is looking, for which tenant, in which role and time zone."""
+
+    user: Any
+    tenants: list[Tenant] = field(default_factory=list)
+    tenant: Tenant | None = None
+    role: str | None = None
+    tz_name: str = "UTC"
+
+    @property
+    def tz(self) -> zoneinfo.ZoneInfo:
+        return zoneinfo.ZoneInfo(self.tz_name)
+
+    @property
+    def is_staff(self) -> bool:
+        return bool(self.user.is_staff)
+
+    @property
+    def can_book(self) -> bool:
+        """Show booking controls: staff, leads and members (viewers read only). Services still decide."""
+        return self.tenant is not None and (self.is_staff or self.role in BOOKING_ROLES)
+
+    @property
+    def is_lead(self) -> bool:
+        return self.is_staff or self.role == Role.LEAD
+
+    def can_change(self, reservation) -> bool:
+        """Show change/cancel controls: leads any booking of the tenant, members their own."""
+        return self.may_change(created_by_id=reservation.created_by_id)
+
+    def may_change(self, *, created_by_id: int | None) -> bool:
+        if self.is_lead:
+            return True
+        return self.role == Role.MEMBER and created_by_id == self.user.pk
+
+
+def resolve_portal(request) -> Portal:
+    """Return the user's tenants (one query, with their role in each) and the current one."""
+    user = request.user
+    my_role = Membership.objects.filter(tenant=OuterRef("pk"), user=user).values("role")[:1]
+    tenants = list(Tenant.objects.for_user(user).annotate(my_role=Subquery(my_role)).order_by("slug"))
+    wanted = request.session.get(SESSION_TENANT)
+    tenant = next((t for t in tenants if t.slug == wanted), tenants[0] if tenants else None)
+    role = None
+    if tenant is not None:
+        role = tenant.my_role or ("staff" if user.is_staff else None)
+    tz_name = valid_time_zone(request.session.get(SESSION_TZ)) or "UTC"
+    return Portal(user=user, tenants=tenants, tenant=tenant, role=role, tz_name=tz_name)
+
+
+def portal_view(view=None, *, staff_only: bool = False):
+    """Decorate an HTML view: sign-in required, request.portal set, rendered in the user's zone."""
+
+    def decorate(fn):
+        @login_required
+        @wraps(fn)
+        def wrapper(request, *args, **kwargs):
+            request.portal = resolve_portal(request)
+            if staff_only and not request.user.is_staff:
+                raise PermissionDenied("Platform staff only.")
+            with timezone.override(request.portal.tz):
+                return fn(request, *args, **kwargs)
+
+        return wrapper
+
+    return decorate(view) if view is not None else decorate
+
+
+def portal_json(fn):
+    """Decorate a JSON view: 401 envelope without a session (no redirect), else like portal_view."""
+
+    @wraps(fn)
+    def wrapper(request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return JsonResponse({"code": "not_authenticated", "detail": "Sign in first.", "fields": {}}, status=401)
+        request.portal = resolve_portal(request)
+        with timezone.override(request.portal.tz):
+            return fn(request, *args, **kwargs)
+
+    return wrapper
+
+
+def render_page(request, template: str, context: dict[str, Any] | None = None, *, status: int = 200):
+    ctx = {"portal": getattr(request, "portal", None)}
+    ctx.update(context or {})
+    return render(request, template, ctx, status=status)
+
+
+class LoginView(auth_views.LoginView):
+    form_class = LockoutAuthenticationForm
+    template_name = "registration/login.html"
+    redirect_authenticated_user = True
+
+    def form_valid(self, form):
+        response = super().form_valid(form)
+        # The browser's zone (sent by the sign-in page's script) until the user picks another.
+        tz = valid_time_zone(form.cleaned_data.get("tz"))
+        if tz:
+            self.request.session[SESSION_TZ] = tz
+        return response
+
+    def form_invalid(self, form):
+        response = super().form_invalid(form)
+        if form.is_locked:
+            response.status_code = 429
+        return response
+
+
+def _safe_next(request, fallback: str) -> str:
+    target = request.POST.get("next") or request.META.get("HTTP_REFERER") or ""
+    if url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()},
+                                       require_https=request.is_secure()):
+        return target
+    return fallback
+
+
+@require_POST
+@portal_view
+def tenant_switch(request):
+    form = TenantSwitchForm(request.POST, user=request.user)
+    if form.is_valid():
+        tenant = form.cleaned_data["tenant"]
+        request.session[SESSION_TENANT] = tenant.slug
+        messages.info(request, f"Now working as {tenant.name}.")
+    else:
+        messages.error(request, "You are not a member of that tenant.")
+    return HttpResponseRedirect(_safe_next(request, settings.LOGIN_REDIRECT_URL))
+
+
+@portal_view
+def account(request):
+    if request.method == "POST":
+        form = TimeZoneForm(request.POST)
+        if form.is_valid():
+            request.session[SESSION_TZ] = form.cleaned_data["tz"]
+            messages.success(request, f"Times are now shown in {form.cleaned_data['tz']}.")
+            return HttpResponseRedirect(request.path)
+    else:
+        form = TimeZoneForm(initial={"tz": request.portal.tz_name})
+    return render_page(request, "tenants/account.html", {"form": form, "now": timezone.now()})

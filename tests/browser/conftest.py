@@ -1,0 +1,99 @@
+"""Playwright (sync API) driving the system Chromium against pytest-django's live server.
+
+One browser per session; a fresh context (cookies, time zone, viewport) per test.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Playwright's sync API runs an event loop in this thread; the ORM calls the tests make in
+# between are still plain synchronous code, so Django's async-safety guard must stand down.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+from datetime import UTC, date, datetime, timedelta  # noqa: E402
+
+import pytest  # noqa: E402
+from django.utils import timezone  # noqa: E402
+from playwright.sync_api import Page, sync_playwright  # noqa: E402
+
+CHROMIUM = os.environ.get("PORTAL_CHROMIUM", "/usr/bin/chromium")
+PASSWORD = "pw-Long-enough-1"  # the world's users (tests/conftest.py)
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+
+
+@pytest.fixture(scope="session")
+def browser():
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--no-first-run"],
+        )
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def new_page(browser):
+    """Return a function making a page in a fresh context; all are closed after the test."""
+    contexts = []
+
+    def make(*, tz: str = "UTC", viewport: dict | None = None) -> Page:
+        context = browser.new_context(viewport=viewport or DESKTOP, timezone_id=tz, locale="en-GB")
+        context.set_default_timeout(15_000)
+        contexts.append(context)
+        page = context.new_page()
+        page.errors = []
+        page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+        return page
+
+    yield make
+    for context in contexts:
+        context.close()
+
+
+@pytest.fixture
+def sign_in(live_server):
+    """Sign in through the real form (CSRF and all) and land on the dashboard."""
+
+    def _sign_in(page: Page, username: str, password: str = PASSWORD) -> Page:
+        page.goto(f"{live_server.url}/accounts/login/")
+        page.get_by_label("Username").fill(username)
+        page.get_by_label("Password").fill(password)
+        page.get_by_role("button", name="Sign in").click()
+        page.wait_for_url(f"{live_server.url}/")
+        return page
+
+    return _sign_in
+
+
+@pytest.fixture
+def day() -> date:
+    """A whole day two days ahead (UTC): every booking in it lies safely in the future."""
+    return (timezone.now() + timedelta(days=2)).date()
+
+
+def at(d: date, hour: int, tz=UTC) -> datetime:
+    return datetime(d.year, d.month, d.day, hour, tzinfo=tz)
+
+
+def open_day(page: Page, live_server, d: date, *, pool: str = "h100") -> None:
+    page.goto(f"{live_server.url}/calendar/?view=timeGridDay&date={d.isoformat()}&pool={pool}")
+    page.wait_for_selector("#calendar[data-ready='1']")
+
+
+def drag(page: Page, d: date, start: str, end: str) -> None:
+    """Drag down the day column from the slot at start to the slot at end (both inclusive, HH:MM)."""
+    col = page.locator(f".fc-timegrid-col[data-date='{d.isoformat()}']").bounding_box()
+    top = page.locator(f"td.fc-timegrid-slot-lane[data-time='{start}:00']")
+    bottom = page.locator(f"td.fc-timegrid-slot-lane[data-time='{end}:00']")
+    top.scroll_into_view_if_needed()
+    a, b = top.bounding_box(), bottom.bounding_box()
+    x = col["x"] + col["width"] / 2
+    page.mouse.move(x, a["y"] + a["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(x, (a["y"] + b["y"]) / 2 + a["height"] / 2, steps=4)
+    page.mouse.move(x, b["y"] + b["height"] / 2, steps=4)
+    page.mouse.up()

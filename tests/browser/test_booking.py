@@ -1,0 +1,211 @@
+"""Booking in a real browser: drag-select, the htmx form, suggestions, drag/resize refusals."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+from playwright.sync_api import expect
+
+from reservations import services
+from reservations.models import Reservation
+
+from .conftest import at, drag, open_day
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+def test_drag_select_books_and_the_api_shows_it(world, live_server, new_page, sign_in, day):
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    drag(page, day, "10:00", "12:00")
+
+    form = page.locator("#booking-form")
+    expect(form).to_be_visible()
+    expect(page.get_by_label(re.compile("^Start"))).to_have_value(f"{day.isoformat()}T10:00")
+    expect(page.get_by_label(re.compile("^End"))).to_have_value(f"{day.isoformat()}T13:00")
+    page.get_by_label("Nodes").fill("2")
+    page.get_by_label("Name").fill("drag-booked run")
+    expect(page.locator("#booking-preview [data-field='billing']")).to_contain_text("Committed")
+    expect(page.locator("#booking-preview [data-field='free']")).to_contain_text("4 of 4")
+    page.get_by_role("button", name="Book", exact=True).click()
+
+    done = page.locator("#side-panel [data-reservation-id]")
+    expect(done).to_contain_text("Booked #")
+    pk = int(done.get_attribute("data-reservation-id"))
+    expect(page.locator(f".fc-event[data-reservation-id='{pk}']")).to_be_visible()
+
+    api = page.request.get(f"{live_server.url}/api/v1/reservations/{pk}/")
+    assert api.ok, api.text()
+    body = api.json()
+    assert body["start"] == f"{day.isoformat()}T10:00:00Z" and body["end"] == f"{day.isoformat()}T13:00:00Z"
+    assert body["node_count"] == 2 and body["name"] == "drag-booked run" and body["tenant"] == "alpha"
+    assert len(body["nodes"]) == 2 and body["billing"] == "committed"
+    assert page.errors == []
+
+
+def test_conflict_offers_suggestions_and_one_click_books_it(world, live_server, new_page, sign_in, day):
+    # beta holds every node from 10:00 to 14:00: alpha's 10:00-12:00 request cannot fit.
+    services.reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                                node_count=3, start=at(day, 10), end=at(day, 14), name="beta-wall")
+    services.reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                                node_count=1, start=at(day, 10), end=at(day, 14), name="beta-wall-2")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    drag(page, day, "10:00", "11:00")
+    expect(page.locator("#booking-preview [data-problem]")).to_contain_text("Only 0 of 4")
+    page.get_by_role("button", name="Book", exact=True).click()
+
+    expect(page.locator("#booking-error")).to_contain_text("Only 0 of 4")
+    suggestions = page.locator(".suggestions button")
+    expect(suggestions.first).to_be_visible()
+    starts = [suggestions.nth(i).get_attribute("data-start") for i in range(suggestions.count())]
+    assert f"{day.isoformat()}T14:00:00Z" in starts, starts  # the earliest fit after the wall
+    chosen = suggestions.filter(has_text="14:00")
+    chosen.click()
+
+    done = page.locator("#side-panel [data-reservation-id]")
+    expect(done).to_contain_text("Booked #")
+    booked = Reservation.objects.get(pk=int(done.get_attribute("data-reservation-id")))
+    assert (booked.start, booked.end) == (at(day, 14), at(day, 16))
+    assert booked.tenant == world.tenants["alpha"] and booked.node_count == 1
+    expect(page.locator(f".fc-event[data-reservation-id='{booked.pk}']")).to_be_visible()
+
+
+def _resize(page, pk: int, slots: int) -> None:
+    event = page.locator(f".fc-event[data-reservation-id='{pk}']")
+    event.hover()
+    handle = event.locator(".fc-event-resizer-end")
+    box = handle.bounding_box()
+    lane = page.locator("td.fc-timegrid-slot-lane").first.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x, y + lane["height"] * slots / 2, steps=4)
+    page.mouse.move(x, y + lane["height"] * slots, steps=4)
+    page.mouse.up()
+
+
+def test_drag_to_extend_into_a_conflict_is_refused_and_snaps_back(world, live_server, new_page, sign_in, day):
+    mine = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=2, start=at(day, 10), end=at(day, 12),
+                                       name="alpha-run")
+    # From 12:00 every node is taken by beta, so alpha cannot grow past 12:00.
+    services.reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                                node_count=3, start=at(day, 12), end=at(day, 15), name="beta-after")
+    services.reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                                node_count=1, start=at(day, 12), end=at(day, 15), name="beta-after-2")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    event = page.locator(f".fc-event[data-reservation-id='{mine.pk}']")
+    before = event.bounding_box()
+
+    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url) as answer:
+        _resize(page, mine.pk, 2)
+    assert answer.value.status == 409
+    assert answer.value.json()["code"] == "capacity_unavailable"
+    expect(page.locator("#calendar-status")).to_contain_text("Not changed")
+    expect(page.locator("#calendar-status")).to_have_attribute("data-kind", "error")
+    page.wait_for_timeout(200)
+    after = event.bounding_box()
+    assert abs(after["height"] - before["height"]) < 2, (before, after)  # snapped back
+    mine.refresh_from_db()
+    assert mine.end == at(day, 12)
+
+    # Shortening is allowed: the same gesture upwards goes through and sticks.
+    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url) as answer:
+        _resize(page, mine.pk, -1)
+    assert answer.value.status == 200, answer.value.text()
+    expect(page.locator("#calendar-status")).to_contain_text("shortened")
+    mine.refresh_from_db()
+    assert mine.end == at(day, 11)
+
+
+def test_drag_moves_a_booking_that_has_not_begun(world, live_server, new_page, sign_in, day):
+    mine = services.reservation_create(actor=world.users["alpha-member"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    page = sign_in(new_page(), "alpha-member")
+    open_day(page, live_server, day)
+    event = page.locator(f".fc-event[data-reservation-id='{mine.pk}']")
+    box = event.bounding_box()
+    lane = page.locator("td.fc-timegrid-slot-lane").first.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + 8
+    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url) as answer:
+        page.mouse.move(x, y)
+        page.mouse.down()
+        page.mouse.move(x, y + lane["height"], steps=4)
+        page.mouse.move(x, y + lane["height"] * 3, steps=4)
+        page.mouse.up()
+    assert answer.value.status == 200, answer.value.text()
+    mine.refresh_from_db()
+    assert (mine.start, mine.end) == (at(day, 13), at(day, 15))
+    expect(page.locator("#calendar-status")).to_contain_text("moved")
+    assert timedelta(hours=2) == mine.end - mine.start
+
+
+def test_cancel_asks_for_confirmation_first(world, live_server, new_page, sign_in, day):
+    mine = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12),
+                                       name="to-cancel")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    page.locator(f".fc-event[data-reservation-id='{mine.pk}']").click()
+    cancel = page.locator("#side-panel [data-cancel]")
+
+    page.once("dialog", lambda dialog: dialog.dismiss())
+    cancel.click()
+    page.wait_for_timeout(300)
+    mine.refresh_from_db()
+    assert mine.status == "confirmed"  # said no: nothing happened
+
+    messages = []
+
+    def accept(dialog):
+        messages.append(dialog.message)
+        dialog.accept()
+
+    page.once("dialog", accept)
+    cancel.click()
+    expect(page.locator("#side-panel .badge.st-cancelled")).to_be_visible()
+    assert "Cancel reservation" in messages[0] and "released immediately" in messages[0]
+    mine.refresh_from_db()
+    assert mine.status == "cancelled"
+    expect(page.locator(f".fc-event[data-reservation-id='{mine.pk}']")).to_have_count(0)
+
+
+def test_a_crowded_month_day_links_to_its_day_view(world, live_server, new_page, sign_in, day):
+    for hour in range(6):  # six one-node bookings on one day: four are shown, "+2 more" leads to the rest
+        services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                    pool=world.pool, node_count=1, start=at(day, 8 + 2 * hour),
+                                    end=at(day, 9 + 2 * hour), name=f"run-{hour}")
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=dayGridMonth&date={day.isoformat()}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    cell = page.locator(f".fc-daygrid-day[data-date='{day.isoformat()}']")
+    expect(cell.locator(".fc-event[data-reservation-id]")).to_have_count(4)
+    more = cell.locator(".fc-event.more-link")
+    expect(more).to_have_text("+2 more")
+    more.click()
+    page.wait_for_selector("#calendar[data-ready='1']")
+    expect(page.locator(".fc-timegrid-col .fc-event[data-reservation-id]")).to_have_count(6)
+
+
+def test_keyboard_only_booking_and_event_details(world, live_server, new_page, sign_in, day):
+    page = sign_in(new_page(), "alpha-member")
+    open_day(page, live_server, day)
+    page.get_by_role("button", name="New booking").focus()
+    page.keyboard.press("Enter")
+    start = page.get_by_label(re.compile("^Start"))
+    expect(start).to_be_visible()
+    start.fill(f"{day.isoformat()}T06:00")
+    page.get_by_label(re.compile("^End")).fill(f"{day.isoformat()}T08:00")
+    page.get_by_label("Name").fill("typed run")
+    page.get_by_label("Name").press("Enter")  # submits the form like any other
+    done = page.locator("#side-panel [data-reservation-id]")
+    expect(done).to_contain_text("Booked #")
+    pk = done.get_attribute("data-reservation-id")
+    event = page.locator(f".fc-event[data-reservation-id='{pk}']")
+    event.focus()  # events are links: reachable with Tab
+    page.keyboard.press("Enter")
+    expect(page.locator("#side-panel h2")).to_contain_text("typed run")

@@ -1,0 +1,134 @@
+"""Every page on the demo fleet at 1280×800 and at phone width: renders, no script errors, no sideways
+scrolling. With PORTAL_SCREENSHOTS_DIR set (e.g. docs/screenshots) the screenshots are kept there:
+
+    PORTAL_SCREENSHOTS_DIR=docs/screenshots .venv/bin/pytest tests/browser/test_pages.py
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+from playwright.sync_api import expect
+
+from reservations import services
+from reservations.models import Node, Pool, Reservation
+from tenants.models import Tenant
+
+from .conftest import DESKTOP, PHONE, at, drag
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+DEMO_PASSWORD = "demo-portal-2026"
+
+
+@pytest.fixture
+def shots(tmp_path) -> Path:
+    target = os.environ.get("PORTAL_SCREENSHOTS_DIR")
+    path = Path(target) if target else tmp_path
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _login(page, live_server, username):
+    page.goto(f"{live_server.url}/accounts/login/")
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill(DEMO_PASSWORD)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"{live_server.url}/")
+
+
+def _check(page, shots: Path, name: str):
+    page.wait_for_load_state("networkidle")
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"{name}: the page scrolls sideways by {overflow}px"
+    assert page.errors == [], page.errors
+    page.screenshot(path=str(shots / f"{name}.png"))
+
+
+def test_every_page_renders_on_desktop_and_phone(live_server, new_page, shots):
+    call_command("seed_demo", stdout=open(os.devnull, "w"))
+    Tenant.objects.filter(slug="research").update(ical_token="demo-feed-token-for-screenshots")
+    research, finetune = Tenant.objects.get(slug="research"), Tenant.objects.get(slug="finetune")
+    a100 = Pool.objects.get(name="a100-80gb")
+    far = (timezone.now() + timedelta(days=30)).date()
+    # A nearly full a100 pool on one far day: 15 of 16 nodes taken, so asking for 2 conflicts.
+    from django.contrib.auth import get_user_model
+
+    users = {u.username: u for u in get_user_model().objects.all()}
+    services.reservation_create(actor=users["finetune-lead"], tenant=finetune, pool=a100, node_count=12,
+                                start=at(far, 9), end=at(far, 13), name="finetune sweep")
+    services.reservation_create(actor=users["research-lead"], tenant=research, pool=a100, node_count=3,
+                                start=at(far, 9), end=at(far, 13), name="eval sweep")
+    example = Reservation.objects.filter(tenant=research).order_by("period").first()
+    # Maintenance and a failed node, so the fleet timeline shows every kind of row.
+    tomorrow = timezone.now().date() + timedelta(days=1)
+    h100_002 = Node.objects.get(hostname="h100-sxm-002")
+    if not h100_002.allocations.filter(active=True, period__overlap=(at(tomorrow, 2), at(tomorrow, 8))).exists():
+        services.maintenance_window_create(actor=users["admin"], node=h100_002, start=at(tomorrow, 2),
+                                           end=at(tomorrow, 8), note="firmware update")
+    services.node_update(actor=users["admin"], node=Node.objects.get(hostname="a100-80gb-016"), state="failed",
+                         reason="XID 79: GPU fell off the bus")
+
+    page = new_page(tz="Europe/Berlin", viewport=DESKTOP)
+    page.goto(f"{live_server.url}/accounts/login/")
+    _check(page, shots, "login")
+    _login(page, live_server, "research-lead")
+    _check(page, shots, "dashboard")
+    page.goto(f"{live_server.url}/calendar/?pool=h100-sxm")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    _check(page, shots, "calendar-week")
+    soon = (timezone.now() + timedelta(days=10)).date()
+    page.goto(f"{live_server.url}/calendar/?pool=h100-sxm&view=dayGridMonth&date={soon.isoformat()}")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    _check(page, shots, "calendar-month")
+    page.goto(f"{live_server.url}/calendar/?pool=a100-80gb&view=timeGridDay&date={far.isoformat()}")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    drag(page, far, "15:00", "17:00")
+    page.get_by_label("Nodes").fill("2")
+    page.get_by_label("Name").fill("ablation")
+    expect(page.locator("#booking-preview [data-field='billing']")).to_be_visible()
+    _check(page, shots, "booking-preview")
+    page.get_by_role("button", name="Close").click()
+    expect(page.locator("#booking-form")).to_have_count(0)
+    page.get_by_role("button", name="New booking").click()
+    expect(page.locator("#booking-form")).to_be_visible()
+    page.get_by_label("Start (Europe/Berlin)").fill(f"{far.isoformat()}T10:00")
+    page.get_by_label("End (Europe/Berlin)").fill(f"{far.isoformat()}T12:00")
+    page.get_by_label("Nodes").fill("2")
+    page.get_by_role("button", name="Book", exact=True).click()
+    expect(page.locator(".suggestions button").first).to_be_visible()
+    _check(page, shots, "booking-conflict-suggestions")
+    page.goto(f"{live_server.url}/reservations/{example.pk}/")
+    _check(page, shots, "reservation")
+    page.goto(f"{live_server.url}/availability/")
+    _check(page, shots, "availability-heatmap")
+    page.goto(f"{live_server.url}/account/")
+    _check(page, shots, "account")
+
+    staff = new_page(tz="Europe/Berlin", viewport=DESKTOP)
+    _login(staff, live_server, "admin")
+    staff.goto(f"{live_server.url}/fleet/?days=3")
+    expect(staff.locator(".bar[data-tenant='finetune']").first).to_be_attached()
+    expect(staff.locator(".fleet-row[data-node='a100-80gb-016'] .badge")).to_have_text("failed")
+    _check(staff, shots, "fleet-timeline")
+
+    phone = new_page(tz="Europe/Berlin", viewport=PHONE)
+    _login(phone, live_server, "research-lead")
+    _check(phone, shots, "phone-dashboard")
+    phone.goto(f"{live_server.url}/calendar/?pool=h100-sxm")
+    phone.wait_for_selector("#calendar[data-ready='1']")
+    _check(phone, shots, "phone-calendar")
+    phone.get_by_role("button", name="New booking").click()
+    expect(phone.locator("#booking-form")).to_be_visible()
+    phone.locator("#booking-form").scroll_into_view_if_needed()
+    expect(phone.locator("#booking-preview dl, #booking-preview p").first).to_be_visible()
+    _check(phone, shots, "phone-booking-form")
+    phone.goto(f"{live_server.url}/reservations/{example.pk}/")
+    _check(phone, shots, "phone-reservation")
+    phone.goto(f"{live_server.url}/availability/")
+    _check(phone, shots, "phone-availability-heatmap")

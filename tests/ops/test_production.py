@@ -1,0 +1,168 @@
+"""Production settings for real: they refuse to start without secrets, pass `check --deploy`, and a
+gunicorn started from gunicorn.conf.py with two workers serves the security headers, JSON logs
+with request ids, and one /metrics summed over both workers (Prometheus multiprocess mode)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from cryptography.fernet import Fernet
+from django.db import connection
+
+from .conftest import Scrape, promtool_check
+from .servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def production_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "PORTAL_FERNET_KEYS")}
+    env.update({
+        "DJANGO_SETTINGS_MODULE": "portal.settings.production",
+        "SECRET_KEY": secrets.token_urlsafe(50),
+        "PORTAL_FERNET_KEYS": Fernet.generate_key().decode(),
+        "ALLOWED_HOSTS": "portal.example.com,127.0.0.1,localhost",
+        "PYTHONPATH": str(ROOT),
+    })
+    env.update(extra)
+    return env
+
+
+def run(args, env, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("missing", ["SECRET_KEY", "PORTAL_FERNET_KEYS"])
+def test_production_refuses_to_start_without_its_secrets(missing):
+    env = production_env()
+    env[missing] = ""
+    result = run(["-c", "import django; django.setup()"], env)
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr and missing in result.stderr
+
+
+def test_production_passes_djangos_security_deploy_checks():
+    result = run(["manage.py", "check", "--deploy", "--tag", "security", "--fail-level", "WARNING"], production_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_production_settings_values():
+    code = (
+        "import json; from django.conf import settings as s; import django; django.setup();"
+        "print(json.dumps({'hsts': s.SECURE_HSTS_SECONDS, 'sub': s.SECURE_HSTS_INCLUDE_SUBDOMAINS,"
+        "'cookie': s.SESSION_COOKIE_SECURE, 'csrf': s.CSRF_COOKIE_SECURE, 'debug': s.DEBUG,"
+        "'storage': s.STORAGES['staticfiles']['BACKEND'], 'mw': s.MIDDLEWARE, 'apps': s.INSTALLED_APPS,"
+        "'csp': s.CONTENT_SECURITY_POLICY['DIRECTIVES']['default-src'],"
+        "'fmt': s.LOGGING['formatters']['json']['()'], 'token': s.PORTAL_METRICS_TOKEN}))"
+    )
+    token_file = Path(os.environ.get("TMPDIR", "/tmp")) / f"ops-token-{os.getpid()}"
+    token_file.write_text("from-a-docker-secret\n")
+    try:
+        result = run(["-c", code], production_env(PORTAL_METRICS_TOKEN_FILE=str(token_file)))
+    finally:
+        token_file.unlink()
+    assert result.returncode == 0, result.stderr
+    s = json.loads(result.stdout)
+    assert s["hsts"] >= 31536000 and s["sub"] and s["cookie"] and s["csrf"] and not s["debug"]
+    assert s["storage"] == "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    mw = s["mw"]
+    assert mw.count("portal.ops.logging.RequestIdMiddleware") == 1
+    assert mw.count("portal.ops.metrics.RequestMetricsMiddleware") == 1
+    # The request id exists before anything else can log.
+    assert mw.index("portal.ops.logging.RequestIdMiddleware") < mw.index(
+        "django.contrib.sessions.middleware.SessionMiddleware")
+    assert "whitenoise.middleware.WhiteNoiseMiddleware" in s["mw"] and "csp.middleware.CSPMiddleware" in s["mw"]
+    assert "portal.ops" in s["apps"]
+    assert s["csp"] == ["'self'"] and s["fmt"] == "portal.ops.logging.JsonFormatter"
+    assert s["token"] == "from-a-docker-secret"
+
+
+def _database_url() -> str:
+    d = connection.settings_dict
+    host = quote(d["HOST"] or "127.0.0.1", safe="")
+    auth = quote(d["USER"] or "postgres", safe="") + (f":{quote(d['PASSWORD'], safe='')}" if d["PASSWORD"] else "")
+    return f"postgres://{auth}@{host}:{d['PORT'] or 5432}/{d['NAME']}"
+
+
+def _get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+    try:
+        conn.request("GET", path, headers={"Host": "127.0.0.1", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.django_db
+def test_gunicorn_serves_production_with_summed_metrics(tmp_path, redis_server):
+    port = free_port()
+    token_file = tmp_path / "metrics_token"
+    token_file.write_text("scrape-me-" + secrets.token_hex(8))
+    env = production_env(
+        DATABASE_URL=_database_url(), REDIS_URL=redis_server.url, CELERY_BROKER_URL=redis_server.url,
+        PORT=str(port), WEB_CONCURRENCY="2", PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),
+        PORTAL_METRICS_TOKEN_FILE=str(token_file), PORTAL_METRICS_ALLOWED_NETWORKS="192.0.2.0/24",
+        GUNICORN_BIND=f"127.0.0.1:{port}",
+    )
+    log = tmp_path / "gunicorn.log"
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "portal.wsgi:application"],
+                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, _, _ = _get(port, "/healthz")
+                break
+            except OSError:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+        assert status == 200
+        for _ in range(7):  # new connection each: spread over both workers
+            assert _get(port, "/healthz")[0] == 200
+        # Plain HTTP to the site is redirected to HTTPS; probes are exempt (above).
+        status, headers, _ = _get(port, "/api/v1/pools/")
+        assert status == 301 and headers["location"].startswith("https://")
+        # Through the TLS proxy: security headers and a request id on every answer.
+        status, headers, _ = _get(port, "/api/v1/pools/", {"X-Forwarded-Proto": "https",
+                                                             "X-Request-ID": "probe-req-0001"})
+        assert status == 401
+        assert headers["strict-transport-security"].startswith("max-age=31536000")
+        assert "default-src 'self'" in headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in headers["content-security-policy"]
+        assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY"
+        assert headers["x-request-id"] == "probe-req-0001"
+        # /metrics: loopback is not an allowed network here, so only the token opens it.
+        assert _get(port, "/metrics")[0] == 401
+        assert _get(port, "/metrics", {"Authorization": "Bearer wrong"})[0] == 401
+        status, _, body = _get(port, "/metrics", {"Authorization": f"Bearer {token_file.read_text()}"})
+        assert status == 200, body[:500]
+        scrape = Scrape(body.decode())
+        # 8 probes, answered by two processes, summed into one counter.
+        assert scrape.value("portal_http_requests_total", method="GET", view="ops-healthz", status="200") == 8
+        assert scrape.value("portal_metrics_source_up", source="database") == 1
+        assert scrape.value("portal_metrics_source_up", source="broker") == 1
+        result = promtool_check(scrape.text)
+        assert result.returncode == 0, (result.stdout + result.stderr).decode()
+        pids = {p.name.split("_")[-1].split(".")[0] for p in (tmp_path / "prom").glob("*.db")}
+        assert len(pids) >= 2, f"expected files from both workers, got {sorted(pids)}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    access = [e for e in lines if e.get("logger") == "portal.request" and e.get("request_id") == "probe-req-0001"]
+    assert access and access[0]["http_status"] == 401, lines[-10:]
+    assert any(e["logger"] == "gunicorn.error" for e in lines)
+    assert all(set(e) >= {"ts", "level", "logger", "message"} for e in lines)

@@ -1,0 +1,172 @@
+"""The htmx booking form and its live preview; they call the booking service and never bypass it."""
+
+from __future__ import annotations
+
+import zoneinfo
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from portal.core.exceptions import QuotaExceeded
+from reservations import selectors, services
+from reservations.forms import parse_zoned
+from reservations.models import Reservation
+from tests.conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+def _data(world, t0, **over):
+    data = {"tenant": "alpha", "pool": "h100", "node_count": 1, "start": iso(t0), "end": iso(t0 + timedelta(hours=2)),
+            "name": "web run", "orchestrator": "kubernetes", "cuda_version": "12.6"}
+    data.update(over)
+    return data
+
+
+def test_form_is_prefilled_from_a_calendar_selection_in_the_users_zone(world, web, t0):
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Europe/Berlin"})
+    page = client.get("/reservations/new/", {"start": iso(t0), "end": iso(t0 + timedelta(hours=3)), "pool": "h100"},
+                      **HTMX).content.decode()
+    local = t0.astimezone(zoneinfo.ZoneInfo("Europe/Berlin"))
+    assert f'value="{local:%Y-%m-%dT%H:%M}"' in page
+    assert '<label for="id_start">Start <span class="muted">(Europe/Berlin)</span></label>' in page
+    assert "<html" not in page  # an htmx request gets the fragment only
+    assert "<html" in client.get("/reservations/new/").content.decode()  # a plain request gets the page
+
+
+def test_booking_through_the_form_uses_the_service(world, web, t0):
+    response = web("alpha-member").post("/reservations/new/", _data(world, t0), **HTMX)
+    assert response.status_code == 200
+    r = Reservation.objects.get(name="web run")
+    assert (r.tenant.slug, r.node_count, r.start, r.end) == ("alpha", 1, t0, t0 + timedelta(hours=2))
+    assert (r.orchestrator, r.cuda_version, r.created_by) == ("kubernetes", "12.6", world.users["alpha-member"])
+    assert f"Booked #{r.pk}" in response.content.decode()
+    assert "reservation-changed" in response["HX-Trigger"]
+    # Without htmx: post/redirect/get to the reservation page.
+    response = web("alpha-lead").post("/reservations/new/", _data(world, t0, name="plain"))
+    plain = Reservation.objects.get(name="plain")
+    assert response.status_code == 302 and response["Location"] == f"/reservations/{plain.pk}/"
+
+
+def test_local_wall_clock_input_is_converted_to_utc(world, web, t0):
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "America/New_York"})
+    ny = zoneinfo.ZoneInfo("America/New_York")
+    start_local = t0.astimezone(ny)
+    client.post("/reservations/new/", _data(world, t0, start=f"{start_local:%Y-%m-%dT%H:%M}",
+                                             end=f"{start_local + timedelta(hours=1):%Y-%m-%dT%H:%M}", name="ny"))
+    r = Reservation.objects.get(name="ny")
+    assert r.start == t0
+
+
+def test_conflict_shows_suggestions_that_each_book_their_window(world, web, book, t0):
+    book("beta-lead", t0, nodes=3, hours=4)
+    book("beta-member", t0, nodes=1, hours=4)
+    client = web("alpha-lead")
+    page = client.post("/reservations/new/", _data(world, t0, name="wanted"), **HTMX).content.decode()
+    assert "Only 0 of 4" in page and not Reservation.objects.filter(name="wanted").exists()
+    later = iso(t0 + timedelta(hours=4))
+    assert f'data-start="{later}"' in page and "Nearest windows with 1 free node" in page
+    # A suggestion button is its own form carrying every field; posting it books that window.
+    response = client.post("/reservations/new/", _data(world, t0, name="wanted", start=later,
+                                                       end=iso(t0 + timedelta(hours=6))), **HTMX)
+    assert "Booked #" in response.content.decode()
+    r = Reservation.objects.get(name="wanted")
+    assert (r.start, r.end) == (t0 + timedelta(hours=4), t0 + timedelta(hours=6))
+
+
+def test_service_refusals_are_shown_next_to_the_fields(world, web, t0):
+    client = web("alpha-lead")
+    page = client.post("/reservations/new/", _data(world, t0, start=iso(t0 + timedelta(minutes=30))),
+                       **HTMX).content.decode()
+    assert "slot grid" in page  # the service's InvalidInput, under the Start field
+    page = client.post("/reservations/new/", _data(world, t0, node_count=5), **HTMX).content.decode()
+    assert "only 4 nodes" in page
+    page = client.post("/reservations/new/", _data(world, t0, end=iso(t0 - timedelta(hours=1))),
+                       **HTMX).content.decode()
+    assert "Must be after the start." in page
+    assert Reservation.objects.count() == 0
+
+
+def test_quota_refusal_is_shown_and_nothing_is_stored(world, web, book, t0):
+    book("alpha-lead", t0, nodes=3, hours=2)
+    page = web("alpha-lead").post("/reservations/new/", _data(world, t0, node_count=2), **HTMX).content.decode()
+    assert "exceeds the limit of 4" in page
+    assert Reservation.objects.count() == 1
+
+
+def test_viewers_and_foreign_tenants_cannot_book(world, web, t0):
+    assert web("alpha-viewer").post("/reservations/new/", _data(world, t0)).status_code == 403
+    assert web("alpha-viewer").get("/reservations/new/").status_code == 403
+    assert web("alpha-viewer").post("/reservations/preview/", _data(world, t0)).status_code == 403
+    # alpha's lead naming beta in the hidden field: not one of their tenants, so not a valid choice.
+    page = web("alpha-lead").post("/reservations/new/", _data(world, t0, tenant="beta"), **HTMX).content.decode()
+    assert "Select a valid choice" in page
+    assert Reservation.objects.count() == 0
+
+
+def test_preview_shows_free_nodes_quota_billing_and_burst_cost(world, web, book, t0):
+    client = web("alpha-lead")
+    page = client.post("/reservations/preview/", _data(world, t0, node_count=2)).content.decode()
+    assert "4 of 4 available h100 nodes" in page and "2 of 3 guaranteed + 1 burst" in page
+    assert "Committed" in page and "Burst cost" not in page
+    book("alpha-member", t0, nodes=2, hours=2)
+    page = client.post("/reservations/preview/", _data(world, t0, node_count=2)).content.decode()
+    # 2 held + 2 asked = 4: one node above the guarantee of 3, for 2 h × 8 GPUs at 2.50.
+    assert "2 of 4 available" in page and "4 of 3 guaranteed + 1 burst" in page
+    assert "1 node above the guarantee" in page
+    assert "<strong>40.00</strong> = 16.00 GPU-hours × 2.50 per GPU-hour" in page
+    page = client.post("/reservations/preview/", _data(world, t0, node_count=3)).content.decode()
+    assert "Over quota" in page and "Only 2 of 4" in page
+    page = client.post("/reservations/preview/", _data(world, t0, start="", end="")).content.decode()
+    assert "Fill in pool, nodes, start and end" in page
+
+
+@pytest.mark.parametrize("held,asked,burst_enabled", [(0, 1, True), (2, 1, True), (3, 1, True), (3, 1, False),
+                                                      (2, 2, True), (0, 3, True)])
+def test_preview_billing_agrees_with_the_booking_service(world, book, t0, held, asked, burst_enabled):
+    alpha = world.tenants["alpha"]
+    alpha.burst_enabled = burst_enabled
+    alpha.save()
+    if held:
+        book("alpha-lead", t0, nodes=held)
+    preview = selectors.booking_preview(tenant=alpha, pool=world.pool, node_count=asked, start=t0,
+                                        end=t0 + timedelta(hours=2))
+    try:
+        r = services.reservation_create(actor=world.users["alpha-lead"], tenant=alpha, pool=world.pool,
+                                        node_count=asked, start=t0, end=t0 + timedelta(hours=2))
+    except QuotaExceeded:
+        assert preview.billing is None and any("Over quota" in p for p in preview.problems)
+    else:
+        assert preview.billing == r.billing and preview.ok
+        if r.billing == "burst":
+            assert preview.burst_cost == Decimal(preview.burst_part_nodes * 8 * 2) * Decimal("2.5")
+
+
+def test_zoned_parsing_refuses_times_a_dst_change_skips_or_repeats():
+    ny = zoneinfo.ZoneInfo("America/New_York")
+    assert parse_zoned("2027-03-14T01:00", ny) == datetime(2027, 3, 14, 6, tzinfo=UTC)
+    assert parse_zoned("2027-03-14T03:00", ny) == datetime(2027, 3, 14, 7, tzinfo=UTC)  # an hour later, real time
+    with pytest.raises(ValueError, match="skipped or repeated"):
+        parse_zoned("2027-03-14T02:30", ny)  # does not exist
+    with pytest.raises(ValueError, match="skipped or repeated"):
+        parse_zoned("2027-11-07T01:30", ny)  # happens twice
+    # With an offset there is no ambiguity at all.
+    assert parse_zoned("2027-11-07T01:30:00-05:00", ny) == datetime(2027, 11, 7, 6, 30, tzinfo=UTC)
+    assert parse_zoned("2027-11-07T06:30:00Z", ny) == datetime(2027, 11, 7, 6, 30, tzinfo=UTC)
+    with pytest.raises(ValueError):
+        parse_zoned("next tuesday", ny)
+
+
+def test_ambiguous_local_time_is_a_form_error_not_a_guess(world, web):
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "America/New_York"})
+    page = client.post("/reservations/new/", {
+        "tenant": "alpha", "pool": "h100", "node_count": 1, "start": "2027-11-07T01:30", "end": "2027-11-07T05:00",
+        "orchestrator": "slurm", "cuda_version": "12.8"}, **HTMX).content.decode()
+    assert "skipped or repeated in America/New_York" in page
+    assert Reservation.objects.count() == 0

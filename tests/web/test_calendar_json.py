@@ -1,0 +1,109 @@
+"""The calendar's JSON feeds: tenant scope, edit rights per role, and a constant number of queries."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from reservations import services
+from tests.conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+
+def _window(t0, days=3):
+    return {"start": iso(t0 - timedelta(days=1)), "end": iso(t0 + timedelta(days=days))}
+
+
+def test_events_are_the_current_tenants_only(world, web, book, t0):
+    mine = book("alpha-lead", t0, name="alpha-run")
+    theirs = book("beta-lead", t0, name="beta-secret")
+    events = web("alpha-member").get("/calendar/events.json", _window(t0)).json()
+    assert [e["id"] for e in events] == [str(mine.pk)]
+    assert "beta-secret" not in str(events)
+    assert events[0]["start"] == iso(mine.start) and events[0]["end"] == iso(mine.end)
+    staff_events = web("staff").get("/calendar/events.json", _window(t0)).json()
+    assert [e["id"] for e in staff_events] == [str(mine.pk)]  # staff see the tenant they are working as
+    assert str(theirs.pk) not in [e["id"] for e in staff_events]
+
+
+def test_edit_rights_follow_the_role(world, web, book, t0):
+    leads = book("alpha-lead", t0)
+    members = book("alpha-member", t0 + timedelta(hours=3))
+
+    def flags(who):
+        return {e["id"]: (e.get("editable", False), e.get("startEditable", False), e.get("durationEditable", False))
+                for e in web(who).get("/calendar/events.json", _window(t0)).json()}
+
+    assert flags("alpha-lead") == {str(leads.pk): (True, True, True), str(members.pk): (True, True, True)}
+    assert flags("alpha-member") == {str(leads.pk): (False, False, False), str(members.pk): (True, True, True)}
+    assert flags("alpha-viewer") == {str(leads.pk): (False, False, False), str(members.pk): (False, False, False)}
+
+
+def test_cancelled_bookings_leave_the_calendar(world, web, book, t0):
+    gone = book("alpha-lead", t0)
+    services.reservation_cancel(actor=world.users["alpha-lead"], reservation=gone)
+    assert web("alpha-lead").get("/calendar/events.json", _window(t0)).json() == []
+
+
+def test_bad_windows_get_the_error_envelope(world, web):
+    client = web("alpha-lead")
+    body = client.get("/calendar/events.json", {"start": "yesterday", "end": "2030-01-01T00:00:00Z"}).json()
+    assert body["code"] == "invalid" and "start" in body["fields"]
+    body = client.get("/calendar/events.json", {"start": "2030-01-01T00:00:00Z", "end": "2030-06-01T00:00:00Z"})
+    assert body.status_code == 400 and "end" in body.json()["fields"]
+    body = client.get("/calendar/availability.json", {"start": "2030-01-01T00:00:00Z", "end": "2030-01-02T00:00Z"})
+    assert body.status_code == 400 and "pool" in body.json()["fields"]
+
+
+def test_naive_window_bounds_are_read_in_the_users_zone(world, web, book, t0):
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Asia/Tokyo"})  # UTC+9, no DST
+    r = book("alpha-lead", t0, hours=1)
+    local = (t0 + timedelta(hours=9)).replace(tzinfo=None)
+    hit = client.get("/calendar/events.json", {"start": local.isoformat(), "end": (local + timedelta(hours=1))
+                                               .isoformat()}).json()
+    miss = client.get("/calendar/events.json", {"start": t0.replace(tzinfo=None).isoformat(),
+                                                "end": (t0 + timedelta(hours=1)).replace(tzinfo=None).isoformat()})
+    assert [e["id"] for e in hit] == [str(r.pk)] and miss.json() == []
+
+
+def test_events_feed_uses_a_constant_number_of_queries(world, web, book, t0, django_assert_max_num_queries):
+    client = web("alpha-lead")
+    book("alpha-lead", t0)
+    params = {**_window(t0, days=40), "pool": "h100"}
+    with django_assert_max_num_queries(6) as one:
+        assert len(client.get("/calendar/events.json", params).json()) == 1
+    for i in range(1, 40):  # sequential one-node bookings: 40 events in the window
+        book("alpha-lead" if i % 2 else "alpha-member", t0 + timedelta(hours=2 * i), hours=2)
+    with django_assert_max_num_queries(6) as many:
+        assert len(client.get("/calendar/events.json", params).json()) == 40
+    assert len(many.captured_queries) == len(one.captured_queries)
+
+
+def test_availability_feed_uses_a_constant_number_of_queries(world, web, book, t0, django_assert_max_num_queries):
+    client = web("alpha-viewer")
+    book("alpha-lead", t0)
+    for granularity in ("slot", "day"):
+        params = {**_window(t0, days=20), "pool": "h100", "granularity": granularity}
+        with django_assert_max_num_queries(6) as one:
+            client.get("/calendar/availability.json", params)
+        for i in range(1, 30):
+            book("beta-lead" if i % 2 else "alpha-lead", t0 + timedelta(days=i // 2, hours=(i % 2) * 3 + 100))
+        with django_assert_max_num_queries(6) as many:
+            body = client.get("/calendar/availability.json", params).json()
+        assert len(many.captured_queries) == len(one.captured_queries)
+        assert all(e["display"] == "background" and set(e["extendedProps"]) == {"free", "total", "availability"}
+                   for e in body)
+
+
+def test_availability_shading_matches_the_selector(world, web, book, t0):
+    book("beta-lead", t0, nodes=3, hours=2)
+    body = web("alpha-lead").get("/calendar/availability.json",
+                                 {"pool": "h100", "start": iso(t0), "end": iso(t0 + timedelta(hours=4))}).json()
+    assert [(e["start"], e["end"], e["extendedProps"]["free"]) for e in body] == [
+        (iso(t0), iso(t0 + timedelta(hours=2)), 1),
+        (iso(t0 + timedelta(hours=2)), iso(t0 + timedelta(hours=4)), 4),
+    ]
+    assert "beta" not in str(body)

@@ -1,0 +1,140 @@
+"""The 14-day heatmap, the staff fleet timeline and the per-tenant iCalendar feed."""
+
+from __future__ import annotations
+
+import zoneinfo
+from datetime import UTC, date, datetime, timedelta
+
+import pytest
+from django.utils import timezone
+from icalendar import Calendar
+
+from reservations import services
+from reservations.forms import FleetWindowForm
+from reservations.selectors import Slot
+from reservations.views import heatmap_rows
+from tests.conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+NY = zoneinfo.ZoneInfo("America/New_York")
+
+
+def test_heatmap_covers_every_pool_for_14_days_and_polls(world, web, book, t0):
+    book("beta-lead", t0, nodes=3)
+    page = web("alpha-viewer").get("/availability/").content.decode()
+    assert 'data-pool="h100"' in page and "4 available nodes" in page
+    assert page.count("<th scope=\"row\">") == 14
+    assert 'hx-get="/availability/grid/?refresh=30"' in page and 'hx-trigger="every 30s"' in page
+    assert 'data-free="1"' in page  # beta's 3 nodes are busy in some hour: aggregated, not attributed
+    assert "beta" not in page.split("<main")[1]
+    grid = web("alpha-viewer").get("/availability/grid/", HTTP_HX_REQUEST="true").content.decode()
+    assert grid.startswith('<div id="heatmap"') and "<html" not in grid
+
+
+def _slots(start_local: datetime, hours: int) -> list[Slot]:
+    start = start_local.astimezone(UTC)
+    return [Slot(start=start + timedelta(hours=i), end=start + timedelta(hours=i + 1), free_nodes=i % 5)
+            for i in range(hours)]
+
+
+def test_heatmap_rows_are_dst_safe():
+    now = datetime(2000, 1, 1, tzinfo=UTC)
+    # Spring forward: 2027-03-14 has 23 hours in New York; 02:00 does not exist.
+    spring = date(2027, 3, 14)
+    rows = heatmap_rows(slots=_slots(datetime(2027, 3, 14, tzinfo=NY), 23), tz=NY, first_day=spring, days=1,
+                        now=now, total=4)
+    cells = rows[0]["cells"]
+    assert len(cells) == 24 and cells[2] is None and all(c is not None for i, c in enumerate(cells) if i != 2)
+    assert cells[3]["start"] == datetime(2027, 3, 14, 7, tzinfo=UTC)  # 03:00 EDT
+    # Fall back: 2027-11-07 has 25 hours; 01:00 happens twice and shows the lower count of the two.
+    fall = date(2027, 11, 7)
+    rows = heatmap_rows(slots=_slots(datetime(2027, 11, 7, tzinfo=NY), 25), tz=NY, first_day=fall, days=1,
+                        now=now, total=4)
+    cells = rows[0]["cells"]
+    assert all(c is not None for c in cells)
+    assert cells[1]["twice"] and cells[1]["free"] == min(1, 2)
+    assert cells[23]["free"] == 24 % 5
+
+
+def test_fleet_window_is_whole_local_days_even_across_dst():
+    with timezone.override(NY):
+        lo, hi = FleetWindowForm({"start": "2027-03-14", "days": "1"}).window()
+        assert (lo, hi - lo) == (datetime(2027, 3, 14, 5, tzinfo=UTC), timedelta(hours=23))
+        lo, hi = FleetWindowForm({"start": "2027-11-07", "days": "1"}).window()
+        assert hi - lo == timedelta(hours=25)
+
+
+def test_fleet_timeline_shows_nodes_reservations_maintenance_and_state(world, web, book, t0):
+    book("alpha-lead", t0, name="alpha-run")
+    book("beta-lead", t0, name="beta-run")
+    node = world.nodes[3]
+    services.maintenance_window_create(actor=world.users["staff"], node=node, start=t0 + timedelta(hours=5),
+                                       end=t0 + timedelta(hours=7), note="bios")
+    services.node_update(actor=world.users["staff"], node=world.nodes[2], state="failed", reason="xid 79")
+    page = web("staff").get("/fleet/", {"start": t0.date().isoformat(), "days": 3}).content.decode()
+    for n in world.nodes:
+        assert f'data-node="{n.hostname}"' in page
+    assert 'data-tenant="alpha"' in page and 'data-tenant="beta"' in page  # staff see tenant names
+    assert "alpha · alpha-run" in page and "maintenance: bios" in page
+    assert 'class="fleet-row state-failed"' in page
+    assert web("alpha-lead").get("/fleet/").status_code == 403
+
+
+def _feed(client, tenant):
+    return client.get(f"/ical/{tenant.slug}/{tenant.ical_token}.ics")
+
+
+def test_ical_feed_parses_has_stable_uids_and_only_the_tenants_events(world, client, book, t0):
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-feed-secret-0123456789"
+    alpha.save()
+    first = book("alpha-lead", t0, nodes=2, name="pretrain, phase; 1")
+    second = book("alpha-member", t0 + timedelta(hours=3))
+    book("beta-lead", t0, name="beta-secret")
+
+    response = _feed(client, alpha)  # no session: the token is the credential
+    assert response.status_code == 200 and response["Content-Type"] == "text/calendar; charset=utf-8"
+    assert b"beta-secret" not in response.content
+    cal = Calendar.from_ical(response.content)
+    events = {str(e["UID"]): e for e in cal.walk("VEVENT")}
+    assert set(events) == {f"reservation-{first.pk}@gpu-portal", f"reservation-{second.pk}@gpu-portal"}
+    ev = events[f"reservation-{first.pk}@gpu-portal"]
+    assert ev.decoded("DTSTART") == t0 and ev.decoded("DTEND") == t0 + timedelta(hours=2)
+    assert str(ev["SUMMARY"]).startswith("pretrain, phase; 1")
+    assert "Nodes: h100-" in str(ev["DESCRIPTION"]) and str(ev["STATUS"]) == "CONFIRMED"
+    assert b"\r\n" in response.content  # RFC 5545 line endings
+
+    # Extending keeps the UID and raises SEQUENCE; cancelling marks the same event cancelled.
+    seq_before = int(ev["SEQUENCE"])
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=first, end=t0 + timedelta(hours=3))
+    services.reservation_cancel(actor=world.users["alpha-member"], reservation=second)
+    events = {str(e["UID"]): e for e in Calendar.from_ical(_feed(client, alpha).content).walk("VEVENT")}
+    ev = events[f"reservation-{first.pk}@gpu-portal"]
+    assert ev.decoded("DTEND") == t0 + timedelta(hours=3) and int(ev["SEQUENCE"]) >= seq_before
+    assert str(events[f"reservation-{second.pk}@gpu-portal"]["STATUS"]) == "CANCELLED"
+
+
+def test_ical_feed_refuses_wrong_or_missing_tokens(world, client, book, t0):
+    alpha, beta = world.tenants["alpha"], world.tenants["beta"]
+    assert client.get("/ical/alpha/anything.ics").status_code == 404  # no token issued: no feed
+    alpha.ical_token, beta.ical_token = "alpha-token-aaaaaaaaaaaa", "beta-token-bbbbbbbbbbbbb"
+    alpha.save()
+    beta.save()
+    assert client.get("/ical/alpha/alpha-token-aaaaaaaaaaab.ics").status_code == 404
+    assert client.get("/ical/alpha/beta-token-bbbbbbbbbbbbb.ics").status_code == 404  # beta's token, alpha's slug
+    assert client.get("/ical/alpha/alpha-token-aaaaaaaaaaaa.ics").status_code == 200
+
+
+def test_dashboard_offers_the_feed_address(world, web):
+    alpha = world.tenants["alpha"]
+    assert b"No calendar feed" in web("alpha-lead").get("/").content
+    alpha.ical_token = "alpha-token-aaaaaaaaaaaa"
+    alpha.save()
+    assert b"/ical/alpha/alpha-token-aaaaaaaaaaaa.ics" in web("alpha-viewer").get("/").content
+
+
+def test_event_times_are_sent_in_utc(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    events = web("alpha-lead").get("/calendar/events.json", {"start": iso(t0), "end": iso(r.end)}).json()
+    assert events[0]["start"].endswith("Z") and events[0]["start"] == iso(t0)

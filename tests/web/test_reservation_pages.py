@@ -1,0 +1,113 @@
+"""The reservation page, the calendar's side panel, extend and cancel (with confirmation)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from tests.conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+def test_page_shows_nodes_timeline_and_the_cluster_block(world, web, book, t0):
+    r = book("alpha-lead", t0, nodes=2, name="pretrain")
+    page = web("alpha-viewer").get(f"/reservations/{r.pk}/").content.decode()
+    for hostname in r.allocations.values_list("node__hostname", flat=True):
+        assert hostname in page
+    assert "Status timeline" in page and "create" in page and "by alpha-lead" in page
+    assert 'aria-current="step">confirmed' in page
+    assert 'data-placeholder="cluster-phases"' in page and 'data-placeholder="credentials"' in page
+    assert 'data-placeholder="health"' in page
+    assert "16 GPUs" in page
+
+
+def test_other_tenants_reservations_are_404_everywhere(world, web, book, t0):
+    r = book("beta-lead", t0, name="beta-secret")
+    client = web("alpha-lead")
+    for url in (f"/reservations/{r.pk}/", f"/reservations/{r.pk}/panel/", f"/reservations/{r.pk}/cancel/"):
+        response = client.get(url)
+        assert response.status_code == 404 and b"beta-secret" not in response.content
+    assert client.post(f"/reservations/{r.pk}/cancel/").status_code == 404
+    assert client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=1))}).status_code == 404
+    r.refresh_from_db()
+    assert r.status == "confirmed"
+
+
+def test_controls_follow_the_role(world, web, book, t0):
+    leads = book("alpha-lead", t0)
+    assert b"Cancel reservation" in web("alpha-lead").get(f"/reservations/{leads.pk}/").content
+    assert b"Cancel reservation" not in web("alpha-member").get(f"/reservations/{leads.pk}/").content
+    assert b"Cancel reservation" not in web("alpha-viewer").get(f"/reservations/{leads.pk}/").content
+    members = book("alpha-member", t0 + timedelta(hours=4))
+    assert b"Cancel reservation" in web("alpha-member").get(f"/reservations/{members.pk}/").content
+
+
+def test_extend_goes_through_the_service(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    response = client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=4))})
+    assert response.status_code == 302
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=6)
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    assert "now ends" in page and "end " in page  # the message, and the change in the timeline
+
+
+def test_extend_into_a_conflict_is_refused_with_the_reason(world, web, book, t0):
+    r = book("alpha-lead", t0, nodes=2)
+    book("beta-lead", r.end, nodes=3)
+    book("beta-member", r.end, nodes=1)
+    client = web("alpha-lead")
+    client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=1))})
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    assert "Not changed:" in page
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=2)
+
+
+def test_member_cannot_cancel_a_leads_booking_even_by_posting(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    client = web("alpha-member")
+    client.post(f"/reservations/{r.pk}/cancel/")
+    assert "Not cancelled" in client.get(f"/reservations/{r.pk}/").content.decode()
+    r.refresh_from_db()
+    assert r.status == "confirmed"
+
+
+def test_cancel_asks_first_then_frees_the_nodes(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    confirm = client.get(f"/reservations/{r.pk}/cancel/").content.decode()
+    assert "Cancel reservation #" in confirm and "Yes, cancel it" in confirm
+    r.refresh_from_db()
+    assert r.status == "confirmed"  # asking changed nothing
+    response = client.post(f"/reservations/{r.pk}/cancel/", **HTMX)
+    assert response.status_code == 200 and "reservation-changed" in response["HX-Trigger"]
+    assert 'badge st-cancelled' in response.content.decode()
+    r.refresh_from_db()
+    assert r.status == "cancelled" and not r.allocations.filter(active=True).exists()
+
+
+def test_dashboard_shows_upcoming_quota_meters_and_activity(world, web, book, t0):
+    r = book("alpha-lead", t0, nodes=2, name="visible-run")
+    book("beta-lead", t0, name="beta-secret")
+    page = web("alpha-viewer").get("/").content.decode()
+    assert "visible-run" in page and "beta-secret" not in page
+    assert f'data-reservation-id="{r.pk}"' in page
+    assert 'aria-valuenow="2"' in page  # peak over the next 14 days: the 2-node booking
+    assert 'aria-valuemax="4"' in page  # 3 guaranteed + 1 burst
+    assert "reservation.create" in page
+
+
+def test_pages_work_for_a_user_without_tenants(world, django_user_model, client):
+    loner = django_user_model.objects.create_user(username="loner", password="pw-Long-enough-1")
+    client.force_login(loner)
+    assert b"not a member of any tenant" in client.get("/").content
+    assert client.get("/calendar/").status_code == 200
+    assert client.get("/calendar/events.json", {"start": "2030-01-01T00:00:00Z",
+                                                "end": "2030-01-02T00:00:00Z"}).json() == []
+    assert client.get("/reservations/new/").status_code == 403
