@@ -25,6 +25,7 @@ __all__ = [
     "quota_create",
     "quota_update",
     "token_issue",
+    "tenant_rotate_ical_token",
 ]
 
 TENANT_FIELDS = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
@@ -247,4 +248,16 @@ def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
     tenant.save(update_fields=["slack_webhook_url"])
     audit_record(actor=actor, action="tenant.slack_webhook", obj=tenant, tenant_id=tenant.pk,
                  before=before, after={"slack_webhook_url": mask(url, keep=6)})
+    return tenant
+
+
+def tenant_rotate_ical_token(*, actor: Any, tenant: Tenant) -> Tenant:
+    """Issue a new secret for the tenant's iCalendar feed; the old feed address stops working."""
+    with transaction.atomic(durable=True):
+        tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
+        had_feed = bool(tenant.ical_token)
+        tenant.ical_token = secrets.token_urlsafe(24)
+        tenant.save(update_fields=["ical_token"])
+        audit_record(actor=actor, action="tenant.ical_token_rotate", obj=tenant, tenant_id=tenant.pk,
+                     before={"feed": "set" if had_feed else "none"}, after={"feed": "set"})
     return tenant

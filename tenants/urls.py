@@ -8,4 +8,5 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("account/", views.account, name="account"),
     path("tenant/switch/", views.tenant_switch, name="tenant-switch"),
+    path("tenant/calendar-feed/rotate/", views.ical_token_rotate, name="ical-token-rotate"),
 ]

@@ -24,6 +24,7 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
+from . import services
 from .choices import BOOKING_ROLES, Role
 from .forms import LockoutAuthenticationForm, TenantSwitchForm, TimeZoneForm, valid_time_zone
 from .models import Membership, Tenant
@@ -184,3 +185,15 @@ def account(request):
     else:
         form = TimeZoneForm(initial={"tz": request.portal.tz_name})
     return render_page(request, "tenants/account.html", {"form": form, "now": timezone.now()})
+
+
+@require_POST
+@portal_view
+def ical_token_rotate(request):
+    """Give the current tenant a new calendar-feed address (leads and staff)."""
+    portal = request.portal
+    if portal.tenant is None or not portal.is_lead:
+        raise PermissionDenied("Only the tenant's lead can change the calendar feed address.")
+    services.tenant_rotate_ical_token(actor=request.user, tenant=portal.tenant)
+    messages.success(request, "New calendar feed address issued; the old one no longer works.")
+    return HttpResponseRedirect(_safe_next(request, settings.LOGIN_REDIRECT_URL))

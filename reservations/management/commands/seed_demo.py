@@ -1,6 +1,7 @@
 """Create the demo fleet, tenants, users, quotas and two weeks of bookings. Safe to run again."""
 
 import random
+import secrets
 from datetime import timedelta
 
 from django.contrib.auth import get_user_model
@@ -60,7 +61,8 @@ class Command(BaseCommand):
                 admin.save()
             for slug, tname, burst, vlan, cidr, quotas in TENANTS:
                 tenant, _ = Tenant.objects.get_or_create(slug=slug, defaults={
-                    "name": tname, "burst_enabled": burst, "vlan_id": vlan, "cidr": cidr})
+                    "name": tname, "burst_enabled": burst, "vlan_id": vlan, "cidr": cidr,
+                    "ical_token": secrets.token_urlsafe(24)})
                 for role in ("lead", "member", "viewer"):
                     user, created = User.objects.get_or_create(username=f"{slug}-{role}",
                                                                defaults={"email": f"{slug}-{role}@example.com"})
