@@ -20,6 +20,8 @@ QUEUES = os.environ.get("PORTAL_WORKER_QUEUES", "default,provisioning,health,not
 def main() -> int:
     os.chdir(ROOT)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.dev")
+    # The demo fleet does not exist: its GPU checks run against the fake NVML, five nodes faulty.
+    os.environ.setdefault("PORTAL_FAKE_NVML", "@provisioning/health/simulated/demo_fleet.json")
     subprocess.run([PY, "bin/devservices.py", "up"], check=True)
     subprocess.run([PY, "manage.py", "migrate", "--no-input", "-v", "0"], check=True)
     subprocess.run([PY, "manage.py", "seed_demo"], check=True)

@@ -119,3 +119,6 @@ LOGGING = {
 
 ADMINS = [("Platform team", a) for a in env.list("ADMIN_EMAILS", default=[])]
 SERVER_EMAIL = env("SERVER_EMAIL", default="portal@localhost")
+
+# Clusters are handed over only when their nodes pass the medium GPU checks (provisioning/health).
+PORTAL_ACCEPTANCE_GATE = env("PORTAL_ACCEPTANCE_GATE", default="provisioning.health.services.health_acceptance_gate")

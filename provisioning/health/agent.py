@@ -197,6 +197,7 @@ def run_checks(
     nvml_timeout_s: float = 20.0,
     tool_timeouts: Mapping[str, float] | None = None,
     ib_device: str | None = None,
+    tool_runner: tools.ToolRunner | None = None,
 ) -> dict[str, Any]:
     """Run one level of health checks on this node and return the report (see report.schema.json).
 
@@ -208,6 +209,8 @@ def run_checks(
     - ``kernel_log``: a callable returning kernel-log lines (default: the fake's log, else dmesg).
     - ``expect_idle``: processes on a GPU fail the check (before hand-over); pass False while a
       tenant's jobs run.
+    - ``tool_runner``: runs the medium/full tools (default: ``tools.run_tool``, the binaries on
+      PATH); the simulated fleet passes canned outputs.
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
@@ -357,7 +360,9 @@ def run_checks(
 
     # Medium and full levels: active tests, only on a node whose NVML works and whose GPUs are idle.
     if level != "quick":
-        for part in _active_parts(level, nvml_ok, gpus, hostname, peers, profile, gpu_count, timeouts, ib_device):
+        for part in _active_parts(
+            level, nvml_ok, gpus, hostname, peers, profile, gpu_count, timeouts, ib_device, tool_runner
+        ):
             node_checks.append(part.check)
             for index, extra in part.gpu_checks.items():
                 if 0 <= index < len(gpus):
@@ -424,6 +429,7 @@ def _active_parts(
     gpu_count: int | None,
     timeouts: Mapping[str, float],
     ib_device: str | None,
+    runner: tools.ToolRunner | None = None,
 ) -> list[tools.PartResult]:
     """Run (or explain why not) the medium/full parts, in order."""
     parts = ["dcgm_diag", "nvbandwidth", "nccl_all_reduce"]
@@ -431,21 +437,32 @@ def _active_parts(
         parts += ["ib_write_bw", "nccl_multi_node"]
     if not nvml_ok:
         return [tools.skipped(p, "not run: NVML unavailable") for p in parts]
-    busy = [g.index for g in gpus for c in g.checks if c.name == "compute_processes" and c.status is Status.FAIL]
+    # Any process counts, expected or not: a tenant's job on a GPU must never share it with DCGM.
+    busy = [
+        g.index
+        for g in gpus
+        for c in g.checks
+        if c.name == "compute_processes" and (c.status is Status.FAIL or c.value)
+    ]
     if busy:
         # Active tests consume the GPUs (DD) and would disturb, and be disturbed by, those processes.
         return [tools.skipped(p, f"not run: processes on GPU(s) {busy}") for p in parts]
     results = [
-        tools.dcgm_diag(3 if level == "full" else 2, timeouts["dcgm_diag"]),
-        tools.nvbandwidth(profile, timeouts["nvbandwidth"]),
-        tools.nccl_single_node(gpu_count or 0, profile, timeouts["nccl_all_reduce"]),
+        tools.dcgm_diag(3 if level == "full" else 2, timeouts["dcgm_diag"], runner),
+        tools.nvbandwidth(profile, timeouts["nvbandwidth"], runner),
+        tools.nccl_single_node(gpu_count or 0, profile, timeouts["nccl_all_reduce"], runner),
     ]
     if level == "full":
         if peers:
-            results.append(tools.ib_write_bw_pairs(peers, profile, timeouts["ib_write_bw"], ib_device))
+            results.append(tools.ib_write_bw_pairs(peers, profile, timeouts["ib_write_bw"], ib_device, runner))
             results.append(
                 tools.nccl_multi_node(
-                    hostname, peers, gpu_count or profile.gpus_per_node or 1, profile, timeouts["nccl_multi_node"]
+                    hostname,
+                    peers,
+                    gpu_count or profile.gpus_per_node or 1,
+                    profile,
+                    timeouts["nccl_multi_node"],
+                    runner,
                 )
             )
         else:

@@ -12,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,10 @@ def run_tool(argv: Sequence[str], timeout_s: float, requires: Sequence[str] = ()
         run.stdout, run.stderr = _decode(out), _decode(err)
     run.duration_s = round(time.monotonic() - started, 3)
     return run
+
+
+# run_tool's signature: (argv, timeout_s, requires=()) -> ToolRun. The simulated fleet passes its own.
+ToolRunner = Callable[..., ToolRun]
 
 
 def _decode(data: Any) -> str:
@@ -310,14 +314,21 @@ def judge_nccl(part: str, run: ToolRun, floor: float | None, timeout_s: float) -
     return PartResult(part, CheckResult(part, Status.PASS, value, floor, f"busbw {busbw:.1f} GB/s"), True)
 
 
-def nccl_single_node(gpus: int, thresholds: GpuModelThresholds, timeout_s: float) -> PartResult:
+def nccl_single_node(
+    gpus: int, thresholds: GpuModelThresholds, timeout_s: float, runner: ToolRunner | None = None
+) -> PartResult:
     """Run all_reduce_perf across this node's GPUs in one process and judge it."""
-    run = run_tool(["all_reduce_perf", *NCCL_ARGS, "-g", str(max(gpus, 1))], timeout_s)
+    run = (runner or run_tool)(["all_reduce_perf", *NCCL_ARGS, "-g", str(max(gpus, 1))], timeout_s)
     return judge_nccl("nccl_all_reduce", run, thresholds.nccl_busbw_min_gbps, timeout_s)
 
 
 def nccl_multi_node(
-    hostname: str, peers: Sequence[str], gpus_per_node: int, thresholds: GpuModelThresholds, timeout_s: float
+    hostname: str,
+    peers: Sequence[str],
+    gpus_per_node: int,
+    thresholds: GpuModelThresholds,
+    timeout_s: float,
+    runner: ToolRunner | None = None,
 ) -> PartResult:
     """Run all_reduce_perf over this node and its peers with mpirun, one rank per GPU."""
     hosts = [hostname, *peers]
@@ -332,7 +343,7 @@ def nccl_multi_node(
         "-g",
         "1",
     ]
-    run = run_tool(argv, timeout_s, requires=("all_reduce_perf",))
+    run = (runner or run_tool)(argv, timeout_s, requires=("all_reduce_perf",))
     return judge_nccl("nccl_multi_node", run, thresholds.nccl_multinode_busbw_min_gbps, timeout_s)
 
 
@@ -340,7 +351,11 @@ def nccl_multi_node(
 
 
 def ib_write_bw_pairs(
-    peers: Sequence[str], thresholds: GpuModelThresholds, timeout_s: float, device: str | None = None
+    peers: Sequence[str],
+    thresholds: GpuModelThresholds,
+    timeout_s: float,
+    device: str | None = None,
+    runner: ToolRunner | None = None,
 ) -> PartResult:
     """Measure RDMA write bandwidth to each peer (its ib_write_bw server must be listening) (AZ)."""
     part = "ib_write_bw"
@@ -350,7 +365,7 @@ def ib_write_bw_pairs(
     ran = False
     for peer in peers:
         argv = ["ib_write_bw", *IB_WRITE_BW_ARGS, *(["-d", device] if device else []), peer]
-        run = run_tool(argv, timeout_s)
+        run = (runner or run_tool)(argv, timeout_s)
         not_run = _not_run(part, run, timeout_s)
         if not_run:
             if run.missing:
@@ -393,12 +408,12 @@ def ib_write_bw_pairs(
 # --- DCGM + nvbandwidth runners ------------------------------------------------------------------
 
 
-def dcgm_diag(level: int, timeout_s: float) -> PartResult:
+def dcgm_diag(level: int, timeout_s: float, runner: ToolRunner | None = None) -> PartResult:
     """Run `dcgmi diag -r LEVEL --json` and judge it."""
-    return judge_dcgm_diag(run_tool(["dcgmi", "diag", "-r", str(level), "--json"], timeout_s), timeout_s)
+    return judge_dcgm_diag((runner or run_tool)(["dcgmi", "diag", "-r", str(level), "--json"], timeout_s), timeout_s)
 
 
-def nvbandwidth(thresholds: GpuModelThresholds, timeout_s: float) -> PartResult:
+def nvbandwidth(thresholds: GpuModelThresholds, timeout_s: float, runner: ToolRunner | None = None) -> PartResult:
     """Run nvbandwidth's copy-engine tests and judge them."""
-    run = run_tool(["nvbandwidth", "-t", *NVBANDWIDTH_TESTS], timeout_s)
+    run = (runner or run_tool)(["nvbandwidth", "-t", *NVBANDWIDTH_TESTS], timeout_s)
     return judge_nvbandwidth(run, thresholds, timeout_s)

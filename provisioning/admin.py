@@ -1,0 +1,97 @@
+"""Staff views of clusters: phases, artefacts (never a secret), retry and teardown actions."""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+
+from portal.core.exceptions import DomainError
+
+from . import services
+from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
+
+
+class TransitionInline(admin.TabularInline):
+    model = ClusterTransition
+    extra = 0
+    can_delete = False
+    fields = ["at", "previous", "phase", "actor", "source", "detail"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+class CredentialInline(admin.TabularInline):
+    model = ClusterCredential
+    extra = 0
+    can_delete = False
+    # The ciphertext stays out of the admin too: staff do not get tenant secrets.
+    fields = ["kind", "fingerprint", "created_at", "rotated_at", "revoked_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(VirtualCluster)
+class VirtualClusterAdmin(admin.ModelAdmin):
+    list_display = ["id", "tenant", "reservation", "backend", "orchestrator", "status", "phase_started_at", "attempts"]
+    list_filter = ["status", "backend", "orchestrator"]
+    search_fields = ["tenant__slug", "reservation__name", "status_reason"]
+    list_select_related = ["tenant", "reservation"]
+    inlines = [TransitionInline, CredentialInline]
+    actions = ["retry_clusters", "teardown_clusters"]
+    readonly_fields = [
+        "reservation", "tenant", "status", "status_reason", "phase_started_at", "backend", "connection",
+        "backend_state", "dispatched_at", "heartbeat_at", "attempts", "next_attempt_at", "last_error",
+        "failed_during", "start_reminded_for", "end_reminded_for", "created_at", "updated_at",
+        "orchestrator", "orchestrator_version", "cuda_version", "mig_profile", "default_memory_per_gpu_gib",
+        "shared_storage_gib",
+    ]
+
+    def get_queryset(self, request):
+        return VirtualCluster.objects.for_user(request.user)
+
+    def has_add_permission(self, request):
+        return False  # a cluster comes from a booking
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    @admin.action(description="Retry failed clusters")
+    def retry_clusters(self, request, queryset):
+        self._each(request, queryset, lambda c: services.cluster_retry(actor=request.user, cluster=c), "retried")
+
+    @admin.action(description="Tear down now")
+    def teardown_clusters(self, request, queryset):
+        self._each(request, queryset, lambda c: services.cluster_request_teardown(actor=request.user, cluster=c),
+                   "tearing down")
+
+    def _each(self, request, queryset, fn, verb):
+        done = 0
+        for cluster in queryset:
+            try:
+                fn(cluster)
+                done += 1
+            except DomainError as exc:
+                self.message_user(request, f"Cluster #{cluster.pk}: {exc.detail}", messages.ERROR)
+        if done:
+            self.message_user(request, f"{done} cluster(s) {verb}.", messages.SUCCESS)
+
+
+@admin.register(StorageVolume)
+class StorageVolumeAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "size_gib", "status", "created_at", "released_at"]
+    list_filter = ["status"]
+    readonly_fields = ["tenant", "cluster", "name", "size_gib", "status", "mount_path", "created_at", "released_at"]
+
+    def get_queryset(self, request):
+        return StorageVolume.objects.for_user(request.user)
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(PoolCapability)
+class PoolCapabilityAdmin(admin.ModelAdmin):
+    list_display = ["pool", "cuda_versions", "mig_profiles", "max_memory_per_gpu_gib"]

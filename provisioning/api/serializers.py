@@ -1,0 +1,115 @@
+"""Cluster API shapes. Secrets never appear here: credentials are listed by kind and fingerprint only."""
+
+from __future__ import annotations
+
+from django.urls import reverse
+from rest_framework import serializers
+
+from portal.core.fields import AwareDateTimeField, StrictIntegerField
+
+from ..models import ClusterCredential, ClusterTransition, VirtualCluster
+from ..selectors import cluster_node_hostnames
+
+
+class PhaseSerializer(serializers.ModelSerializer):
+    # Plain strings in the schema: the phase names are documented once, on ClusterStatus.
+    phase = serializers.CharField()
+    at = AwareDateTimeField()
+
+    class Meta:
+        model = ClusterTransition
+        fields = ["phase", "at", "detail"]
+
+
+class CredentialSerializer(serializers.ModelSerializer):
+    created_at = AwareDateTimeField()
+    download_url = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ClusterCredential
+        fields = ["kind", "fingerprint", "public_part", "created_at", "download_url"]
+
+    def get_download_url(self, obj: ClusterCredential) -> str:
+        return reverse("cluster-credential", kwargs={"pk": obj.cluster_id, "kind": obj.kind})
+
+
+class SpecSerializer(serializers.Serializer):
+    orchestrator = serializers.CharField()
+    orchestrator_version = serializers.CharField()
+    cuda_version = serializers.CharField()
+    mig_profile = serializers.CharField(allow_blank=True)
+    default_memory_per_gpu_gib = serializers.IntegerField()
+    shared_storage_gib = serializers.IntegerField()
+
+
+class StorageSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    size_gib = serializers.IntegerField()
+    status = serializers.CharField()
+    mount_path = serializers.CharField()
+
+
+class NetworkSerializer(serializers.Serializer):
+    vlan_id = serializers.IntegerField(allow_null=True)
+    cidr = serializers.CharField(allow_blank=True)
+
+
+class ClusterSerializer(serializers.ModelSerializer):
+    reservation = serializers.IntegerField(source="reservation_id")
+    tenant = serializers.CharField(source="tenant.slug")
+    pool = serializers.CharField(source="reservation.pool.name")
+    name = serializers.CharField(source="reservation.name")
+    start = AwareDateTimeField(source="reservation.start")
+    end = AwareDateTimeField(source="reservation.end")
+    reservation_status = serializers.CharField(source="reservation.status")
+    status = serializers.CharField()
+    nodes = serializers.SerializerMethodField()
+    spec = serializers.SerializerMethodField()
+    phases = PhaseSerializer(source="transitions", many=True)
+    network = serializers.SerializerMethodField()
+    storage = serializers.SerializerMethodField()
+    credentials = serializers.SerializerMethodField()
+    phase_started_at = AwareDateTimeField()
+    created_at = AwareDateTimeField()
+    updated_at = AwareDateTimeField()
+
+    class Meta:
+        model = VirtualCluster
+        fields = [
+            "id", "reservation", "tenant", "pool", "name", "start", "end", "reservation_status", "status",
+            "status_reason", "phase_started_at", "backend", "nodes", "spec", "phases", "connection", "network",
+            "storage", "credentials", "created_at", "updated_at",
+        ]
+
+    def get_nodes(self, obj: VirtualCluster) -> list[str]:
+        return cluster_node_hostnames(obj)
+
+    def get_spec(self, obj: VirtualCluster) -> dict:
+        return SpecSerializer(obj).data
+
+    def get_network(self, obj: VirtualCluster) -> dict:
+        return NetworkSerializer(obj.tenant).data
+
+    def get_storage(self, obj: VirtualCluster) -> dict | None:
+        volume = getattr(obj, "volume", None)
+        return StorageSerializer(volume).data if volume is not None else None
+
+    def get_credentials(self, obj: VirtualCluster) -> list[dict]:
+        current = getattr(obj, "current_credentials", None)
+        if current is None:
+            current = list(obj.credentials.current())
+        return CredentialSerializer(current, many=True).data
+
+
+class ClusterSpecInputSerializer(serializers.Serializer):
+    orchestrator_version = serializers.CharField(max_length=16, required=False)
+    cuda_version = serializers.CharField(max_length=16, required=False)
+    mig_profile = serializers.CharField(max_length=16, required=False, allow_blank=True)
+    default_memory_per_gpu_gib = StrictIntegerField(required=False, min_value=1)
+    shared_storage_gib = StrictIntegerField(required=False, min_value=0)
+
+
+class ClusterFilterSerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=[c for c, _ in VirtualCluster._meta.get_field("status").choices],
+                                     required=False)
+    reservation = StrictIntegerField(required=False)

@@ -1,0 +1,210 @@
+"""Kubernetes backend: per reservation a namespace with quota, limits, network policies, RBAC,
+a shared PVC and a ServiceAccount kubeconfig; nodes labelled and tainted for the window.
+
+Objects come from :mod:`k8s_manifests` and are applied by :class:`TenantClusterApplier`
+(server-side apply) when ``PORTAL_K8S_KUBECONFIG`` names the portal's own kubeconfig.
+Without it the backend runs **render-only**: it builds and checks every object (the spec's
+own validation) and records the namespace, but talks to no cluster and issues no
+kubeconfig. See ``k8s_apply`` for what was and was not tried against a live API server.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from ..conf import setting
+from .base import BackendError, BackendStatus, ClusterContext, Drift, PhaseResult, ProvisioningBackend
+from .k8s_apply import K8sApplyError, TenantClusterApplier
+from .k8s_manifests import (
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    RESERVATION_LABEL,
+    NodeClaimConflict,
+    TenantClusterSpec,
+    tenant_objects,
+)
+
+__all__ = ["KubernetesBackend"]
+
+_RENDER_ONLY_CA = base64.b64encode(b"render-only: no cluster configured").decode()
+
+
+def _cluster_entry(kubeconfig: str, context: str | None) -> tuple[str, str]:
+    """Return (server URL, CA data) of the kubeconfig's current (or named) context."""
+    config = yaml.safe_load(Path(kubeconfig).read_text())
+    context_name = context or config.get("current-context")
+    ctx = next((c["context"] for c in config.get("contexts", []) if c.get("name") == context_name), None)
+    if ctx is None:
+        raise BackendError(f"kubeconfig {kubeconfig} has no context {context_name!r}", transient=False)
+    cluster = next((c["cluster"] for c in config.get("clusters", []) if c.get("name") == ctx.get("cluster")), None)
+    if cluster is None:
+        raise BackendError(f"kubeconfig {kubeconfig} has no cluster {ctx.get('cluster')!r}", transient=False)
+    ca = cluster.get("certificate-authority-data")
+    if not ca and cluster.get("certificate-authority"):
+        ca = Path(cluster["certificate-authority"]).read_text()
+    return cluster["server"], ca or _RENDER_ONLY_CA
+
+
+class KubernetesBackend(ProvisioningBackend):
+    name = "kubernetes"
+
+    def __init__(self, applier: TenantClusterApplier | None = None) -> None:
+        self.kubeconfig = setting("PORTAL_K8S_KUBECONFIG", None) or None
+        self.context = setting("PORTAL_K8S_CONTEXT", None) or None
+        self.applier = applier
+        if self.applier is None and self.kubeconfig:
+            self.applier = TenantClusterApplier.from_kubeconfig(self.kubeconfig, context=self.context)
+        if self.kubeconfig:
+            server, ca = _cluster_entry(self.kubeconfig, self.context)
+        else:
+            server, ca = "https://k8s.gpu-portal.internal:6443", _RENDER_ONLY_CA
+        # What tenants are given may differ from how the portal reaches the API (e.g. a public name).
+        self.api_server_url = setting("PORTAL_K8S_API_SERVER_URL", None) or server
+        self.api_ca_data = setting("PORTAL_K8S_CA_DATA", None) or ca
+        self.storage_class = setting("PORTAL_K8S_STORAGE_CLASS", "standard")
+
+    @property
+    def render_only(self) -> bool:
+        return self.applier is None
+
+    def close(self) -> None:
+        if self.applier is not None:
+            self.applier.close()
+
+    def spec(self, ctx: ClusterContext) -> TenantClusterSpec:
+        try:
+            return TenantClusterSpec(
+                tenant_slug=ctx.tenant_slug,
+                reservation_id=ctx.reservation_id,
+                node_hostnames=ctx.nodes,
+                gpus_per_node=ctx.gpus_per_node,
+                window_end=ctx.end,
+                cuda_version=ctx.cuda_version,
+                api_server_url=self.api_server_url,
+                api_ca_data=self.api_ca_data,
+                storage_class=self.storage_class,
+                shared_storage_gib=max(1, ctx.shared_storage_gib),
+                default_memory_per_gpu_gib=ctx.default_memory_per_gpu_gib,
+                mig_profile=ctx.mig_profile or None,
+                mig_instances_per_gpu=ctx.mig_instances_per_gpu if ctx.mig_profile else None,
+            )
+        except ValueError as exc:
+            raise BackendError(f"invalid Kubernetes spec: {exc}", transient=False)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except NodeClaimConflict as exc:
+            # Usually the previous holder's teardown has not finished: retry, then fail.
+            raise BackendError(f"{what}: {exc}")
+        except (K8sApplyError, ApiException) as exc:
+            raise BackendError(f"{what}: {exc}")
+
+    def _connection(self, spec: TenantClusterSpec) -> dict[str, str]:
+        return {"api_server": self.api_server_url, "namespace": spec.namespace,
+                "kubectl_hint": f"kubectl --kubeconfig kubeconfig.yaml -n {spec.namespace} get pods"}
+
+    # --- phases ---
+
+    def allocate_nodes(self, ctx: ClusterContext) -> PhaseResult:
+        spec = self.spec(ctx)
+        if not self.render_only:
+            self._call("claim nodes", self.applier.claim_nodes, spec)
+        return PhaseResult(connection=self._connection(spec), backend_state={"namespace": spec.namespace},
+                           detail=f"{len(spec.node_hostnames)} nodes labelled, tainted dedicated={spec.tenant_label}")
+
+    def configure_network(self, ctx: ClusterContext) -> PhaseResult:
+        spec = self.spec(ctx)
+        objects = [m for m in tenant_objects(spec) if m["kind"] != "PersistentVolumeClaim"]
+        if self.render_only:
+            return PhaseResult(detail=f"render-only: {len(objects)} objects built for {spec.namespace}")
+        applied = self._call("apply namespace objects", self.applier.apply_all, objects)
+        kubeconfig = self._call("issue kubeconfig", self.applier.tenant_kubeconfig, spec)
+        return PhaseResult(secrets={"kubeconfig": kubeconfig},
+                           detail=f"{len(applied)} objects applied in {spec.namespace}")
+
+    def attach_storage(self, ctx: ClusterContext) -> PhaseResult:
+        spec = self.spec(ctx)
+        pvcs = [m for m in tenant_objects(spec) if m["kind"] == "PersistentVolumeClaim"]
+        if not self.render_only:
+            self._call("apply shared volume", self.applier.apply_all, pvcs)
+        name = pvcs[0]["metadata"]["name"]
+        return PhaseResult(connection={"shared_pvc": name},
+                           detail=f"PVC {name} {spec.shared_storage_gib}Gi ({self.storage_class})")
+
+    def install_drivers(self, ctx: ClusterContext) -> PhaseResult:
+        spec = self.spec(ctx)
+        mig = f", MIG {spec.mig_profile}" if spec.mig_profile else ""
+        # The node labels set in allocate_nodes drive the GPU operator (driver, MIG manager).
+        return PhaseResult(detail=f"CUDA {spec.cuda_version}{mig} via node labels")
+
+    def verify(self, ctx: ClusterContext) -> PhaseResult:
+        spec = self.spec(ctx)
+        if self.render_only:
+            return PhaseResult(detail="render-only: nothing to verify")
+        if not self._call("read namespace", self.applier.namespace_exists, spec):
+            raise BackendError(f"namespace {spec.namespace} is missing")
+        return PhaseResult(detail=f"namespace {spec.namespace} exists")
+
+    # --- changes ---
+
+    def update_window(self, ctx: ClusterContext) -> PhaseResult:
+        spec = self.spec(ctx)
+        if not self.render_only:
+            self._call("re-apply", self.applier.provision, spec)
+        return PhaseResult(detail=f"window end {spec.window_end_rfc3339} applied")
+
+    def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:
+        spec = self.spec(ctx)
+        if not self.render_only:
+            self._call("release node", self.applier.release_node, spec, old)
+            self._call("claim node", self.applier.claim_node, spec, new)
+            self._call("re-apply quota", self.applier.apply_objects, spec)
+        return PhaseResult(detail=f"{old} replaced by {new}")
+
+    def teardown(self, ctx: ClusterContext) -> bool:
+        if self.render_only:
+            return True
+        return bool(self._call("teardown", self.applier.teardown, self.spec(ctx)))
+
+    def status(self, ctx: ClusterContext) -> BackendStatus:
+        spec = self.spec(ctx)
+        if self.render_only:
+            return BackendStatus(exists=False, detail="render-only")
+        exists = self._call("read namespace", self.applier.namespace_exists, spec)
+        return BackendStatus(exists=exists, nodes=spec.node_hostnames if exists else (), end=ctx.end,
+                             detail=spec.namespace)
+
+    def reconcile(self, wanted: list[ClusterContext], *, fix: bool) -> list[Drift]:
+        if self.render_only:
+            return []
+        drifts: list[Drift] = []
+        for ctx in wanted:
+            if ctx.status not in ("ready", "degraded"):
+                continue
+            spec = self.spec(ctx)
+            if not self._call("read namespace", self.applier.namespace_exists, spec):
+                if fix:
+                    self._call("re-apply", self.applier.provision, spec)
+                drifts.append(Drift("missing", spec.namespace, "namespace missing", fix))
+        wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
+        try:
+            listed = k8s.CoreV1Api(self.applier.api_client).list_namespace(
+                label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}", _request_timeout=30)
+        except ApiException as exc:
+            drifts.append(Drift("unknown", "namespaces", f"cannot list namespaces: {exc.status} {exc.reason}"))
+            return drifts
+        for ns in listed.items:
+            labels = ns.metadata.labels or {}
+            if labels.get(RESERVATION_LABEL) not in wanted_ids:
+                if fix:
+                    self._call("delete orphan", k8s.CoreV1Api(self.applier.api_client).delete_namespace,
+                               ns.metadata.name)
+                drifts.append(Drift("orphan", ns.metadata.name, "namespace has no live booking", fix))
+        return drifts

@@ -1,0 +1,258 @@
+"""Slurm backend: the portal is the privileged broker that owns ``<tenant>-<id>`` reservations.
+
+Through :class:`~provisioning.backends.slurm_client.SlurmClient` (``scontrol``):
+
+- a booking becomes ``create reservation ReservationName=<tenant>-<id> Nodes=<hostlist>
+  StartTime EndTime Accounts=<tenant>`` as soon as it is confirmed (so Slurm's own
+  scheduler keeps the window free), an extension or shortening an ``update``, a cancel or
+  teardown a ``delete``; every call goes through ``ensure_reservation``, which converges
+  instead of failing when a task runs twice;
+- a failed node is drained (``update NodeName=… State=DRAIN Reason="portal: …"``) and a
+  replacement node swapped into the reservation's node list;
+- ``reconcile`` compares Slurm's reservations with the database both ways.
+
+The tenant's Slurm account is the ``Accounts=`` of its reservations. Creating the account
+in slurmdbd (``sacctmgr``) is not done here: the clusters this was written against run
+without slurmdbd, where ``Accounts=`` is not checked.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+from ..conf import setting, setting_float
+from .base import BackendConflict, BackendError, BackendStatus, ClusterContext, Drift, PhaseResult, ProvisioningBackend
+from .slurm_client import (
+    NodeNotFound,
+    ReservationAlreadyStarted,
+    ReservationOverlap,
+    SlurmClient,
+    SlurmError,
+    SlurmUnavailable,
+    reservation_name,
+)
+
+__all__ = ["SlurmBackend", "DRAIN_REASON_PREFIX"]
+
+# Nodes the portal drained carry this reason prefix; only those are resumed automatically.
+DRAIN_REASON_PREFIX = "portal:"
+_PORTAL_NAME = re.compile(r"^(?P<slug>[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)-(?P<id>[0-9]+)$")
+
+
+def parse_reservation_name(name: str) -> tuple[str, int] | None:
+    """Return (tenant slug, reservation id) for a name of the portal's form, else None."""
+    match = _PORTAL_NAME.match(name)
+    return (match["slug"], int(match["id"])) if match else None
+
+
+class SlurmBackend(ProvisioningBackend):
+    name = "slurm"
+    holds_bookings = True
+
+    def __init__(self, client: SlurmClient | None = None) -> None:
+        self.client = client or SlurmClient(
+            setting("PORTAL_SLURM_CONF", None),
+            scontrol=setting("PORTAL_SCONTROL", "scontrol"),
+            timeout=setting_float("PORTAL_SLURM_TIMEOUT", 30.0),
+        )
+        self.partition = setting("PORTAL_SLURM_PARTITION", None) or None
+
+    # --- helpers ---
+
+    @staticmethod
+    def reservation_name(ctx: ClusterContext) -> str:
+        return reservation_name(ctx.tenant_slug, ctx.reservation_id)
+
+    def _connection(self, ctx: ClusterContext) -> dict[str, str]:
+        return {
+            "login_host": setting("PORTAL_LOGIN_HOST", "login.gpu-portal.internal"),
+            "ssh_user": ctx.tenant_slug,
+            "slurm_account": ctx.tenant_slug,
+            "slurm_reservation": self.reservation_name(ctx),
+            "submit_hint": f"sbatch --reservation={self.reservation_name(ctx)} --account={ctx.tenant_slug} job.sh",
+        }
+
+    def _ensure(self, ctx: ClusterContext) -> PhaseResult:
+        name = self.reservation_name(ctx)
+        try:
+            result = self.client.ensure_reservation(
+                name, ctx.nodes, ctx.start, ctx.end, accounts=[ctx.tenant_slug], partition=self.partition
+            )
+        except ReservationOverlap as exc:
+            raise BackendConflict(f"Slurm: {exc.message}", conflicting=self._overlapping(ctx, exclude=name))
+        except ReservationAlreadyStarted as exc:
+            raise BackendError(f"Slurm: {exc.message}", transient=False)
+        except SlurmUnavailable as exc:
+            raise BackendError(f"Slurm unavailable: {exc.message}")
+        except NodeNotFound as exc:
+            raise BackendError(f"Slurm does not know a node: {exc.message}", transient=False)
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+        except ValueError as exc:
+            raise BackendError(f"Slurm request refused: {exc}", transient=False)
+        return PhaseResult(
+            connection=self._connection(ctx),
+            backend_state={"slurm_reservation": name},
+            detail=f"Slurm reservation {name} {result.action.value}",
+        )
+
+    def _overlapping(self, ctx: ClusterContext, *, exclude: str) -> list[str]:
+        """Name the Slurm reservations that hold any of ctx's nodes during its window."""
+        try:
+            existing = self.client.show_reservations()
+        except SlurmError:
+            return []
+        nodes = set(ctx.nodes)
+        names = []
+        for name, res in existing.items():
+            if name == exclude or not nodes.intersection(res.nodes):
+                continue
+            if res.start is not None and res.start >= ctx.end:
+                continue
+            if res.end is not None and res.end <= max(ctx.start, datetime.now(UTC)):
+                continue
+            names.append(name)
+        return names
+
+    # --- booking ---
+
+    def book(self, ctx: ClusterContext) -> PhaseResult:
+        return self._ensure(ctx)
+
+    def release_booking(self, ctx: ClusterContext) -> None:
+        self.teardown(ctx)
+
+    # --- provisioning phases ---
+
+    def allocate_nodes(self, ctx: ClusterContext) -> PhaseResult:
+        return self._ensure(ctx)
+
+    def configure_network(self, ctx: ClusterContext) -> PhaseResult:
+        return PhaseResult(connection=self._connection(ctx),
+                           detail=f"Slurm account {ctx.tenant_slug}; VLAN {ctx.vlan_id} {ctx.cidr}")
+
+    def attach_storage(self, ctx: ClusterContext) -> PhaseResult:
+        return PhaseResult(connection={"shared_storage": f"/shared/{ctx.volume_name}"},
+                           detail=f"{ctx.shared_storage_gib} GiB volume {ctx.volume_name}")
+
+    def install_drivers(self, ctx: ClusterContext) -> PhaseResult:
+        mig = f", MIG {ctx.mig_profile}" if ctx.mig_profile else ""
+        return PhaseResult(detail=f"CUDA {ctx.cuda_version}{mig} (node image)")
+
+    def verify(self, ctx: ClusterContext) -> PhaseResult:
+        name = self.reservation_name(ctx)
+        try:
+            res = self.client.show_reservation(name)
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+        if res is None:
+            raise BackendError(f"Slurm reservation {name} is missing")
+        if set(res.nodes) != set(ctx.nodes):
+            raise BackendError(f"Slurm reservation {name} holds {','.join(res.nodes)}, expected {','.join(ctx.nodes)}")
+        return PhaseResult(detail=f"Slurm reservation {name} on {len(res.nodes)} nodes ({res.state})")
+
+    # --- changes ---
+
+    def update_window(self, ctx: ClusterContext) -> PhaseResult:
+        return self._ensure(ctx)
+
+    def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:
+        result = self._ensure(ctx)
+        result.detail = f"{old} replaced by {new} in {self.reservation_name(ctx)}"
+        return result
+
+    def teardown(self, ctx: ClusterContext) -> bool:
+        try:
+            self.client.delete_reservation(self.reservation_name(ctx), missing_ok=True)
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+        return True
+
+    def status(self, ctx: ClusterContext) -> BackendStatus:
+        try:
+            res = self.client.show_reservation(self.reservation_name(ctx))
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+        if res is None:
+            return BackendStatus(exists=False)
+        return BackendStatus(exists=True, nodes=res.nodes, start=res.start, end=res.end, detail=res.state)
+
+    def drain_node(self, hostname: str, reason: str) -> None:
+        try:
+            info = self.client.show_node(hostname)
+            if not info.drained:
+                self.client.drain_node(hostname, f"{DRAIN_REASON_PREFIX} {reason}"[:200])
+        except NodeNotFound:
+            return
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+
+    def resume_node(self, hostname: str) -> None:
+        try:
+            info = self.client.show_node(hostname)
+            if info.drained and (info.reason or "").startswith(DRAIN_REASON_PREFIX):
+                self.client.resume_node(hostname)
+        except NodeNotFound:
+            return
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+
+    # --- drift ---
+
+    def reconcile(self, wanted: list[ClusterContext], *, fix: bool) -> list[Drift]:
+        drifts: list[Drift] = []
+        try:
+            existing = self.client.show_reservations()
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+        now = datetime.now(UTC)
+        by_name = {self.reservation_name(ctx): ctx for ctx in wanted}
+        # Slurm → portal: our reservations the database no longer wants.
+        for name, res in sorted(existing.items()):
+            parsed = parse_reservation_name(name)
+            # Ours only if named <slug>-<id> and held for that very account: a reservation an
+            # operator made by hand is reported by nobody and never deleted.
+            if name in by_name or parsed is None or res.accounts != {parsed[0]}:
+                continue
+            if fix:
+                self.client.delete_reservation(name, missing_ok=True)
+            drifts.append(Drift("orphan", name, f"Slurm reservation on {','.join(res.nodes)} has no live booking",
+                                fix))
+        # Portal → Slurm: bookings Slurm lacks or holds differently.
+        for name, ctx in sorted(by_name.items()):
+            if ctx.end <= now:
+                continue  # Slurm purges ended reservations itself
+            res = existing.get(name)
+            if res is None:
+                kind, detail = "missing", "Slurm has no reservation for this booking"
+            elif set(res.nodes) != set(ctx.nodes) or res.end != ctx.end.astimezone(UTC).replace(microsecond=0):
+                kind, detail = "mismatch", f"Slurm holds {','.join(res.nodes)} until {res.end}"
+            else:
+                continue
+            if fix:
+                self._ensure(ctx)
+            drifts.append(Drift(kind, name, detail, fix))
+        return drifts
+
+    def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
+        """Drain in Slurm what the portal took out of service; resume what it put back."""
+        drifts: list[Drift] = []
+        for hostname, state in sorted(states.items()):
+            try:
+                info = self.client.show_node(hostname)
+            except NodeNotFound:
+                continue
+            except SlurmError as exc:
+                raise BackendError(f"Slurm: {exc.message}")
+            out_of_service = state in ("failed", "draining", "maintenance", "retired")
+            if out_of_service and not info.drained:
+                if fix:
+                    self.drain_node(hostname, f"node is {state} in the portal")
+                drifts.append(Drift("node", hostname, f"portal says {state}, Slurm says {info.state}", fix))
+            elif (not out_of_service and info.drained
+                  and (info.reason or "").startswith(DRAIN_REASON_PREFIX)):
+                if fix:
+                    self.resume_node(hostname)
+                drifts.append(Drift("node", hostname, f"portal says {state}, Slurm drained it for us", fix))
+        return drifts

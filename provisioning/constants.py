@@ -1,0 +1,15 @@
+"""PostgreSQL advisory-lock keys of this app, in one place (two-int form: namespace, id).
+
+Session-level locks (pg_try_advisory_lock) are released by PostgreSQL when the holding
+connection goes away, so a worker killed with SIGKILL never leaves one behind.
+"""
+
+# One provisioning/teardown task per cluster at a time: a duplicate delivery (redispatch,
+# redelivery after a crash) finds the lock held and returns at once.
+LOCK_CLUSTER = 71_001
+# One lifecycle tick at a time, however many beat or retried ticks arrive together.
+LOCK_TICK = 71_002
+# Assigning a tenant's VLAN/CIDR: read-then-write on the tenant row.
+LOCK_TENANT_NETWORK = 71_003
+# Converging one reservation's booking with the backend (Slurm reservation).
+LOCK_BOOKING = 71_004

@@ -1,0 +1,163 @@
+"""Health reads, every one through the tenant scope.
+
+A tenant user sees checks of the nodes its reservations hold or held (active allocations, and
+the ones a failure replaced, so the team can see why a node was swapped) while the booking is
+live; checks another tenant asked for (bound to that tenant's booking) never show. Staff see
+everything. The scope comes from ``Allocation.objects.for_user`` / ``Reservation.objects.for_user``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
+from django.utils import timezone
+
+from reservations.choices import HOLDING_STATUSES, AllocationKind
+from reservations.models import Allocation, Node, Reservation
+
+from .choices import OPEN_REPAIR_STATES, CheckStatus, Verdict
+from .models import HealthCheck, Repair
+
+__all__ = [
+    "visible_node_ids",
+    "checks_for_user",
+    "latest_checks",
+    "nodes_with_health",
+    "cluster_node_ids",
+    "cluster_checks_q",
+    "cluster_health",
+    "fleet_summary",
+    "open_repairs",
+    "can_request_cluster_checks",
+]
+
+
+def visible_node_ids(user) -> QuerySet | None:
+    """Return a subquery of node ids the user may see health of; None means every node (staff)."""
+    if not getattr(user, "is_authenticated", False):
+        return Node.objects.none().values("pk")
+    if user.is_staff:
+        return None
+    return (
+        Allocation.objects.for_user(user)
+        .filter(kind=AllocationKind.RESERVATION, reservation__status__in=HOLDING_STATUSES)
+        .filter(Q(active=True) | Q(note__startswith="replaced"))
+        .values("node_id")
+    )
+
+
+def checks_for_user(user) -> QuerySet[HealthCheck]:
+    """Return the checks the user may see (newest first), with node and pool loaded."""
+    qs = HealthCheck.objects.select_related("node__pool", "requested_by")
+    nodes = visible_node_ids(user)
+    if nodes is None:
+        return qs
+    own = Reservation.objects.for_user(user).values("pk")
+    return qs.filter(node_id__in=nodes).filter(Q(reservation__isnull=True) | Q(reservation_id__in=own))
+
+
+def latest_checks(node_ids, *, user=None, done_only: bool = True) -> dict[int, HealthCheck]:
+    """Return each node's newest finished (or, done_only False, any) check the user may see."""
+    qs = checks_for_user(user) if user is not None else HealthCheck.objects.select_related("node__pool")
+    qs = qs.filter(node_id__in=list(node_ids))
+    if done_only:
+        qs = qs.filter(status=CheckStatus.DONE)
+        order = ["node_id", "-finished_at", "-pk"]
+    else:
+        order = ["node_id", "-created_at", "-pk"]
+    return {check.node_id: check for check in qs.order_by(*order).distinct("node_id")}
+
+
+def nodes_with_health(qs: QuerySet[Node]) -> QuerySet[Node]:
+    """Annotate nodes with their newest finished check (health_verdict, health_checked_at,
+    health_check_id, health_summary) and whether a check is running or a repair open.
+
+    For pages listing many nodes (the fleet timeline): one statement, each node's lookup
+    served by the ``health_check_node_done`` index. Staff pages only (no tenant scope).
+    """
+    newest = HealthCheck.objects.filter(node_id=OuterRef("pk"), status=CheckStatus.DONE).order_by(
+        "-finished_at", "-pk"
+    )
+    return qs.annotate(
+        health_verdict=Subquery(newest.values("verdict")[:1]),
+        health_checked_at=Subquery(newest.values("finished_at")[:1]),
+        health_check_id=Subquery(newest.values("pk")[:1]),
+        health_summary=Subquery(newest.values("summary")[:1]),
+        health_running=Exists(
+            HealthCheck.objects.filter(node_id=OuterRef("pk"), status__in=[CheckStatus.QUEUED, CheckStatus.RUNNING])
+        ),
+        health_repair_id=Subquery(
+            Repair.objects.filter(node_id=OuterRef("pk"), state__in=OPEN_REPAIR_STATES).values("pk")[:1]
+        ),
+    )
+
+
+def cluster_node_ids(cluster) -> list[int]:
+    """Return the nodes a cluster's reservation holds (active allocations), by hostname."""
+    return list(
+        Allocation.objects.filter(reservation_id=cluster.reservation_id, active=True)
+        .order_by("node__hostname").values_list("node_id", flat=True)
+    )
+
+
+def cluster_checks_q(reservation) -> Q:
+    """Checks of a cluster: those run for its booking, and its nodes' checks during its window."""
+    node_ids = Allocation.objects.filter(reservation=reservation).filter(
+        Q(active=True) | Q(note__startswith="replaced")
+    ).values("node_id")
+    return Q(reservation_id=reservation.pk) | Q(
+        node_id__in=node_ids, created_at__gte=reservation.start, created_at__lt=reservation.end
+    )
+
+
+def cluster_health(cluster, *, user) -> list[dict[str, Any]]:
+    """Return [{node, latest (finished check or None), open (queued/running check or None)}]
+    for the cluster's nodes, as the user may see them (nothing for another tenant's cluster)."""
+    from provisioning.models import VirtualCluster  # the cluster app may load after this one
+
+    if not VirtualCluster.objects.for_user(user).filter(pk=cluster.pk).exists():
+        return []
+    node_ids = cluster_node_ids(cluster)
+    nodes = {n.pk: n for n in Node.objects.filter(pk__in=node_ids).select_related("pool")}
+    done = latest_checks(node_ids, user=user)
+    newest = latest_checks(node_ids, user=user, done_only=False)
+    rows = []
+    for node_id in node_ids:
+        latest_any = newest.get(node_id)
+        rows.append({
+            "node": nodes[node_id],
+            "latest": done.get(node_id),
+            "open": latest_any if latest_any is not None and latest_any.is_open else None,
+        })
+    return rows
+
+
+def fleet_summary() -> dict[str, Any]:
+    """Count nodes by their newest verdict (staff): {"verdicts": {verdict: n}, "unchecked": n, "total": n}."""
+    nodes = nodes_with_health(Node.objects.exclude(state="retired")).values_list("health_verdict", flat=True)
+    counts = Counter(v or "unchecked" for v in nodes)
+    return {
+        "verdicts": {v: counts.get(v, 0) for v in Verdict.values},
+        "unchecked": counts.get("unchecked", 0),
+        "total": sum(counts.values()),
+        "running": HealthCheck.objects.filter(status__in=[CheckStatus.QUEUED, CheckStatus.RUNNING]).count(),
+        "at": timezone.now(),
+    }
+
+
+def open_repairs() -> QuerySet[Repair]:
+    return Repair.objects.filter(state__in=OPEN_REPAIR_STATES).select_related("node__pool", "triggering_check")
+
+
+def can_request_cluster_checks(user, cluster) -> bool:
+    """Tell whether to offer the check button: staff, or a lead/member of the cluster's tenant."""
+    from tenants.choices import BOOKING_ROLES
+    from tenants.models import Membership
+
+    if not getattr(user, "is_authenticated", False):
+        return False
+    if user.is_staff:
+        return True
+    return Membership.objects.filter(user=user, tenant_id=cluster.tenant_id, role__in=BOOKING_ROLES).exists()

@@ -1,0 +1,148 @@
+"""Celery entry points of the health checks; each fetches by id or job and calls one service.
+
+Queues (CELERY_TASK_ROUTES sends ``provisioning.health.*`` to ``health``; agents' tasks are
+sent with an explicit ``queue=``):
+
+- ``node.<hostname>``: :func:`agent_run` in the Celery worker on the GPU node itself
+  (``python -m provisioning.health.worker node``). It needs the broker, not the database: it
+  posts the report back by id (:func:`record_report`, queue ``health``).
+- ``fleet``: :func:`fleet_run`, the simulated fleet's worker (``python -m
+  provisioning.health.worker fleet``), many nodes per message with FakeNvml. One queue because
+  a worker polls every queue it serves: 10,000 per-node queues would cost more than the checks.
+  It runs inside the portal, so it records straight into the database.
+- ``health``: recording, the beat's sweep and upkeep.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from celery import shared_task
+from django.db import DatabaseError
+
+from . import conf
+
+__all__ = ["agent_run", "fleet_run", "record_report", "checks_started", "sweep", "maintain"]
+
+logger = logging.getLogger(__name__)
+
+_fleets: dict[str, Any] = {}
+_fleets_lock = threading.Lock()
+
+
+def simulated_fleet() -> Any:
+    """Return this process's SimulatedFleet for the current PORTAL_FAKE_NVML (cached per value)."""
+    from .runner import SimulatedFleet
+
+    source = conf.setting("PORTAL_FAKE_NVML", "") or ""
+    key = source if isinstance(source, str) else repr(sorted(dict(source).items()))
+    with _fleets_lock:
+        if key not in _fleets:
+            _fleets.clear()
+            _fleets[key] = SimulatedFleet(source)
+        return _fleets[key]
+
+
+def _threshold_table() -> Any:
+    from .thresholds import thresholds_from_config
+
+    overrides = conf.threshold_overrides()
+    return thresholds_from_config(overrides) if overrides else None
+
+
+def _state_path(host: str) -> str | None:
+    """Where a real agent keeps reported XIDs and counter baselines; None when not writable."""
+    folder = Path(conf.setting("PORTAL_HEALTH_STATE_DIR", "/var/lib/gpu-portal"))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return str(folder / f"health-state-{host}.json") if os.access(folder, os.W_OK) else None
+
+
+# Acknowledged on receipt: a redelivery would run a long burn-in twice, and a check whose agent
+# died expires on the portal's side into "unknown" anyway.
+@shared_task(name="provisioning.health.agent_run", ignore_result=True, acks_late=False)
+def agent_run(job: dict[str, Any]) -> str:
+    """Run one check on this GPU node and post the report back (the node agent; no database)."""
+    from .fake_nvml import fake_from_env
+    from .runner import run_job
+
+    checks_started.apply_async(args=[[job["id"]]], queue=conf.health_queue())
+    fake = fake_from_env(job["host"])  # a demo node without GPUs; real nodes leave it unset
+    report = run_job(
+        job,
+        nvml=fake,
+        threshold_table=_threshold_table(),
+        state_path=None if fake is not None else _state_path(job["host"]),
+        event_wait_ms=conf.setting_int("PORTAL_HEALTH_EVENT_WAIT_MS", 0 if fake is not None else 500),
+        nvml_timeout_s=conf.setting_float("PORTAL_HEALTH_NVML_TIMEOUT", 20.0),
+    )
+    record_report.apply_async(args=[job["id"], report], queue=conf.health_queue())
+    return report["verdict"]
+
+
+@shared_task(
+    name="provisioning.health.fleet_run", ignore_result=True, autoretry_for=(DatabaseError,),
+    retry_backoff=True, max_retries=5,
+)
+def fleet_run(jobs: list[dict[str, Any]]) -> dict[str, int]:
+    """Run a batch of simulated nodes' checks and record them (the fleet simulator)."""
+    from .agent import _error_report
+    from .runner import compact_report
+    from .services import health_checks_mark_running, health_checks_record
+
+    health_checks_mark_running([job["id"] for job in jobs])
+    try:
+        fleet = simulated_fleet()
+        table = _threshold_table()
+    except (ValueError, TypeError, OSError) as exc:  # a broken fault spec or threshold file: say so per node
+        logger.exception("the simulated fleet's configuration is broken")
+        return health_checks_record(
+            [(job["id"], compact_report(_error_report(job["level"], job["host"], exc))) for job in jobs]
+        )
+    timeout = conf.setting_float("PORTAL_HEALTH_NVML_TIMEOUT", 20.0)
+    wait_ms = conf.setting_int("PORTAL_HEALTH_EVENT_WAIT_MS", 0)
+    results = [
+        (job["id"], fleet.run(job, threshold_table=table, nvml_timeout_s=timeout, event_wait_ms=wait_ms))
+        for job in jobs
+    ]
+    return health_checks_record(results)
+
+
+@shared_task(
+    name="provisioning.health.record_report", ignore_result=True, autoretry_for=(DatabaseError,),
+    retry_backoff=True, max_retries=8,
+)
+def record_report(check_id: int, report: dict[str, Any]) -> dict[str, int]:
+    """Store a node agent's report and apply its verdict."""
+    from .services import health_checks_record
+
+    return health_checks_record([(check_id, report)])
+
+
+@shared_task(name="provisioning.health.checks_started", ignore_result=True)
+def checks_started(check_ids: list[int]) -> int:
+    from .services import health_checks_mark_running
+
+    return health_checks_mark_running(check_ids)
+
+
+@shared_task(name="provisioning.health.sweep", ignore_result=True)
+def sweep(level: str = "quick") -> int:
+    """Queue a scheduled check of every node in service (beat)."""
+    from .services import health_sweep
+
+    return len(health_sweep(level=level))
+
+
+@shared_task(name="provisioning.health.maintain", ignore_result=True)
+def maintain() -> dict[str, int]:
+    """Expire unanswered checks, finish interrupted consequences, reconcile repairs, prune (beat)."""
+    from .services import health_maintain
+
+    return health_maintain()

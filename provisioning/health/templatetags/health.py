@@ -1,0 +1,87 @@
+"""Health on any page: ``{% load health %}``.
+
+- ``{% health_badge node %}``: the node's newest verdict as a badge. Pass nodes annotated by
+  ``selectors.nodes_with_health`` (one query for a whole list) or plain nodes (one query each);
+  a HealthCheck or a verdict string works too.
+- ``{% cluster_health cluster %}``: the per-GPU results of the cluster's nodes as the signed-in
+  user may see them, with a link to the cluster's health page (``templates/health/_results.html``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import template
+
+from ..choices import CheckStatus
+from ..models import HealthCheck
+
+register = template.Library()
+
+# Badge colours (background, text) per verdict, matching the portal's status badges.
+VERDICT_COLOURS: dict[str, tuple[str, str]] = {
+    "pass": ("#d4f0dc", "#14532d"),
+    "warn": ("#fdebd0", "#7a4100"),
+    "unknown": ("#e6e8eb", "#3f4753"),
+    "fail": ("#fde2e0", "#8a1c13"),
+    "running": ("#dbe8fb", "#18427a"),
+    "none": ("#f1f3f6", "#5b6677"),
+}
+
+
+def _badge_context(verdict: str | None, *, title: str = "", check_id: int | None = None,
+                   running: bool = False) -> dict[str, Any]:
+    key = verdict or ("running" if running else "none")
+    background, colour = VERDICT_COLOURS.get(key, VERDICT_COLOURS["none"])
+    label = {"none": "not checked", "running": "checking…"}.get(key, key)
+    return {"verdict": key, "label": label, "title": title, "check_id": check_id,
+            "style": f"background:{background};color:{colour}", "running": running and bool(verdict)}
+
+
+@register.inclusion_tag("health/_badge.html")
+def health_badge(value: Any) -> dict[str, Any]:
+    """Render a verdict badge for a node, a check or a verdict string."""
+    if value is None or isinstance(value, str):
+        return _badge_context(value or None)
+    if isinstance(value, HealthCheck):
+        if value.is_open:
+            return _badge_context(None, running=True, title=f"{value.level} check {value.status}")
+        return _badge_context(value.verdict, title=value.summary, check_id=value.pk)
+    if hasattr(value, "health_verdict"):  # annotated by selectors.nodes_with_health
+        when = getattr(value, "health_checked_at", None)
+        title = (value.health_summary or "") + (f" · {when:%Y-%m-%d %H:%M} UTC" if when else "")
+        return _badge_context(value.health_verdict, title=title, check_id=value.health_check_id,
+                              running=bool(getattr(value, "health_running", False)))
+    latest = (
+        HealthCheck.objects.filter(node_id=value.pk, status=CheckStatus.DONE)
+        .order_by("-finished_at", "-pk").only("pk", "verdict", "summary", "finished_at").first()
+    )
+    if latest is None:
+        return _badge_context(None)
+    return _badge_context(latest.verdict, title=f"{latest.summary} · {latest.finished_at:%Y-%m-%d %H:%M} UTC",
+                          check_id=latest.pk)
+
+
+@register.filter
+def verdict_style(verdict: str | None) -> str:
+    """Return the inline style of a verdict badge (for hand-made badges)."""
+    return _badge_context(verdict or None)["style"]
+
+
+@register.inclusion_tag("health/_results.html", takes_context=True)
+def cluster_health(context: template.Context, cluster: Any) -> dict[str, Any]:
+    """Render the newest per-GPU results of the cluster's nodes for the signed-in user."""
+    from ..selectors import can_request_cluster_checks
+    from ..selectors import cluster_health as rows_for
+
+    request = context.get("request")
+    user = getattr(request, "user", None)
+    rows = rows_for(cluster, user=user) if user is not None else []
+    return {
+        "rows": rows,
+        "cluster": cluster,
+        "can_request": can_request_cluster_checks(user, cluster) if user is not None else False,
+        "request": request,
+        "compact": True,
+        "polling": any(row["open"] for row in rows),
+    }

@@ -1,0 +1,55 @@
+"""Start a health worker: the simulated fleet, or the agent of one real GPU node.
+
+    python -m provisioning.health.worker fleet [-c 2] [-l info]
+        Serves the ``fleet`` queue (PORTAL_HEALTH_FLEET_QUEUE): every simulated node's checks,
+        with FakeNvml and the faults of PORTAL_FAKE_NVML (JSON, or @file re-read on change).
+        Pair it with PORTAL_HEALTH_AGENT_QUEUE=fleet on the portal (the default).
+
+    python -m provisioning.health.worker node [--hostname NAME] [-l info]
+        On a GPU node: serves ``node.<hostname>`` with pynvml, one check at a time, and posts
+        reports back to the ``health`` queue. Needs only the broker (CELERY_BROKER_URL /
+        REDIS_URL), no database. Set PORTAL_HEALTH_AGENT_QUEUE=node on the portal.
+
+Both run ``celery -A portal worker`` with the right queue; extra arguments pass through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+
+def build_argv(argv: Sequence[str] | None = None) -> list[str]:
+    """Return the celery command line for the arguments."""
+    parser = argparse.ArgumentParser(prog="python -m provisioning.health.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("fleet", "node"))
+    parser.add_argument("-c", "--concurrency", type=int, default=None)
+    parser.add_argument("-l", "--loglevel", default="info")
+    parser.add_argument("--hostname", default=None, help="the node's name as the portal knows it (node mode)")
+    args, extra = parser.parse_known_args(argv)
+    if args.mode == "fleet":
+        queue = os.environ.get("PORTAL_HEALTH_FLEET_QUEUE", "fleet")
+        concurrency = args.concurrency or os.cpu_count() or 1
+        name = f"health-fleet@{socket.gethostname()}"
+    else:
+        host = args.hostname or socket.gethostname()
+        queue = f"node.{host}"
+        concurrency = args.concurrency or 1  # one check at a time: medium tests own every GPU
+        name = f"health-agent@{host}"
+    return [
+        sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queue, "-c", str(concurrency),
+        "-n", name, "-l", args.loglevel, "--without-gossip", "--without-mingle", *extra,
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.dev")
+    command = build_argv(argv)
+    os.execv(command[0], command)  # noqa: S606 - our own interpreter, arguments built above
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Reads about virtual clusters; every user-facing one goes through for_user (the tenant scope)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db.models import Prefetch, QuerySet
+
+from reservations.choices import CUDA_VERSIONS
+from reservations.models import Allocation, Pool
+from tenants.choices import BOOKING_ROLES
+from tenants.selectors import role_of
+
+from .choices import (
+    DEFAULT_MEMORY_PER_GPU_GIB,
+    MAX_MEMORY_PER_GPU_GIB,
+    MIG_PROFILES_BY_MODEL,
+    ORCHESTRATOR_VERSIONS,
+)
+from .models import ClusterCredential, ClusterTransition, PoolCapability, VirtualCluster
+
+__all__ = [
+    "Capabilities",
+    "pool_capabilities",
+    "clusters_for_user",
+    "cluster_node_hostnames",
+    "can_download_credentials",
+    "can_manage_cluster",
+]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a pool supports: the menu a cluster spec is validated against."""
+
+    cuda_versions: tuple[str, ...]
+    orchestrator_versions: dict[str, tuple[str, ...]]
+    mig_profiles: dict[str, int]
+    max_memory_per_gpu_gib: int
+    default_memory_per_gpu_gib: int
+
+
+def pool_capabilities(pool: Pool) -> Capabilities:
+    """Return the pool's own PoolCapability row, or defaults derived from its GPU model."""
+    try:
+        row = pool.capability  # one query, or none when the caller select_related() it
+    except PoolCapability.DoesNotExist:
+        row = None
+    if row is not None:
+        versions = {
+            "slurm": tuple(row.slurm_versions) or ORCHESTRATOR_VERSIONS["slurm"],
+            "kubernetes": tuple(row.kubernetes_versions) or ORCHESTRATOR_VERSIONS["kubernetes"],
+        }
+        return Capabilities(
+            cuda_versions=tuple(row.cuda_versions) or CUDA_VERSIONS,
+            orchestrator_versions=versions,
+            mig_profiles={str(k): int(v) for k, v in (row.mig_profiles or {}).items()},
+            max_memory_per_gpu_gib=row.max_memory_per_gpu_gib,
+            default_memory_per_gpu_gib=min(DEFAULT_MEMORY_PER_GPU_GIB, row.max_memory_per_gpu_gib),
+        )
+    model = pool.gpu_model.lower()
+    mig = next((profiles for needle, profiles in MIG_PROFILES_BY_MODEL if needle in model), {})
+    return Capabilities(
+        cuda_versions=CUDA_VERSIONS,
+        orchestrator_versions=dict(ORCHESTRATOR_VERSIONS),
+        mig_profiles=dict(mig),
+        max_memory_per_gpu_gib=MAX_MEMORY_PER_GPU_GIB,
+        default_memory_per_gpu_gib=DEFAULT_MEMORY_PER_GPU_GIB,
+    )
+
+
+def clusters_for_user(*, user) -> QuerySet[VirtualCluster]:
+    """Return the clusters user may see, with everything the API and page show, in few queries."""
+    return (
+        VirtualCluster.objects.for_user(user)
+        .select_related("reservation__pool", "tenant", "volume")
+        .prefetch_related(
+            Prefetch("transitions", queryset=ClusterTransition.objects.order_by("at", "id")),
+            Prefetch("credentials", queryset=ClusterCredential.objects.current().order_by("kind"),
+                     to_attr="current_credentials"),
+            Prefetch("reservation__allocations",
+                     queryset=Allocation.objects.filter(active=True).select_related("node").order_by("node__hostname"),
+                     to_attr="active_allocations"),
+        )
+    )
+
+
+def cluster_node_hostnames(cluster: VirtualCluster) -> list[str]:
+    """Return the hostnames the cluster runs on (its reservation's active allocations)."""
+    prefetched = getattr(cluster.reservation, "active_allocations", None)
+    if prefetched is not None:
+        return [a.node.hostname for a in prefetched]
+    return list(
+        Allocation.objects.filter(reservation_id=cluster.reservation_id, active=True)
+        .order_by("node__hostname").values_list("node__hostname", flat=True)
+    )
+
+
+def can_download_credentials(*, user, cluster: VirtualCluster) -> bool:
+    """Only the tenant's leads and members; viewers and platform staff get no tenant secrets."""
+    return role_of(user=user, tenant=cluster.tenant) in BOOKING_ROLES
+
+
+def can_manage_cluster(*, user, cluster: VirtualCluster) -> bool:
+    """Tear down early: staff, the tenant's lead, or the member who booked it."""
+    if getattr(user, "is_staff", False):
+        return True
+    role = role_of(user=user, tenant=cluster.tenant)
+    if role == "lead":
+        return True
+    return role == "member" and cluster.reservation.created_by_id == user.pk

@@ -1,0 +1,1215 @@
+"""Virtual-cluster writes: the lifecycle tick, the phase runner, teardown, booking sync, spec, secrets.
+
+How the pieces fit (DESIGN §5):
+
+- A booking's ``reservation.confirmed`` event creates its cluster (``pending``); a backend
+  that holds bookings (Slurm) gets the window at once via :func:`reservation_sync`.
+- :func:`lifecycle_tick` (beat, every minute) reads the database and moves what is due:
+  provisioning ``PORTAL_PROVISION_LEAD_MINUTES`` before start, active at start (once the
+  cluster is ready), ending at end, reminders before start and end; and it resends any
+  task whose message was lost (broker restart, worker killed), so no transition depends
+  on one message surviving.
+- :func:`cluster_provision` runs the phases in order, each recorded with its time; it
+  holds a session advisory lock for the cluster, so a duplicate delivery returns at once,
+  and PostgreSQL drops the lock if the worker dies, so a redelivery resumes where it
+  stopped. Backend calls never run inside a transaction.
+- Transient backend errors are retried with exponential backoff, counted in the
+  database (not in the message); after PORTAL_PROVISIONING_MAX_ATTEMPTS the cluster and
+  its reservation are ``failed`` with the reason, and staff can :func:`cluster_retry`.
+
+Events (after commit): ``cluster.ready``, ``cluster.failed`` (+ phase, reason),
+``cluster.degraded`` (+ node, reason), ``cluster.deleted`` — each with cluster_id,
+reservation_id, tenant_id, status — and ``reservation.starting_soon`` /
+``reservation.ending_soon`` (reservation_id, tenant_id, cluster_id, start/end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import DatabaseError, connection, transaction
+from django.db.models import F, Q, Sum
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+from portal.core import events
+from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
+from portal.core.services import audit_record
+from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
+from reservations.models import Allocation, Node, Reservation
+from reservations.services import node_replace_allocations, reservation_reopen, reservation_set_status
+from tenants.models import Tenant
+from tenants.services import tenant_update
+
+from . import crypto
+from .backends.base import BackendConflict, BackendError, ClusterContext, PhaseResult, ProvisioningBackend
+from .backends.registry import backend_for_orchestrator, configured_backends, get_backend, holds_bookings
+from .choices import (
+    CREDENTIAL_FILENAMES,
+    DEFAULT_ORCHESTRATOR_VERSION,
+    LIVE_STATUSES,
+    PROVISION_PHASES,
+    PROVISIONING_STATUSES,
+    ClusterStatus,
+    CredentialKind,
+    FailedDuring,
+    TransitionSource,
+    VolumeStatus,
+)
+from .conf import setting, setting_float, setting_int
+from .constants import LOCK_BOOKING, LOCK_CLUSTER, LOCK_TENANT_NETWORK, LOCK_TICK
+from .models import ClusterCredential, ClusterTransition, StorageVolume, VirtualCluster
+from .selectors import can_download_credentials, can_manage_cluster, pool_capabilities
+
+__all__ = [
+    "RetryLater",
+    "GateResult",
+    "acceptance_gate",
+    "node_state_gate",
+    "cluster_create_for_reservation",
+    "cluster_configure",
+    "begin_provisioning",
+    "cluster_provision",
+    "cluster_teardown",
+    "cluster_request_teardown",
+    "cluster_retry",
+    "reservation_sync",
+    "node_sync",
+    "cluster_nodes_changed",
+    "lifecycle_tick",
+    "credential_download",
+    "credentials_rotate",
+    "reconcile",
+]
+
+logger = logging.getLogger(__name__)
+
+OUT_OF_SERVICE = (NodeState.FAILED, NodeState.DRAINING, NodeState.MAINTENANCE, NodeState.RETIRED)
+_PHASE_METHOD: dict[str, str] = {
+    ClusterStatus.ALLOCATING_NODES: "allocate_nodes",
+    ClusterStatus.CONFIGURING_NETWORK: "configure_network",
+    ClusterStatus.ATTACHING_STORAGE: "attach_storage",
+    ClusterStatus.INSTALLING_DRIVERS: "install_drivers",
+    ClusterStatus.RUNNING_ACCEPTANCE_TESTS: "verify",
+}
+# A retry message arriving this much before its backoff ends waits instead of being dropped.
+_EARLY_SLACK_SECONDS = 5.0
+_SECRET_KINDS = {"kubeconfig": CredentialKind.KUBECONFIG, "ssh_key": CredentialKind.SSH_KEY}
+
+
+class RetryLater(Exception):
+    """Tell the task to run again in countdown seconds (backoff, or a teardown still in progress)."""
+
+    def __init__(self, countdown: float, reason: str = "") -> None:
+        super().__init__(reason or f"retry in {countdown:.1f}s")
+        self.countdown = countdown
+        self.reason = reason
+
+
+class _Stop(Exception):
+    """The cluster moved on under us (teardown requested, failed elsewhere): stop quietly."""
+
+
+# --- plumbing ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def advisory_lock(namespace: int, key: int, *, wait: float = 0.0) -> Iterator[bool]:
+    """Hold a session-level advisory lock for the block; yield whether we got it.
+
+    Session-level (not transaction-level) because the block spans many short transactions
+    and slow backend calls; PostgreSQL releases it if our connection dies.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_try_advisory_lock(%s, %s)", [namespace, key])
+            held = bool(cur.fetchone()[0])
+        if held or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    try:
+        yield held
+    finally:
+        if held:
+            try:
+                with connection.cursor() as cur:
+                    cur.execute("SELECT pg_advisory_unlock(%s, %s)", [namespace, key])
+            except DatabaseError:  # the connection is gone, and the lock with it
+                logger.warning("could not release advisory lock (%s, %s)", namespace, key, exc_info=True)
+
+
+def _locked_ids(namespace: int) -> set[int]:
+    """Return the keys of namespace whose advisory lock some session holds right now."""
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objsubid = 2 AND granted",
+            [namespace],
+        )
+        return {int(row[0]) for row in cur.fetchall()}
+
+
+def _send(task_name: str, *args: Any, countdown: float | None = None) -> None:
+    """Publish a task now; a broker outage is logged and left to the tick to repair."""
+    from . import tasks
+
+    try:
+        getattr(tasks, task_name).apply_async(
+            args=list(args), countdown=countdown, retry=True,
+            retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1},
+        )
+    except Exception:  # noqa: BLE001 - any broker error: the database still says what to do
+        logger.warning("could not enqueue %s%r; the lifecycle tick will resend it", task_name, args, exc_info=True)
+
+
+def _enqueue(task_name: str, *args: Any) -> None:
+    """Publish a task once the current transaction commits (at once outside one)."""
+    transaction.on_commit(lambda: _send(task_name, *args))
+
+
+def _backoff(attempt: int) -> float:
+    """Exponential backoff with jitter: base · 2^(attempt-1), capped, times 0.5–1."""
+    base = setting_float("PORTAL_PROVISIONING_RETRY_BACKOFF_SECONDS", 15.0)
+    cap = setting_float("PORTAL_PROVISIONING_RETRY_BACKOFF_MAX_SECONDS", 600.0)
+    delay = min(cap, base * (2 ** max(0, attempt - 1)))
+    return delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
+
+
+def _lock_cluster(cluster_id: int) -> VirtualCluster:
+    # of=self: lock the cluster row only, not the joined reservation and tenant rows.
+    return (VirtualCluster.objects.select_for_update(of=("self",)).select_related("reservation", "tenant")
+            .get(pk=cluster_id))
+
+
+def _cluster_event(name: str, cluster: VirtualCluster, **extra: Any) -> None:
+    events.emit(name, cluster_id=cluster.pk, reservation_id=cluster.reservation_id, tenant_id=cluster.tenant_id,
+                status=cluster.status, **extra)
+
+
+_PHASE_EVENTS = {
+    ClusterStatus.READY: "cluster.ready",
+    ClusterStatus.FAILED: "cluster.failed",
+    ClusterStatus.DEGRADED: "cluster.degraded",
+    ClusterStatus.DELETED: "cluster.deleted",
+}
+
+
+def _transition(
+    cluster: VirtualCluster, phase: str, *, actor: Any = None, source: str = TransitionSource.LIFECYCLE,
+    detail: str = "", event_extra: dict[str, Any] | None = None,
+) -> ClusterTransition:
+    """Move a locked cluster to phase: the status, its timestamp, the audit row, the event."""
+    now = timezone.now()
+    previous = cluster.status
+    cluster.status = phase
+    cluster.phase_started_at = now
+    cluster.heartbeat_at = now
+    cluster.status_reason = detail[:500]
+    cluster.save()
+    transition = ClusterTransition.objects.create(
+        cluster=cluster, phase=phase, previous=previous, at=now, source=source, detail=detail[:500],
+        actor=actor if getattr(actor, "pk", None) else None,
+    )
+    audit_record(actor=actor, action=f"cluster.{phase}", obj=cluster, tenant_id=cluster.tenant_id,
+                 before={"status": previous}, after={"status": phase, "detail": detail[:500], "source": source})
+    if phase in _PHASE_EVENTS:
+        extra = dict(event_extra or {})
+        if phase in (ClusterStatus.FAILED, ClusterStatus.DEGRADED):
+            extra.setdefault("reason", detail[:500])
+        _cluster_event(_PHASE_EVENTS[phase], cluster, **extra)
+    return transition
+
+
+def _allocated_hostnames(reservation_id: int) -> tuple[str, ...]:
+    active = list(Allocation.objects.filter(reservation_id=reservation_id, active=True)
+                  .order_by("node__hostname").values_list("node__hostname", flat=True))
+    if active:
+        return tuple(active)
+    # A failed reservation's allocations were released; its cluster still ran on them.
+    return tuple(Allocation.objects.filter(reservation_id=reservation_id).exclude(note__startswith="replaced")
+                 .order_by("node__hostname").values_list("node__hostname", flat=True).distinct())
+
+
+def build_context(cluster_id: int) -> ClusterContext:
+    """Read everything a backend needs about the cluster, fresh from the database (two queries)."""
+    cluster = VirtualCluster.objects.select_related(
+        "reservation__pool__capability", "tenant", "volume").get(pk=cluster_id)
+    reservation, pool, tenant = cluster.reservation, cluster.reservation.pool, cluster.tenant
+    caps = pool_capabilities(pool)
+    volume = getattr(cluster, "volume", None)
+    return ClusterContext(
+        cluster_id=cluster.pk,
+        reservation_id=reservation.pk,
+        tenant_slug=tenant.slug,
+        pool_name=pool.name,
+        gpu_model=pool.gpu_model,
+        gpus_per_node=pool.gpus_per_node,
+        nodes=_allocated_hostnames(reservation.pk),
+        start=reservation.period.lower,
+        end=reservation.period.upper,
+        orchestrator=cluster.orchestrator,
+        orchestrator_version=cluster.orchestrator_version,
+        cuda_version=cluster.cuda_version,
+        mig_profile=cluster.mig_profile,
+        mig_instances_per_gpu=caps.mig_profiles.get(cluster.mig_profile) if cluster.mig_profile else None,
+        default_memory_per_gpu_gib=cluster.default_memory_per_gpu_gib,
+        shared_storage_gib=cluster.shared_storage_gib,
+        vlan_id=tenant.vlan_id,
+        cidr=tenant.cidr,
+        volume_name=volume.name if volume is not None else "",
+        backend_state=dict(cluster.backend_state),
+        status=cluster.status,
+        created_at=cluster.created_at,
+    )
+
+
+@contextlib.contextmanager
+def _backend(name: str) -> Iterator[ProvisioningBackend]:
+    backend = get_backend(name)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+# --- the acceptance gate (the hook the health checks replace) --------------------------
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    detail: str
+    nodes: dict[str, str] = field(default_factory=dict)
+
+
+def node_state_gate(*, cluster: VirtualCluster) -> GateResult:
+    """The default gate: every node of the cluster is ``available`` in the portal (none failed/draining)."""
+    nodes = dict(Node.objects.filter(
+        allocations__reservation_id=cluster.reservation_id, allocations__active=True
+    ).values_list("hostname", "state"))
+    bad = {host: state for host, state in nodes.items() if state != NodeState.AVAILABLE}
+    if not nodes:
+        return GateResult(False, "no nodes are allocated", nodes)
+    if bad:
+        return GateResult(False, "not available: " + ", ".join(f"{h} ({s})" for h, s in sorted(bad.items())), nodes)
+    return GateResult(True, f"{len(nodes)} nodes available", nodes)
+
+
+def acceptance_gate(*, cluster: VirtualCluster) -> GateResult:
+    """Decide whether the cluster may be handed over; run in ``running_acceptance_tests``.
+
+    The hook: ``PORTAL_ACCEPTANCE_GATE`` names a function ``f(*, cluster) -> GateResult``
+    (dotted path; default :func:`node_state_gate`). The health-check integration points it
+    at real GPU checks (DCGM, burn, NCCL). A gate that does not pass counts as a transient
+    failure: retried with backoff, then the cluster fails with the gate's detail. A gate
+    may raise RetryLater to be asked again later (checks still running) without counting.
+    """
+    gate: Callable[..., GateResult] = import_string(
+        setting("PORTAL_ACCEPTANCE_GATE", "provisioning.services.node_state_gate"))
+    return gate(cluster=cluster)
+
+
+# --- creating and configuring ------------------------------------------------------------
+
+
+def cluster_create_for_reservation(*, reservation_id: int) -> VirtualCluster | None:
+    """Create the reservation's pending cluster if it has none (idempotent; nests in a transaction)."""
+    with transaction.atomic():
+        reservation = (Reservation.objects.select_for_update(of=("self",)).select_related("pool", "tenant")
+                       .filter(pk=reservation_id).first())
+        if reservation is None:
+            return None
+        existing = VirtualCluster.objects.filter(reservation=reservation).first()
+        if existing is not None or reservation.status not in HOLDING_STATUSES:
+            return existing
+        caps = pool_capabilities(reservation.pool)
+        tenant = reservation.tenant
+        storage = min(setting_int("PORTAL_DEFAULT_SHARED_STORAGE_GIB", 1024), tenant.storage_quota_tib * 1024)
+        cluster = VirtualCluster.objects.create(
+            reservation=reservation,
+            tenant=tenant,
+            backend=backend_for_orchestrator(reservation.orchestrator),
+            orchestrator=reservation.orchestrator,
+            orchestrator_version=DEFAULT_ORCHESTRATOR_VERSION.get(reservation.orchestrator, ""),
+            cuda_version=reservation.cuda_version,
+            default_memory_per_gpu_gib=caps.default_memory_per_gpu_gib,
+            shared_storage_gib=storage,
+        )
+        ClusterTransition.objects.create(cluster=cluster, phase=ClusterStatus.PENDING, at=cluster.phase_started_at,
+                                         detail="booked")
+        audit_record(actor=None, action="cluster.create", obj=cluster, tenant_id=tenant.pk,
+                     after=_spec_snapshot(cluster))
+        if holds_bookings(cluster.backend):
+            _enqueue("sync_reservation", reservation.pk)
+    return cluster
+
+
+def _spec_snapshot(cluster: VirtualCluster) -> dict[str, Any]:
+    return {
+        "orchestrator": cluster.orchestrator,
+        "orchestrator_version": cluster.orchestrator_version,
+        "cuda_version": cluster.cuda_version,
+        "mig_profile": cluster.mig_profile,
+        "default_memory_per_gpu_gib": cluster.default_memory_per_gpu_gib,
+        "shared_storage_gib": cluster.shared_storage_gib,
+    }
+
+
+def validate_spec(*, cluster: VirtualCluster, spec: dict[str, Any]) -> dict[str, str]:
+    """Check a spec against what the cluster's pool supports and the tenant's storage quota."""
+    caps = pool_capabilities(cluster.reservation.pool)
+    errors: dict[str, str] = {}
+    versions = caps.orchestrator_versions.get(cluster.orchestrator, ())
+    if spec["orchestrator_version"] not in versions:
+        errors["orchestrator_version"] = f"{cluster.orchestrator} versions offered: {', '.join(versions)}."
+    if spec["cuda_version"] not in caps.cuda_versions:
+        errors["cuda_version"] = f"This pool offers CUDA {', '.join(caps.cuda_versions)}."
+    if spec["mig_profile"] and spec["mig_profile"] not in caps.mig_profiles:
+        offered = ", ".join(caps.mig_profiles) or "none (this GPU model has no MIG)"
+        errors["mig_profile"] = f"MIG profiles of {cluster.reservation.pool.gpu_model}: {offered}."
+    memory = spec["default_memory_per_gpu_gib"]
+    if not 1 <= memory <= caps.max_memory_per_gpu_gib:
+        errors["default_memory_per_gpu_gib"] = f"Between 1 and {caps.max_memory_per_gpu_gib} GiB."
+    quota_gib = cluster.tenant.storage_quota_tib * 1024
+    if not 0 <= spec["shared_storage_gib"] <= quota_gib:
+        errors["shared_storage_gib"] = f"Between 0 and the tenant's storage quota ({quota_gib} GiB)."
+    return errors
+
+
+def cluster_configure(*, actor: Any, cluster: VirtualCluster, **changes: Any) -> VirtualCluster:
+    """Choose the cluster's spec à la carte, before provisioning starts (lead, or the booking member)."""
+    allowed = ("orchestrator_version", "cuda_version", "mig_profile", "default_memory_per_gpu_gib",
+               "shared_storage_gib")
+    unknown = set(changes) - set(allowed)
+    if unknown:
+        raise InvalidInput(f"{sorted(unknown)[0]}: cannot be changed.",
+                           fields={k: "Cannot be changed." for k in unknown})
+    with transaction.atomic(durable=True):
+        cluster = VirtualCluster.objects.select_for_update(of=("self",)).select_related(
+            "reservation__pool", "tenant").get(pk=cluster.pk)
+        if not can_manage_cluster(user=actor, cluster=cluster):
+            raise PermissionDenied("Only the tenant's lead or the member who booked it can change the cluster.")
+        if cluster.status != ClusterStatus.PENDING:
+            raise InvalidState(f"Cluster #{cluster.pk} is {cluster.status}; its spec can change only while pending.")
+        before = _spec_snapshot(cluster)
+        spec = {**before, **{k: v for k, v in changes.items() if v is not None}}
+        spec["mig_profile"] = spec["mig_profile"] or ""
+        errors = validate_spec(cluster=cluster, spec=spec)
+        if errors:
+            first = next(iter(errors))
+            raise InvalidInput(f"{first}: {errors[first]}", fields=errors)
+        for key in allowed:
+            setattr(cluster, key, spec[key])
+        cluster.save()
+        audit_record(actor=actor, action="cluster.configure", obj=cluster, tenant_id=cluster.tenant_id,
+                     before=before, after=_spec_snapshot(cluster))
+    return cluster
+
+
+# --- provisioning ------------------------------------------------------------------------
+
+
+def begin_provisioning(*, reservation_id: int, now: datetime | None = None, dispatch: bool = True,
+                       actor: Any = None) -> VirtualCluster | None:
+    """Move a confirmed reservation to provisioning and send its cluster's provisioning task."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        reservation = reservation_set_status(
+            reservation_id=reservation_id, status=ReservationStatus.PROVISIONING,
+            expected=(ReservationStatus.CONFIRMED,), reason="provisioning lead time reached", actor=actor)
+        if reservation is None:
+            return None
+        cluster = cluster_create_for_reservation(reservation_id=reservation_id)
+        if cluster is None:
+            return None
+        VirtualCluster.objects.filter(pk=cluster.pk).update(dispatched_at=now)
+        if dispatch:
+            _enqueue("provision_cluster", cluster.pk)
+    return cluster
+
+
+def cluster_provision(*, cluster_id: int) -> str:
+    """Run the cluster's remaining phases; safe to call any number of times, from any worker.
+
+    Return what happened ("ready", "busy", "not due", …); raise RetryLater when a
+    transient failure should be tried again after a backoff.
+    """
+    with advisory_lock(LOCK_CLUSTER, cluster_id) as held:
+        if not held:
+            return "busy"
+        return _provision_locked(cluster_id)
+
+
+def _provision_locked(cluster_id: int) -> str:
+    cluster = VirtualCluster.objects.select_related("reservation", "tenant").filter(pk=cluster_id).first()
+    if cluster is None:
+        return "gone"
+    reservation = cluster.reservation
+    if reservation.status != ReservationStatus.PROVISIONING:
+        return "not due"
+    if cluster.status in LIVE_STATUSES:
+        _activate_if_started(reservation)
+        return cluster.status
+    if cluster.status not in PROVISIONING_STATUSES:
+        return cluster.status
+    if cluster.next_attempt_at:
+        early = (cluster.next_attempt_at - timezone.now()).total_seconds()
+        if early > _EARLY_SLACK_SECONDS:
+            return "waiting"  # an early duplicate; the backoff's own message (or the tick) comes later
+        if early > 0:
+            time.sleep(early)  # the retry's own message, a little ahead (clocks of two machines)
+    start = 0 if cluster.status == ClusterStatus.PENDING else PROVISION_PHASES.index(cluster.status)
+    done: tuple[str, PhaseResult] | None = None
+    try:
+        with _backend(cluster.backend) as backend:
+            for phase in PROVISION_PHASES[start:]:
+                _step(cluster_id, done=done, enter=phase)
+                done = (phase, _run_phase(backend, phase, cluster_id))
+    except _Stop:
+        return "stopped"
+    except BackendConflict as exc:
+        _repair_conflicts(exc, own_reservation_id=reservation.pk)
+        return _record_failure(cluster_id, exc, during=FailedDuring.PROVISIONING)
+    except _GateFailed as exc:
+        return _record_failure(cluster_id, BackendError(f"acceptance gate: {exc}"), during=FailedDuring.PROVISIONING)
+    except BackendError as exc:
+        return _record_failure(cluster_id, exc, during=FailedDuring.PROVISIONING)
+    return _finish_ready(cluster_id, done=done)
+
+
+class _GateFailed(Exception):
+    pass
+
+
+def _step(cluster_id: int, *, done: tuple[str, PhaseResult] | None, enter: str) -> VirtualCluster:
+    """In one transaction: keep what the finished phase produced, then enter the next phase.
+
+    The cluster row lock orders this against a teardown request; a cluster that moved on
+    (its reservation is no longer provisioning, or it left the pipeline) stops the run.
+    """
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        if done is not None:
+            _absorb(cluster, *done)
+        if cluster.reservation.status != ReservationStatus.PROVISIONING or \
+                cluster.status not in PROVISIONING_STATUSES:
+            raise _Stop
+        if enter == ClusterStatus.READY:
+            if cluster.status == ClusterStatus.RUNNING_ACCEPTANCE_TESTS:
+                cluster.attempts = 0
+                cluster.next_attempt_at = None
+                cluster.last_error = ""
+                _transition(cluster, ClusterStatus.READY, detail="acceptance tests passed")
+                missing = cluster.reservation.missing_nodes
+                if missing:  # a node failed with no spare while we built: handed over short
+                    _transition(cluster, ClusterStatus.DEGRADED, source=TransitionSource.NODE,
+                                detail=f"{missing} node(s) missing: failed with no spare free")
+                _activate_if_started(cluster.reservation)
+        elif cluster.status == enter:  # resuming a phase a crash interrupted: run it again, no new record
+            cluster.heartbeat_at = timezone.now()
+            cluster.save(update_fields=["heartbeat_at", "updated_at"])
+        else:
+            _transition(cluster, enter)
+    return cluster
+
+
+def _run_phase(backend: ProvisioningBackend, phase: str, cluster_id: int) -> PhaseResult:
+    """Do the portal's part of the phase, then the backend's."""
+    ssh_fingerprint = None
+    if phase == ClusterStatus.CONFIGURING_NETWORK:
+        cluster = VirtualCluster.objects.select_related("tenant").get(pk=cluster_id)
+        _ensure_tenant_network(cluster.tenant_id)
+        ssh_fingerprint = _ensure_ssh_key(cluster)
+    elif phase == ClusterStatus.ATTACHING_STORAGE:
+        _ensure_volume(cluster_id)
+    ctx = build_context(cluster_id)
+    if phase == ClusterStatus.ALLOCATING_NODES and not ctx.nodes:
+        raise BackendError("the reservation holds no nodes", transient=False)
+    result = getattr(backend, _PHASE_METHOD[phase])(ctx)
+    if ssh_fingerprint:
+        result.connection.setdefault("ssh_key", ssh_fingerprint)
+    if phase == ClusterStatus.RUNNING_ACCEPTANCE_TESTS:
+        gate = acceptance_gate(cluster=VirtualCluster.objects.get(pk=cluster_id))
+        if not gate.passed:
+            raise _GateFailed(gate.detail)
+        result.detail = "; ".join(filter(None, [result.detail, gate.detail]))
+    return result
+
+
+def _absorb(cluster: VirtualCluster, phase: str, result: PhaseResult) -> None:
+    """Keep what a phase produced on the locked cluster: connection details, backend state, secrets."""
+    cluster.connection = {**cluster.connection, **result.connection}
+    cluster.backend_state = {**cluster.backend_state, **result.backend_state}
+    cluster.heartbeat_at = timezone.now()
+    cluster.save(update_fields=["connection", "backend_state", "heartbeat_at", "updated_at"])
+    for name, plaintext in result.secrets.items():
+        _store_secret(cluster, _SECRET_KINDS[name], plaintext, replace=True)
+    if result.detail:
+        ClusterTransition.objects.filter(
+            pk=ClusterTransition.objects.filter(cluster=cluster, phase=phase).order_by("-at", "-id").values("pk")[:1]
+        ).update(detail=result.detail[:500])
+
+
+def _finish_ready(cluster_id: int, *, done: tuple[str, PhaseResult] | None) -> str:
+    try:
+        cluster = _step(cluster_id, done=done, enter=ClusterStatus.READY)
+    except _Stop:
+        return "stopped"
+    if cluster.status == ClusterStatus.READY:
+        logger.info("cluster %s is ready", cluster_id)
+    return cluster.status
+
+
+def _activate_if_started(reservation: Reservation) -> None:
+    if reservation.period.lower <= timezone.now():
+        reservation_set_status(reservation_id=reservation.pk, status=ReservationStatus.ACTIVE,
+                               expected=(ReservationStatus.PROVISIONING,), reason="cluster ready, window started")
+
+
+def _record_failure(cluster_id: int, exc: BackendError, *, during: str) -> str:
+    """Count a failed attempt; schedule a retry (RetryLater) or fail the cluster for good."""
+    max_attempts = setting_int("PORTAL_PROVISIONING_MAX_ATTEMPTS", 5)
+    retry_in: float | None = None
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        cluster.attempts += 1
+        cluster.last_error = exc.message[:2000]
+        if exc.transient and cluster.attempts < max_attempts:
+            retry_in = _backoff(cluster.attempts)
+            cluster.next_attempt_at = timezone.now() + timedelta(seconds=retry_in)
+            cluster.save(update_fields=["attempts", "last_error", "next_attempt_at", "updated_at"])
+            audit_record(actor=None, action="cluster.attempt_failed", obj=cluster, tenant_id=cluster.tenant_id,
+                         after={"phase": cluster.status, "attempt": cluster.attempts, "error": exc.message[:500],
+                                "retry_in_s": round(retry_in, 1)})
+        else:
+            cluster.next_attempt_at = None
+            cluster.failed_during = during
+            phase = cluster.status
+            reason = f"{phase}: {exc.message}"[:480] + (f" (after {cluster.attempts} attempts)"
+                                                         if cluster.attempts > 1 else "")
+            _transition(cluster, ClusterStatus.FAILED, detail=reason, event_extra={"phase": phase})
+            expected = ((ReservationStatus.PROVISIONING, ReservationStatus.CONFIRMED)
+                        if during == FailedDuring.PROVISIONING else (ReservationStatus.ENDING,))
+            reservation_set_status(reservation_id=cluster.reservation_id, status=ReservationStatus.FAILED,
+                                   expected=expected, reason=f"cluster failed: {reason}")
+    if retry_in is not None:
+        logger.warning("cluster %s attempt failed (%s); retrying in %.1fs", cluster_id, exc.message, retry_in)
+        raise RetryLater(retry_in, exc.message)
+    logger.error("cluster %s failed during %s: %s", cluster_id, during, exc.message)
+    if during == FailedDuring.PROVISIONING:
+        _cleanup_failed(cluster_id)
+    return ClusterStatus.FAILED
+
+
+def _cleanup_failed(cluster_id: int) -> None:
+    """Best effort: remove what a failed provisioning built (it frees the nodes in the backend too)."""
+    try:
+        with _backend(VirtualCluster.objects.get(pk=cluster_id).backend) as backend:
+            backend.teardown(build_context(cluster_id))
+    except BackendError as exc:
+        logger.warning("cleanup of failed cluster %s: %s (reconcile will retry)", cluster_id, exc.message)
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        _release_artefacts(cluster)
+
+
+def _repair_conflicts(exc: BackendConflict, *, own_reservation_id: int) -> None:
+    """Converge the backend objects in our way from the database (stale bookings), so a retry passes."""
+    from .backends.slurm import parse_reservation_name
+
+    for name in exc.conflicting:
+        parsed = parse_reservation_name(name)
+        if parsed is None or parsed[1] == own_reservation_id:
+            continue
+        logger.info("booking %s is in the way of %s in the backend; converging it first", name, own_reservation_id)
+        try:
+            reservation_sync(reservation_id=parsed[1], repair=False)
+        except (BackendError, RetryLater):
+            logger.warning("could not converge conflicting booking %s", name, exc_info=True)
+
+
+# --- per-tenant artefacts --------------------------------------------------------------------
+
+
+def _store_secret(cluster: VirtualCluster, kind: str, plaintext: str, *, public_part: str = "",
+                  fingerprint: str = "", replace: bool = False) -> ClusterCredential:
+    """Encrypt and keep a credential (inside the caller's transaction). Never logs the plaintext."""
+    current = ClusterCredential.objects.select_for_update().filter(cluster=cluster, kind=kind,
+                                                                   revoked_at__isnull=True).first()
+    if current is not None:
+        if not replace:
+            return current
+        current.revoked_at = timezone.now()
+        current.ciphertext = ""
+        current.save(update_fields=["revoked_at", "ciphertext"])
+    credential = ClusterCredential.objects.create(
+        cluster=cluster, kind=kind, ciphertext=crypto.encrypt(plaintext), public_part=public_part,
+        fingerprint=fingerprint,
+    )
+    audit_record(actor=None, action="cluster.credential_issued", obj=credential, tenant_id=cluster.tenant_id,
+                 after={"kind": kind, "fingerprint": fingerprint})
+    return credential
+
+
+def _ensure_ssh_key(cluster: VirtualCluster) -> str:
+    """Give the cluster its SSH key pair once (a resumed phase keeps the first); return its fingerprint."""
+    current = ClusterCredential.objects.filter(cluster=cluster, kind=CredentialKind.SSH_KEY,
+                                               revoked_at__isnull=True).values_list("fingerprint", flat=True).first()
+    if current is not None:
+        return current
+    pair = crypto.ssh_keypair(f"{cluster.tenant.slug}@gpu-portal-r{cluster.reservation_id}")
+    with transaction.atomic():
+        credential = _store_secret(_lock_cluster(cluster.pk), CredentialKind.SSH_KEY, pair.private_openssh,
+                                   public_part=pair.public_openssh, fingerprint=pair.fingerprint)
+    return credential.fingerprint
+
+
+def _vlan_range() -> range:
+    low, _, high = str(setting("PORTAL_TENANT_VLAN_RANGE", "100-3999")).partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
+def _free_network() -> tuple[int, str]:
+    used_vlans = set(Tenant.objects.exclude(vlan_id=None).values_list("vlan_id", flat=True))
+    vlan = next((v for v in _vlan_range() if v not in used_vlans), None)
+    supernet = ipaddress.ip_network(setting("PORTAL_TENANT_SUPERNET", "10.64.0.0/10"))
+    prefix = setting_int("PORTAL_TENANT_PREFIXLEN", 22)
+    used = [ipaddress.ip_network(c) for c in Tenant.objects.exclude(cidr="").values_list("cidr", flat=True)]
+    cidr = next((net for net in supernet.subnets(new_prefix=prefix) if not any(net.overlaps(u) for u in used)), None)
+    if vlan is None or cidr is None:
+        raise BackendError("no free VLAN or CIDR left for a new tenant network segment", transient=False)
+    return vlan, str(cidr)
+
+
+def _ensure_tenant_network(tenant_id: int) -> None:
+    """Give the tenant its network segment (VLAN + CIDR, unique across tenants) if it has none.
+
+    The database refuses a duplicate (unique VLAN, GiST exclusion on CIDR); the lock just
+    keeps our own assignments from picking the same free values at once.
+    """
+    tenant = Tenant.objects.get(pk=tenant_id)
+    if tenant.vlan_id and tenant.cidr:
+        return
+    with advisory_lock(LOCK_TENANT_NETWORK, 0, wait=30) as held:
+        if not held:
+            raise BackendError("timed out waiting to assign a network segment")
+        for _attempt in range(5):
+            tenant.refresh_from_db()
+            if tenant.vlan_id and tenant.cidr:
+                return
+            vlan, cidr = _free_network()
+            try:
+                tenant_update(actor=None, tenant=tenant, vlan_id=tenant.vlan_id or vlan, cidr=tenant.cidr or cidr)
+                return
+            except InvalidInput:  # another writer (an admin) took it meanwhile: pick again
+                continue
+    raise BackendError("could not assign a network segment")
+
+
+def _ensure_volume(cluster_id: int) -> None:
+    """Record the cluster's shared volume, within the tenant's storage quota (locked, so never oversold)."""
+    with transaction.atomic():
+        cluster = VirtualCluster.objects.select_related("tenant").get(pk=cluster_id)
+        if cluster.shared_storage_gib == 0:
+            return
+        # The tenant row lock serialises quota checks of one tenant's clusters.
+        tenant = Tenant.objects.select_for_update(no_key=True).get(pk=cluster.tenant_id)
+        volume = StorageVolume.objects.filter(cluster=cluster).first()
+        if (volume is not None and volume.status == VolumeStatus.ACTIVE
+                and volume.size_gib == cluster.shared_storage_gib):
+            return
+        used = (StorageVolume.objects.filter(tenant=tenant, status=VolumeStatus.ACTIVE).exclude(cluster=cluster)
+                .aggregate(total=Sum("size_gib"))["total"] or 0)
+        quota = tenant.storage_quota_tib * 1024
+        if used + cluster.shared_storage_gib > quota:
+            raise BackendError(
+                f"storage quota exceeded: {used} GiB in use + {cluster.shared_storage_gib} GiB asked "
+                f"> {quota} GiB ({tenant.storage_quota_tib} TiB)", transient=False)
+        name = f"{tenant.slug}-r{cluster.reservation_id}"
+        if volume is None:
+            volume = StorageVolume(tenant=tenant, cluster=cluster, name=name)
+        volume.size_gib = cluster.shared_storage_gib
+        volume.status = VolumeStatus.ACTIVE
+        volume.released_at = None
+        volume.mount_path = "/shared"
+        volume.save()
+        audit_record(actor=None, action="cluster.volume_attached", obj=volume, tenant_id=tenant.pk,
+                     after={"name": name, "size_gib": volume.size_gib})
+
+
+def _release_artefacts(cluster: VirtualCluster) -> None:
+    """Free the volume's quota and wipe the credentials (inside the caller's transaction)."""
+    now = timezone.now()
+    StorageVolume.objects.filter(cluster=cluster, status=VolumeStatus.ACTIVE).update(
+        status=VolumeStatus.RELEASED, released_at=now)
+    ClusterCredential.objects.filter(cluster=cluster, revoked_at__isnull=True).update(revoked_at=now, ciphertext="")
+
+
+# --- teardown ------------------------------------------------------------------------------
+
+
+def _teardown_wanted(cluster: VirtualCluster, reservation: Reservation, now: datetime) -> bool:
+    if cluster.status == ClusterStatus.DELETED:
+        return False
+    if cluster.status == ClusterStatus.FAILED and cluster.failed_during == FailedDuring.TEARDOWN:
+        return False  # staff retry restarts it
+    if cluster.status == ClusterStatus.TEARING_DOWN:
+        return True
+    if reservation.status in (ReservationStatus.ENDING, ReservationStatus.CANCELLED, ReservationStatus.COMPLETED):
+        return True
+    return reservation.status == ReservationStatus.FAILED and reservation.period.upper <= now
+
+
+def cluster_teardown(*, cluster_id: int) -> str:
+    """Remove the cluster from its backend and release its artefacts; then complete the reservation."""
+    with advisory_lock(LOCK_CLUSTER, cluster_id) as held:
+        if not held:
+            return "busy"
+        cluster = VirtualCluster.objects.select_related("reservation").filter(pk=cluster_id).first()
+        if cluster is None:
+            return "gone"
+        if not _teardown_wanted(cluster, cluster.reservation, timezone.now()):
+            return "not due" if cluster.status != ClusterStatus.DELETED else ClusterStatus.DELETED
+        if cluster.status != ClusterStatus.TEARING_DOWN:
+            with transaction.atomic():
+                locked = _lock_cluster(cluster_id)
+                if locked.status != ClusterStatus.TEARING_DOWN:
+                    _transition(locked, ClusterStatus.TEARING_DOWN, detail=f"reservation {cluster.reservation.status}")
+        try:
+            with _backend(cluster.backend) as backend:
+                done = backend.teardown(build_context(cluster_id))
+        except BackendError as exc:
+            return _record_failure(cluster_id, exc, during=FailedDuring.TEARDOWN)
+        if not done:
+            VirtualCluster.objects.filter(pk=cluster_id).update(heartbeat_at=timezone.now())
+            raise RetryLater(setting_float("PORTAL_TEARDOWN_POLL_SECONDS", 5.0), "teardown in progress")
+        with transaction.atomic():
+            cluster = _lock_cluster(cluster_id)
+            if cluster.status != ClusterStatus.TEARING_DOWN:
+                return cluster.status
+            _release_artefacts(cluster)
+            cluster.attempts = 0
+            cluster.next_attempt_at = None
+            cluster.last_error = ""
+            failed_teardown = cluster.failed_during == FailedDuring.TEARDOWN
+            cluster.failed_during = ""
+            _transition(cluster, ClusterStatus.DELETED, detail="torn down")
+            reservation_set_status(reservation_id=cluster.reservation_id, status=ReservationStatus.COMPLETED,
+                                   expected=(ReservationStatus.ENDING,), reason="window over, cluster torn down")
+            if failed_teardown:
+                reservation_set_status(reservation_id=cluster.reservation_id, status=ReservationStatus.COMPLETED,
+                                       expected=(ReservationStatus.FAILED,), reason="teardown retried by staff")
+        return ClusterStatus.DELETED
+
+
+def cluster_request_teardown(*, actor: Any, cluster: VirtualCluster) -> VirtualCluster:
+    """End a provisioning or running cluster now (the tenant's teardown button).
+
+    The reservation goes to ending, then completed; its nodes stay booked until the booked
+    end (it is paid for), but nothing of the tenant remains on them.
+    """
+    with transaction.atomic(durable=True):
+        cluster = _lock_cluster(cluster.pk)
+        if not can_manage_cluster(user=actor, cluster=cluster):
+            raise PermissionDenied("Only the tenant's lead or the member who booked it can tear the cluster down.")
+        reservation = cluster.reservation
+        if reservation.status not in (ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE):
+            raise InvalidState(f"Reservation #{reservation.pk} is {reservation.status}; "
+                               "cancel a booking that has not started instead.")
+        reservation_set_status(reservation_id=reservation.pk, status=ReservationStatus.ENDING,
+                               expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
+                               reason=f"torn down early by {getattr(actor, 'username', 'staff')}", actor=actor)
+        _transition(cluster, ClusterStatus.TEARING_DOWN, actor=actor, source=TransitionSource.API,
+                    detail=f"requested by {getattr(actor, 'username', '?')}")
+        cluster.dispatched_at = timezone.now()
+        cluster.save(update_fields=["dispatched_at"])
+        _enqueue("teardown_cluster", cluster.pk)
+    return cluster
+
+
+# --- staff retry --------------------------------------------------------------------------
+
+
+def cluster_retry(*, actor: Any, cluster: VirtualCluster, source: str = TransitionSource.ADMIN) -> VirtualCluster:
+    """Try a failed cluster again (staff): provisioning from the start, or the teardown that failed."""
+    if not getattr(actor, "is_staff", False):
+        raise PermissionDenied("Only platform staff can retry a failed cluster.")
+    now = timezone.now()
+    with transaction.atomic(durable=True):
+        cluster = _lock_cluster(cluster.pk)
+        if cluster.status != ClusterStatus.FAILED:
+            raise InvalidState(f"Cluster #{cluster.pk} is {cluster.status}; only a failed cluster can be retried.")
+        reservation = cluster.reservation
+        cluster.attempts = 0
+        cluster.next_attempt_at = None
+        cluster.dispatched_at = now
+        if cluster.failed_during == FailedDuring.TEARDOWN:
+            _transition(cluster, ClusterStatus.TEARING_DOWN, actor=actor, source=source, detail="teardown retried")
+            _enqueue("teardown_cluster", cluster.pk)
+        else:
+            if reservation.period.upper <= now:
+                raise InvalidState(f"Reservation #{reservation.pk} has ended; there is nothing to provision.")
+            if reservation.status == ReservationStatus.FAILED:
+                reservation_reopen(reservation_id=reservation.pk, actor=actor, reason="cluster retried by staff")
+            cluster.failed_during = ""
+            cluster.last_error = ""
+            _transition(cluster, ClusterStatus.PENDING, actor=actor, source=source, detail="retried by staff")
+            lead = timedelta(minutes=setting_int("PORTAL_PROVISION_LEAD_MINUTES", 30))
+            if reservation.period.lower - lead <= now:
+                begin_provisioning(reservation_id=reservation.pk, now=now, actor=actor)
+            elif holds_bookings(cluster.backend):
+                _enqueue("sync_reservation", reservation.pk)
+        audit_record(actor=actor, action="cluster.retry", obj=cluster, tenant_id=cluster.tenant_id,
+                     after={"status": cluster.status})
+    return cluster
+
+
+# --- bookings held in the backend, node changes ------------------------------------------
+
+
+def reservation_sync(*, reservation_id: int, repair: bool = True) -> str:
+    """Make the backend's copy of a booking match the database (create, update or delete it).
+
+    For Slurm this is the ``<tenant>-<id>`` reservation from booking to end; for any backend
+    a live cluster gets a changed window applied. Idempotent and level-triggered: it reads
+    the current state and converges, whatever event (or none) led here.
+    """
+    cluster = VirtualCluster.objects.select_related("reservation").filter(reservation_id=reservation_id).first()
+    if cluster is None:
+        return "no cluster"
+    holds = holds_bookings(cluster.backend)
+    with advisory_lock(LOCK_BOOKING, reservation_id, wait=30) as held:
+        if not held:
+            raise RetryLater(5, "booking busy")
+        cluster.refresh_from_db()
+        reservation = Reservation.objects.get(pk=reservation_id)
+        now = timezone.now()
+        holding = reservation.status in HOLDING_STATUSES and reservation.period.upper > now
+        if not holds and cluster.status not in LIVE_STATUSES:
+            return "nothing to sync"
+        with _backend(cluster.backend) as backend:
+            ctx = build_context(cluster.pk)
+            try:
+                if holding and cluster.status in LIVE_STATUSES:
+                    backend.update_window(ctx)
+                    return "updated"
+                if holding and holds and cluster.status in PROVISIONING_STATUSES:
+                    _book(backend, ctx, repair=repair)
+                    return "booked"
+                if (not holding and holds and cluster.status in
+                        (ClusterStatus.PENDING, ClusterStatus.DELETED, ClusterStatus.FAILED)):
+                    backend.release_booking(ctx)
+                    return "released"
+            except BackendError as exc:
+                if not exc.transient:
+                    logger.error("booking %s cannot be synced: %s", reservation_id, exc.message)
+                    return "refused"
+                raise RetryLater(_backoff(1), exc.message)
+    return "nothing to sync"
+
+
+def _book(backend: ProvisioningBackend, ctx: ClusterContext, *, repair: bool) -> None:
+    try:
+        backend.book(ctx)
+    except BackendConflict as exc:
+        if not repair:
+            raise
+        _repair_conflicts(exc, own_reservation_id=ctx.reservation_id)
+        backend.book(ctx)
+
+
+def node_sync(*, node_id: int) -> dict[str, int]:
+    """Follow a node's state: drain or resume it in the backends; move its bookings off it if out of service.
+
+    The bookings are moved by ``reservations.node_replace_allocations`` (the one mechanism,
+    also used by the health checks; a second call finds nothing left to move). Its
+    ``node.replaced`` / ``reservation.degraded`` events bring each cluster along
+    (:func:`cluster_nodes_changed`).
+    """
+    node = Node.objects.filter(pk=node_id).first()
+    if node is None:
+        return {}
+    out = node.state in OUT_OF_SERVICE
+    for name in configured_backends():
+        try:
+            with _backend(name) as backend:
+                if out:
+                    backend.drain_node(node.hostname, f"{node.state}: {node.state_reason}".strip(": "))
+                else:
+                    backend.resume_node(node.hostname)
+        except BackendError as exc:
+            logger.warning("node %s: %s backend: %s (reconcile will repair)", node.hostname, name, exc.message)
+    if not out:
+        return {}
+    try:
+        outcomes = node_replace_allocations(node=node, reason=f"{node.hostname} is {node.state}")
+    except InvalidState:  # back in service before we got here: nothing to move
+        return {}
+    return dict(Counter(outcome["result"] for outcome in outcomes))
+
+
+def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None) -> str:
+    """Bring a cluster along after its reservation lost node failed (to spare, or to nothing: degraded)."""
+    cluster = VirtualCluster.objects.filter(reservation_id=reservation_id).first()
+    if cluster is None or cluster.status in (ClusterStatus.DELETED, ClusterStatus.TEARING_DOWN):
+        return "nothing to do"
+    built = cluster.status in LIVE_STATUSES or cluster.status in PROVISION_PHASES
+    with transaction.atomic():
+        audit_record(actor=None, action="cluster.node_swapped" if spare else "cluster.node_lost", obj=cluster,
+                     tenant_id=cluster.tenant_id, before={"node": failed}, after={"node": spare})
+    try:
+        with _backend(cluster.backend) as backend:
+            ctx = build_context(cluster.pk)
+            if built and spare:
+                backend.swap_node(ctx, failed, spare)
+            elif built and ctx.nodes:
+                backend.update_window(ctx)  # the node set shrank
+            elif holds_bookings(cluster.backend) and ctx.nodes:
+                _book(backend, ctx, repair=True)
+    except BackendError as exc:
+        _degrade(cluster.pk, f"could not replace {failed} in the {cluster.backend} backend: {exc.message}", failed)
+        return "degraded"
+    if spare is None:
+        missing = Reservation.objects.values_list("missing_nodes", flat=True).get(pk=reservation_id)
+        _degrade(cluster.pk, f"{failed} failed and no spare node is free ({missing} missing)", failed)
+        return "degraded"
+    return "replaced"
+
+
+def _degrade(cluster_id: int, reason: str, hostname: str) -> None:
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        if cluster.status == ClusterStatus.READY:
+            _transition(cluster, ClusterStatus.DEGRADED, source=TransitionSource.NODE, detail=reason,
+                        event_extra={"node": hostname})
+
+
+# --- the lifecycle tick -------------------------------------------------------------------
+
+
+def lifecycle_tick(*, now: datetime | None = None) -> dict[str, int]:
+    """Do whatever is due (beat, every minute); idempotent, and only one runs at a time."""
+    now = now or timezone.now()
+    with advisory_lock(LOCK_TICK, 0) as held:
+        if not held:
+            return {"skipped": 1}
+        report = {
+            "created": _tick_create_missing(),
+            "provisioning": _tick_start_provisioning(now),
+            "missed": _tick_fail_missed(now),
+            "active": _tick_activate(now),
+            "ending": _tick_end(now),
+            "reminders": _tick_reminders(now),
+            "redispatched": _tick_redispatch(now),
+        }
+    return {key: value for key, value in report.items() if value}
+
+
+def _each(ids: Any, fn: Callable[[int], object], what: str) -> int:
+    """Apply fn to each id; count the truthy results. One bad row is logged, never stops the tick."""
+    count = 0
+    for item in list(ids):
+        try:
+            if fn(item):
+                count += 1
+        except Exception:  # noqa: BLE001 - the scheduler must go on for every other tenant
+            logger.exception("lifecycle tick: %s failed for %s", what, item)
+    return count
+
+
+def _tick_create_missing() -> int:
+    ids = Reservation.objects.filter(status__in=HOLDING_STATUSES, cluster__isnull=True).values_list("id", flat=True)
+    return _each(ids, lambda rid: cluster_create_for_reservation(reservation_id=rid), "creating a cluster")
+
+
+def _tick_start_provisioning(now: datetime) -> int:
+    lead = timedelta(minutes=setting_int("PORTAL_PROVISION_LEAD_MINUTES", 30))
+    ids = Reservation.objects.filter(
+        status=ReservationStatus.CONFIRMED, period__startswith__lte=now + lead, period__endswith__gt=now,
+    ).order_by("period").values_list("id", flat=True)
+    return _each(ids, lambda rid: begin_provisioning(reservation_id=rid, now=now), "starting provisioning")
+
+
+def _tick_fail_missed(now: datetime) -> int:
+    def fail(rid: int) -> bool:
+        with transaction.atomic():
+            if reservation_set_status(reservation_id=rid, status=ReservationStatus.FAILED,
+                                      expected=(ReservationStatus.CONFIRMED,),
+                                      reason="the window ended before provisioning could start") is None:
+                return False
+            cluster = VirtualCluster.objects.select_for_update().filter(reservation_id=rid).first()
+            if cluster is not None and cluster.status == ClusterStatus.PENDING:
+                cluster.failed_during = FailedDuring.PROVISIONING
+                _transition(cluster, ClusterStatus.FAILED, detail="the window ended before provisioning started")
+        return True
+
+    ids = Reservation.objects.filter(status=ReservationStatus.CONFIRMED, period__endswith__lte=now)
+    return _each(ids.values_list("id", flat=True), fail, "failing a missed window")
+
+
+def _tick_activate(now: datetime) -> int:
+    ids = Reservation.objects.filter(status=ReservationStatus.PROVISIONING, period__startswith__lte=now,
+                                     cluster__status__in=LIVE_STATUSES).values_list("id", flat=True)
+    return _each(ids, lambda rid: reservation_set_status(
+        reservation_id=rid, status=ReservationStatus.ACTIVE, expected=(ReservationStatus.PROVISIONING,),
+        reason="window started"), "activating")
+
+
+def _tick_end(now: datetime) -> int:
+    def end(rid: int) -> bool:
+        with transaction.atomic():
+            if reservation_set_status(reservation_id=rid, status=ReservationStatus.ENDING,
+                                      expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
+                                      reason="window ended") is None:
+                return False
+            cluster_id = VirtualCluster.objects.filter(reservation_id=rid).values_list("id", flat=True).first()
+            if cluster_id is not None:
+                VirtualCluster.objects.filter(pk=cluster_id).update(dispatched_at=now)
+                _enqueue("teardown_cluster", cluster_id)
+        return True
+
+    ids = Reservation.objects.filter(status__in=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
+                                     period__endswith__lte=now).values_list("id", flat=True)
+    return _each(ids, end, "ending")
+
+
+def _tick_reminders(now: datetime) -> int:
+    before_start = timedelta(minutes=setting_int("PORTAL_REMIND_BEFORE_START_MINUTES", 60))
+    before_end = timedelta(minutes=setting_int("PORTAL_REMIND_BEFORE_END_MINUTES", 60))
+    starting = VirtualCluster.objects.filter(
+        reservation__status__in=(ReservationStatus.CONFIRMED, ReservationStatus.PROVISIONING),
+        reservation__period__startswith__lte=now + before_start, reservation__period__startswith__gt=now,
+    ).exclude(start_reminded_for=F("reservation__period__startswith"))
+    ending = VirtualCluster.objects.filter(
+        reservation__status__in=(ReservationStatus.ACTIVE, ReservationStatus.PROVISIONING),
+        reservation__period__endswith__lte=now + before_end, reservation__period__endswith__gt=now,
+    ).exclude(end_reminded_for=F("reservation__period__endswith"))
+    return (_each(starting.values_list("id", flat=True), lambda cid: _remind(cid, "start"), "reminding of a start")
+            + _each(ending.values_list("id", flat=True), lambda cid: _remind(cid, "end"), "reminding of an end"))
+
+
+def _remind(cluster_id: int, which: str) -> int:
+    """Emit reservation.starting_soon / ending_soon once per start/end instant (a moved one is reminded again)."""
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        reservation = cluster.reservation
+        instant = reservation.period.lower if which == "start" else reservation.period.upper
+        field_name = "start_reminded_for" if which == "start" else "end_reminded_for"
+        if getattr(cluster, field_name) == instant:
+            return 0
+        setattr(cluster, field_name, instant)
+        cluster.save(update_fields=[field_name, "updated_at"])
+        name = "reservation.starting_soon" if which == "start" else "reservation.ending_soon"
+        events.emit(name, reservation_id=reservation.pk, tenant_id=reservation.tenant_id, cluster_id=cluster.pk,
+                    **{which: instant.isoformat()})
+        audit_record(actor=None, action=name, obj=reservation, tenant_id=reservation.tenant_id,
+                     after={which: instant.isoformat()})
+    return 1
+
+
+def _tick_redispatch(now: datetime) -> int:
+    """Resend work whose message was lost: not running (no lock held), not sent recently, not backing off."""
+    stale = now - timedelta(seconds=setting_int("PORTAL_PROVISIONING_REDISPATCH_SECONDS", 180))
+    running = _locked_ids(LOCK_CLUSTER)
+    idle = (Q(dispatched_at__isnull=True) | Q(dispatched_at__lt=stale)) & \
+        (Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now))
+    provisioning = VirtualCluster.objects.filter(
+        idle, reservation__status=ReservationStatus.PROVISIONING, status__in=PROVISIONING_STATUSES,
+    ).values_list("id", flat=True)
+    teardown = VirtualCluster.objects.filter(idle).exclude(status=ClusterStatus.DELETED).exclude(
+        status=ClusterStatus.FAILED, failed_during=FailedDuring.TEARDOWN,
+    ).filter(
+        Q(status=ClusterStatus.TEARING_DOWN)
+        | Q(reservation__status__in=(ReservationStatus.ENDING, ReservationStatus.CANCELLED,
+                                     ReservationStatus.COMPLETED))
+        | Q(reservation__status=ReservationStatus.FAILED, reservation__period__endswith__lte=now)
+    ).values_list("id", flat=True)
+    def resend(task_name: str) -> Callable[[int], bool]:
+        def send(cluster_id: int) -> bool:
+            if cluster_id in running:
+                return False
+            VirtualCluster.objects.filter(pk=cluster_id).update(dispatched_at=now)
+            _send(task_name, cluster_id)
+            return True
+        return send
+
+    return (_each(provisioning, resend("provision_cluster"), "resending provisioning")
+            + _each(teardown, resend("teardown_cluster"), "resending teardown"))
+
+
+# --- credentials ---------------------------------------------------------------------------
+
+
+def credential_download(*, actor: Any, cluster: VirtualCluster, kind: str) -> tuple[str, bytes]:
+    """Return (filename, plaintext) of a current credential, for the tenant's leads and members only."""
+    if not can_download_credentials(user=actor, cluster=cluster):
+        raise PermissionDenied("Only the tenant's leads and members can download its credentials.")
+    credential = ClusterCredential.objects.current().filter(cluster=cluster, kind=kind).first()
+    if credential is None:
+        raise NotFound("This cluster has no such credential (yet).")
+    plaintext = crypto.decrypt(credential.ciphertext)
+    with transaction.atomic(durable=True):
+        audit_record(actor=actor, action="cluster.credential_download", obj=credential, tenant_id=cluster.tenant_id,
+                     after={"kind": kind, "fingerprint": credential.fingerprint})
+    filename = f"{cluster.tenant.slug}-r{cluster.reservation_id}-{CREDENTIAL_FILENAMES[kind]}"
+    return filename, plaintext
+
+
+def credentials_rotate(*, actor: Any = None, batch_size: int = 200) -> int:
+    """Re-encrypt every stored secret with the primary key (the first of PORTAL_FERNET_KEYS)."""
+    rotated = 0
+    last_id = 0
+    while True:
+        with transaction.atomic():
+            batch = list(ClusterCredential.objects.select_for_update().filter(pk__gt=last_id)
+                         .exclude(ciphertext="").order_by("pk")[:batch_size])
+            if not batch:
+                break
+            now = timezone.now()
+            for credential in batch:
+                credential.ciphertext = crypto.rotate(credential.ciphertext)
+                credential.rotated_at = now
+            ClusterCredential.objects.bulk_update(batch, ["ciphertext", "rotated_at"])
+            last_id = batch[-1].pk
+            rotated += len(batch)
+    if rotated:
+        with transaction.atomic():
+            audit_record(actor=actor, action="cluster.credentials_rotated",
+                         obj=ClusterCredential.objects.order_by("pk").first(), after={"count": rotated})
+    return rotated
+
+
+# --- reconcile -----------------------------------------------------------------------------
+
+
+def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dict[str, Any]]:
+    """Compare each configured backend with the database, both ways; repair when fix."""
+    now = timezone.now()
+    names = [backend_name] if backend_name else configured_backends()
+    wanted_q = (
+        Q(reservation__status__in=HOLDING_STATUSES, reservation__period__endswith__gt=now)
+        & ~Q(status__in=(ClusterStatus.DELETED, ClusterStatus.FAILED, ClusterStatus.TEARING_DOWN))
+    )
+    out: list[dict[str, Any]] = []
+    node_states = dict(Node.objects.values_list("hostname", "state"))
+    for name in names:
+        ids = VirtualCluster.objects.filter(wanted_q, backend=name).values_list("id", flat=True)
+        wanted = [build_context(cluster_id) for cluster_id in ids]
+        with _backend(name) as backend:
+            drifts = backend.reconcile(wanted, fix=fix) + backend.reconcile_nodes(node_states, fix=fix)
+        for drift in drifts:
+            out.append({"backend": name, "kind": drift.kind, "name": drift.name, "detail": drift.detail,
+                        "repaired": drift.repaired})
+    for drift in out:
+        logger.warning("reconcile %s: %s %s: %s%s", drift["backend"], drift["kind"], drift["name"], drift["detail"],
+                       " (repaired)" if drift["repaired"] else "")
+    return out

@@ -1,0 +1,78 @@
+"""Celery entry points: ids in, one service call, retries here (DESIGN §2, house style 9).
+
+Every task is safe to run twice and in any order: the services re-read the database under
+a lock and do nothing when the state has moved on. Routed to the ``provisioning`` queue by
+the ``provisioning.*`` route in settings.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+logger = logging.getLogger(__name__)
+
+# A teardown that finds the provisioning task still running asks again this often (5 s × 60).
+_BUSY_RETRY_SECONDS = 5
+_BUSY_RETRIES = 60
+
+
+@shared_task(name="provisioning.lifecycle_tick", ignore_result=True)
+def lifecycle_tick() -> dict:
+    """Every minute (beat): provision ahead of start, activate, remind, end, resend lost work."""
+    from . import services
+
+    report = services.lifecycle_tick()
+    if report:
+        logger.info("lifecycle tick: %s", report)
+    return report
+
+
+@shared_task(bind=True, name="provisioning.provision_cluster", ignore_result=True, max_retries=None)
+def provision_cluster(self, cluster_id: int) -> str:
+    from . import services
+
+    try:
+        return services.cluster_provision(cluster_id=cluster_id)
+    except services.RetryLater as exc:
+        # The attempt count lives in the database, so the message may retry without limit.
+        raise self.retry(countdown=exc.countdown, max_retries=None)
+
+
+@shared_task(bind=True, name="provisioning.teardown_cluster", ignore_result=True, max_retries=None)
+def teardown_cluster(self, cluster_id: int) -> str:
+    from . import services
+
+    try:
+        result = services.cluster_teardown(cluster_id=cluster_id)
+    except services.RetryLater as exc:
+        raise self.retry(countdown=exc.countdown, max_retries=None)
+    if result == "busy" and self.request.retries < _BUSY_RETRIES:
+        raise self.retry(countdown=_BUSY_RETRY_SECONDS, max_retries=None)
+    return result
+
+
+@shared_task(bind=True, name="provisioning.sync_reservation", ignore_result=True, max_retries=8)
+def sync_reservation(self, reservation_id: int) -> str:
+    from . import services
+
+    try:
+        return services.reservation_sync(reservation_id=reservation_id)
+    except services.RetryLater as exc:
+        # Past max_retries the booking stays as it is; `manage.py reconcile` repairs it.
+        raise self.retry(countdown=exc.countdown)
+
+
+@shared_task(name="provisioning.node_changed", ignore_result=True)
+def node_changed(node_id: int) -> dict:
+    from . import services
+
+    return services.node_sync(node_id=node_id)
+
+
+@shared_task(name="provisioning.cluster_nodes_changed", ignore_result=True)
+def cluster_nodes_changed(reservation_id: int, failed: str, spare: str | None) -> str:
+    from . import services
+
+    return services.cluster_nodes_changed(reservation_id=reservation_id, failed=failed, spare=spare)

@@ -1,0 +1,30 @@
+"""Cluster panel and badge for other apps' pages (the reservation page and the dashboard include them)."""
+
+from __future__ import annotations
+
+from django import template
+
+from ..models import VirtualCluster
+from ..selectors import clusters_for_user
+
+register = template.Library()
+
+
+@register.inclusion_tag("provisioning/_cluster_panel.html", takes_context=True)
+def cluster_panel(context, reservation):
+    """The reservation's cluster: phases with times, connection, credentials, actions (tenant-scoped)."""
+    request = context.get("request")
+    user = getattr(request, "user", None)
+    cluster = clusters_for_user(user=user).filter(reservation_id=reservation.pk).first() if user else None
+    if cluster is None:
+        return {"cluster": None, "reservation": reservation}
+    from ..views import panel_context
+
+    return {**panel_context(user, cluster), "reservation": reservation, "csrf_token": context.get("csrf_token")}
+
+
+@register.inclusion_tag("provisioning/_cluster_badge_inner.html")
+def cluster_badge(reservation):
+    """A small status badge for a reservation row (one query)."""
+    cluster = VirtualCluster.objects.filter(reservation_id=reservation.pk).only("id", "status").first()
+    return {"cluster": cluster, "reservation": reservation}

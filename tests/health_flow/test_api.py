@@ -1,0 +1,154 @@
+"""The health API: who may trigger, who sees what, and every refusal is the envelope with nothing stored."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from portal.core.models import AuditLog
+from provisioning.health.models import HealthCheck
+from provisioning.health.services import health_checks_request
+
+from .conftest import fleet_spec
+
+URL = "/api/v1/clusters/{}/health-checks/"
+
+
+def make_cluster(reservation):
+    from provisioning.models import VirtualCluster
+
+    return VirtualCluster.objects.create(
+        reservation=reservation, tenant=reservation.tenant, status="ready", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )
+
+
+@pytest.fixture
+def clusters(fleet, now_slot):
+    alpha = fleet.book("alpha", ["gpu-001", "gpu-002"], now_slot, now_slot + timedelta(hours=4))
+    beta = fleet.book("beta", ["gpu-003"], now_slot, now_slot + timedelta(hours=4))
+    return {"alpha": make_cluster(alpha), "beta": make_cluster(beta)}
+
+
+def envelope(response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.content
+    body = response.json()
+    assert body["code"] == code and set(body) >= {"code", "detail", "fields"}
+    return body
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("who", ["alpha-lead", "alpha-member"])
+def test_leads_and_members_trigger_checks_on_their_cluster(who, fleet, clusters, settings, eager,
+                                                           django_capture_on_commit_callbacks):
+    settings.PORTAL_FAKE_NVML = fleet_spec()
+    with django_capture_on_commit_callbacks(execute=True):
+        response = fleet.client(who).post(URL.format(clusters["alpha"].pk), {"level": "quick"})
+    assert response.status_code == 202, response.content
+    body = response.json()
+    assert body["cluster"] == clusters["alpha"].pk and body["level"] == "quick"
+    assert [c["node"] for c in body["checks"]] == ["gpu-001", "gpu-002"]
+    assert {c["trigger"] for c in body["checks"]} == {"tenant"}
+    assert sorted(body["ids"]) == sorted(HealthCheck.objects.values_list("pk", flat=True))
+    assert AuditLog.objects.filter(action="health_check.request").count() == 2
+    # Ran (eagerly) on commit; the results are theirs to read.
+    listed = fleet.client(who).get("/api/v1/health-checks/", {"cluster": clusters["alpha"].pk}).json()
+    assert listed["count"] == 2 and {r["verdict"] for r in listed["results"]} == {"pass"}
+    assert listed["results"][0]["requested_by"] == fleet.users[who].username
+    assert len(listed["results"][0]["gpus"]) == 8
+    # Asking again while nothing is open queues new checks; the same open ones are reused.
+    again = fleet.client(who).post(URL.format(clusters["alpha"].pk), {"level": "quick", "nodes": ["gpu-002"]})
+    assert again.status_code == 202 and [c["node"] for c in again.json()["checks"]] == ["gpu-002"]
+    same = fleet.client(who).post(URL.format(clusters["alpha"].pk), {"level": "quick", "nodes": ["gpu-002"]})
+    assert same.json()["ids"] == again.json()["ids"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("who", "status", "code"), [
+    ("alpha-viewer", 403, "permission_denied"),
+    ("beta-lead", 404, "not_found"),
+    ("beta-member", 404, "not_found"),
+    (None, 401, "not_authenticated"),
+])
+def test_refusals_store_nothing(who, status, code, fleet, clusters):
+    envelope(fleet.client(who).post(URL.format(clusters["alpha"].pk), {"level": "quick"}), status, code)
+    assert not HealthCheck.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("body", "field"), [
+    ({"level": "deep"}, "level"),
+    ({"level": 3}, "level"),
+    ({"level": "quick", "nodes": ["gpu-003"]}, "nodes"),  # beta's node: reads like an unknown one
+    ({"level": "quick", "nodes": "gpu-001"}, "nodes"),
+    ({"level": "quick", "nodes": []}, "nodes"),
+])
+def test_bad_input_is_400_and_stores_nothing(body, field, fleet, clusters):
+    response = fleet.client("alpha-lead").post(URL.format(clusters["alpha"].pk), body, format="json")
+    assert field in envelope(response, 400, "invalid")["fields"]
+    assert not HealthCheck.objects.exists()
+
+
+@pytest.mark.django_db
+def test_non_json_and_unknown_cluster(fleet, clusters):
+    client = fleet.client("alpha-lead")
+    envelope(client.post(URL.format(clusters["alpha"].pk), "level=quick",
+                         content_type="application/x-www-form-urlencoded"), 400, "invalid")
+    envelope(client.post(URL.format(999999), {"level": "quick"}), 404, "not_found")
+    assert not HealthCheck.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_cluster_whose_booking_has_not_started_cannot_be_checked(fleet, tomorrow):
+    cluster = make_cluster(fleet.book("alpha", ["gpu-004"], tomorrow, tomorrow + timedelta(hours=1), "confirmed"))
+    envelope(fleet.client("alpha-lead").post(URL.format(cluster.pk), {"level": "quick"}), 409, "invalid_state")
+    assert not HealthCheck.objects.exists()
+
+
+@pytest.mark.django_db
+def test_results_are_isolated_by_tenant(fleet, clusters, settings, eager, django_capture_on_commit_callbacks):
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-003": [{"kind": "persistence_off", "gpu": 0}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        fleet_checks = health_checks_request(nodes=fleet.nodes, level="quick", trigger="schedule")
+        fleet.client("beta-lead").post(URL.format(clusters["beta"].pk), {"level": "quick"})
+    assert len(fleet_checks) == 4
+
+    def listed(who, **params):
+        response = fleet.client(who).get("/api/v1/health-checks/", params)
+        assert response.status_code == 200, response.content
+        body = response.json()
+        assert set(body) == {"count", "next", "previous", "results"}
+        return {(r["node"], r["trigger"]) for r in body["results"]}
+
+    assert listed("alpha-viewer") == {("gpu-001", "schedule"), ("gpu-002", "schedule")}
+    assert listed("beta-viewer") == {("gpu-003", "schedule"), ("gpu-003", "tenant")}
+    assert len(listed("staff")) == 5
+    assert listed("beta-member", verdict="warn") == {("gpu-003", "schedule"), ("gpu-003", "tenant")}
+    assert listed("alpha-lead", verdict="warn") == set()
+    assert listed("beta-lead", node="gpu-003", trigger="tenant") == {("gpu-003", "tenant")}
+    # Another tenant's node or cluster in a filter reads exactly like an unknown one.
+    for params, field in (({"node": "gpu-003"}, "node"), ({"node": "nope"}, "node"),
+                          ({"cluster": clusters["beta"].pk}, "cluster"), ({"cluster": 999999}, "cluster"),
+                          ({"verdict": "great"}, "verdict"), ({"cluster": "x"}, "cluster")):
+        body = envelope(fleet.client("alpha-lead").get("/api/v1/health-checks/", params), 400, "invalid")
+        assert field in body["fields"]
+    envelope(fleet.client(None).get("/api/v1/health-checks/"), 401, "not_authenticated")
+    # Details: own node's check yes, another tenant's is a 404.
+    beta_check = HealthCheck.objects.get(node__hostname="gpu-003", trigger="tenant")
+    envelope(fleet.client("alpha-lead").get(f"/api/v1/health-checks/{beta_check.pk}/"), 404, "not_found")
+    detail = fleet.client("beta-viewer").get(f"/api/v1/health-checks/{beta_check.pk}/").json()
+    assert detail["verdict"] == "warn" and detail["report"]["parts_ran"] == ["nvml", "xid_events", "xid_log"]
+    assert detail["problems"][0]["check"] == "persistence_mode"
+    # A scheduled check shows the platform, not a staff member's name, to tenants.
+    assert fleet.client("alpha-lead").get("/api/v1/health-checks/").json()["results"][0]["requested_by"] is None
+
+
+@pytest.mark.django_db
+def test_list_is_paginated(fleet, settings):
+    for _ in range(3):
+        checks = health_checks_request(nodes=fleet.nodes, level="quick", trigger="schedule")
+        HealthCheck.objects.filter(pk__in=[c.pk for c in checks]).update(status="error", verdict="unknown")
+    body = fleet.client("staff").get("/api/v1/health-checks/", {"page_size": 5}).json()
+    assert body["count"] == 12 and len(body["results"]) == 5 and body["next"]

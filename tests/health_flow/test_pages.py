@@ -1,0 +1,120 @@
+"""Health on the pages: the staff board, repair steps, the cluster page's button, the badge and results tags."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.template import Context, Template
+from django.test import Client, RequestFactory
+
+from provisioning.health.models import HealthCheck, Repair
+from provisioning.health.selectors import nodes_with_health
+from provisioning.health.services import health_checks_request
+from reservations.models import Node
+
+from .conftest import fleet_spec
+from .test_api import make_cluster
+
+ECC = [{"kind": "ecc_uncorrected", "gpu": 3}]
+
+
+def browser(user) -> Client:
+    client = Client()
+    if user is not None:
+        client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def checked(fleet, settings, eager, now_slot, django_capture_on_commit_callbacks):
+    """The fleet after one sweep: gpu-002 fails (drained, repair open), the rest pass."""
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-002": ECC})
+    booking = fleet.book("alpha", ["gpu-001", "gpu-002"], now_slot, now_slot + timedelta(hours=4))
+    with django_capture_on_commit_callbacks(execute=True):
+        health_checks_request(nodes=fleet.nodes, level="quick", trigger="schedule")
+    return make_cluster(booking)
+
+
+@pytest.mark.django_db
+def test_staff_board_shows_what_needs_a_look(fleet, checked):
+    page = browser(fleet.users["staff"]).get("/health/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "gpu-002" in html and "ecc_uncorrected_volatile" in html and "Open repairs" in html
+    assert 'data-node="gpu-001"' not in html  # passing and available: not listed by default
+    assert 'data-node="gpu-001"' in browser(fleet.users["staff"]).get("/health/?verdict=all").content.decode()
+    assert browser(fleet.users["alpha-lead"]).get("/health/").status_code == 403
+    assert browser(None).get("/health/").status_code == 302
+    node_page = browser(fleet.users["staff"]).get("/health/nodes/gpu-002/")
+    assert node_page.status_code == 200 and b"drain_and_reset" in node_page.content
+
+
+@pytest.mark.django_db
+def test_staff_take_a_repair_through_the_page(fleet, checked, django_capture_on_commit_callbacks):
+    repair = Repair.objects.get()
+    client = browser(fleet.users["staff"])
+    page = client.get(f"/health/repairs/{repair.pk}/")
+    assert page.status_code == 200 and b"Accept repair" in page.content
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(f"/health/repairs/{repair.pk}/step/", {"to": "accepted", "note": "on it"})
+    assert response.status_code == 302
+    repair.refresh_from_db()
+    assert repair.state == "accepted" and repair.steps[-1]["note"] == "on it"
+    client.post(f"/health/repairs/{repair.pk}/step/", {"to": "rejoined"})  # refused: shown as a message
+    repair.refresh_from_db()
+    assert repair.state == "accepted"
+    assert browser(fleet.users["alpha-lead"]).post(
+        f"/health/repairs/{repair.pk}/step/", {"to": "cordoned"}).status_code == 403
+
+
+@pytest.mark.django_db
+def test_cluster_page_button_for_leads_and_members_only(fleet, checked, settings, eager,
+                                                        django_capture_on_commit_callbacks):
+    url = f"/health/clusters/{checked.pk}/"
+    lead_page = browser(fleet.users["alpha-lead"]).get(url)
+    assert lead_page.status_code == 200
+    html = lead_page.content.decode()
+    assert "Check my nodes" in html and "gpu-001" in html
+    # The failed node was swapped out; the page shows the nodes the cluster holds now.
+    viewer_page = browser(fleet.users["alpha-viewer"]).get(url).content.decode()
+    assert "Check my nodes" not in viewer_page
+    assert browser(fleet.users["beta-lead"]).get(url).status_code == 404
+    before = HealthCheck.objects.count()
+    assert browser(fleet.users["alpha-viewer"]).post(url + "run/", {"level": "quick"}).status_code == 403
+    assert browser(fleet.users["beta-lead"]).post(url + "run/", {"level": "quick"}).status_code == 404
+    assert HealthCheck.objects.count() == before
+    with django_capture_on_commit_callbacks(execute=True):
+        response = browser(fleet.users["alpha-member"]).post(url + "run/", {"level": "medium"})
+    assert response.status_code == 302
+    new = HealthCheck.objects.filter(trigger="tenant")
+    assert new.count() == 2 and {c.level for c in new} == {"medium"}
+    partial = browser(fleet.users["alpha-member"]).get(url + "results/", HTTP_HX_REQUEST="true")
+    assert partial.status_code == 200 and b"GPU health" in partial.content
+
+
+@pytest.mark.django_db
+def test_badge_and_results_tags(fleet, checked):
+    annotated = {n.hostname: n for n in nodes_with_health(Node.objects.all())}
+    tpl = Template("{% load health %}{% health_badge node %}")
+    assert 'data-verdict="fail"' in tpl.render(Context({"node": annotated["gpu-002"]}))
+    assert 'data-verdict="pass"' in tpl.render(Context({"node": Node.objects.get(hostname="gpu-003")}))
+    assert "not checked" in tpl.render(Context({"node": None}))
+    request = RequestFactory().get("/")
+    request.user = fleet.users["alpha-viewer"]
+    html = Template("{% load health %}{% cluster_health cluster %}").render(
+        Context({"cluster": checked, "request": request}))
+    assert "GPU health" in html and "gpu-001" in html and f"/health/clusters/{checked.pk}/" in html
+    request.user = fleet.users["beta-lead"]  # another tenant sees no results of alpha's nodes
+    html = Template("{% load health %}{% cluster_health cluster %}").render(
+        Context({"cluster": checked, "request": request}))
+    assert "gpu-001" not in html and 'data-verdict="pass"' not in html
+
+
+@pytest.mark.django_db
+def test_check_detail_page_is_scoped(fleet, checked):
+    check = HealthCheck.objects.get(node__hostname="gpu-002")
+    assert browser(fleet.users["alpha-viewer"]).get(f"/health/checks/{check.pk}/").status_code == 200
+    assert browser(fleet.users["beta-viewer"]).get(f"/health/checks/{check.pk}/").status_code == 404
+    page = browser(fleet.users["staff"]).get(f"/health/checks/{check.pk}/").content.decode()
+    assert "ecc_uncorrected_volatile" in page and "drain_and_reset" in page

@@ -1,0 +1,209 @@
+"""A failing check opens a repair; staff take it through every step to rejoin, each audited."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+
+from portal.core.exceptions import InvalidState, PermissionDenied
+from portal.core.models import AuditLog
+from provisioning.health.models import HealthCheck, Repair
+from provisioning.health.services import (
+    health_checks_request,
+    repair_advance,
+    repair_open,
+    repairs_reconcile,
+)
+from reservations.models import Allocation, Node
+from reservations.services import node_update
+
+from .conftest import fleet_spec
+
+ECC = [{"kind": "ecc_uncorrected", "gpu": 2}]
+
+
+def _run(callbacks, **kwargs):
+    with callbacks(execute=True):
+        return health_checks_request(**kwargs)
+
+
+def _step(callbacks, repair, to, actor, note=""):
+    with callbacks(execute=True):
+        return repair_advance(actor=actor, repair=repair, to=to, note=note)
+
+
+@pytest.mark.django_db
+def test_repair_goes_from_failing_check_to_rejoin(fleet, settings, eager, now_slot, captured_events,
+                                                  django_capture_on_commit_callbacks):
+    cb = django_capture_on_commit_callbacks
+    staff = fleet.users["staff"]
+    victim = fleet.nodes[0]
+    running = fleet.book("alpha", [victim.hostname], now_slot, now_slot + timedelta(hours=6))
+    settings.PORTAL_FAKE_NVML = fleet_spec({victim.hostname: ECC})
+
+    [check] = _run(cb, nodes=[victim], level="quick", trigger="schedule")
+    check.refresh_from_db()
+    assert check.verdict == "fail" and check.recommended_action == "drain_and_reset"
+    repair = Repair.objects.get(node=victim)
+    victim.refresh_from_db()
+    assert victim.state == "draining"
+    # The running booking's rest of the window moved to a spare.
+    [outcome] = repair.outcomes
+    assert outcome["result"] == "replaced" and outcome["spare"] != victim.hostname
+    assert Allocation.objects.filter(reservation=running, node__hostname=outcome["spare"], active=True).exists()
+
+    with pytest.raises(PermissionDenied):
+        repair_advance(actor=fleet.users["alpha-lead"], repair=repair, to="accepted")
+    with pytest.raises(InvalidState):
+        repair_advance(actor=staff, repair=repair, to="rejoined")
+
+    _step(cb, repair, "accepted", staff, "looking into it")
+    repair = _step(cb, repair, "cordoned", staff)
+    victim.refresh_from_db()
+    assert victim.state == "maintenance"
+    repair = _step(cb, repair, "remediating", staff, "reset GPU 2")
+    assert repair.remediated_at is not None
+    with pytest.raises(InvalidState):
+        repair_advance(actor=staff, repair=repair, to="rejoined")
+    # Re-testing without running the agent: rejoining must wait for a passing result.
+    repair = repair_advance(actor=staff, repair=repair, to="retesting")
+    with pytest.raises(InvalidState, match="passing re-test"):
+        repair_advance(actor=staff, repair=repair, to="rejoined")
+    with django_capture_on_commit_callbacks(execute=True):
+        from provisioning.health.services import dispatch
+
+        dispatch([repair.retest_check_id])
+    retest = HealthCheck.objects.get(pk=repair.retest_check_id)
+    # The simulated node was remediated: its faults are gone, the medium re-test passes.
+    assert (retest.level, retest.trigger, retest.status, retest.verdict) == ("medium", "repair", "done", "pass")
+    assert "dcgm_diag" in retest.report["parts_ran"]
+    repair.refresh_from_db()
+    assert repair.state == "retesting" and "re-test" in repair.steps[-1]["note"]
+    repair = _step(cb, repair, "rejoined", staff, "back in service")
+    victim.refresh_from_db()
+    assert victim.state == "available" and victim.state_reason == ""
+    assert repair.closed_at is not None
+
+    assert [s["state"] for s in repair.steps] == [
+        "recommended", "accepted", "cordoned", "remediating", "retesting", "retesting", "rejoined"]
+    assert [s["actor"] for s in repair.steps] == [None, *[staff.username] * 4, None, staff.username]
+    audited = list(AuditLog.objects.filter(object_type="health.repair", object_id=str(repair.pk))
+                   .order_by("id").values_list("action", flat=True))
+    assert audited == ["repair.recommended", "repair.accepted", "repair.cordoned", "repair.remediating",
+                       "repair.retesting", "repair.retest_passed", "repair.rejoined"]
+    states = [(p["previous"], p["state"]) for name, p in captured_events if name == "repair.changed"]
+    assert states[0] == ("", "recommended") and states[-1] == ("retesting", "rejoined")
+    node_states = [p["new"] for name, p in captured_events if name == "node.state_changed"]
+    assert node_states == ["draining", "maintenance", "available"]
+
+
+@pytest.mark.django_db
+def test_failed_retest_goes_back_to_remediation(fleet, settings, eager, tmp_path,
+                                                django_capture_on_commit_callbacks):
+    """New faults injected after the remediation (the spec file changes) fail the re-test."""
+    cb = django_capture_on_commit_callbacks
+    staff = fleet.users["staff"]
+    victim = fleet.nodes[0]
+    spec = tmp_path / "fleet.json"
+    spec.write_text(fleet_spec({victim.hostname: ECC}))
+    settings.PORTAL_FAKE_NVML = f"@{spec}"
+    _run(cb, nodes=[victim], level="quick", trigger="schedule")
+    repair = Repair.objects.get(node=victim)
+    for to in ("accepted", "cordoned", "remediating"):
+        repair = _step(cb, repair, to, staff)
+    # Someone injects another fault after the remediation started.
+    spec.write_text(fleet_spec({victim.hostname: [{"kind": "nvlink_down", "gpu": 1, "link": 3}]}))
+    later = time.time() + 5
+    os.utime(spec, (later, later))
+    repair = _step(cb, repair, "retesting", staff)
+    repair.refresh_from_db()
+    retest = repair.retest_check
+    assert retest.verdict == "fail" and "nvlink_state" in retest.summary
+    assert repair.state == "remediating" and "re-test" in repair.steps[-1]["note"]
+    victim.refresh_from_db()
+    assert victim.state == "maintenance"  # still out, still one repair
+    assert Repair.objects.filter(node=victim).count() == 1
+    # A second round: fixed for real this time.
+    time.sleep(0.01)
+    spec.write_text(fleet_spec())
+    os.utime(spec, (time.time() - 60, time.time() - 60))
+    repair = _step(cb, repair, "retesting", staff)
+    repair.refresh_from_db()
+    assert repair.retest_check.verdict == "pass"
+    _step(cb, repair, "rejoined", staff)
+    victim.refresh_from_db()
+    assert victim.state == "available"
+
+
+@pytest.mark.django_db
+def test_giving_up_marks_the_node_failed(fleet, captured_events, django_capture_on_commit_callbacks, tomorrow):
+    staff = fleet.users["staff"]
+    node = fleet.nodes[2]
+    booking = fleet.book("beta", [node.hostname], tomorrow, tomorrow + timedelta(hours=2), status="confirmed")
+    with django_capture_on_commit_callbacks(execute=True):
+        repair = repair_open(actor=staff, node=node, reason="NCCL hangs reported by the tenant")
+    node.refresh_from_db()
+    assert node.state == "draining" and repair.triggering_check is None
+    assert not Allocation.objects.filter(reservation=booking, node=node, active=True).exists()
+    with pytest.raises(InvalidState):
+        repair_open(actor=staff, node=node, reason="again")
+    with pytest.raises(PermissionDenied):
+        repair_open(actor=fleet.users["beta-lead"], node=fleet.nodes[3], reason="mine")
+    with django_capture_on_commit_callbacks(execute=True):
+        repair = repair_advance(actor=staff, repair=repair, to="failed", note="RMA")
+    node.refresh_from_db()
+    assert node.state == "failed" and repair.closed_at is not None
+    failed = [p for name, p in captured_events if name == "node.failed"]
+    assert failed[-1]["state"] == "failed" and failed[-1]["repair_id"] == repair.pk
+    with pytest.raises(InvalidState):
+        repair_advance(actor=staff, repair=repair, to="accepted")
+
+
+@pytest.mark.django_db
+def test_reconcile_brings_the_node_to_its_repair_state(fleet):
+    """A worker that died between the repair's step and the node's change is caught up by upkeep."""
+    staff = fleet.users["staff"]
+    node = fleet.nodes[0]
+    repair = repair_open(actor=staff, node=node, reason="manual")
+    Repair.objects.filter(pk=repair.pk).update(state="cordoned")  # as if the node update was lost
+    assert repairs_reconcile() == 1
+    node.refresh_from_db()
+    assert node.state == "maintenance"
+    assert repairs_reconcile() == 0
+    # Someone puts the node back by hand while its repair is open: the repair still owns it.
+    node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="available")
+    assert repairs_reconcile() == 1
+    node.refresh_from_db()
+    assert node.state == "maintenance"
+
+
+def test_fleet_spec_helper_is_json():
+    assert json.loads(fleet_spec({"a": ECC}))["nodes"]["a"] == ECC
+
+
+@pytest.mark.django_db
+def test_a_reused_open_check_counts_as_the_retest(fleet):
+    """Re-testing while a staff medium check is already queued reuses it; its result moves the repair."""
+    from provisioning.health.runner import SimulatedFleet
+    from provisioning.health.services import health_check_record, node_health_check_request
+
+    staff = fleet.users["staff"]
+    node = fleet.nodes[1]
+    repair = repair_open(actor=staff, node=node, reason="manual")
+    for to in ("accepted", "cordoned", "remediating"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    queued = node_health_check_request(actor=staff, node=node, level="medium")  # not run yet
+    repair = repair_advance(actor=staff, repair=repair, to="retesting")
+    assert repair.retest_check_id == queued.pk and queued.trigger == "staff"
+    report = SimulatedFleet("").run({"id": queued.pk, "host": node.hostname, "level": "medium",
+                                     "model": "H100-SXM", "gpus": 8})
+    health_check_record(queued.pk, report)
+    repair.refresh_from_db()
+    assert repair.state == "retesting" and "pass" in repair.steps[-1]["note"]
+    repair = repair_advance(actor=staff, repair=repair, to="rejoined")
+    node.refresh_from_db()
+    assert node.state == "available"

@@ -1,0 +1,155 @@
+"""Sweeps, expiry, pruning, malformed reports, and the beat entries."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from provisioning.health import schedule
+from provisioning.health.models import HealthCheck, Repair
+from provisioning.health.services import (
+    dispatch,
+    health_check_record,
+    health_checks_expire,
+    health_checks_prune,
+    health_checks_request,
+    health_maintain,
+    health_sweep,
+    jobs_for,
+    repair_advance,
+)
+from reservations.models import Node
+
+from .conftest import fleet_spec
+
+
+@pytest.mark.django_db
+def test_sweep_queues_nodes_in_service_once(fleet):
+    Node.objects.filter(hostname="gpu-004").update(state="failed")
+    Node.objects.filter(hostname="gpu-003").update(state="maintenance")
+    ids = health_sweep()
+    assert sorted(HealthCheck.objects.filter(pk__in=ids).values_list("node__hostname", flat=True)) == [
+        "gpu-001", "gpu-002", "gpu-003"]
+    assert health_sweep() == []  # open checks are not doubled
+    # Another level, or a tenant's booking, is another open check.
+    assert len(health_sweep(level="medium")) == 3
+
+
+@pytest.mark.django_db
+def test_jobs_say_whether_a_node_is_busy_and_who_it_runs_with(fleet, now_slot, settings):
+    settings.PORTAL_HEALTH_DRIVER_PIN = "550.90.07"
+    booking = fleet.book("alpha", ["gpu-001", "gpu-002"], now_slot, now_slot + timedelta(hours=2))
+    checks = health_checks_request(nodes=fleet.nodes[:3], level="full", trigger="tenant", reservation=booking)
+    jobs = {job["host"]: job for job in jobs_for([c.pk for c in checks])}
+    assert jobs["gpu-001"]["idle"] is False and jobs["gpu-003"]["idle"] is True
+    assert jobs["gpu-001"]["peers"] == ["gpu-002"] and jobs["gpu-001"]["detail"] == "full"
+    assert jobs["gpu-001"]["pins"] == {"driver": "550.90.07"}
+    assert (jobs["gpu-001"]["model"], jobs["gpu-001"]["gpus"], jobs["gpu-001"]["heal"]) == ("H100-SXM", 8, None)
+
+
+@pytest.mark.django_db
+def test_unanswered_checks_expire_as_unknown(fleet, settings):
+    checks = health_checks_request(nodes=fleet.nodes[:2], level="quick", trigger="schedule")
+    HealthCheck.objects.filter(pk=checks[0].pk).update(created_at=timezone.now() - timedelta(minutes=10))
+    assert health_checks_expire() == [checks[0].pk]
+    expired = HealthCheck.objects.get(pk=checks[0].pk)
+    assert (expired.status, expired.verdict, expired.handled_at is not None) == ("error", "unknown", True)
+    assert "no report" in expired.error
+    assert HealthCheck.objects.get(pk=checks[1].pk).status == "queued"
+    # A late report for an expired check changes nothing.
+    health_check_record(checks[0].pk, {"verdict": "fail", "problems": [], "gpus": []})
+    assert HealthCheck.objects.get(pk=checks[0].pk).verdict == "unknown"
+    assert Node.objects.get(pk=checks[0].node_id).state == "available"
+
+
+@pytest.mark.django_db
+def test_an_expired_retest_sends_the_repair_back(fleet, django_capture_on_commit_callbacks):
+    from provisioning.health.services import repair_open
+
+    staff = fleet.users["staff"]
+    repair = repair_open(actor=staff, node=fleet.nodes[0], reason="manual")
+    for to in ("accepted", "cordoned", "remediating", "retesting"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    HealthCheck.objects.filter(pk=repair.retest_check_id).update(created_at=timezone.now() - timedelta(hours=2))
+    health_maintain()
+    repair.refresh_from_db()
+    assert repair.state == "remediating" and "unknown" in repair.steps[-1]["note"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("report", [None, "fail", {"verdict": "great"}, {"verdict": "pass", "gpus": "x"},
+                                    {"verdict": "pass", "problems": [], "gpus": [], "junk": "x" * 2_100_000}])
+def test_malformed_reports_are_unknown_never_pass(report, fleet):
+    [check] = health_checks_request(nodes=[fleet.nodes[0]], level="quick", trigger="schedule")
+    check = health_check_record(check.pk, report)
+    assert check.status == "done"
+    if isinstance(report, dict) and report.get("verdict") == "pass" and "junk" not in report:
+        assert check.verdict == "pass" and check.gpu_results == []
+    else:
+        assert check.verdict == "unknown" and check.summary
+    assert check.node.state == "available"
+
+
+@pytest.mark.django_db
+def test_prune_keeps_each_nodes_latest_and_repair_evidence(fleet, eager, settings,
+                                                           django_capture_on_commit_callbacks):
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-002": [{"kind": "remap_pending", "gpu": 0}]})
+    for _ in range(3):
+        with django_capture_on_commit_callbacks(execute=True):
+            health_sweep()
+    old = timezone.now() - timedelta(days=30)
+    HealthCheck.objects.update(created_at=old)
+    repair = Repair.objects.get()
+    # gpu-001, 003, 004 lose their two older checks; gpu-002 keeps its newest and the repair's evidence.
+    assert health_checks_prune() == 7
+    left = HealthCheck.objects.all()
+    assert left.count() == 5
+    assert left.filter(pk=repair.triggering_check_id).exists()
+    assert set(left.values_list("node__hostname", flat=True)) == {"gpu-001", "gpu-002", "gpu-003", "gpu-004"}
+
+
+@pytest.mark.django_db
+def test_dispatch_without_a_broker_leaves_checks_to_expire(fleet):
+    from celery import current_app
+
+    checks = health_checks_request(nodes=[fleet.nodes[0]], level="quick", trigger="schedule")
+    # Point the app at a port nothing listens on, with fresh connection pools (restored after).
+    amqp = current_app.amqp
+    saved = current_app._pool, amqp._producer_pool, current_app.conf.broker_url
+    current_app._pool, amqp._producer_pool, current_app.conf.broker_url = None, None, "redis://127.0.0.1:1/0"
+    try:
+        assert dispatch([checks[0].pk]) == 0
+    finally:
+        if current_app._pool is not None:
+            current_app._pool.force_close_all()
+        current_app._pool, amqp._producer_pool, current_app.conf.broker_url = saved
+    assert HealthCheck.objects.get(pk=checks[0].pk).status == "queued"
+
+
+def test_beat_entries_name_real_tasks():
+    from provisioning.health import tasks
+
+    names = {tasks.sweep.name, tasks.maintain.name}
+    assert {entry["task"] for entry in schedule.BEAT.values()} == names
+
+
+@pytest.mark.django_db
+def test_a_broken_fault_spec_gives_unknown_reports(fleet, settings, eager, django_capture_on_commit_callbacks):
+    settings.PORTAL_FAKE_NVML = "{not json"
+    with django_capture_on_commit_callbacks(execute=True):
+        checks = health_checks_request(nodes=fleet.nodes[:2], level="quick", trigger="schedule")
+    for check in HealthCheck.objects.filter(pk__in=[c.pk for c in checks]):
+        assert (check.status, check.verdict) == ("done", "unknown") and "agent error" in check.summary
+
+
+def test_worker_entry_point_serves_the_right_queue(monkeypatch):
+    from provisioning.health.worker import build_argv
+
+    monkeypatch.delenv("PORTAL_HEALTH_FLEET_QUEUE", raising=False)
+    fleet = build_argv(["fleet", "-c", "3"])
+    assert fleet[fleet.index("-Q") + 1] == "fleet" and fleet[fleet.index("-c") + 1] == "3"
+    node = build_argv(["node", "--hostname", "h100-sxm-007", "--max-tasks-per-child", "50"])
+    assert node[node.index("-Q") + 1] == "node.h100-sxm-007" and node[node.index("-c") + 1] == "1"
+    assert node[-2:] == ["--max-tasks-per-child", "50"]

@@ -1,0 +1,216 @@
+"""GET/PATCH /api/v1/clusters/ and the cluster page: tenant scope, roles, and no secret in any listing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.test import Client
+
+from portal.core.models import AuditLog
+from provisioning import services
+from provisioning.models import ClusterCredential, VirtualCluster
+
+from .conftest import book
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def clusters(world, t0):
+    """Alpha: one ready cluster and one pending; beta: one ready."""
+    out = {}
+    for who, offset in (("alpha-member", 0), ("beta-lead", 0), ("alpha-lead", 6)):
+        book(world, who, t0 + timedelta(hours=offset))
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    for cluster in VirtualCluster.objects.select_related("reservation", "tenant"):
+        if cluster.reservation.period.lower == t0:
+            services.cluster_provision(cluster_id=cluster.pk)
+            out[cluster.tenant.slug] = cluster
+        else:
+            out["alpha2"] = cluster
+    for cluster in out.values():
+        cluster.refresh_from_db()
+    return out
+
+
+def private_key_of(cluster) -> str:
+    from provisioning import crypto
+
+    credential = ClusterCredential.objects.current().get(cluster=cluster, kind="ssh_key")
+    return crypto.decrypt(credential.ciphertext).decode()
+
+
+def test_list_shows_only_the_users_tenants_and_staff_sees_all(world, clusters):
+    alpha = world.client("alpha-viewer").get("/api/v1/clusters/")
+    assert alpha.status_code == 200
+    assert {c["tenant"] for c in alpha.json()["results"]} == {"alpha"}
+    assert alpha.json()["count"] == 2
+    staff = world.client("staff").get("/api/v1/clusters/").json()
+    assert staff["count"] == 3
+    filtered = world.client("alpha-lead").get("/api/v1/clusters/?status=ready").json()
+    assert [c["id"] for c in filtered["results"]] == [clusters["alpha"].pk]
+    bad = world.client("alpha-lead").get("/api/v1/clusters/?status=bogus")
+    assert bad.status_code == 400 and bad.json()["code"] == "invalid"
+
+
+def test_detail_has_phases_with_times_connection_and_credentials_without_secrets(world, clusters):
+    cluster = clusters["alpha"]
+    body = world.client("alpha-viewer").get(f"/api/v1/clusters/{cluster.pk}/").json()
+    assert body["status"] == "ready" and body["tenant"] == "alpha" and body["pool"] == "h100"
+    assert [p["phase"] for p in body["phases"]] == [
+        "pending", "allocating_nodes", "configuring_network", "attaching_storage", "installing_drivers",
+        "running_acceptance_tests", "ready"]
+    assert all(p["at"].endswith("Z") for p in body["phases"])
+    assert body["connection"]["slurm_account"] == "alpha"
+    assert body["network"]["vlan_id"] and body["network"]["cidr"]
+    assert body["storage"]["size_gib"] == 1024
+    assert body["spec"]["cuda_version"] == "12.8"
+    assert len(body["nodes"]) == 1
+    [credential] = body["credentials"]
+    assert credential["kind"] == "ssh_key" and credential["fingerprint"].startswith("SHA256:")
+    assert credential["public_part"].startswith("ssh-ed25519 ")
+    assert credential["download_url"] == f"/api/v1/clusters/{cluster.pk}/credentials/ssh_key/"
+    text = str(body)
+    assert "PRIVATE KEY" not in text
+    assert ClusterCredential.objects.get(cluster=cluster).ciphertext not in text
+
+
+def test_other_tenants_clusters_are_404_with_the_envelope(world, clusters):
+    beta = clusters["beta"]
+    for who in ("alpha-lead", "alpha-viewer"):
+        for url in (f"/api/v1/clusters/{beta.pk}/", f"/api/v1/clusters/{beta.pk}/credentials/ssh_key/"):
+            response = world.client(who).get(url)
+            assert response.status_code == 404, (who, url)
+            assert response.json() == {"code": "not_found", "detail": "Not found.", "fields": {}}
+        for method, url, body in (("patch", f"/api/v1/clusters/{beta.pk}/", {"cuda_version": "12.6"}),
+                                  ("post", f"/api/v1/clusters/{beta.pk}/teardown/", {})):
+            response = getattr(world.client(who), method)(url, body, format="json")
+            assert response.status_code == 404
+    assert world.client(None).get("/api/v1/clusters/").status_code == 401
+
+
+def test_credentials_download_for_leads_and_members_only(world, clusters):
+    cluster = clusters["alpha"]
+    url = f"/api/v1/clusters/{cluster.pk}/credentials/ssh_key/"
+    expected = private_key_of(cluster)
+    for who in ("alpha-lead", "alpha-member"):
+        response = world.client(who).get(url)
+        assert response.status_code == 200, who
+        assert response.content.decode() == expected
+        assert expected.startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+        assert response["Content-Disposition"] == f'attachment; filename="alpha-r{cluster.reservation_id}-id_ed25519"'
+        assert response["Cache-Control"] == "no-store"
+    for who in ("alpha-viewer", "staff"):
+        response = world.client(who).get(url)
+        assert response.status_code == 403 and response.json()["code"] == "permission_denied"
+    assert world.client("alpha-lead").get(f"/api/v1/clusters/{cluster.pk}/credentials/kubeconfig/").status_code == 404
+    assert world.client("alpha-lead").get(f"/api/v1/clusters/{cluster.pk}/credentials/passwd/").status_code == 404
+    downloads = AuditLog.objects.filter(action="cluster.credential_download")
+    assert downloads.count() == 2 and {a.actor.username for a in downloads} == {"alpha-lead", "alpha-member"}
+
+
+def test_spec_patch_while_pending(world, clusters):
+    pending = clusters["alpha2"]
+    url = f"/api/v1/clusters/{pending.pk}/"
+    ok = world.client("alpha-lead").patch(url, {"mig_profile": "3g.40gb", "shared_storage_gib": 512}, format="json")
+    assert ok.status_code == 200, ok.json()
+    assert ok.json()["spec"]["mig_profile"] == "3g.40gb" and ok.json()["spec"]["shared_storage_gib"] == 512
+
+    bad = world.client("alpha-lead").patch(url, {"mig_profile": "9g.1gb", "default_memory_per_gpu_gib": 0},
+                                           format="json")
+    assert bad.status_code == 400 and bad.json()["code"] == "invalid"
+    assert set(bad.json()["fields"]) == {"default_memory_per_gpu_gib"}  # min_value caught by the serializer
+    bad = world.client("alpha-lead").patch(url, {"mig_profile": "9g.1gb"}, format="json")
+    assert bad.status_code == 400 and "mig_profile" in bad.json()["fields"]
+    assert world.client("alpha-viewer").patch(url, {"cuda_version": "12.6"}, format="json").status_code == 403
+    pending.refresh_from_db()
+    assert pending.mig_profile == "3g.40gb"
+
+    ready = clusters["alpha"]
+    late = world.client("alpha-lead").patch(f"/api/v1/clusters/{ready.pk}/", {"cuda_version": "12.6"}, format="json")
+    assert late.status_code == 409 and late.json()["code"] == "invalid_state"
+
+
+def test_retry_is_staff_only_and_teardown_needs_a_running_cluster(world, clusters):
+    cluster = clusters["alpha"]
+    response = world.client("alpha-lead").post(f"/api/v1/clusters/{cluster.pk}/retry/", {}, format="json")
+    assert response.status_code == 403
+    response = world.client("staff").post(f"/api/v1/clusters/{cluster.pk}/retry/", {}, format="json")
+    assert response.status_code == 409 and response.json()["code"] == "invalid_state"
+    # Provisioned a day ahead: the reservation is provisioning, so the lead may tear it down early.
+    response = world.client("alpha-lead").post(f"/api/v1/clusters/{cluster.pk}/teardown/", {}, format="json")
+    assert response.status_code == 200 and response.json()["status"] == "tearing_down"
+    assert response.json()["reservation_status"] == "ending"
+
+
+def test_list_query_count_does_not_grow_with_clusters(world, clusters, django_assert_max_num_queries):
+    with django_assert_max_num_queries(12):
+        assert world.client("staff").get("/api/v1/clusters/").json()["count"] == 3
+
+
+# --- the HTML page -----------------------------------------------------------------------------
+
+
+def page_client(world, who) -> Client:
+    client = Client()
+    client.force_login(world.users[who])
+    return client
+
+
+def test_cluster_page_shows_phases_connection_and_downloads_for_members(world, clusters):
+    cluster = clusters["alpha"]
+    html = page_client(world, "alpha-member").get(f"/clusters/{cluster.pk}/").content.decode()
+    assert '<a class="brand" href="/">GPU Portal</a>' in html  # the portal's own layout
+    for text in ("Allocating nodes", "Running acceptance tests", "Ready", "slurm_account",
+                 f"/clusters/{cluster.pk}/credentials/ssh_key/", "Tear down now"):
+        assert text in html, text
+    assert "PRIVATE KEY" not in html
+    viewer = page_client(world, "alpha-viewer").get(f"/clusters/{cluster.pk}/").content.decode()
+    assert "/credentials/ssh_key/" not in viewer and "Tear down now" not in viewer
+    assert page_client(world, "alpha-viewer").get(f"/clusters/{cluster.pk}/credentials/ssh_key/").status_code == 403
+    download = page_client(world, "alpha-member").get(f"/clusters/{cluster.pk}/credentials/ssh_key/")
+    assert download.status_code == 200 and download.content.decode() == private_key_of(cluster)
+    assert page_client(world, "beta-lead").get(f"/clusters/{cluster.pk}/").status_code == 404
+    listing = page_client(world, "alpha-viewer").get("/clusters/").content.decode()
+    assert f'href="/clusters/{cluster.pk}/"' in listing and f'href="/clusters/{clusters["beta"].pk}/"' not in listing
+    partial = page_client(world, "alpha-viewer").get(f"/clusters/{cluster.pk}/", HTTP_HX_REQUEST="true")
+    assert partial.content.decode().lstrip().startswith('<section class="card" id="cluster-status"')
+    assert Client().get(f"/clusters/{cluster.pk}/").status_code == 302
+
+
+def test_teardown_button_posts_and_staff_can_retry_from_the_page(world, clusters, settings):
+    cluster = clusters["alpha"]
+    response = page_client(world, "alpha-member").post(f"/clusters/{cluster.pk}/teardown/")
+    assert response.status_code == 302
+    cluster.refresh_from_db()
+    assert cluster.status == "tearing_down"
+    assert page_client(world, "alpha-member").get(f"/clusters/{cluster.pk}/teardown/").status_code == 405
+
+
+def test_the_reservation_page_and_dashboard_show_the_cluster(world, clusters):
+    cluster = clusters["alpha"]
+    html = page_client(world, "alpha-member").get(f"/reservations/{cluster.reservation_id}/").content.decode()
+    assert f'href="/clusters/{cluster.pk}/"' in html and "Running acceptance tests" in html
+    assert f"/clusters/{cluster.pk}/credentials/ssh_key/" in html and "PRIVATE KEY" not in html
+    viewer = page_client(world, "alpha-viewer").get(f"/reservations/{cluster.reservation_id}/").content.decode()
+    assert "Running acceptance tests" in viewer and "/credentials/ssh_key/" not in viewer
+    dashboard = page_client(world, "alpha-viewer").get("/").content.decode()
+    assert f'<a class="badge cl-ready" href="/clusters/{cluster.pk}/"' in dashboard
+
+
+def test_admin_lists_clusters_with_phases_and_never_a_secret(world, clusters):
+    from django.contrib.auth import get_user_model
+
+    admin = get_user_model().objects.create_superuser(username="root", password="pw-Long-enough-1")
+    client = Client()
+    client.force_login(admin)
+    cluster = clusters["alpha"]
+    listing = client.get("/admin/provisioning/virtualcluster/")
+    assert listing.status_code == 200 and f">{cluster.pk}<" in listing.content.decode()
+    page = client.get(f"/admin/provisioning/virtualcluster/{cluster.pk}/change/").content.decode()
+    assert "running_acceptance_tests" in page and "SHA256:" in page
+    assert ClusterCredential.objects.get(cluster=cluster).ciphertext not in page and "PRIVATE KEY" not in page
+    response = client.post("/admin/provisioning/virtualcluster/", {
+        "action": "retry_clusters", "_selected_action": [cluster.pk]}, follow=True)
+    assert "only a failed cluster can be retried" in response.content.decode()

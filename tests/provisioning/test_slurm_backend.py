@@ -1,0 +1,202 @@
+"""The Slurm backend against a real slurmctld: every check reads Slurm's own state back."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, timedelta
+
+import pytest
+from django.core.management import call_command
+
+from portal.core.exceptions import DomainError
+from provisioning import services
+from provisioning.models import VirtualCluster
+from reservations.choices import HOLDING_STATUSES, NodeState
+from reservations.models import Allocation, Node, Reservation
+from reservations.services import node_update, reservation_cancel, reservation_update
+from tests.conftest import make_world
+
+from .conftest import book, now_slot, scontrol
+
+pytestmark = [pytest.mark.slurm, pytest.mark.django_db]
+
+
+def booked(world, who, start, **kwargs) -> Reservation:
+    """Book, create the cluster (what the confirmed event does) and sync the booking to Slurm."""
+    reservation = book(world, who, start, **kwargs)
+    services.cluster_create_for_reservation(reservation_id=reservation.pk)
+    assert services.reservation_sync(reservation_id=reservation.pk) == "booked"
+    return reservation
+
+
+def hosts(reservation) -> list[str]:
+    return sorted(Allocation.objects.filter(reservation=reservation, active=True)
+                  .values_list("node__hostname", flat=True))
+
+
+def slurm_time(dt) -> str:
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+@pytest.fixture
+def fleet(db, slurm_backend):
+    return make_world(nodes=6, max_nodes=6, burst_nodes=0)
+
+
+def test_booking_extension_and_cancel_show_up_in_scontrol(fleet, t0, prov_slurm, slurm_backend):
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=2)
+    name = f"alpha-{reservation.pk}"
+    raw = scontrol(prov_slurm, "show", "reservation", name, "--oneliner")
+    assert f"ReservationName={name} " in raw
+    assert f"StartTime={slurm_time(t0)} " in raw and f"EndTime={slurm_time(t0 + timedelta(hours=2))} " in raw
+    assert "Accounts=alpha " in raw
+    assert sorted(slurm_backend.show_reservation(name).nodes) == hosts(reservation)
+
+    reservation_update(actor=fleet.users["alpha-lead"], reservation=reservation, end=t0 + timedelta(hours=5))
+    assert services.reservation_sync(reservation_id=reservation.pk) == "booked"
+    assert f"EndTime={slurm_time(t0 + timedelta(hours=5))} " in scontrol(prov_slurm, "show", "reservation", name)
+
+    reservation_cancel(actor=fleet.users["alpha-lead"], reservation=reservation)
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_teardown(cluster_id=cluster.pk) == "deleted"
+    assert name not in slurm_backend.show_reservations()
+    assert name not in scontrol(prov_slurm, "show", "reservation")
+
+
+def test_provisioning_on_slurm_reaches_ready(fleet, t0, slurm_backend):
+    reservation = booked(fleet, "beta-lead", t0, hours=2, nodes=3)
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert cluster.backend == "slurm"
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    cluster.refresh_from_db()
+    assert cluster.connection["slurm_reservation"] == f"beta-{reservation.pk}"
+    assert "sbatch --reservation=beta-" in cluster.connection["submit_hint"]
+    assert cluster.transitions.get(phase="allocating_nodes").detail == \
+        f"Slurm reservation beta-{reservation.pk} unchanged"  # booked at confirm time already
+    assert "on 3 nodes (INACTIVE)" in cluster.transitions.get(phase="running_acceptance_tests").detail
+    # The end: teardown deletes it.
+    services.lifecycle_tick(now=t0 + timedelta(hours=2))
+    assert services.cluster_teardown(cluster_id=cluster.pk) == "deleted"
+    assert not slurm_backend.show_reservations()
+
+
+def test_a_failed_node_is_drained_and_swapped_out_of_the_slurm_reservation(fleet, prov_slurm, slurm_backend):
+    reservation = booked(fleet, "alpha-lead", now_slot(fleet), hours=3, nodes=2)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    name = f"alpha-{reservation.pk}"
+    assert slurm_backend.show_reservation(name).active
+    bad = Node.objects.get(hostname=hosts(reservation)[0])
+
+    before = set(hosts(reservation))
+    node_update(actor=fleet.users["staff"], node=bad, state=NodeState.FAILED, reason="XID 79 fell off the bus")
+    assert services.node_sync(node_id=bad.pk) == {"replaced": 1}
+    [spare] = set(hosts(reservation)) - before
+    # What our node.replaced subscriber enqueues:
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad.hostname, spare=spare) == \
+        "replaced"
+    raw = scontrol(prov_slurm, "show", "node", bad.hostname)
+    assert "DRAIN" in raw and "Reason=portal: failed: XID 79 fell off the bus" in raw
+    now_hosts = hosts(reservation)
+    assert bad.hostname not in now_hosts
+    assert sorted(slurm_backend.show_reservation(name).nodes) == now_hosts
+    cluster.refresh_from_db()
+    assert cluster.status == "ready"
+
+    node_update(actor=fleet.users["staff"], node=bad, state=NodeState.AVAILABLE, reason="")
+    services.node_sync(node_id=bad.pk)
+    assert not slurm_backend.show_node(bad.hostname).drained
+
+
+def test_slurm_never_answers_overlap_for_what_the_portal_allocated(fleet, t0, slurm_backend, caplog):
+    """Random bookings, moves, extensions and cancels, synced in a scrambled order.
+
+    A stale Slurm reservation (moved or cancelled in the portal, not yet synced) can stand
+    where a newer booking goes; the sync converges the stale one first instead of failing.
+    """
+    caplog.set_level("INFO", logger="provisioning.services")
+    rng = random.Random(20260301)
+    who = ["alpha-lead", "beta-lead"]
+    pending: set[int] = set()
+    outcomes: list[str] = []
+
+    def sync_some(count: int) -> None:
+        # Newest first: a new booking reaches Slurm before the older change that freed its nodes.
+        for rid in sorted(pending, reverse=True)[:count]:
+            outcomes.append(services.reservation_sync(reservation_id=rid))  # raises on a lasting overlap
+            pending.discard(rid)
+
+    for _step in range(45):
+        op = rng.choice(["book", "book", "move", "extend", "cancel"])
+        live = list(Reservation.objects.filter(status__in=HOLDING_STATUSES))
+        try:
+            if op == "book" or not live:
+                start = t0 + timedelta(hours=rng.randrange(0, 4))
+                reservation = book(fleet, rng.choice(who), start, hours=rng.randrange(1, 4),
+                                   nodes=rng.randrange(1, 4))
+                services.cluster_create_for_reservation(reservation_id=reservation.pk)
+            else:
+                reservation = rng.choice(live)
+                actor = fleet.users[f"{reservation.tenant.slug}-lead"]
+                if op == "cancel":
+                    reservation_cancel(actor=actor, reservation=reservation)
+                elif op == "move":
+                    shift = timedelta(hours=rng.choice([-2, -1, 1, 2]))
+                    reservation_update(actor=actor, reservation=reservation, start=reservation.start + shift,
+                                       end=reservation.end + shift)
+                else:
+                    reservation_update(actor=actor, reservation=reservation,
+                                       end=reservation.end + timedelta(hours=rng.choice([-1, 1, 2])))
+        except DomainError:
+            continue  # refused by the portal (capacity, quota, past): nothing changed
+        pending.add(reservation.pk)
+        if rng.random() < 0.3:
+            sync_some(rng.randrange(1, 4))
+    sync_some(len(pending))
+
+    assert "booked" in outcomes and "released" in outcomes
+    repairs = caplog.text.count("is in the way of")
+    print(f"{len(outcomes)} syncs, {repairs} stale bookings converged first")
+    assert repairs >= 1  # the scrambled order did put stale bookings in the way
+    in_slurm = slurm_backend.show_reservations()
+    holding = Reservation.objects.filter(status__in=HOLDING_STATUSES)
+    assert set(in_slurm) == {f"{r.tenant.slug}-{r.pk}" for r in holding}
+    for reservation in holding:
+        res = in_slurm[f"{reservation.tenant.slug}-{reservation.pk}"]
+        assert sorted(res.nodes) == hosts(reservation)
+        assert (res.start, res.end) == (reservation.start, reservation.end)
+
+
+def test_reconcile_finds_and_repairs_drift_both_ways(fleet, t0, slurm_backend, capsys):
+    kept = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    lost = booked(fleet, "beta-lead", t0, hours=2, nodes=1)
+    kept_name, lost_name = f"alpha-{kept.pk}", f"beta-{lost.pk}"
+    free = sorted(set(n.hostname for n in fleet.nodes) - set(hosts(kept)) - set(hosts(lost)))
+    # Drift made by hand in Slurm:
+    slurm_backend.delete_reservation(lost_name)                               # a booking Slurm lost
+    slurm_backend.update_reservation(kept_name, end=t0 + timedelta(hours=9))  # one it holds differently
+    slurm_backend.create_reservation("alpha-99999", [free[0]], t0, t0 + timedelta(hours=1), accounts=["alpha"])
+    slurm_backend.create_reservation("maint-window", [free[1]], t0, t0 + timedelta(hours=1), users=["root"])
+    Node.objects.filter(hostname=free[2]).update(state=NodeState.FAILED)     # failed in the portal only
+    slurm_backend.drain_node(free[3], "portal: stale drain")                # drained by us, now fine
+
+    with pytest.raises(SystemExit) as exit_info:
+        call_command("reconcile")
+    assert exit_info.value.code == 1
+    report = capsys.readouterr().out
+    for expected in (f"slurm: missing {lost_name}", f"slurm: mismatch {kept_name}", "slurm: orphan alpha-99999",
+                     f"slurm: node {free[2]}", f"slurm: node {free[3]}", "5 drift(s), 0 repaired"):
+        assert expected in report, report
+    assert "maint-window" not in report  # an operator's reservation is none of our business
+
+    call_command("reconcile", "--fix")
+    assert "5 drift(s), 5 repaired" in capsys.readouterr().out
+    in_slurm = slurm_backend.show_reservations()
+    assert set(in_slurm) == {kept_name, lost_name, "maint-window"}
+    assert in_slurm[kept_name].end == t0 + timedelta(hours=2)
+    assert sorted(in_slurm[lost_name].nodes) == hosts(lost)
+    assert slurm_backend.show_node(free[2]).drained and not slurm_backend.show_node(free[3]).drained
+    call_command("reconcile")
+    assert "0 drift(s)" in capsys.readouterr().out
