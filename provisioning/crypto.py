@@ -1,64 +1,21 @@
-"""Secrets at rest: MultiFernet over PORTAL_FERNET_KEYS, and SSH key pairs made with cryptography.
+"""Cluster credentials: SSH key pairs made with cryptography, encrypted at rest by portal.core.crypto.
 
-PORTAL_FERNET_KEYS is a list of Fernet keys (url-safe base64 of 32 bytes), newest first.
-New secrets are encrypted with the first key; any key in the list decrypts, so rotating is:
-put a new key first, run ``manage.py rotate_credentials`` (re-encrypts every stored secret
-with the new key), then drop the old key.
+Rotating the encryption key: put a new key first in PORTAL_FERNET_KEYS, run
+``manage.py rotate_credentials`` (re-encrypts every stored secret), then drop the old key.
 """
 
 from __future__ import annotations
 
 import base64
-import functools
 import hashlib
 
-from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
+
+from portal.core.crypto import SecretUnreadable, encrypt, rotate
+from portal.core.crypto import decrypt_bytes as decrypt
 
 __all__ = ["SecretUnreadable", "encrypt", "decrypt", "rotate", "ssh_keypair", "SshKeyPair"]
-
-
-class SecretUnreadable(Exception):
-    """No configured key decrypts this token (its key was removed too early)."""
-
-
-@functools.lru_cache(maxsize=8)
-def _multifernet(keys: tuple[str, ...]) -> MultiFernet:
-    if not keys:
-        raise ImproperlyConfigured("PORTAL_FERNET_KEYS is empty: credentials cannot be encrypted.")
-    try:
-        return MultiFernet([Fernet(key) for key in keys])
-    except (ValueError, TypeError) as exc:
-        raise ImproperlyConfigured(f"PORTAL_FERNET_KEYS holds an invalid Fernet key: {exc}") from None
-
-
-def _fernet() -> MultiFernet:
-    return _multifernet(tuple(settings.PORTAL_FERNET_KEYS))
-
-
-def encrypt(plaintext: str | bytes) -> str:
-    """Encrypt with the primary (first) key; return the token as text."""
-    data = plaintext.encode() if isinstance(plaintext, str) else plaintext
-    return _fernet().encrypt(data).decode()
-
-
-def decrypt(token: str) -> bytes:
-    """Decrypt with whichever configured key made the token."""
-    try:
-        return _fernet().decrypt(token.encode())
-    except InvalidToken:
-        raise SecretUnreadable("no key in PORTAL_FERNET_KEYS decrypts this secret") from None
-
-
-def rotate(token: str) -> str:
-    """Re-encrypt a token with the primary key (readable by any configured key)."""
-    try:
-        return _fernet().rotate(token.encode()).decode()
-    except InvalidToken:
-        raise SecretUnreadable("no key in PORTAL_FERNET_KEYS decrypts this secret") from None
 
 
 class SshKeyPair:

@@ -40,3 +40,20 @@ def test_key_rotation_keeps_old_secrets_readable():
 def test_mask_shows_only_the_tail():
     assert crypto.mask("https://hooks.slack.com/services/abcd") == "••••••••abcd"
     assert crypto.mask("") == ""
+
+
+def test_rotate_command_re_encrypts_webhook_urls_under_the_new_key():
+    import io
+
+    from django.conf import settings
+    from django.core.management import call_command
+
+    url = "https://hooks.slack.com/services/T1/B1/rotate-me"
+    tenant = Tenant.objects.create(slug="rot", name="Rot", slack_webhook_url=url)
+    new_key = Fernet.generate_key().decode()
+    with override_settings(PORTAL_FERNET_KEYS=[new_key, *settings.PORTAL_FERNET_KEYS]):
+        out = io.StringIO()
+        call_command("rotate_credentials", stdout=out)
+        assert "1 other secret" in out.getvalue()
+    with override_settings(PORTAL_FERNET_KEYS=[new_key]):  # the old key is gone: still readable
+        assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == url

@@ -1,33 +1,67 @@
-"""Secrets at rest: MultiFernet over PORTAL_FERNET_KEYS (first key encrypts, every key decrypts)."""
+"""Secrets at rest: MultiFernet over PORTAL_FERNET_KEYS (first key encrypts, every key decrypts).
+
+PORTAL_FERNET_KEYS is a list of Fernet keys (url-safe base64 of 32 bytes), newest first.
+Rotating is: put a new key first, re-encrypt the stored secrets (``manage.py
+rotate_credentials``), then drop the old key.
+"""
 
 from __future__ import annotations
+
+import functools
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import models
 
-__all__ = ["encrypt", "decrypt", "rotate", "EncryptedTextField", "InvalidToken", "mask"]
+__all__ = [
+    "encrypt", "decrypt", "decrypt_bytes", "rotate", "mask", "EncryptedTextField", "InvalidToken", "SecretUnreadable",
+    "rotate_encrypted_columns",
+]
+
+
+class SecretUnreadable(InvalidToken):
+    """No configured key decrypts this token (its key was removed too early)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _multifernet(keys: tuple[str, ...]) -> MultiFernet:
+    if not keys:
+        raise ImproperlyConfigured("PORTAL_FERNET_KEYS is empty: secrets cannot be stored.")
+    try:
+        return MultiFernet([Fernet(key) for key in keys])
+    except (ValueError, TypeError) as exc:
+        raise ImproperlyConfigured(f"PORTAL_FERNET_KEYS holds an invalid Fernet key: {exc}") from None
 
 
 def _fernet() -> MultiFernet:
-    keys = [k for k in getattr(settings, "PORTAL_FERNET_KEYS", []) if k]
-    if not keys:
-        raise ImproperlyConfigured("PORTAL_FERNET_KEYS is empty: secrets cannot be stored.")
-    return MultiFernet([Fernet(k.encode() if isinstance(k, str) else k) for k in keys])
+    return _multifernet(tuple(k for k in getattr(settings, "PORTAL_FERNET_KEYS", []) if k))
 
 
-def encrypt(plaintext: str) -> str:
-    return _fernet().encrypt(plaintext.encode()).decode()
+def encrypt(plaintext: str | bytes) -> str:
+    """Encrypt with the primary (first) key; return the token as text."""
+    data = plaintext.encode() if isinstance(plaintext, str) else plaintext
+    return _fernet().encrypt(data).decode()
+
+
+def decrypt_bytes(token: str) -> bytes:
+    """Decrypt with whichever configured key made the token."""
+    try:
+        return _fernet().decrypt(token.encode())
+    except InvalidToken:
+        raise SecretUnreadable("no key in PORTAL_FERNET_KEYS decrypts this secret") from None
 
 
 def decrypt(token: str) -> str:
-    return _fernet().decrypt(token.encode()).decode()
+    return decrypt_bytes(token).decode()
 
 
 def rotate(token: str) -> str:
-    """Re-encrypt token under the newest key (after a key was prepended to PORTAL_FERNET_KEYS)."""
-    return _fernet().rotate(token.encode()).decode()
+    """Re-encrypt a token with the primary key (after a key was prepended to PORTAL_FERNET_KEYS)."""
+    try:
+        return _fernet().rotate(token.encode()).decode()
+    except InvalidToken:
+        raise SecretUnreadable("no key in PORTAL_FERNET_KEYS decrypts this secret") from None
 
 
 def mask(secret: str, keep: int = 4) -> str:
@@ -50,3 +84,27 @@ class EncryptedTextField(models.TextField):
         if not value:
             return value
         return encrypt(value)
+
+
+def rotate_encrypted_columns() -> int:
+    """Re-encrypt every EncryptedTextField value of every model with the primary key; return the count.
+
+    Works on the stored ciphertext with raw SQL (the field would hand Python the plaintext),
+    one table at a time, each in its own transaction.
+    """
+    from django.apps import apps
+    from django.db import connection, transaction
+
+    count = 0
+    for model in apps.get_models():
+        for field in model._meta.concrete_fields:
+            if not isinstance(field, EncryptedTextField):
+                continue
+            table, column, pk = model._meta.db_table, field.column, model._meta.pk.column
+            qn = connection.ops.quote_name
+            with transaction.atomic(), connection.cursor() as cur:
+                cur.execute(f"SELECT {qn(pk)}, {qn(column)} FROM {qn(table)} WHERE {qn(column)} <> '' FOR UPDATE")  # noqa: S608
+                rows = [(rotate(value), key) for key, value in cur.fetchall()]
+                cur.executemany(f"UPDATE {qn(table)} SET {qn(column)} = %s WHERE {qn(pk)} = %s", rows)  # noqa: S608
+            count += len(rows)
+    return count

@@ -6,12 +6,14 @@ run this, then drop the old keys.
 
 from django.core.management.base import BaseCommand
 
+from portal.core.crypto import rotate_encrypted_columns
 from provisioning.services import credentials_rotate
 
 
 class Command(BaseCommand):
-    help = "Re-encrypt all cluster credentials with the primary Fernet key."
+    help = "Re-encrypt all stored secrets (cluster credentials, webhook URLs and secrets) with the primary key."
 
     def handle(self, *args, **options):
         count = credentials_rotate()
-        self.stdout.write(f"re-encrypted {count} credential(s)")
+        fields = rotate_encrypted_columns()
+        self.stdout.write(f"re-encrypted {count} credential(s) and {fields} other secret(s)")
