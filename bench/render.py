@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, app_server, base_database_url, manage, recreate_database, redis_url  # noqa: E402
+from _common import ROOT, app_server, base_database_url, manage, private_redis_url, recreate_database  # noqa: E402
 
 LIMIT_MS = 1000.0
 USER, PASSWORD = "bench-lead", "bench-render-password-1"  # noqa: S105 — a throwaway scratch database
@@ -120,8 +120,9 @@ def main() -> int:
     args = parser.parse_args()
 
     db_url = recreate_database(base_database_url(), "portal_bench_render")
-    env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_url(), "DJANGO_SETTINGS_MODULE":
-           "portal.settings.dev", "DEBUG": "False", "CACHE_KEY_PREFIX": "bench-render"}
+    env = {**os.environ, "DATABASE_URL": db_url,
+           "REDIS_URL": (_redis := private_redis_url()), "CELERY_BROKER_URL": _redis,
+           "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "DEBUG": "False", "CACHE_KEY_PREFIX": "bench-render"}
     manage(env, "migrate", "--no-input", "-v", "0")
     manage(env, "collectstatic", "--no-input", "-v", "0")
     day, in_month = seed(env, args.events)
