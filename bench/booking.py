@@ -79,8 +79,15 @@ def run_clients(jobs, clients: int, fn) -> tuple[float, list[float], dict[str, i
     queue = list(enumerate(jobs))
     latencies: list[float] = []
     outcomes: dict[str, int] = {}
+    errors: list[BaseException] = []
 
     def worker():
+        try:
+            work()
+        except BaseException as exc:  # re-raised below: a benchmark that half-ran must not report
+            errors.append(exc)
+
+    def work():
         state = fn()
         while True:
             with lock:
@@ -100,6 +107,8 @@ def run_clients(jobs, clients: int, fn) -> tuple[float, list[float], dict[str, i
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return time.perf_counter() - start, latencies, outcomes
 
 
@@ -168,8 +177,9 @@ def sql_phase(db_url: str, jobs, clients: int, t0: datetime):
                                 return "capacity_unavailable"
                             rid = conn.execute(
                                 "INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name,"
-                                " status, status_reason, billing, orchestrator, cuda_version, created_at, updated_at)"
-                                " VALUES (%(t)s, %(p)s, %(n)s, tstzrange(%(s)s, %(e)s), '', 'confirmed', '',"
+                                " status, status_reason, missing_nodes, billing, orchestrator, cuda_version,"
+                                " created_at, updated_at)"
+                                " VALUES (%(t)s, %(p)s, %(n)s, tstzrange(%(s)s, %(e)s), '', 'confirmed', '', 0,"
                                 " 'committed', 'slurm', '12.8', now(), now()) RETURNING id", p).fetchone()[0]
                             with conn.cursor() as cur:
                                 cur.executemany(

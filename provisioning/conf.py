@@ -7,34 +7,10 @@ its default, so a worker started with only environment variables behaves like th
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
-from typing import Any
 
-from django.conf import settings
+from portal.core.conf import setting, setting_float, setting_int  # noqa: F401 - re-exported for this app
 
 __all__ = ["setting", "setting_int", "setting_float", "phase_seconds", "backend_names"]
-
-_MISSING = object()
-
-
-def setting(name: str, default: Any = None, cast: Callable[[str], Any] | None = None) -> Any:
-    """Return settings.NAME, else $NAME (cast), else default."""
-    value = getattr(settings, name, _MISSING)
-    if value is not _MISSING:
-        return value
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    return cast(raw) if cast else raw
-
-
-def setting_int(name: str, default: int) -> int:
-    return int(setting(name, default, int))
-
-
-def setting_float(name: str, default: float) -> float:
-    return float(setting(name, default, float))
 
 
 # Demo defaults: long enough to watch the phases move on the cluster page.

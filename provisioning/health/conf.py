@@ -27,34 +27,11 @@
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
 from typing import Any
 
-from django.conf import settings
-
-_MISSING = object()
+from portal.core.conf import setting, setting_float, setting_int  # noqa: F401 - re-exported for this app
 
 LEVEL_TIMEOUTS_S = {"quick": 300.0, "medium": 3600.0, "full": 14400.0}
-
-
-def setting(name: str, default: Any = None, cast: Callable[[str], Any] | None = None) -> Any:
-    """Return settings.NAME, else $NAME (cast), else default."""
-    value = getattr(settings, name, _MISSING)
-    if value is not _MISSING:
-        return value
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    return cast(raw) if cast else raw
-
-
-def setting_int(name: str, default: int) -> int:
-    return int(setting(name, default, int))
-
-
-def setting_float(name: str, default: float) -> float:
-    return float(setting(name, default, float))
 
 
 def agent_queue_mode() -> str:
