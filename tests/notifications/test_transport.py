@@ -23,7 +23,7 @@ from .receiver import (
     WebhookReceiver,
 )
 
-SECRET_PATH = "/services/T0AAAAAAA/B0BBBBBBB/s3cr3tT0k3nXXXXXXXXXXXXX"
+SECRET_PATH = "/services/T0AAAAAAA/B0BBBBBBB/s3cr3tT0k3nQQQQQQQQQQQQQ"
 BODY = b'{"text":"hello"}'
 
 
