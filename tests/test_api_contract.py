@@ -18,6 +18,7 @@ DESIGN_PATHS = [
     "/api/v1/tenants/", "/api/v1/tenants/{slug}/", "/api/v1/users/", "/api/v1/memberships/", "/api/v1/pools/",
     "/api/v1/nodes/", "/api/v1/nodes/{id}/", "/api/v1/quotas/", "/api/v1/quotas/{id}/", "/api/v1/reservations/",
     "/api/v1/reservations/{id}/", "/api/v1/reservations/{id}/cancel/", "/api/v1/availability/",
+    "/api/v1/clusters/", "/api/v1/clusters/{id}/", "/api/v1/clusters/{id}/health-checks/", "/api/v1/health-checks/",
 ]
 
 
