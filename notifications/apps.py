@@ -12,4 +12,4 @@ class NotificationsConfig(AppConfig):
 
         # One subscriber for everything: it translates the events it knows and ignores the rest,
         # so events added by other apps later are safe until someone maps them.
-        events.subscribe("*", on_event)
+        events.subscribe("*", on_event, background=True)

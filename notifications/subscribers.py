@@ -1,7 +1,8 @@
 """Domain-event subscriber: decide cheaply whether anyone listens, then queue the fan-out.
 
-Runs in the emitting process after its transaction commits, so it must be quick and must
-never raise into the caller (portal.core.events logs and swallows anyway).
+A background subscriber (portal.core.events): it runs in a Celery worker after the emitting
+transaction committed, so the request that caused the event never waits for it. It must
+never raise (portal.core.events logs and swallows anyway).
 """
 
 from __future__ import annotations

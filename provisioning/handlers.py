@@ -60,7 +60,9 @@ def on_reservation_degraded(event: str, payload: dict[str, Any]) -> None:
 
 
 def connect() -> None:
-    events.subscribe("reservation.confirmed", on_reservation_confirmed)
+    # Creating the cluster is a transaction of its own: a worker does it, not the booking request.
+    # (Any lost message is repaired by the lifecycle tick, which creates missing clusters.)
+    events.subscribe("reservation.confirmed", on_reservation_confirmed, background=True)
     events.subscribe("reservation.changed", on_reservation_changed)
     events.subscribe("reservation.cancelled", on_reservation_cancelled)
     events.subscribe("node.state_changed", on_node_state_changed)

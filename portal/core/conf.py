@@ -11,7 +11,7 @@ from typing import Any
 
 from django.conf import settings
 
-__all__ = ["setting", "setting_int", "setting_float"]
+__all__ = ["setting", "setting_int", "setting_float", "setting_bool"]
 
 _MISSING = object()
 
@@ -33,3 +33,8 @@ def setting_int(name: str, default: int) -> int:
 
 def setting_float(name: str, default: float) -> float:
     return float(setting(name, default, float))
+
+
+def setting_bool(name: str, default: bool) -> bool:
+    value = setting(name, default, lambda raw: raw.strip().lower() in {"1", "true", "yes", "on"})
+    return bool(value)

@@ -204,6 +204,9 @@ PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
 PORTAL_METRICS_ALLOWED_NETWORKS = env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=["127.0.0.0/8", "::1/128"])
 PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
 PORTAL_CELERY_QUEUES = ["default", "provisioning", "health", "notifications"]
+# Background event subscribers (cluster creation, notification fan-out) run in a worker via one
+# core.dispatch_event task per event; True runs them in the emitting process after commit.
+PORTAL_EVENTS_INLINE = env.bool("PORTAL_EVENTS_INLINE", default=False)
 
 LOGGING = {
     "version": 1,

@@ -6,6 +6,9 @@ from .base import env
 DEBUG = False
 SECRET_KEY = "test-only-secret-key"  # noqa: S105
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+# In-process tests see the effects of background event subscribers right after the commit
+# (django_capture_on_commit_callbacks); tests/test_events.py covers the Celery path for real.
+PORTAL_EVENTS_INLINE = True
 PORTAL_THROTTLE_USER = "100000/min"
 PORTAL_THROTTLE_ANON = "100000/min"
 CACHES["default"]["KEY_PREFIX"] = env("CACHE_KEY_PREFIX", default="portal-test")  # noqa: F405

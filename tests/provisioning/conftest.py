@@ -108,8 +108,9 @@ class Worker:
         self.kill(signal.SIGTERM)
 
 
-def start_worker(log_dir: Path, *, redis_url: str | None = None, concurrency: int = 2, **env_extra: str) -> Worker:
-    """Start `celery -A portal worker` on the provisioning queue against the test database."""
+def start_worker(log_dir: Path, *, redis_url: str | None = None, concurrency: int = 2, queues: str = "provisioning",
+                 **env_extra: str) -> Worker:
+    """Start `celery -A portal worker` on the provisioning queue (or queues) against the test database."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "portal.settings.test",
@@ -123,7 +124,7 @@ def start_worker(log_dir: Path, *, redis_url: str | None = None, concurrency: in
     log = log_dir / f"worker-{uuid.uuid4().hex[:8]}.log"
     handle = log.open("wb")
     proc = subprocess.Popen(  # noqa: S603 - fixed argv
-        [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", "provisioning", "-c", str(concurrency),
+        [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queues, "-c", str(concurrency),
          "-P", "prefork", "-l", "info", "-n", f"prov-test-{uuid.uuid4().hex[:6]}@%h",
          "--without-gossip", "--without-mingle", "--without-heartbeat"],
         cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
@@ -140,12 +141,12 @@ def start_worker(log_dir: Path, *, redis_url: str | None = None, concurrency: in
     return worker
 
 
-def purge_provisioning_queue(broker_url: str | None = None) -> None:
-    """Drop messages earlier tests left in the provisioning queue of our Redis db."""
+def purge_provisioning_queue(broker_url: str | None = None, queue: str = "provisioning") -> None:
+    """Drop messages earlier tests left in the provisioning queue (or queue) of our Redis db."""
     from portal.celery import app
 
     with app.connection_for_write(broker_url) as conn:
-        conn.default_channel.queue_purge("provisioning")
+        conn.default_channel.queue_purge(queue)
 
 
 @pytest.fixture(scope="module")
