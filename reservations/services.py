@@ -193,15 +193,65 @@ def _z(dt: datetime) -> str:
     return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _allocate(*, reservation: Reservation, node_ids: list[int], period: DateTimeTZRange, actor: Any) -> None:
-    # Insert in node-id order: two bookers then wait on each other in the same order and cannot deadlock.
-    Allocation.objects.bulk_create(
-        [
-            Allocation(reservation=reservation, node_id=node_id, period=period, kind=AllocationKind.RESERVATION,
-                       created_by=actor if getattr(actor, "pk", None) else None)
-            for node_id in sorted(node_ids)
-        ]
+# The booking's writes in one statement: the reservation row and its allocations, inserted in
+# node-id order (two bookers then wait on each other in the same order and cannot deadlock).
+# A node won by a concurrent booking fails the whole statement with 23P01 (exclusion constraint).
+_INSERT_BOOKING_SQL = """
+    WITH r AS (
+        INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name, status, status_reason,
+            missing_nodes, billing, orchestrator, cuda_version, created_by_id, created_at, updated_at)
+        VALUES (%(tenant)s, %(pool)s, %(n)s, %(period)s, %(name)s, %(status)s, '', 0, %(billing)s,
+            %(orchestrator)s, %(cuda)s, %(actor)s, %(now)s, %(now)s)
+        RETURNING id
+    ), a AS (
+        INSERT INTO reservations_allocation (reservation_id, node_id, period, kind, active, note, created_by_id,
+            created_at)
+        SELECT r.id, node_id, %(period)s, %(kind)s, true, '', %(actor)s, %(now)s
+        FROM r, unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id
     )
+    SELECT id FROM r
+"""
+
+_ALLOCATE_SQL = """
+    INSERT INTO reservations_allocation (reservation_id, node_id, period, kind, active, note, created_by_id, created_at)
+    SELECT %(reservation)s, node_id, %(period)s, %(kind)s, true, '', %(actor)s, %(now)s
+    FROM unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id
+"""
+
+
+def _actor_id(actor: Any) -> int | None:
+    return getattr(actor, "pk", None)
+
+
+def _insert_booking(
+    *, tenant: Tenant, pool: Pool, node_count: int, period: DateTimeTZRange, name: str, billing: str,
+    orchestrator: str, cuda_version: str, node_ids: list[int], actor: Any,
+) -> Reservation:
+    """Insert a confirmed reservation holding node_ids for period (one round trip); return it."""
+    now = timezone.now()
+    with connection.cursor() as cur:
+        cur.execute(_INSERT_BOOKING_SQL, {
+            "tenant": tenant.pk, "pool": pool.pk, "n": node_count, "period": period, "name": name,
+            "status": ReservationStatus.CONFIRMED, "billing": billing, "orchestrator": orchestrator,
+            "cuda": cuda_version, "actor": _actor_id(actor), "now": now, "kind": AllocationKind.RESERVATION,
+            "nodes": sorted(node_ids),
+        })
+        (reservation_id,) = cur.fetchone()
+    reservation = Reservation(
+        id=reservation_id, tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
+        status=ReservationStatus.CONFIRMED, billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
+        created_by=actor if _actor_id(actor) else None, created_at=now, updated_at=now,
+    )
+    reservation._state.adding = False
+    reservation._state.db = connection.alias
+    return reservation
+
+
+def _allocate(*, reservation: Reservation, node_ids: list[int], period: DateTimeTZRange, actor: Any) -> None:
+    """Allocate node_ids to reservation for period, in node-id order (one statement)."""
+    with connection.cursor() as cur:
+        cur.execute(_ALLOCATE_SQL, {"reservation": reservation.pk, "period": period, "kind": AllocationKind.RESERVATION,
+                                    "actor": _actor_id(actor), "now": timezone.now(), "nodes": sorted(node_ids)})
 
 
 def _with_retry(attempt_fn, *, on_exhausted):
@@ -280,12 +330,11 @@ def _book_once(
         nodes = selectors.free_nodes(pool_id=pool.pk, start=start, end=end, limit=node_count)
         if len(nodes) < node_count:
             raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
-        reservation = Reservation.objects.create(
-            tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
-            billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
-            created_by=actor if getattr(actor, "pk", None) else None,
+        reservation = _insert_booking(
+            tenant=tenant, pool=pool, node_count=node_count, period=period, name=name, billing=billing,
+            orchestrator=orchestrator, cuda_version=cuda_version, node_ids=[node_id for node_id, _ in nodes],
+            actor=actor,
         )
-        _allocate(reservation=reservation, node_ids=[node_id for node_id, _ in nodes], period=period, actor=actor)
         # Handed to the caller so the response needs no second read of what was just written.
         reservation.node_hostnames = sorted(hostname for _, hostname in nodes)
         if idempotency_key:
