@@ -136,3 +136,64 @@ def private_redis_url() -> str:
         except OSError:
             time.sleep(0.1)
     raise SystemExit("bench: the private redis-server did not start")
+
+
+class CpuMeter:
+    """CPU seconds spent by process groups while a phase runs: the answer to "where did the time go".
+
+    Groups are predicates over a process's command line; a background thread samples every
+    process twice a second and keeps each one's highest reading, so processes that start during
+    the phase (new database connections) count in full, and ones that exit count up to their
+    last sample. ``self`` is this benchmark process (its client threads).
+    """
+
+    def __init__(self, groups: dict[str, object]):
+        import threading
+
+        import psutil
+
+        self._psutil = psutil
+        self.groups = groups
+        self._first: dict[int, float] = {}
+        self._last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._self_start = 0.0
+        self.seconds: dict[str, float] = {}
+
+    def _sample(self, *, initial: bool = False) -> None:
+        for proc in self._psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+            try:
+                cmdline = " ".join(proc.info["cmdline"] or [])
+                times = proc.info["cpu_times"]
+            except (self._psutil.Error, TypeError):
+                continue
+            if times is None:
+                continue
+            group = next((name for name, match in self.groups.items() if match(cmdline)), None)
+            if group is None:
+                continue
+            used = times.user + times.system
+            # A process first seen after the start began during the phase: all its CPU counts.
+            self._first.setdefault(proc.info["pid"], used if initial else 0.0)
+            self._last[proc.info["pid"]] = (group, used)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self._sample()
+
+    def __enter__(self) -> CpuMeter:
+        self._sample(initial=True)  # processes alive at the start count from their reading now
+        self._self_start = sum(os.times()[:2])
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        totals: dict[str, float] = {}
+        for pid, (group, used) in self._last.items():
+            totals[group] = totals.get(group, 0.0) + used - self._first.get(pid, 0.0)
+        totals["client"] = sum(os.times()[:2]) - self._self_start
+        self.seconds = totals

@@ -30,6 +30,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     ROOT,
+    CpuMeter,
     app_server,
     base_database_url,
     manage,
@@ -237,15 +238,24 @@ def main() -> int:
            "PORTAL_THROTTLE_USER": "10000000/min", "LOG_LEVEL": "WARNING"}
     print(f"booking benchmark: {args.nodes} nodes, {TENANTS} tenants, {args.clients} clients, "
           f"{args.requests} requests, gunicorn -w {args.workers}, {os.cpu_count()} CPUs")
+    db_name = db_url.rsplit("/", 1)[-1].split("?")[0]
+    groups = {"web": lambda cmd: "gunicorn" in cmd and "portal.wsgi" in cmd,
+              "postgres": lambda cmd: cmd.startswith("postgres: ") and f" {db_name} " in cmd}
     with app_server(env, workers=args.workers) as url:
         api_phase(url, tokens, jobs[:50], args.clients, t0 + timedelta(days=200))  # warm-up: imports, pools
         wipe(db_url)
-        api = report("API", *api_phase(url, tokens, jobs, args.clients, t0))
+        with CpuMeter(groups) as api_cpu:
+            api = report("API", *api_phase(url, tokens, jobs, args.clients, t0))
     api_overlaps = overlaps(db_url)
     wipe(db_url)
-    sql = report("raw SQL", *sql_phase(db_url, jobs, args.clients, t0))
+    with CpuMeter(groups) as sql_cpu:
+        sql = report("raw SQL", *sql_phase(db_url, jobs, args.clients, t0))
     sql_overlaps = overlaps(db_url)
     ratio = api / sql
+    for name, meter in (("API", api_cpu), ("raw SQL", sql_cpu)):
+        per = {k: v / len(jobs) * 1000 for k, v in meter.seconds.items()}
+        print(f"{name:>8}: CPU per booking {sum(per.values()):.1f} ms = "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(per.items(), key=lambda kv: -kv[1])))
     print(f"overlapping allocations: API {api_overlaps}, raw SQL {sql_overlaps}")
     print(f"RATIO api/sql = {ratio:.2f} (goal >= 0.50) -> {'PASS' if ratio >= 0.5 else 'BELOW GOAL'}")
     return 0 if api_overlaps == sql_overlaps == 0 else 1
