@@ -13,3 +13,8 @@ LOCK_TICK = 71_002
 LOCK_TENANT_NETWORK = 71_003
 # Converging one reservation's booking with the backend (Slurm reservation).
 LOCK_BOOKING = 71_004
+
+# Taken inside PostgreSQL, not from Python, and listed here so no key is used twice: the
+# availability summary's allocation trigger (reservations migration 0006) serialises changes
+# to one node's off-grid allocations with pg_advisory_xact_lock(72001, node id).
+LOCK_SLOT_USAGE_NODE = 72_001

@@ -169,6 +169,44 @@ class Allocation(models.Model):
         return f"{self.node} {self.period}"
 
 
+class PoolSlotUsage(models.Model):
+    """Busy nodes of a pool per slot, compacted: reading availability touches one row per slot.
+
+    Written only by PostgreSQL (migration 0006): the allocation and node triggers append
+    PoolSlotUsageDelta rows, compaction folds them in here. busy + the slot's pending deltas =
+    the pool's available nodes with an active allocation touching the slot.
+    """
+
+    # No database FK: its commit-time check would lock the pool row from inside the booking
+    # triggers and compaction (see migration 0006 on lock order); Django still cascades deletes.
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="+", db_index=False, db_constraint=False)
+    slot = models.DateTimeField(help_text="Start of the slot on the pool's UTC-epoch grid.")
+    busy = models.IntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["pool", "slot"], name="%(app_label)s_%(class)s_unique_pool_slot",
+                                    violation_error_message="One usage row per pool and slot."),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.pool_id}@{self.slot:%Y-%m-%dT%H:%MZ}: {self.busy}"
+
+
+class PoolSlotUsageDelta(models.Model):
+    """A pending change of PoolSlotUsage.busy, appended by the triggers: writers never contend on a counter."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="+", db_index=False, db_constraint=False)
+    slot = models.DateTimeField()
+    delta = models.IntegerField()
+
+    class Meta:
+        indexes = [models.Index(fields=["pool", "slot"], name="reservations_usagedelta_slot")]
+
+    def __str__(self) -> str:
+        return f"{self.pool_id}@{self.slot:%Y-%m-%dT%H:%MZ}: {self.delta:+d}"
+
+
 class IdempotencyKey(models.Model):
     """A client's Idempotency-Key on POST /reservations/: the same key returns the same booking."""
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.db import connection
 
 from .choices import HOLDING_STATUSES, NodeState
 from .models import Pool, Reservation
+from .timeutil import EPOCH
 
 __all__ = [
     "Slot",
@@ -34,7 +35,34 @@ def reservations_for_user(*, user):
     return Reservation.objects.for_user(user).select_related("tenant", "pool", "created_by")
 
 
-# Availability as a sweep.
+# Availability from the per-slot summary.
+#
+# PoolSlotUsage holds, per pool and slot, the available nodes with an active allocation touching
+# the slot; the triggers of migration 0006 append a PoolSlotUsageDelta row for every change and
+# compaction (services.slot_usage_compact, every 10 s from beat) folds them in. So when the step
+# is the pool's slot and the window starts on its grid, free nodes per slot = available nodes −
+# (busy + pending deltas): one
+# statement that reads about one row per slot, whatever the number of allocations. A step of
+# several slots needs the distinct nodes busy anywhere in the step, which counts per slot cannot
+# give, and a window off the grid cuts slots: those take the sweep below. The statement checks
+# the pool's slot length itself (first column), in the same snapshot as the rows it reads, and
+# returns one row: the pool's available nodes and the busy count of every slot, in order.
+AVAILABILITY_SUMMARY_SQL = """
+SELECT (SELECT slot_minutes * 60 = %(step_s)s FROM reservations_pool WHERE id = %(pool)s),
+       (SELECT count(*) FROM reservations_node WHERE pool_id = %(pool)s AND state = 'available'),
+       array_agg(coalesce(u.busy, 0) + coalesce(d.busy, 0) ORDER BY g.t)
+FROM generate_series(%(start)s::timestamptz, %(end)s::timestamptz - make_interval(secs => %(step_s)s),
+                     make_interval(secs => %(step_s)s)) AS g(t)
+LEFT JOIN reservations_poolslotusage u
+       ON u.pool_id = %(pool)s AND u.slot = g.t AND u.slot >= %(start)s AND u.slot < %(end)s
+LEFT JOIN (
+    SELECT slot, sum(delta) AS busy FROM reservations_poolslotusagedelta
+    WHERE pool_id = %(pool)s AND slot >= %(start)s AND slot < %(end)s
+    GROUP BY slot
+) d ON d.slot = g.t
+"""
+
+# Availability as a sweep (any step, any window).
 #
 # Free nodes per slot = available nodes of the pool − nodes with an active allocation in the slot.
 # Active allocations of one node never overlap (the exclusion constraint), so when every allocation
@@ -112,17 +140,32 @@ ORDER BY g
 def availability(*, pool: Pool, start: datetime, end: datetime, step: timedelta) -> list[Slot]:
     """Return free nodes per step between start and end: available nodes with no active allocation.
 
-    One sweep in SQL (see AVAILABILITY_GRID_SQL), a second statement only for windows off the grid.
+    One statement: the per-slot summary when step is the pool's slot on its grid
+    (AVAILABILITY_SUMMARY_SQL), else a sweep (AVAILABILITY_GRID_SQL, a second statement only for
+    windows off the grid).
     """
     with connection.cursor() as cur:
         rows = availability_rows(cur.cursor, pool_id=pool.pk, start=start, end=end, step=step)
     return [Slot(start=s, end=e, free_nodes=free) for s, e, free in rows]
 
 
+def _summary_fits(start: datetime, end: datetime, step: timedelta) -> bool:
+    """Whether whole slots of length step, on the UTC-epoch grid, tile [start, end)."""
+    return (start.tzinfo is not None and end > start and step >= timedelta(seconds=1)
+            and not step % timedelta(seconds=1) and not (start - EPOCH) % step and not (end - start) % step)
+
+
 def availability_rows(cursor, *, pool_id: int, start: datetime, end: datetime, step: timedelta) -> list[tuple]:
     """Return [(slot start, slot end, free nodes)] on a DB-API cursor (Django's or plain psycopg)."""
     params = {"pool": pool_id, "start": start, "end": end, "step_s": step.total_seconds(),
               "n": math.ceil((end - start) / step)}
+    if _summary_fits(start, end, step):
+        cursor.execute(AVAILABILITY_SUMMARY_SQL, params)
+        (fits, available, busy), = cursor.fetchall()
+        if fits is True:  # the step is the pool's slot
+            # One row, busy nodes per slot in slot order: the slots themselves are start + i × step.
+            t0 = start.astimezone(UTC)
+            return [(t0 + step * i, t0 + step * (i + 1), available - b) for i, b in enumerate(busy)]
     cursor.execute(AVAILABILITY_GRID_SQL, params)
     rows = cursor.fetchall()
     if rows and not rows[0][3]:

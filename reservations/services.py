@@ -51,6 +51,8 @@ __all__ = [
     "reservation_set_status",
     "request_fingerprint",
     "node_replace_allocations",
+    "slot_usage_compact",
+    "slot_usage_rebuild",
 ]
 
 logger = logging.getLogger(__name__)
@@ -721,3 +723,46 @@ def pool_update(*, actor: Any, pool: Pool, **changes: Any) -> Pool:
         audit_record(actor=actor, action="pool.update", obj=pool,
                      before=before, after={f: str(getattr(pool, f)) for f in POOL_FIELDS})
     return pool
+
+
+# --- the per-slot availability summary (migration 0006) ----------------------------------
+
+
+# Deltas moved per transaction: keeps each compaction short while a backlog drains.
+COMPACT_BATCH = 50_000
+
+
+def slot_usage_compact(*, batch: int = COMPACT_BATCH, max_batches: int = 100) -> int:
+    """Fold pending PoolSlotUsageDelta rows into PoolSlotUsage; return how many were moved.
+
+    Each batch is one statement (its own transaction outside an atomic block): readers see the
+    deltas or their sum, never both. Concurrent compactions take disjoint batches.
+    """
+    moved = 0
+    with connection.cursor() as cur:
+        for _ in range(max_batches):
+            cur.execute("SELECT reservations_slot_usage_compact(%s)", [batch])
+            n = cur.fetchone()[0]
+            moved += n
+            if n < batch:
+                break
+    return moved
+
+
+def slot_usage_rebuild(*, pool_id: int | None = None) -> dict[int, int]:
+    """Recompute the summary of one pool (or every pool) from the allocations; return rows written per pool.
+
+    Waits for the pool's in-flight writers and holds new ones off until the caller's transaction
+    ends (the pool row is locked FOR NO KEY UPDATE), so the result is exact.
+    """
+    written: dict[int, int] = {}
+    with connection.cursor() as cur:
+        if pool_id is None:
+            cur.execute("SELECT id FROM reservations_pool ORDER BY id")
+            pool_ids = [row[0] for row in cur.fetchall()]
+        else:
+            pool_ids = [pool_id]
+        for pk in pool_ids:
+            cur.execute("SELECT reservations_slot_usage_rebuild(%s)", [pk])
+            written[pk] = cur.fetchone()[0]
+    return written

@@ -8,6 +8,7 @@ import environ
 from notifications.schedule import BEAT as _notifications_beat
 from provisioning.health.schedule import BEAT as _health_beat
 from provisioning.schedule import BEAT as _provisioning_beat
+from reservations.schedule import BEAT as _reservations_beat
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 
@@ -178,7 +179,7 @@ CELERY_TASK_ROUTES = {
 }
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BEAT_SCHEDULE = {**_provisioning_beat, **_health_beat, **_notifications_beat}
+CELERY_BEAT_SCHEDULE = {**_reservations_beat, **_provisioning_beat, **_health_beat, **_notifications_beat}
 
 # Booking rules (DESIGN §4).
 PORTAL_BOOKING_HORIZON_DAYS = env.int("PORTAL_BOOKING_HORIZON_DAYS", default=365)

@@ -13,6 +13,10 @@ the clock (completed / active / confirmed). Every active allocation still passes
 constraint: the constraint is re-created after the load and validates all rows, so a generator
 bug cannot produce a double booking.
 
+The availability summary (migration 0006) is not fed row by row: its triggers on nodes and
+allocations are disabled for the load, and each new pool's per-slot rows are rebuilt once at the
+end, in the same transaction (a sweep over the pool's allocations), then pending deltas compacted.
+
 Speed: the secondary indexes, the exclusion constraint and the foreign keys of the two big
 tables are dropped for the COPY and re-created from their own definitions afterwards (one
 bulk build each instead of a million index insertions and deferred FK checks), all in one
@@ -32,7 +36,8 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from reservations.choices import AllocationKind, Billing, NodeState, Orchestrator, ReservationStatus
-from reservations.models import Allocation, Node, Pool, Reservation
+from reservations.models import Allocation, Node, Pool, PoolSlotUsage, PoolSlotUsageDelta, Reservation
+from reservations.services import slot_usage_compact, slot_usage_rebuild
 from tenants.models import Quota, Tenant
 
 PREFIX = "scale-"
@@ -84,22 +89,27 @@ class Command(BaseCommand):
         started = time.monotonic()
         rng = random.Random(o["seed"])
         with transaction.atomic():
-            existing = Pool.objects.filter(name__startswith=PREFIX)
-            if existing.exists():
-                if not o["replace"]:
-                    raise CommandError("Scale data is already loaded; pass --replace to load it again.")
-                self._delete_previous()
-            pools, tenants = self._fleet_frame(o)
-            node_rows = self._copy_nodes(pools, o["nodes"], rng)
-            with _without_secondary_structures(BIG_TABLES):
-                reservations, allocations = self._copy_bookings(node_rows, pools, tenants, o, rng)
-            with connection.cursor() as cur:
-                for table in ("reservations_node", *BIG_TABLES):
-                    cur.execute(f"ANALYZE {table}")
+            loaded = Pool.objects.filter(name__startswith=PREFIX).exists()
+            if loaded and not o["replace"]:
+                raise CommandError("Scale data is already loaded; pass --replace to load it again.")
+            with _without_slot_usage_triggers():
+                if loaded:
+                    self._delete_previous()
+                pools, tenants = self._fleet_frame(o)
+                node_rows = self._copy_nodes(pools, o["nodes"], rng)
+                with _without_secondary_structures(BIG_TABLES):
+                    reservations, allocations = self._copy_bookings(node_rows, pools, tenants, o, rng)
+                with connection.cursor() as cur:
+                    for table in ("reservations_node", *BIG_TABLES):
+                        cur.execute(f"ANALYZE {table}")
+            # The load bypassed the availability summary's triggers: build the new pools' rows once.
+            for pool in pools:
+                slot_usage_rebuild(pool_id=pool.pk)
+        slot_usage_compact()
         if not o["no_vacuum"] and not connection.in_atomic_block:
             # Sets the visibility map so the planner can use index-only scans; not allowed in a transaction.
             with connection.cursor() as cur:
-                for table in ("reservations_node", *BIG_TABLES):
+                for table in ("reservations_node", *BIG_TABLES, "reservations_poolslotusage"):
                     cur.execute(f"VACUUM ANALYZE {table}")
         self.stdout.write(
             f"seed_scale: {len(node_rows)} nodes in {len(pools)} pool(s), {len(tenants)} tenants, "
@@ -114,6 +124,8 @@ class Command(BaseCommand):
             cur.execute("DELETE FROM reservations_allocation a USING reservations_node n "
                         "WHERE n.id = a.node_id AND n.pool_id = ANY(%s)", [pool_ids])
             cur.execute("DELETE FROM reservations_reservation WHERE pool_id = ANY(%s)", [pool_ids])
+        PoolSlotUsageDelta.objects.filter(pool_id__in=pool_ids).delete()
+        PoolSlotUsage.objects.filter(pool_id__in=pool_ids).delete()
         Quota.objects.filter(pool_id__in=pool_ids).delete()
         Node.objects.filter(pool_id__in=pool_ids).delete()
         Pool.objects.filter(id__in=pool_ids).delete()
@@ -304,6 +316,33 @@ def _copy(cur, table: str, columns: str, buf: io.StringIO) -> None:
     with cur.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
         for i in range(0, len(data), chunk):
             copy.write(data[i:i + chunk])
+
+
+SLOT_USAGE_TRIGGERS = [(table, f"reservations_slot_usage_{op}")
+                       for table in ("reservations_node", "reservations_allocation")
+                       for op in ("insert", "update", "delete")]
+
+
+class _without_slot_usage_triggers:
+    """Disable the availability summary's row triggers for the block (inside the caller's transaction).
+
+    A COPY would otherwise hand a million rows to the statement trigger's transition table; the
+    caller rebuilds the summary of what it loaded instead. On an error the transaction rolls back,
+    the ALTERs with it.
+    """
+
+    def __enter__(self):
+        with connection.cursor() as cur:
+            for table, trigger in SLOT_USAGE_TRIGGERS:
+                cur.execute(f'ALTER TABLE {table} DISABLE TRIGGER "{trigger}"')
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            with connection.cursor() as cur:
+                for table, trigger in SLOT_USAGE_TRIGGERS:
+                    cur.execute(f'ALTER TABLE {table} ENABLE TRIGGER "{trigger}"')
+        return False
 
 
 class _without_secondary_structures:

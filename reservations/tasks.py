@@ -1,0 +1,27 @@
+"""Celery entry points of the reservations app: thin, rerunnable, no arguments but ids.
+
+The per-slot availability summary (migration 0006) is kept by PostgreSQL itself: the triggers
+append deltas, services.slot_usage_compact folds them in (compaction). It is one SQL function,
+safe to run at any time and from several processes at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["slot_usage_compact_task"]
+
+
+@shared_task(name="reservations.slot_usage_compact", ignore_result=True)
+def slot_usage_compact_task() -> int:
+    """Every 10 s (beat): fold the availability deltas written since the last run into the per-slot rows."""
+    from .services import slot_usage_compact
+
+    moved = slot_usage_compact()
+    if moved:
+        logger.debug("slot usage compaction moved %d deltas", moved)
+    return moved
