@@ -231,7 +231,7 @@ def demo_channel_ensure() -> Channel | None:
     secret = _setting("PORTAL_DEMO_WEBHOOK_SECRET", "") or signing.generate_secret()
     with transaction.atomic():
         channel = (
-            Channel.objects.select_for_update()
+            Channel.objects.select_for_update(of=("self",))  # not the tenant row its ordering joins
             .filter(tenant=tenant, kind=ChannelKind.WEBHOOK, name="demo")
             .first()
         )

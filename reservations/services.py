@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 EXCLUSION_VIOLATION = "23P01"
 DEADLOCK_DETECTED = "40P01"
+# A booking that lost a race: 23P01 arrives as IntegrityError, 40P01 as OperationalError (Django
+# maps psycopg's DeadlockDetected, a TransactionRollback, there). Callers check the SQLSTATE.
+_COLLISIONS = (IntegrityError, OperationalError)
 MAX_NAME_LENGTH = 200
 
 
@@ -144,7 +147,9 @@ def _classify_billing(
     The row lock serialises one tenant's bookings in one pool, so two concurrent requests
     can never both see the same headroom (check-then-write race).
     """
-    quota = Quota.objects.select_for_update(no_key=True).filter(tenant=tenant, pool=pool).first()
+    # of=self: Quota's default ordering joins tenant and pool, and a plain FOR NO KEY UPDATE would
+    # lock their rows too, serialising every booking of the pool (and every write of the tenant).
+    quota = Quota.objects.select_for_update(no_key=True, of=("self",)).filter(tenant=tenant, pool=pool).first()
     if quota is None:
         raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.")
     hours = (end - start).total_seconds() / 3600
@@ -262,7 +267,7 @@ def _with_retry(attempt_fn, *, on_exhausted):
         try:
             with transaction.atomic():
                 return attempt_fn()
-        except IntegrityError as exc:
+        except _COLLISIONS as exc:
             if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
                 raise
             logger.info("booking collided with a concurrent one (attempt %d): %s", attempt + 1, _sqlstate(exc))
@@ -311,7 +316,7 @@ def reservation_create(
                 orchestrator=orchestrator, cuda_version=cuda_version, idempotency_key=idempotency_key,
                 request_hash=request_hash, now=now,
             )
-        except IntegrityError as exc:
+        except _COLLISIONS as exc:
             if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
                 raise
             logger.info("booking collided with a concurrent one (attempt %d): %s", attempt + 1, _sqlstate(exc))
@@ -439,7 +444,7 @@ def _repoint_allocations(
         with transaction.atomic():
             allocations.update(period=period)
             return
-    except IntegrityError as exc:
+    except _COLLISIONS as exc:
         if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
             raise
     pool, n = reservation.pool, reservation.node_count
@@ -653,7 +658,7 @@ def _insert_spare(*, reservation: Reservation, period: DateTimeTZRange, actor: A
             with transaction.atomic():
                 _allocate(reservation=reservation, node_ids=[nodes[0][0]], period=period, actor=actor)
             return Node.objects.get(pk=nodes[0][0])
-        except IntegrityError as exc:
+        except _COLLISIONS as exc:
             if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
                 raise
     return None

@@ -1,0 +1,102 @@
+"""What a booking locks, and what it does when PostgreSQL reports a collision mid-transaction."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from reservations import selectors
+from reservations.models import Allocation, Reservation
+from reservations.services import reservation_create
+
+from .conftest import make_world
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bookings_of_two_tenants_in_one_pool_do_not_wait_for_each_other(monkeypatch, t0):
+    """Alpha's booking holds its quota row mid-transaction; beta's booking in the same pool completes meanwhile.
+
+    Quota's default ordering joins tenant and pool: a lock that followed the join would hold the
+    pool row, so beta would wait for alpha's commit (here: forever, alpha waits for beta).
+    """
+    world = make_world(nodes=4, max_nodes=2, burst_nodes=0)
+    alpha_holds_quota = threading.Event()
+    beta_done = threading.Event()
+    real_peak = selectors.tenant_peak_usage
+
+    def peak(**kwargs):
+        if threading.current_thread().name == "alpha":
+            alpha_holds_quota.set()
+            beta_done.wait(30)  # keep the transaction open, quota row locked, until beta is through
+        return real_peak(**kwargs)
+
+    monkeypatch.setattr(selectors, "tenant_peak_usage", peak)
+    results: dict[str, object] = {}
+
+    def book(who: str) -> None:
+        try:
+            results[who] = reservation_create(actor=world.users[f"{who}-lead"], tenant=world.tenants[who],
+                                              pool=world.pool, node_count=1, start=t0, end=t0 + timedelta(hours=2))
+        except BaseException as exc:  # asserted below
+            results[who] = exc
+        finally:
+            connection.close()
+
+    alpha = threading.Thread(target=book, args=("alpha",), name="alpha")
+    alpha.start()
+    assert alpha_holds_quota.wait(30)
+    beta = threading.Thread(target=book, args=("beta",), name="beta")
+    beta.start()
+    beta.join(15)
+    finished_while_alpha_held_its_lock = not beta.is_alive()
+    beta_done.set()
+    alpha.join(30)
+    beta.join(30)
+    assert finished_while_alpha_held_its_lock, "beta's booking waited for alpha's transaction"
+    assert isinstance(results["alpha"], Reservation) and isinstance(results["beta"], Reservation)
+    assert Allocation.objects.filter(active=True).count() == 2
+
+
+@pytest.mark.django_db
+def test_a_deadlock_reported_mid_booking_is_retried(monkeypatch, t0):
+    """PostgreSQL aborts the booking with SQLSTATE 40P01 once: the whole transaction is tried again."""
+    world = make_world(nodes=4, max_nodes=2, burst_nodes=0)
+    real_free_nodes = selectors.free_nodes
+    calls = []
+
+    def free_nodes(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:  # the server's own error, as a deadlock victim gets it
+            with connection.cursor() as cur:
+                cur.execute("DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$")
+        return real_free_nodes(**kwargs)
+
+    monkeypatch.setattr(selectors, "free_nodes", free_nodes)
+    reservation = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                     pool=world.pool, node_count=2, start=t0, end=t0 + timedelta(hours=1))
+    assert len(calls) == 2
+    assert reservation.allocations.filter(active=True).count() == 2
+    assert Reservation.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_other_operational_errors_are_not_retried(monkeypatch, t0):
+    from django.db import OperationalError
+
+    world = make_world(nodes=4, max_nodes=2, burst_nodes=0)
+    calls = []
+
+    def free_nodes(**kwargs):
+        calls.append(kwargs)
+        with connection.cursor() as cur:  # 57014: query_canceled (e.g. statement_timeout)
+            cur.execute("DO $$ BEGIN RAISE EXCEPTION 'canceling statement' USING ERRCODE = '57014'; END $$")
+
+    monkeypatch.setattr(selectors, "free_nodes", free_nodes)
+    with pytest.raises(OperationalError):
+        reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                           pool=world.pool, node_count=1, start=t0, end=t0 + timedelta(hours=1))
+    assert len(calls) == 1
+    assert Reservation.objects.count() == 0
