@@ -182,11 +182,13 @@ def sql_phase(db_url: str, jobs, clients: int, t0: datetime):
                                 " created_at, updated_at)"
                                 " VALUES (%(t)s, %(p)s, %(n)s, tstzrange(%(s)s, %(e)s), '', 'confirmed', '', 0,"
                                 " 'committed', 'slurm', '12.8', now(), now()) RETURNING id", p).fetchone()[0]
-                            with conn.cursor() as cur:
-                                cur.executemany(
-                                    "INSERT INTO reservations_allocation (reservation_id, node_id, period, kind,"
-                                    " active, note, created_at) VALUES (%s, %s, tstzrange(%s, %s), 'reservation',"
-                                    " true, '', now())", [(rid, i, p["s"], p["e"]) for i in ids])
+                            # One statement for all the nodes (as the service does): the
+                            # availability-summary trigger then runs once per booking.
+                            conn.execute(
+                                "INSERT INTO reservations_allocation (reservation_id, node_id, period, kind,"
+                                " active, note, created_at) SELECT %(r)s, node_id, tstzrange(%(s)s, %(e)s),"
+                                " 'reservation', true, '', now() FROM unnest(%(ids)s::bigint[]) AS node_id"
+                                " ORDER BY node_id", {**p, "r": rid, "ids": ids})
                             return "created"
                     except psycopg.errors.ExclusionViolation:
                         continue
