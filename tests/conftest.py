@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -79,3 +81,26 @@ def captured_events():
     events.subscribe("*", handler)
     yield seen
     events.unsubscribe("*", handler)
+
+
+@contextmanager
+def availability_statements():
+    """Record the SQL that reservations.selectors.availability runs (a raw psycopg cursor, out of Django's sight)."""
+    from reservations import selectors
+
+    seen: list[str] = []
+    real = selectors.availability_rows
+
+    class Recorder:
+        def __init__(self, cursor):
+            self.cursor = cursor
+
+        def execute(self, sql, params=None):
+            seen.append(sql)
+            return self.cursor.execute(sql, params)
+
+        def fetchall(self):
+            return self.cursor.fetchall()
+
+    with mock.patch.object(selectors, "availability_rows", lambda cursor, **kw: real(Recorder(cursor), **kw)):
+        yield seen

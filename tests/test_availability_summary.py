@@ -12,9 +12,7 @@ import random
 import threading
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from datetime import timedelta
-from unittest import mock
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -28,6 +26,8 @@ from reservations.selectors import availability
 from reservations.services import reservation_cancel, reservation_create, slot_usage_compact, slot_usage_rebuild
 from reservations.timeutil import EPOCH
 from tenants.models import Membership, Quota, Tenant
+
+from .conftest import availability_statements
 
 MICRO = timedelta(microseconds=1)
 STATES = ["available", "available", "available", "draining", "failed"]
@@ -81,30 +81,6 @@ def rebuilt(pool: Pool) -> dict:
             raise _Undo
     except _Undo:
         return result
-
-
-@contextmanager
-def statements():
-    """Record the SQL that reservations.selectors.availability runs (it uses a raw psycopg cursor)."""
-    seen: list[str] = []
-    real = selectors.availability_rows
-
-    class Recorder:
-        def __init__(self, cursor):
-            self.cursor = cursor
-
-        def execute(self, sql, params=None):
-            seen.append(sql)
-            return self.cursor.execute(sql, params)
-
-        def fetchall(self):
-            return self.cursor.fetchall()
-
-    def spy(cursor, **kwargs):
-        return real(Recorder(cursor), **kwargs)
-
-    with mock.patch.object(selectors, "availability_rows", spy):
-        yield seen
 
 
 def free_by_brute_force(pool: Pool, start, end, step) -> list[tuple]:
@@ -256,7 +232,7 @@ def test_availability_answers_from_the_summary_like_the_sweep(t0, seed):
                 slot_usage_compact()
             start = t0 + step * offset_slots - timedelta(hours=1)
             end = start + timedelta(hours=24)
-            with statements() as seen:
+            with availability_statements() as seen:
                 got = [(s.start, s.end, s.free_nodes) for s in availability(pool=pool, start=start, end=end,
                                                                             step=step)]
             assert seen == [selectors.AVAILABILITY_SUMMARY_SQL]
@@ -275,7 +251,7 @@ def test_off_grid_windows_and_wide_steps_take_the_sweep(t0):
         (t0, t0 + timedelta(minutes=100), timedelta(minutes=30)),  # a partial last slot
     ]
     for start, end, step in cases:
-        with statements() as seen:
+        with availability_statements() as seen:
             got = [(s.start, s.end, s.free_nodes) for s in availability(pool=pool, start=start, end=end, step=step)]
         assert got == free_by_brute_force(pool, start, end, step)
         assert seen[-1] in (selectors.AVAILABILITY_GRID_SQL, selectors.AVAILABILITY_EXACT_SQL)
