@@ -34,7 +34,9 @@ from tests.notifications.receiver import Reply
 pytestmark = [pytest.mark.celery, pytest.mark.django_db(transaction=True)]
 
 ROOT = Path(__file__).resolve().parents[2]
-QUEUE = "notifications"
+# notifications: fan-out and deliveries; default: core.dispatch_event, the background subscribers
+# of domain events when they are not run inline (production's way, see the first test).
+QUEUES = ("notifications", "default")
 
 
 def wait_for(check: Callable[[], object], *, timeout: float = 30, what: str = "condition") -> object:
@@ -73,8 +75,8 @@ class Worker:
         self.log = self.log_dir / f"worker-{uuid.uuid4().hex[:8]}.log"
         with self.log.open("wb") as handle:
             self.proc = subprocess.Popen(  # noqa: S603 - fixed argv
-                [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", QUEUE, "-c", "2", "-P", "prefork",
-                 "-l", "info", "-n", f"notify-test-{uuid.uuid4().hex[:6]}@%h",
+                [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", ",".join(QUEUES), "-c", "2",
+                 "-P", "prefork", "-l", "info", "-n", f"notify-test-{uuid.uuid4().hex[:6]}@%h",
                  "--without-gossip", "--without-mingle", "--without-heartbeat"],
                 cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
             )
@@ -103,7 +105,8 @@ class Worker:
 def purge_queue() -> None:
     """Drop what earlier runs left in our Redis db (queue and unacked bookkeeping; this db is ours)."""
     client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    keys = [k for k in client.scan_iter(match=f"{QUEUE}*")] + [b"unacked", b"unacked_index", b"unacked_mutex"]
+    keys = [k for queue in QUEUES for k in client.scan_iter(match=f"{queue}*")]
+    keys += [b"unacked", b"unacked_index", b"unacked_mutex"]
     client.delete(*keys)
     client.close()
 
@@ -140,6 +143,21 @@ def test_booking_reaches_slack_and_the_signed_webhook(worker, world, t0, book, r
     wait_for(lambda: Delivery.objects.filter(status=DeliveryStatus.DELIVERED).count() == 2, what="delivered")
     time.sleep(1.0)
     assert len(receiver.requests) == 2  # once per channel, no more
+
+
+def test_background_dispatch_reaches_the_receiver(worker, world, t0, book, receiver, webhook_for, settings):
+    """As in production: the booking only publishes core.dispatch_event; the worker fans out and delivers."""
+    settings.PORTAL_EVENTS_INLINE = False
+    _, secret = webhook_for("alpha", receiver.url("/bg/hook"))
+
+    reservation = book("alpha", t0, name="background")
+
+    (request,) = receiver.wait_for(1, timeout_s=30)
+    envelope = Webhook(secret).verify(request.body, request.headers)
+    assert envelope["type"] == Event.RESERVATION_CONFIRMED
+    assert envelope["data"]["reservation_id"] == reservation.pk
+    assert "core.dispatch_event" in worker.output()
+    wait_for(lambda: Delivery.objects.filter(status=DeliveryStatus.DELIVERED).count() == 1, what="delivered")
 
 
 def test_worker_honours_backoff_and_retry_after(worker, world, t0, book, receiver, webhook_for):
