@@ -41,8 +41,8 @@ def reservations_for_user(*, user):
 # the slot; the triggers of migration 0006 append a PoolSlotUsageDelta row for every change and
 # compaction (services.slot_usage_compact, every 10 s from beat) folds them in. So when the step
 # is the pool's slot and the window starts on its grid, free nodes per slot = available nodes −
-# (busy + pending deltas): one
-# statement that reads about one row per slot, whatever the number of allocations. A step of
+# (busy + pending deltas): one statement that reads about one row per slot, whatever the number
+# of allocations. A step of
 # several slots needs the distinct nodes busy anywhere in the step, which counts per slot cannot
 # give, and a window off the grid cuts slots: those take the sweep below. The statement checks
 # the pool's slot length itself (first column), in the same snapshot as the rows it reads, and
