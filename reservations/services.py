@@ -203,27 +203,29 @@ def _z(dt: datetime) -> str:
 # The booking's writes in one statement: the reservation row and its allocations, inserted in
 # node-id order (two bookers then wait on each other in the same order and cannot deadlock).
 # A node won by a concurrent booking fails the whole statement with 23P01 (exclusion constraint).
-_INSERT_BOOKING_SQL = """
+# One INSERT of a booking's allocations in node-id order; {reservation} is the reservation id's
+# SQL and {rows} what the SELECT reads besides the node ids.
+_ALLOCATIONS_INSERT = """
+    INSERT INTO reservations_allocation (reservation_id, node_id, period, kind, active, note, created_by_id, created_at)
+    SELECT {reservation}, node_id, %(period)s, %(kind)s, true, '', %(actor)s, %(now)s
+    FROM {rows}unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id
+"""
+
+_INSERT_BOOKING_TEMPLATE = """
     WITH r AS (
         INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name, status, status_reason,
             missing_nodes, billing, orchestrator, cuda_version, created_by_id, created_at, updated_at)
         VALUES (%(tenant)s, %(pool)s, %(n)s, %(period)s, %(name)s, %(status)s, '', 0, %(billing)s,
             %(orchestrator)s, %(cuda)s, %(actor)s, %(now)s, %(now)s)
         RETURNING id
-    ), a AS (
-        INSERT INTO reservations_allocation (reservation_id, node_id, period, kind, active, note, created_by_id,
-            created_at)
-        SELECT r.id, node_id, %(period)s, %(kind)s, true, '', %(actor)s, %(now)s
-        FROM r, unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id
-    )
+    ), a AS ({allocations})
     SELECT id FROM r
 """
+# Constant fragments only, no input.
+_INSERT_BOOKING_SQL = _INSERT_BOOKING_TEMPLATE.format(
+    allocations=_ALLOCATIONS_INSERT.format(reservation="r.id", rows="r, "))
 
-_ALLOCATE_SQL = """
-    INSERT INTO reservations_allocation (reservation_id, node_id, period, kind, active, note, created_by_id, created_at)
-    SELECT %(reservation)s, node_id, %(period)s, %(kind)s, true, '', %(actor)s, %(now)s
-    FROM unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id
-"""
+_ALLOCATE_SQL = _ALLOCATIONS_INSERT.format(reservation="%(reservation)s", rows="")
 
 
 def _actor_id(actor: Any) -> int | None:
