@@ -141,7 +141,7 @@ def start_worker(log_dir: Path, *, redis_url: str | None = None, concurrency: in
     return worker
 
 
-def purge_provisioning_queue(broker_url: str | None = None, queue: str = "provisioning") -> None:
+def purge_queue(broker_url: str | None = None, queue: str = "provisioning") -> None:
     """Drop messages earlier tests left in the provisioning queue (or queue) of our Redis db."""
     from portal.celery import app
 
@@ -153,7 +153,7 @@ def purge_provisioning_queue(broker_url: str | None = None, queue: str = "provis
 def prov_worker(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Worker]:
     """One simulated-backend worker per test module (starting one costs seconds)."""
     with django_db_blocker.unblock():
-        purge_provisioning_queue()
+        purge_queue()
         worker = start_worker(tmp_path_factory.mktemp("celery"))
     yield worker
     worker.stop()

@@ -7,7 +7,7 @@ import pytest
 from portal.core import tasks
 from provisioning.models import ClusterTransition, VirtualCluster
 
-from .conftest import book, now_slot, purge_provisioning_queue, start_worker, wait_for
+from .conftest import book, now_slot, purge_queue, start_worker, wait_for
 
 pytestmark = [pytest.mark.celery, pytest.mark.django_db(transaction=True)]
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.celery, pytest.mark.django_db(transaction=True)]
 def events_worker(tmp_path):
     """A worker on the default queue (core.dispatch_event) and the provisioning queue."""
     for queue in ("default", "provisioning"):
-        purge_provisioning_queue(queue=queue)
+        purge_queue(queue=queue)
     worker = start_worker(tmp_path, queues="default,provisioning")
     yield worker
     worker.stop()

@@ -18,7 +18,7 @@ from reservations.models import Reservation
 from tenants.models import Tenant
 from tests.conftest import make_world
 
-from .conftest import book, now_slot, purge_provisioning_queue, scontrol, start_worker, wait_for
+from .conftest import book, now_slot, purge_queue, scontrol, start_worker, wait_for
 
 pytestmark = [pytest.mark.celery, pytest.mark.django_db(transaction=True)]
 
@@ -47,7 +47,7 @@ def phases_of(cluster_id: int) -> list[str]:
 
 @pytest.fixture
 def logs(tmp_path) -> Path:
-    purge_provisioning_queue()
+    purge_queue()
     return tmp_path
 
 
