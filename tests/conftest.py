@@ -53,6 +53,22 @@ def make_world(*, nodes: int = 4, max_nodes: int = 3, burst_nodes: int = 1, burs
     return world
 
 
+def forget_throttle_budgets(*users) -> None:
+    """Start these users on a fresh API rate budget.
+
+    Budgets live in Redis under the user's id, and a new test database hands out the same ids
+    again: an earlier session's low-rate test may have spent this id's budget a minute ago.
+    """
+    import redis
+    from django.conf import settings
+
+    conn = redis.Redis.from_url(settings.REDIS_URL)
+    prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
+    for user in users:
+        for name in conn.scan_iter(f"{prefix}:throttle:user:*:{user.pk}"):
+            conn.delete(name)
+
+
 @pytest.fixture
 def world(db) -> World:
     return make_world()

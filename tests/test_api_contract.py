@@ -12,6 +12,8 @@ from rest_framework.test import APIClient
 
 from tenants.models import ApiToken
 
+from .conftest import forget_throttle_budgets
+
 pytestmark = pytest.mark.django_db
 
 DESIGN_PATHS = [
@@ -72,6 +74,7 @@ def test_session_auth_needs_csrf_for_writes(world, t0):
 
 
 def test_throttling_answers_429_with_retry_after(world):
+    forget_throttle_budgets(world.users["alpha-viewer"])
     with override_settings(PORTAL_THROTTLE_USER="3/min"):
         c = world.client("alpha-viewer")
         codes = [c.get("/api/v1/pools/").status_code for _ in range(4)]

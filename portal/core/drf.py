@@ -1,7 +1,8 @@
 """DRF plug-ins named in settings (kept apart from views so importing them never cycles)."""
 
-from django.conf import settings
-from rest_framework import pagination, throttling
+from rest_framework import pagination
+
+from .throttle import RedisRateThrottle
 
 __all__ = ["Pagination", "UserThrottle", "AnonThrottle"]
 
@@ -11,18 +12,25 @@ class Pagination(pagination.PageNumberPagination):
     max_page_size = 500
 
 
-class _SettingsRateMixin:
-    """Read the rate from settings on each request, so the environment (and tests) can set it."""
+class UserThrottle(RedisRateThrottle):
+    """PORTAL_THROTTLE_USER per signed-in user (token or session), across every web process."""
 
-    setting_name = ""
-
-    def get_rate(self) -> str:
-        return getattr(settings, self.setting_name)
-
-
-class UserThrottle(_SettingsRateMixin, throttling.UserRateThrottle):
+    scope = "user"
     setting_name = "PORTAL_THROTTLE_USER"
 
+    def ident(self, request) -> str | None:
+        user = getattr(request, "user", None)
+        return str(user.pk) if user is not None and user.is_authenticated else None
 
-class AnonThrottle(_SettingsRateMixin, throttling.AnonRateThrottle):
+
+class AnonThrottle(RedisRateThrottle):
+    """PORTAL_THROTTLE_ANON per client address for requests without credentials."""
+
+    scope = "anon"
     setting_name = "PORTAL_THROTTLE_ANON"
+
+    def ident(self, request) -> str | None:
+        user = getattr(request, "user", None)
+        if user is not None and user.is_authenticated:
+            return None
+        return self.get_ident(request)
