@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from django.conf import settings as django_settings
 
-from notifications import services
+from notifications import ratelimit, services
 from notifications.models import Channel
 from reservations import services as booking
 from tenants.services import tenant_slack_webhook_set
@@ -21,12 +22,39 @@ from tests.notifications.receiver import WebhookReceiver
 
 @pytest.fixture
 def receiver() -> Iterator[WebhookReceiver]:
-    """The real loopback webhook receiver of tests/notifications, answering 200 ok unless scripted."""
+    """The real loopback webhook receiver of tests/notifications, answering 200 ok unless scripted.
+
+    On teardown it frees the one-per-interval send slots (notifications.ratelimit) of every URL
+    it handed out or was posted to: the slots live in the shared Redis, keyed by the full URL
+    (random port included), and would otherwise make the next test's first send wait if its
+    receiver happened to get the same port within the interval.
+    """
     server = WebhookReceiver().start()
+    handed_out: set[str] = set()
+    real_url = server.url
+
+    def url(path: str = "/hook") -> str:
+        full = real_url(path)
+        handed_out.add(full)
+        return full
+
+    server.url = url  # type: ignore[method-assign]
     try:
         yield server
     finally:
         server.stop()
+        _free_send_slots(handed_out | {server.base_url + request.path for request in server.requests})
+
+
+def _free_send_slots(urls: set[str]) -> None:
+    """Delete the rate-limit slots notifications.services.delivery_send takes for these URLs."""
+    if not urls:
+        return
+    client = ratelimit.client_from_url(django_settings.REDIS_URL)  # the Redis services._redis() talks to
+    try:
+        client.delete(*(ratelimit.key_for_url(url) for url in urls))
+    finally:
+        client.close()
 
 
 @pytest.fixture
