@@ -1,6 +1,7 @@
 """A failed node's bookings move to spares under the same exclusion constraint, or degrade."""
 
-from datetime import timedelta
+import time
+from datetime import datetime, timedelta
 
 import pytest
 from django.utils import timezone
@@ -13,6 +14,20 @@ from reservations.timeutil import slot_floor
 from .test_races import overlapping_allocations, run_threads, tenants_with_leads
 
 
+def now_clear_of_the_hour(margin_s: float = 60.0) -> datetime:
+    """Return now, first sleeping into the next hourly slot if under margin_s are left of this one.
+
+    A scenario that books from the slot running now (slot_floor(now, 60)) must finish inside it:
+    once the hour rolls over that start is in the past, and booking rightly refuses it.
+    """
+    now = timezone.now()
+    left = (slot_floor(now, 60) + timedelta(hours=1) - now).total_seconds()
+    if left < margin_s:
+        time.sleep(left + 0.1)
+        now = timezone.now()
+    return now
+
+
 def fail(world_or_node, staff=None):
     node = world_or_node
     node_update(actor=staff, node=node, state="failed", reason="XID 79")
@@ -22,7 +37,7 @@ def fail(world_or_node, staff=None):
 @pytest.mark.django_db
 def test_running_booking_moves_the_rest_of_its_window_to_a_spare(world, captured_events,
                                                                  django_capture_on_commit_callbacks):
-    now_slot = slot_floor(timezone.now(), 60)
+    now_slot = slot_floor(now_clear_of_the_hour(), 60)
     r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
                            node_count=2, start=now_slot, end=now_slot + timedelta(hours=4))
     failed = Node.objects.get(hostname=r.node_hostnames[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -164,22 +165,25 @@ def test_cancel_racing_with_bookings_hands_the_nodes_over_once(small_pool, t0):
     held = reservation_create(actor=holder, tenant=holder_tenant, pool=small_pool, node_count=4,
                               start=t0, end=t0 + timedelta(hours=2))
 
+    cancelled = threading.Event()  # set once the cancel has committed (or failed)
+
     def act(i):
         if i == 0:
-            return reservation_cancel(actor=holder, reservation=held)
+            try:
+                return reservation_cancel(actor=holder, reservation=held)
+            finally:
+                cancelled.set()
         tenant, user = leads[i]
-        for _ in range(50):  # keep trying until the cancel lands or capacity is gone for good
+        deadline = time.monotonic() + 30
+        while True:  # keep trying, racing the cancel, until it has landed; then race each other once more
+            landed = cancelled.is_set()  # read first: an attempt that starts after it sees the nodes freed
             try:
                 return reservation_create(actor=user, tenant=tenant, pool=small_pool, node_count=1,
                                           start=t0, end=t0 + timedelta(hours=2))
-            except CapacityUnavailable:
-                if Reservation.objects.filter(pk=held.pk, status="cancelled").exists():
-                    try:
-                        return reservation_create(actor=user, tenant=tenant, pool=small_pool, node_count=1,
-                                                  start=t0, end=t0 + timedelta(hours=2))
-                    except CapacityUnavailable as exc:
-                        return exc
-        return None
+            except CapacityUnavailable as exc:
+                if landed or time.monotonic() > deadline:
+                    return exc
+            cancelled.wait(0.001)  # a moment's yield, so 23 spinning threads cannot starve the canceller
 
     results = run_threads(act, THREADS)
     booked = [r for r in results[1:] if isinstance(r, Reservation)]

@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from provisioning.health.choices import OPEN_CHECK_STATUSES
 from provisioning.health.models import HealthCheck, Repair
@@ -93,9 +93,12 @@ def test_worker_runs_a_fleet_sweep_into_the_database(worker, settings):
     Node.objects.bulk_create([Node(hostname=f"sim-{i:03d}", pool=pool) for i in range(1, 31)])
     Node.objects.filter(hostname="sim-030").update(state="retired")
 
-    ids = health_sweep()
-    assert len(ids) == 29  # every node in service, not the retired one
-    assert health_sweep() == []  # the open checks are not doubled
+    # One transaction, so the checks are sent (on commit) only after the second sweep: in autocommit
+    # the worker could finish them first, and a sweep after that rightly queues new ones.
+    with transaction.atomic():
+        ids = health_sweep()
+        assert len(ids) == 29  # every node in service, not the retired one
+        assert health_sweep() == []  # the open checks are not doubled
     _wait(ids)
 
     verdicts = dict(HealthCheck.objects.values_list("node__hostname", "verdict"))

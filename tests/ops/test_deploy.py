@@ -25,7 +25,6 @@ import pytest
 import yaml
 from django.conf import settings as django_settings
 from django.test import Client
-from django.utils import timezone
 
 from portal.ops import metrics
 from portal.ops.collectors import FAMILIES
@@ -34,7 +33,7 @@ from reservations.timeutil import slot_floor
 from tests.conftest import make_world
 
 from .conftest import scrape
-from .test_metrics import other_app_rows
+from .test_metrics import now_clear_of_the_hour, other_app_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -141,22 +140,18 @@ def test_every_portal_command_exists_in_the_project():
             pytest.fail(f"{name}: unexpected command {command}")
 
 
-def test_ports_line_up_with_what_listens():
+def test_ports_line_up_with_what_listens(monkeypatch, tmp_path):
     # web: the published container port is the one gunicorn binds (gunicorn.conf.py reads PORT).
     web = SERVICES["web"]
     port = int(web["environment"]["PORT"])
     published = [str(p).split(":")[-1] for p in web["ports"]]
     assert published == [str(port)]
     namespace: dict = {}
-    saved = os.environ.get("PORT")
-    os.environ["PORT"] = str(port)
-    try:
-        exec(compile((ROOT / "gunicorn.conf.py").read_text(), "gunicorn.conf.py", "exec"), namespace)  # noqa: S102
-    finally:
-        if saved is None:
-            os.environ.pop("PORT", None)
-        else:
-            os.environ["PORT"] = saved
+    # gunicorn.conf.py writes os.environ (PROMETHEUS_MULTIPROC_DIR when unset): monkeypatch puts
+    # both variables back afterwards, or this process's own /metrics would turn multiprocess.
+    monkeypatch.setenv("PORT", str(port))
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
+    exec(compile((ROOT / "gunicorn.conf.py").read_text(), "gunicorn.conf.py", "exec"), namespace)  # noqa: S102
     assert namespace["bind"].endswith(f":{port}")
     assert f"127.0.0.1:{port}/healthz" in " ".join(web["healthcheck"]["test"])
     # Prometheus scrapes that port on the web service, and the Dockerfile exposes it.
@@ -311,7 +306,7 @@ def test_dashboard_queries_return_data_from_a_real_scrape(ops, tmp_path, django_
     """Feed a live /metrics scrape to Prometheus' rule-test engine and evaluate the panels' queries."""
     world = make_world(nodes=4)
     other_app_rows(world)  # clusters, health checks, repairs, deliveries: their panels get data too
-    slot = slot_floor(timezone.now(), 60)
+    slot = slot_floor(now_clear_of_the_hour(), 60)  # the booking below starts in the slot running now
     with django_capture_on_commit_callbacks(execute=True), metrics.time_booking():
         services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
                                     pool=world.pool, node_count=1, start=slot, end=slot + timedelta(hours=4))

@@ -4,7 +4,8 @@ and lint the exposition with the real `promtool check metrics`."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import time
+from datetime import datetime, timedelta
 
 import pytest
 import redis
@@ -36,6 +37,20 @@ def book(world, who, *, nodes, start, hours, on_commit):
         return exc.code
 
 
+def now_clear_of_the_hour(margin_s: float = 60.0) -> datetime:
+    """Return now, first sleeping into the next hourly slot if under margin_s are left of this one.
+
+    A scenario that books from the slot running now (slot_floor(now, 60)) must finish inside it:
+    once the hour rolls over that start is in the past, and booking rightly refuses it.
+    """
+    now = timezone.now()
+    left = (slot_floor(now, 60) + timedelta(hours=1) - now).total_seconds()
+    if left < margin_s:
+        time.sleep(left + 0.1)
+        now = timezone.now()
+    return now
+
+
 def counter(name, **labels):
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -47,7 +62,7 @@ def scenario(ops, settings, redis_server, django_capture_on_commit_callbacks):
     before = {o: counter("portal_booking_requests_total", outcome=o) for o in metrics.BOOKING_OUTCOMES}
     events_before = counter("portal_domain_events_total", event="reservation.confirmed")
     cancelled_before = counter("portal_domain_events_total", event="reservation.cancelled")
-    now = timezone.now()
+    now = now_clear_of_the_hour()
     slot = slot_floor(now, 60)
     tomorrow = slot + timedelta(days=1)
     cc = django_capture_on_commit_callbacks

@@ -156,7 +156,15 @@ def test_gunicorn_serves_production_with_summed_metrics(tmp_path, redis_server):
         assert scrape.value("portal_metrics_source_up", source="broker") == 1
         result = promtool_check(scrape.text)
         assert result.returncode == 0, (result.stdout + result.stderr).decode()
-        pids = {p.name.split("_")[-1].split(".")[0] for p in (tmp_path / "prom").glob("*.db")}
+        # Each worker writes its files once it has loaded the app (portal.ops.metrics pre-creates the
+        # booking counters), which the second one may not have done yet when the first answers.
+        deadline = time.monotonic() + 30
+        while True:
+            pids = {p.name.split("_")[-1].split(".")[0] for p in (tmp_path / "prom").glob("*.db")}
+            if len(pids) >= 2 or time.monotonic() > deadline:
+                break
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
         assert len(pids) >= 2, f"expected files from both workers, got {sorted(pids)}"
     finally:
         proc.terminate()
