@@ -209,7 +209,7 @@ def wipe(db_url: str) -> None:
     with psycopg.connect(**psycopg_kwargs(db_url)) as conn:
         # CASCADE: the clusters, health checks and deliveries that the bookings' events created.
         conn.execute("TRUNCATE reservations_allocation, reservations_reservation, core_auditlog, "
-                     "reservations_idempotencykey CASCADE")
+                     "core_outboxevent, reservations_idempotencykey CASCADE")
         # Both phases start from the same planner statistics (autovacuum would otherwise analyse
         # the tables at some point during the first phase only).
         conn.execute("ANALYZE")

@@ -1,16 +1,23 @@
-"""Domain events: inline subscribers after commit, background ones through one Celery message per event."""
+"""Domain events: inline subscribers after commit; background ones through the outbox and one Celery message."""
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
+import threading
+from datetime import timedelta
 
 import pytest
 import redis
 from django.conf import settings as django_settings
+from django.db import connection, transaction
+from django.test import Client
+from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from portal.core import events, tasks
+from portal.core.models import OutboxEvent
 
 pytestmark = pytest.mark.django_db
 
@@ -42,6 +49,11 @@ def broker():
     client.delete("default")
 
 
+@pytest.fixture
+def outboxed(settings):
+    settings.PORTAL_EVENTS_INLINE = False  # as in production
+
+
 def queued_tasks(client) -> list[tuple[str, list]]:
     out = []
     for raw in client.lrange("default", 0, -1):
@@ -51,21 +63,31 @@ def queued_tasks(client) -> list[tuple[str, list]]:
     return out
 
 
-def test_background_subscribers_cost_the_emitter_one_message(settings, handlers, broker,
-                                                             django_capture_on_commit_callbacks):
-    settings.PORTAL_EVENTS_INLINE = False
+def refuse(*args, **kwargs):
+    raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+
+def test_background_subscribers_cost_the_emitter_one_row_and_one_message(outboxed, handlers, broker,
+                                                                        django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
-        events.emit("test.happened", thing_id=7)
-    assert handlers == [("inline", "test.happened", {"thing_id": 7})]  # only the inline one ran here
-    assert queued_tasks(broker) == [("core.dispatch_event", ["test.happened", {"thing_id": 7}])]
+        events.emit("test.happened", thing_id=7, at=timezone.now())
+    assert [name for name, _, _ in handlers] == ["inline"]  # only the inline one ran here
+    row = OutboxEvent.objects.get()
+    assert row.event == "test.happened" and row.payload["thing_id"] == 7 and row.attempts == 0
+    assert row.available_at > timezone.now() + timedelta(seconds=events.OUTBOX_LEASE_S - 10)
+    assert queued_tasks(broker) == [("core.dispatch_event", [row.pk])]
 
-    tasks.dispatch_event("test.happened", {"thing_id": 7})  # what the worker does with the message
+    tasks.dispatch_event(row.pk)  # what the worker does with the message
     assert [name for name, _, _ in handlers] == ["inline", "bg1", "bg2"]
+    assert handlers[1][2]["thing_id"] == 7 and isinstance(handlers[1][2]["at"], str)  # JSON, as a worker gets it
+    assert not OutboxEvent.objects.exists()
+
+    tasks.dispatch_event(row.pk)  # a duplicate message: the event is done, nothing runs twice
+    assert len(handlers) == 3
 
 
-def test_nothing_is_published_for_an_event_without_background_subscribers(settings, broker,
+def test_nothing_is_published_for_an_event_without_background_subscribers(outboxed, broker,
                                                                           django_capture_on_commit_callbacks):
-    settings.PORTAL_EVENTS_INLINE = False
     seen = []
 
     def record(event, payload):
@@ -80,41 +102,78 @@ def test_nothing_is_published_for_an_event_without_background_subscribers(settin
     assert seen == ["test.quiet"]
     # notifications subscribes to "*" in the background, so a message still goes: exactly one.
     assert [name for name, _ in queued_tasks(broker)] == ["core.dispatch_event"]
+    assert OutboxEvent.objects.count() == 1
 
 
-def test_a_rolled_back_write_emits_nothing(settings, handlers, broker, django_capture_on_commit_callbacks):
-    settings.PORTAL_EVENTS_INLINE = False
-    with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        events.emit("test.happened", thing_id=1)
-    assert len(callbacks) == 1  # registered for the commit that never comes
+def test_a_rolled_back_write_leaves_no_event(outboxed, handlers, broker, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        with pytest.raises(RuntimeError), transaction.atomic():
+            events.emit("test.happened", thing_id=1)
+            assert OutboxEvent.objects.count() == 1  # written with the change...
+            raise RuntimeError("the change fails")
+    assert callbacks == []  # ...and gone with it
+    assert not OutboxEvent.objects.exists()
     assert handlers == [] and queued_tasks(broker) == []
 
 
-def test_broker_down_runs_background_subscribers_inline(settings, handlers, broker, monkeypatch,
-                                                         django_capture_on_commit_callbacks):
-    settings.PORTAL_EVENTS_INLINE = False
-
-    def refuse(*args, **kwargs):
-        raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-
+def test_broker_down_keeps_the_event_for_the_relay(outboxed, handlers, broker, monkeypatch,
+                                                   django_capture_on_commit_callbacks, caplog):
     monkeypatch.setattr(tasks.dispatch_event, "apply_async", refuse)
-    with django_capture_on_commit_callbacks(execute=True):
+    with django_capture_on_commit_callbacks(execute=True), caplog.at_level(logging.WARNING):
         events.emit("test.happened", thing_id=3)
+    # The emitter did not run the background work itself and lost nothing: the row is due now.
+    assert [name for name, _, _ in handlers] == ["inline"]
+    row = OutboxEvent.objects.get()
+    assert row.available_at <= timezone.now()
+    assert "the relay will" in caplog.text
+
+    assert events.outbox_relay() == []  # still down: the relay keeps it due
+    assert OutboxEvent.objects.get().available_at <= timezone.now()
+
+    monkeypatch.undo()  # the broker is back
+    assert events.outbox_relay() == [row.pk]
+    assert queued_tasks(broker) == [("core.dispatch_event", [row.pk])]
+    tasks.dispatch_event(row.pk)
     assert [name for name, _, _ in handlers] == ["inline", "bg1", "bg2"]
-    assert queued_tasks(broker) == []
+    assert not OutboxEvent.objects.exists()
 
 
-def test_a_failing_background_subscriber_does_not_stop_the_others(handlers):
+def test_the_relay_repeats_only_events_whose_lease_passed(outboxed, handlers, broker,
+                                                          django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        events.emit("test.happened", thing_id=1)
+        events.emit("test.happened", thing_id=2)
+    first, second = OutboxEvent.objects.order_by("id")
+    broker.delete("default")
+    assert events.outbox_relay() == []  # both messages left a moment ago
+
+    # The first one's message was lost (say the broker restarted without persistence).
+    OutboxEvent.objects.filter(pk=first.pk).update(available_at=timezone.now() - timedelta(seconds=1))
+    assert events.outbox_relay() == [first.pk]
+    assert queued_tasks(broker) == [("core.dispatch_event", [first.pk])]
+    assert events.outbox_relay() == []  # published again once per lease, not on every beat
+
+    # A claim by a worker that then died counts an attempt; ten of them and it is left alone.
+    OutboxEvent.objects.filter(pk=second.pk).update(attempts=events.OUTBOX_MAX_ATTEMPTS,
+                                                   available_at=timezone.now() - timedelta(seconds=1))
+    assert events.outbox_relay() == []
+
+
+def test_a_failing_background_subscriber_does_not_stop_the_others(outboxed, handlers, broker,
+                                                                  django_capture_on_commit_callbacks):
     def broken(event, payload):
         raise RuntimeError("boom")
 
     events.subscribe("test.happened", broken, background=True)
     try:
         events._background["test.happened"].insert(0, events._background["test.happened"].pop())
-        tasks.dispatch_event("test.happened", {"thing_id": 9})
+        with django_capture_on_commit_callbacks(execute=True):
+            events.emit("test.happened", thing_id=9)
+        tasks.dispatch_event(OutboxEvent.objects.get().pk)
     finally:
         events.unsubscribe("test.happened", broken)
-    assert [name for name, _, _ in handlers] == ["bg1", "bg2"]
+    assert [name for name, _, _ in handlers] == ["inline", "bg1", "bg2"]
+    assert not OutboxEvent.objects.exists()  # done: a failing subscriber logs, it is not retried forever
 
 
 def test_inline_setting_runs_background_subscribers_after_commit(settings, handlers, broker,
@@ -123,4 +182,76 @@ def test_inline_setting_runs_background_subscribers_after_commit(settings, handl
     with django_capture_on_commit_callbacks(execute=True):
         events.emit("test.happened", thing_id=5)
     assert [name for name, _, _ in handlers] == ["inline", "bg1", "bg2"]
-    assert queued_tasks(broker) == []
+    assert queued_tasks(broker) == [] and not OutboxEvent.objects.exists()
+
+
+def test_the_outbox_is_on_metrics(outboxed, handlers, monkeypatch, django_capture_on_commit_callbacks):
+    monkeypatch.setattr(tasks.dispatch_event, "apply_async", refuse)
+    with django_capture_on_commit_callbacks(execute=True):
+        events.emit("test.happened", thing_id=1)
+        events.emit("test.happened", thing_id=2)
+    OutboxEvent.objects.filter(pk=OutboxEvent.objects.order_by("id").first().pk).update(
+        attempts=events.OUTBOX_MAX_ATTEMPTS, created_at=timezone.now() - timedelta(minutes=5))
+    body = Client().get("/metrics").content.decode()
+    assert 'portal_outbox_events{state="pending"} 1.0' in body
+    assert 'portal_outbox_events{state="stuck"} 1.0' in body
+    age = float(next(line.split()[-1] for line in body.splitlines()
+                     if line.startswith("portal_outbox_oldest_age_seconds ")))
+    assert 299 < age < 400
+
+
+@pytest.mark.django_db(transaction=True)
+def test_racing_relays_publish_each_due_event_once(outboxed, handlers, broker, monkeypatch):
+    """Two beat processes by mistake (or a slow relay overlapping the next): no event goes twice."""
+    monkeypatch.setattr(tasks.dispatch_event, "apply_async", refuse)
+    for i in range(60):
+        events.emit("test.happened", thing_id=i)  # autocommit: each commits at once; publishing fails
+    monkeypatch.undo()
+    assert OutboxEvent.objects.filter(available_at__lte=timezone.now()).count() == 60
+
+    relays, barrier, sent, errors = 6, threading.Barrier(6), [], []
+
+    def relay():
+        try:
+            barrier.wait(10)
+            sent.extend(events.outbox_relay(limit=25))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=relay) for _ in range(relays)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert sorted(sent) == sorted(OutboxEvent.objects.values_list("id", flat=True))  # all 60, each once
+    assert sorted(body[0] for _, body in queued_tasks(broker)) == sorted(sent)
+
+
+def test_staff_requeue_stuck_events_from_the_admin(outboxed, handlers, broker, django_capture_on_commit_callbacks):
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    with django_capture_on_commit_callbacks(execute=True):
+        events.emit("test.happened", thing_id=1)
+    row = OutboxEvent.objects.get()
+    OutboxEvent.objects.filter(pk=row.pk).update(attempts=events.OUTBOX_MAX_ATTEMPTS)
+    broker.delete("default")
+    assert events.outbox_relay() == []  # stuck: the relay leaves it alone
+
+    staff = Client()
+    staff.force_login(get_user_model().objects.create_user(username="ops", is_staff=True))
+    url = reverse("admin:core_outboxevent_changelist")
+    page = staff.get(url)
+    assert page.status_code == 200 and b"test.happened" in page.content
+    done = staff.post(url, {"action": "requeue", "_selected_action": [row.pk]}, follow=True)
+    assert b"1 event(s) are due again" in done.content
+    assert OutboxEvent.objects.get().attempts == 0
+    assert events.outbox_relay() == [row.pk]
+    assert queued_tasks(broker) == [("core.dispatch_event", [row.pk])]
+
+    member = Client()
+    member.force_login(get_user_model().objects.create_user(username="someone"))
+    assert member.get(url).status_code == 302  # to the login page: not for non-staff

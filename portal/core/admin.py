@@ -18,11 +18,13 @@ from django.contrib.admin.options import csrf_protect_m
 from django.http import HttpResponseRedirect
 from django.utils.html import format_html, format_html_join
 
+from . import events
 from .exceptions import DomainError
-from .models import AuditLog
+from .models import AuditLog, OutboxEvent
 
 __all__ = [
-    "StaffAdminMixin", "ServiceAdminMixin", "ReadOnlyAdminMixin", "admin_hooks", "AuditLogAdmin", "format_change",
+    "StaffAdminMixin", "ServiceAdminMixin", "ReadOnlyAdminMixin", "admin_hooks", "AuditLogAdmin", "OutboxEventAdmin",
+    "format_change",
 ]
 
 # Late-bound helpers one app's admin offers another without an upward import: e.g. the
@@ -142,3 +144,23 @@ class AuditLogAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
             ((k, _short((obj.before or {}).get(k, "")), _short((obj.after or {}).get(k, ""))) for k in keys),
         )
         return format_html("<table><tr><th></th><th>before</th><th>after</th></tr>{}</table>", rows)
+
+
+@admin.register(OutboxEvent)
+class OutboxEventAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    """Domain events still waiting for their background subscribers (normally empty within seconds)."""
+
+    list_display = ("id", "event", "created_at", "available_at", "attempts", "stuck")
+    list_filter = ("event",)
+    readonly_fields = ("event", "payload", "created_at", "available_at", "attempts")
+    fields = readonly_fields
+    actions = ["requeue"]
+
+    @admin.display(boolean=True, description="stuck")
+    def stuck(self, obj: OutboxEvent) -> bool:
+        return obj.attempts >= events.OUTBOX_MAX_ATTEMPTS
+
+    @admin.action(description="Publish again now (fresh attempts)")
+    def requeue(self, request, queryset) -> None:
+        count = events.outbox_requeue(list(queryset.values_list("id", flat=True)))
+        self.message_user(request, f"{count} event(s) are due again; the relay publishes them within 15 s.")

@@ -23,3 +23,27 @@ class AuditLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} {self.object_type}#{self.object_id}"
+
+
+class OutboxEvent(models.Model):
+    """A domain event waiting for its background subscribers: the transactional outbox.
+
+    ``events.emit`` writes the row in the emitter's transaction, so the event exists exactly
+    when the change it announces does; after the commit one Celery message carries the id. The
+    worker runs the subscribers and deletes the row. A message that was never sent (the
+    process died after the commit, the broker was down) or was lost is sent again by the
+    relay (``core.outbox_relay``, beat) once ``available_at`` has passed.
+    """
+
+    event = models.CharField(max_length=64)
+    payload = models.JSONField(default=dict)
+    created_at = models.DateTimeField()
+    # When the relay may (re)publish it: pushed forward by every publish and every claim.
+    available_at = models.DateTimeField(db_index=True)
+    attempts = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.event} #{self.pk}"

@@ -152,6 +152,7 @@ class PortalCollector:
             ("provisioning", lambda: self._provisioning(tables)),
             ("health", lambda: self._health(tables)),
             ("notifications", lambda: self._notifications(tables)),
+            ("events", self._events),
         ]
         for name, fn in sections:
             yield from _Section(up, took, name).run(fn)
@@ -400,6 +401,27 @@ class PortalCollector:
         ):
             family.add_metric([str(chan or ""), str(value or "")], count)
         yield family
+
+    # --- domain events ----------------------------------------------------------------------
+
+    def _events(self) -> Iterator[Metric]:
+        from portal.core.events import OUTBOX_MAX_ATTEMPTS
+
+        pending, stuck, oldest = _rows(
+            "SELECT count(*) FILTER (WHERE attempts < %(max)s), count(*) FILTER (WHERE attempts >= %(max)s),"
+            " coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM core_outboxevent",
+            {"max": OUTBOX_MAX_ATTEMPTS},
+        )[0]
+        family = GaugeMetricFamily(
+            "portal_outbox_events",
+            "Domain events waiting for their background subscribers (stuck: claimed too often, left for an operator).",
+            labels=["state"])
+        family.add_metric(["pending"], pending)
+        family.add_metric(["stuck"], stuck)
+        yield family
+        yield GaugeMetricFamily("portal_outbox_oldest_age_seconds",
+                                "Age of the oldest domain event still in the outbox (0 when empty).",
+                                value=float(oldest))
 
 
 def _open_repair_states(repair: type[Model], column: str) -> list[str]:

@@ -6,6 +6,7 @@ from urllib.parse import unquote
 import environ
 
 from notifications.schedule import BEAT as _notifications_beat
+from portal.core.schedule import BEAT as _core_beat
 from provisioning.health.schedule import BEAT as _health_beat
 from provisioning.schedule import BEAT as _provisioning_beat
 from reservations.schedule import BEAT as _reservations_beat
@@ -179,7 +180,7 @@ CELERY_TASK_ROUTES = {
 }
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BEAT_SCHEDULE = {**_reservations_beat, **_provisioning_beat, **_health_beat, **_notifications_beat}
+CELERY_BEAT_SCHEDULE = {**_core_beat, **_reservations_beat, **_provisioning_beat, **_health_beat, **_notifications_beat}
 
 # Booking rules (DESIGN §4).
 PORTAL_BOOKING_HORIZON_DAYS = env.int("PORTAL_BOOKING_HORIZON_DAYS", default=365)
@@ -205,8 +206,9 @@ PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
 PORTAL_METRICS_ALLOWED_NETWORKS = env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=["127.0.0.0/8", "::1/128"])
 PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
 PORTAL_CELERY_QUEUES = ["default", "provisioning", "health", "notifications"]
-# Background event subscribers (cluster creation, notification fan-out) run in a worker via one
-# core.dispatch_event task per event; True runs them in the emitting process after commit.
+# Background event subscribers (cluster creation, notification fan-out) run in a worker: the event
+# is written to the outbox with the change and one core.dispatch_event message carries its id;
+# True runs them in the emitting process after commit instead (portal/core/events.py).
 PORTAL_EVENTS_INLINE = env.bool("PORTAL_EVENTS_INLINE", default=False)
 
 LOGGING = {

@@ -1,0 +1,11 @@
+"""Beat entries of the core app, merged into CELERY_BEAT_SCHEDULE by the settings (no Django imports here)."""
+
+BEAT: dict = {
+    # Domain events whose message never left the web process (it died after the commit, the
+    # broker was down) or was lost are published again once their lease has passed.
+    "core-outbox-relay": {
+        "task": "core.outbox_relay",
+        "schedule": 15.0,
+        "options": {"expires": 14},
+    },
+}
