@@ -25,6 +25,12 @@ def ops(settings):
     settings.PORTAL_METRICS_TOKEN = ""
     settings.PORTAL_METRICS_ALLOWED_NETWORKS = ["127.0.0.0/8", "::1/128"]
     metrics.install()
+    # Some ops tests point CELERY_BROKER_URL at a scratch Redis to read queue depths from it.
+    # Celery binds its producer pool once, to the broker URL of the moment: bind it now, to
+    # the session's broker, so a scratch URL can never become the broker of every later test.
+    from portal.celery import app
+
+    _ = app.amqp.producer_pool  # what apply_async publishes through: bound to a URL on first use
     return settings
 
 
