@@ -10,8 +10,9 @@ Two kinds of subscriber:
 - background (``subscribe(..., background=True)``): runs in a Celery worker, at least once.
   ``emit`` writes the event to the outbox table (``core.OutboxEvent``) inside the emitter's
   transaction, and after the commit publishes one ``core.dispatch_event`` message with the
-  row's id, whatever the number of background subscribers; the worker runs them and deletes
-  the row. A booking request thus answers without creating the cluster or fanning out
+  row's id, whatever the number of background subscribers; the worker claims the row, runs
+  them and deletes it (if one of them fails, the row stays and is retried after a backoff; ten
+  claims and it is left for an operator). A booking request thus answers without creating the cluster or fanning out
   notifications itself, and an event whose message never left (the process died right after
   the commit, the broker was down) or was lost is published again by ``core.outbox_relay``
   (beat) once its ``available_at`` has passed. Background subscribers must therefore be
@@ -28,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DatabaseError, connection, transaction
+from django.db import Error as DjangoDatabaseError
+from django.db import connection, transaction
 
 from .conf import setting_bool
 
@@ -65,39 +67,61 @@ def _handlers(registry: dict[str, list[Handler]], event: str) -> list[Handler]:
     return [*registry.get(event, []), *registry.get("*", [])]
 
 
-def _run(handlers: list[Handler], event: str, payload: dict[str, Any]) -> None:
+def _run(handlers: list[Handler], event: str, payload: dict[str, Any]) -> int:
+    """Run handlers in order; return how many raised (each is logged; the others still run)."""
+    failed = 0
     for handler in handlers:
         try:
             handler(event, payload)
         except Exception:  # a subscriber must never undo or block the committed write
+            failed += 1
             logger.exception("event handler %r failed for %s", handler, event)
+    return failed
 
 
-def dispatch_background(event: str, payload: dict[str, Any]) -> None:
-    """Run the background subscribers of event (the core.dispatch_event task calls this)."""
-    _run(_handlers(_background, event), event, payload)
+def dispatch_background(event: str, payload: dict[str, Any]) -> int:
+    """Run the background subscribers of event; return how many failed."""
+    return _run(_handlers(_background, event), event, payload)
 
 
-# How long a published event may take before the relay publishes it again. A worker that
-# claims it pushes this forward by the same amount, so only a stuck or lost one is repeated.
-OUTBOX_LEASE_S = 120
-# After this many claims (the worker died in each) the relay leaves the event alone and
-# logs it: a poison event must not cycle through the workers forever.
+# How long a published message may take to reach a worker before the relay sends it again.
+OUTBOX_PUBLISH_LEASE_S = 120
+# A worker's claim holds the event for the task time limit and a margin: a slow but healthy run
+# is never sent to a second worker meanwhile.
+OUTBOX_CLAIM_MARGIN_S = 60
+# After this many claims (the worker died, or a subscriber failed, each time) an event is left
+# for an operator (admin: "publish again now"): a poison event must not cycle forever.
 OUTBOX_MAX_ATTEMPTS = 10
+# A claim whose subscribers failed is retried after attempts × this, at most the cap.
+OUTBOX_RETRY_STEP_S = 60
+OUTBOX_RETRY_MAX_S = 900
 
+# clock_timestamp(), not now(): now() is the start of the transaction, which for an event
+# emitted late in a long transaction is already in the past.
 _OUTBOX_INSERT = (
     "INSERT INTO core_outboxevent (event, payload, created_at, available_at, attempts) "
-    "VALUES (%s, %s::jsonb, now(), now() + make_interval(secs => %s), 0) RETURNING id"
+    "VALUES (%s, %s::jsonb, clock_timestamp(), clock_timestamp() + make_interval(secs => %s), 0) RETURNING id"
 )
 _OUTBOX_CLAIM = (
-    "UPDATE core_outboxevent SET attempts = attempts + 1, available_at = now() + make_interval(secs => %s) "
-    "WHERE id = %s RETURNING event, payload"
+    "UPDATE core_outboxevent SET attempts = attempts + 1,"
+    " available_at = clock_timestamp() + make_interval(secs => %s)"
+    " WHERE id = %s AND attempts < %s RETURNING event, payload, attempts"
 )
 _OUTBOX_DUE = (
-    "UPDATE core_outboxevent SET available_at = now() + make_interval(secs => %s) WHERE id IN ("
-    "  SELECT id FROM core_outboxevent WHERE available_at <= now() AND attempts < %s"
+    "UPDATE core_outboxevent SET available_at = clock_timestamp() + make_interval(secs => %s) WHERE id IN ("
+    "  SELECT id FROM core_outboxevent WHERE available_at <= clock_timestamp() AND attempts < %s"
     "  ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
 )
+
+
+def _claim_lease_s() -> int:
+    from django.conf import settings
+
+    return int(getattr(settings, "CELERY_TASK_TIME_LIMIT", None) or 600) + OUTBOX_CLAIM_MARGIN_S
+
+
+def _jsonable(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, cls=DjangoJSONEncoder)
 
 
 def _publish(outbox_id: int) -> bool:
@@ -119,55 +143,79 @@ def _due_now(outbox_ids: list[int]) -> None:
     """Hand events whose message could not be sent to the relay's next run (not after a lease)."""
     try:
         with connection.cursor() as cur:
-            cur.execute("UPDATE core_outboxevent SET available_at = now() WHERE id = ANY(%s)", [outbox_ids])
-    except DatabaseError:
+            cur.execute("UPDATE core_outboxevent SET available_at = clock_timestamp() WHERE id = ANY(%s)",
+                        [outbox_ids])
+    except DjangoDatabaseError:  # after a commit: never fail the request over this
         logger.warning("outbox events %s stay due after their lease", outbox_ids, exc_info=True)
 
 
-def _after_commit(event: str, payload: dict[str, Any], outbox_id: int | None) -> None:
+def _after_commit(event: str, payload: dict[str, Any], outbox_id: int | None, background_inline: bool) -> None:
     _run(_handlers(_subscribers, event), event, payload)
     if outbox_id is not None:
         if not _publish(outbox_id):
             _due_now([outbox_id])
-    elif _handlers(_background, event) and setting_bool("PORTAL_EVENTS_INLINE", False):
-        dispatch_background(event, payload)
+    elif background_inline:
+        # The payload as a worker would get it, so the in-process suite meets JSON too.
+        dispatch_background(event, json.loads(_jsonable(payload)))
 
 
 def emit(event: str, **payload: Any) -> None:
-    """Announce event with a JSON-able payload: inline subscribers after the commit, background ones in a worker."""
+    """Announce event with a JSON-able payload: inline subscribers after the commit, background ones in a worker.
+
+    With background subscribers the event is written to the outbox now, in the caller's
+    transaction (so it commits or rolls back with the change it announces).
+    """
+    background = bool(_handlers(_background, event))
+    background_inline = background and setting_bool("PORTAL_EVENTS_INLINE", False)
     outbox_id = None
-    if _handlers(_background, event) and not setting_bool("PORTAL_EVENTS_INLINE", False):
+    if background and not background_inline:
         with connection.cursor() as cur:
-            cur.execute(_OUTBOX_INSERT, [event, json.dumps(payload, cls=DjangoJSONEncoder), OUTBOX_LEASE_S])
+            cur.execute(_OUTBOX_INSERT, [event, _jsonable(payload), OUTBOX_PUBLISH_LEASE_S])
             outbox_id = cur.fetchone()[0]
-    transaction.on_commit(lambda: _after_commit(event, payload, outbox_id))
+    transaction.on_commit(lambda: _after_commit(event, payload, outbox_id, background_inline))
 
 
-def outbox_dispatch(outbox_id: int) -> bool:
-    """Run the background subscribers of one outbox event and delete it (the worker's side).
+def outbox_dispatch(outbox_id: int) -> str:
+    """Run the background subscribers of one outbox event (the worker's side); return what happened.
 
-    False when the row is gone: a duplicate message for an event already handled. A claim
-    counts an attempt and extends the lease, so the relay leaves a running event alone.
+    "done": they ran and the row is deleted. "duplicate": the row is gone, a second message
+    for an event already handled. "stuck": claimed OUTBOX_MAX_ATTEMPTS times already, left
+    for an operator. "retry": a subscriber failed; the row stays and the relay sends it again
+    after a backoff (the others ran; every background subscriber must be idempotent).
     """
     with connection.cursor() as cur:
-        cur.execute(_OUTBOX_CLAIM, [OUTBOX_LEASE_S, outbox_id])
+        cur.execute(_OUTBOX_CLAIM, [_claim_lease_s(), outbox_id, OUTBOX_MAX_ATTEMPTS])
         row = cur.fetchone()
+        if row is None:
+            cur.execute("SELECT attempts FROM core_outboxevent WHERE id = %s", [outbox_id])
+            stuck = cur.fetchone()
     if row is None:
-        return False
-    event, payload = row
+        if stuck is None:
+            return "duplicate"
+        logger.error("outbox event %s was claimed %d times without finishing; left for an operator",
+                     outbox_id, stuck[0])
+        return "stuck"
+    event, payload, attempts = row
     if isinstance(payload, str):  # a driver without the jsonb loader
         payload = json.loads(payload)
-    dispatch_background(event, payload)
+    if dispatch_background(event, payload):
+        backoff = min(OUTBOX_RETRY_STEP_S * attempts, OUTBOX_RETRY_MAX_S)
+        with connection.cursor() as cur:
+            cur.execute("UPDATE core_outboxevent SET available_at = clock_timestamp() + make_interval(secs => %s)"
+                        " WHERE id = %s", [backoff, outbox_id])
+        logger.warning("outbox event %s (%s): a subscriber failed (attempt %d); retried in %d s",
+                       outbox_id, event, attempts, backoff)
+        return "retry"
     with connection.cursor() as cur:
         cur.execute("DELETE FROM core_outboxevent WHERE id = %s", [outbox_id])
-    return True
+    return "done"
 
 
 def outbox_relay(*, limit: int = 500) -> list[int]:
-    """Publish the outbox events whose lease has passed (never sent, lost, or their worker died)."""
+    """Publish the outbox events that are due (never sent, lost, their worker died, or to retry)."""
     with transaction.atomic():
         with connection.cursor() as cur:
-            cur.execute(_OUTBOX_DUE, [OUTBOX_LEASE_S, OUTBOX_MAX_ATTEMPTS, limit])
+            cur.execute(_OUTBOX_DUE, [OUTBOX_PUBLISH_LEASE_S, OUTBOX_MAX_ATTEMPTS, limit])
             due = sorted(row[0] for row in cur.fetchall())
     sent = [outbox_id for outbox_id in due if _publish(outbox_id)]
     if len(sent) < len(due):
@@ -182,7 +230,7 @@ def outbox_relay(*, limit: int = 500) -> list[int]:
 def outbox_requeue(outbox_ids: list[int]) -> int:
     """Give events (e.g. stuck ones, after their cause was fixed) a fresh set of attempts, due now."""
     with connection.cursor() as cur:
-        cur.execute("UPDATE core_outboxevent SET attempts = 0, available_at = now() WHERE id = ANY(%s)",
+        cur.execute("UPDATE core_outboxevent SET attempts = 0, available_at = clock_timestamp() WHERE id = ANY(%s)",
                     [list(outbox_ids)])
         return cur.rowcount
 

@@ -6,6 +6,8 @@ BEAT: dict = {
     "core-outbox-relay": {
         "task": "core.outbox_relay",
         "schedule": 15.0,
-        "options": {"expires": 14},
+        # Overlapping runs are harmless (SKIP LOCKED + lease), so a run late behind a queue
+        # backlog still counts rather than expiring unrun.
+        "options": {"expires": 120},
     },
 }

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
 
 
 @shared_task(name="core.dispatch_event", ignore_result=True)
-def dispatch_event(outbox_id: int) -> None:
-    """Run the background subscribers of one outbox event. Each one is idempotent (ids in, re-read under a lock)."""
+def dispatch_event(outbox_id: int | str, payload: dict[str, Any] | None = None) -> str:
+    """Run the background subscribers of one outbox event. Each one is idempotent (ids in, re-read under a lock).
+
+    A message queued by a release before the outbox carries (event, payload) instead of an id;
+    it is handled as it was then, so a rolling deploy loses nothing.
+    """
     from . import events
 
-    events.outbox_dispatch(outbox_id)
+    if payload is not None:
+        events.dispatch_background(str(outbox_id), payload)
+        return "legacy"
+    return events.outbox_dispatch(int(outbox_id))
 
 
 @shared_task(name="core.outbox_relay", ignore_result=True)

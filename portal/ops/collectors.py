@@ -73,6 +73,8 @@ FAMILIES = {
     "portal_node_health": ("gauge", "provisioning"),
     "portal_repairs_open": ("gauge", "provisioning"),
     "portal_notification_deliveries": ("gauge", "notifications"),
+    "portal_outbox_events": ("gauge", "always"),
+    "portal_outbox_oldest_age_seconds": ("gauge", "always"),
 }
 
 
@@ -407,9 +409,12 @@ class PortalCollector:
     def _events(self) -> Iterator[Metric]:
         from portal.core.events import OUTBOX_MAX_ATTEMPTS
 
+        # Stuck events are counted apart and kept out of the age: one of them must not pin the
+        # backlog gauge. clock_timestamp(), not now(): the scrape may run inside a transaction.
         pending, stuck, oldest = _rows(
             "SELECT count(*) FILTER (WHERE attempts < %(max)s), count(*) FILTER (WHERE attempts >= %(max)s),"
-            " coalesce(extract(epoch FROM now() - min(created_at)), 0) FROM core_outboxevent",
+            " coalesce(extract(epoch FROM clock_timestamp() - min(created_at) FILTER (WHERE attempts < %(max)s)), 0)"
+            " FROM core_outboxevent",
             {"max": OUTBOX_MAX_ATTEMPTS},
         )[0]
         family = GaugeMetricFamily(
@@ -420,7 +425,7 @@ class PortalCollector:
         family.add_metric(["stuck"], stuck)
         yield family
         yield GaugeMetricFamily("portal_outbox_oldest_age_seconds",
-                                "Age of the oldest domain event still in the outbox (0 when empty).",
+                                "Age of the oldest domain event waiting in the outbox, stuck ones aside (0 when none).",
                                 value=float(oldest))
 
 

@@ -41,9 +41,9 @@ def test_the_worker_creates_the_cluster_after_the_booking_commits(world, setting
     emitted: list[tuple[str, dict, int | None]] = []  # (event, payload, outbox id) as committed
     real_after_commit = events._after_commit
 
-    def after_commit(event, payload, outbox_id):
+    def after_commit(event, payload, outbox_id, *rest):
         emitted.append((event, payload, outbox_id))
-        real_after_commit(event, payload, outbox_id)
+        real_after_commit(event, payload, outbox_id, *rest)
 
     monkeypatch.setattr(events, "_after_commit", after_commit)
     reservation = book(world, "alpha-lead", now_slot(world), hours=2, nodes=2)
@@ -64,7 +64,7 @@ def test_the_worker_creates_the_cluster_after_the_booking_commits(world, setting
     # anything twice.
     duplicate = tasks.dispatch_event.delay(outbox_id)
     again = OutboxEvent.objects.create(event="reservation.confirmed", payload=payload, created_at=timezone.now(),
-                                       available_at=timezone.now() + timedelta(seconds=events.OUTBOX_LEASE_S))
+                                       available_at=timezone.now() + timedelta(seconds=events.OUTBOX_PUBLISH_LEASE_S))
     rerun = tasks.dispatch_event.delay(again.pk)
     wait_for(lambda: _succeeded(events_worker, duplicate, rerun), timeout=30,
              what=f"both dispatches received and finished; log:\n{events_worker.output()[-3000:]}")
