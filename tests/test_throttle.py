@@ -165,3 +165,41 @@ def test_redis_down_lets_requests_through_and_says_so(world, caplog) -> None:
     finally:
         throttle._client.cache_clear()
     assert sum("Redis unavailable" in rec.getMessage() for rec in caplog.records) == 3
+
+
+@pytest.mark.parametrize("garbage", ["inf", "1e300", "nan", "-inf", "99999999999999999999"])
+def test_number_shaped_garbage_is_an_empty_bucket_too(client: redis.Redis, key: str, garbage: str) -> None:
+    client.set(key, garbage)  # not written by the script (by hand, an older scheme, a clock gone back)
+    first = time.monotonic()
+    assert acquire(client, key, Rate(1, 60)) == 0.0
+    assert 60 - (time.monotonic() - first) - 0.01 <= acquire(client, key, Rate(1, 60)) <= 60
+    assert 0 < client.pttl(key) <= 60_000  # and it expires again
+
+
+def _anon_budget_key(address: str) -> str:
+    prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
+    return f"{prefix}:throttle:anon:{parse_rate('1/min')}:{address}"
+
+
+@pytest.mark.django_db
+def test_anonymous_clients_are_limited_by_address_not_by_what_they_claim(client: redis.Redis) -> None:
+    from django.test import Client
+
+    addresses = [f"10.{n}.{uuid.uuid4().int % 250}.{uuid.uuid4().int % 250}" for n in (1, 2, 3)]
+    client.delete(*[_anon_budget_key(a) for a in addresses])
+    try:
+        with override_settings(PORTAL_THROTTLE_ANON="1/min"):
+            # No trusted proxy: a client inventing X-Forwarded-For gets no fresh budget.
+            spoofer = Client(REMOTE_ADDR=addresses[0])
+            assert spoofer.get("/api/schema/", HTTP_X_FORWARDED_FOR="1.2.3.4").status_code == 200
+            r = spoofer.get("/api/schema/", HTTP_X_FORWARDED_FOR="5.6.7.8")
+            assert r.status_code == 429 and int(r["Retry-After"]) >= 1
+            # Behind one trusted proxy: the address the proxy appended is the client.
+            rest = {**settings.REST_FRAMEWORK, "NUM_PROXIES": 1}
+            with override_settings(REST_FRAMEWORK=rest):
+                proxy = Client(REMOTE_ADDR="127.0.0.1")
+                assert proxy.get("/api/schema/", HTTP_X_FORWARDED_FOR=f"6.6.6.6, {addresses[1]}").status_code == 200
+                assert proxy.get("/api/schema/", HTTP_X_FORWARDED_FOR=f"7.7.7.7, {addresses[1]}").status_code == 429
+                assert proxy.get("/api/schema/", HTTP_X_FORWARDED_FOR=addresses[2]).status_code == 200
+    finally:
+        client.delete(*[_anon_budget_key(a) for a in addresses])

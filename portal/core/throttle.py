@@ -12,7 +12,9 @@ number per client — the theoretical arrival time (TAT) of its next request —
 advanced by one Lua script, so it is atomic on the Redis server whatever the number of web
 processes, O(1) in time and memory, and timed by the Redis server's clock (web hosts with
 skewed clocks still agree). ``N/period`` allows a burst of N and then one request every
-period/N: a client that waits never has to wait out a whole window.
+period/N: a client that waits never has to wait out a whole window. (So a client that spends
+its burst and then keeps to the pace gets up to 2N−1 requests into one period's span, where
+DRF's sliding window stops at N; the sustained rate is N per period either way.)
 
 If Redis cannot be reached the request is let through and a warning logged: the limiter
 protects the API, it must not take it down (``/readyz`` reports Redis separately).
@@ -44,7 +46,9 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local interval = tonumber(ARGV[1])
 local period = tonumber(ARGV[2])
 local tat = tonumber(redis.call('GET', KEYS[1]) or 0) or 0
-if tat < now then
+-- A TAT is never beyond now + period. One that is (or NaN: tat ~= tat) was not written by
+-- this script, or the server clock stepped back: start the client on a fresh bucket.
+if tat ~= tat or tat < now or tat > now + period then
     tat = now
 end
 local new_tat = tat + interval
@@ -108,7 +112,7 @@ def acquire(client: redis.Redis, key: str, rate: Rate) -> float:
     concurrent callers at most ``rate.count`` are allowed in a burst, then one per interval.
     """
     wait_us = int(_script(client)(keys=[key], args=[rate.interval_us, rate.period_us]))
-    return wait_us / 1_000_000
+    return min(max(wait_us, 0), rate.period_us) / 1_000_000
 
 
 class RedisRateThrottle(BaseThrottle):

@@ -144,8 +144,12 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DATETIME_FORMAT": "%Y-%m-%dT%H:%M:%SZ",
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
+    # Anonymous clients are told apart by address: REMOTE_ADDR unless PORTAL_NUM_PROXIES trusted
+    # proxies stand in front (then the address they appended to X-Forwarded-For). Never the
+    # whole client-supplied header, which anyone can fill with a fresh address per request.
+    "NUM_PROXIES": env.int("PORTAL_NUM_PROXIES", default=0),
 }
-# Throttle rates are read per request (portal.core.api), so they can come from the environment.
+# Throttle rates are read per request (portal.core.throttle), so they can come from the environment.
 PORTAL_THROTTLE_USER = env("PORTAL_THROTTLE_USER", default="1200/min")
 PORTAL_THROTTLE_ANON = env("PORTAL_THROTTLE_ANON", default="120/min")
 
