@@ -34,6 +34,14 @@ def test_schema_is_valid_openapi_3_with_every_design_path(world):
         assert path in spec["paths"], path
     create = spec["paths"]["/api/v1/reservations/"]["post"]
     assert any(p["name"] == "Idempotency-Key" for p in create["parameters"])
+    # Bearer tokens are declared (Swagger UI's Authorize button, generated clients) on every operation.
+    assert spec["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http", "scheme": "bearer", "bearerFormat": "opaque"}
+    operations = [op for item in spec["paths"].values() for op in item.values() if isinstance(op, dict)]
+    secured = [op for op in operations if {"bearerAuth": []} in op.get("security", [])]
+    assert operations and len(secured) == len(
+        [op for op in operations if op.get("security") and op["security"] != [{}]])
+    assert {"bearerAuth": []} in create["security"]
 
 
 def test_swagger_ui_is_served_locally(world):
