@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from unittest import mock
 
 import pytest
@@ -51,6 +52,20 @@ def make_world(*, nodes: int = 4, max_nodes: int = 3, burst_nodes: int = 1, burs
     for name, user in world.users.items():
         world.tokens[name] = token_issue(user=user)[1]
     return world
+
+
+def now_clear_of_the_hour(margin_s: float = 60.0) -> datetime:
+    """Return now, first sleeping into the next hourly slot if under margin_s are left of this one.
+
+    A scenario that books from the slot running now (slot_floor(now, 60)) must finish inside it:
+    once the hour rolls over that start is in the past, and booking rightly refuses it.
+    """
+    now = timezone.now()
+    left = (slot_floor(now, 60) + timedelta(hours=1) - now).total_seconds()
+    if left < margin_s:
+        time.sleep(left + 0.1)
+        now = timezone.now()
+    return now
 
 
 def forget_throttle_budgets(*users) -> None:

@@ -1,7 +1,6 @@
 """A failed node's bookings move to spares under the same exclusion constraint, or degrade."""
 
-import time
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 import pytest
 from django.utils import timezone
@@ -11,21 +10,8 @@ from reservations.models import Allocation, Node, Reservation
 from reservations.services import node_replace_allocations, node_update, reservation_create
 from reservations.timeutil import slot_floor
 
+from .conftest import now_clear_of_the_hour
 from .test_races import overlapping_allocations, run_threads, tenants_with_leads
-
-
-def now_clear_of_the_hour(margin_s: float = 60.0) -> datetime:
-    """Return now, first sleeping into the next hourly slot if under margin_s are left of this one.
-
-    A scenario that books from the slot running now (slot_floor(now, 60)) must finish inside it:
-    once the hour rolls over that start is in the past, and booking rightly refuses it.
-    """
-    now = timezone.now()
-    left = (slot_floor(now, 60) + timedelta(hours=1) - now).total_seconds()
-    if left < margin_s:
-        time.sleep(left + 0.1)
-        now = timezone.now()
-    return now
 
 
 def fail(world_or_node, staff=None):

@@ -12,8 +12,8 @@ Two kinds of subscriber:
   transaction, and after the commit publishes one ``core.dispatch_event`` message with the
   row's id, whatever the number of background subscribers; the worker claims the row, runs
   them and deletes it (if one of them fails, the row stays and is retried after a backoff; ten
-  claims and it is left for an operator). A booking request thus answers without creating the cluster or fanning out
-  notifications itself, and an event whose message never left (the process died right after
+  claims and it is left for an operator). A booking request thus answers without creating the
+  cluster or fanning out notifications itself, and an event whose message never left (the process died right after
   the commit, the broker was down) or was lost is published again by ``core.outbox_relay``
   (beat) once its ``available_at`` has passed. Background subscribers must therefore be
   idempotent (they take ids and re-read). ``PORTAL_EVENTS_INLINE = True`` runs them in the
@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import Error as DjangoDatabaseError
 from django.db import connection, transaction
@@ -115,8 +116,6 @@ _OUTBOX_DUE = (
 
 
 def _claim_lease_s() -> int:
-    from django.conf import settings
-
     return int(getattr(settings, "CELERY_TASK_TIME_LIMIT", None) or 600) + OUTBOX_CLAIM_MARGIN_S
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import redis
@@ -115,15 +116,15 @@ def acquire(client: redis.Redis, key: str, rate: Rate) -> float:
     return min(max(wait_us, 0), rate.period_us) / 1_000_000
 
 
-class RedisRateThrottle(BaseThrottle):
+class RedisRateThrottle(BaseThrottle, ABC):
     """A DRF throttle over ``acquire``; subclasses name the rate setting and who is counted."""
 
     scope = ""
     setting_name = ""
 
+    @abstractmethod
     def ident(self, request) -> str | None:
         """The client this request counts against, or None when this throttle does not apply."""
-        raise NotImplementedError
 
     def allow_request(self, request, view) -> bool:
         self._wait = 0.0

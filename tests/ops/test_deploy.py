@@ -30,10 +30,10 @@ from portal.ops import metrics
 from portal.ops.collectors import FAMILIES
 from reservations import services
 from reservations.timeutil import slot_floor
-from tests.conftest import make_world
+from tests.conftest import make_world, now_clear_of_the_hour
 
 from .conftest import scrape
-from .test_metrics import now_clear_of_the_hour, other_app_rows
+from .test_metrics import other_app_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"

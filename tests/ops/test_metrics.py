@@ -4,7 +4,6 @@ and lint the exposition with the real `promtool check metrics`."""
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timedelta
 
 import pytest
@@ -18,7 +17,7 @@ from portal.ops import metrics
 from reservations import services
 from reservations.models import Allocation, Reservation
 from reservations.timeutil import slot_floor
-from tests.conftest import make_world
+from tests.conftest import make_world, now_clear_of_the_hour
 
 from .conftest import promtool_check, scrape
 
@@ -35,20 +34,6 @@ def book(world, who, *, nodes, start, hours, on_commit):
                                                node_count=nodes, start=start, end=start + timedelta(hours=hours))
     except DomainError as exc:
         return exc.code
-
-
-def now_clear_of_the_hour(margin_s: float = 60.0) -> datetime:
-    """Return now, first sleeping into the next hourly slot if under margin_s are left of this one.
-
-    A scenario that books from the slot running now (slot_floor(now, 60)) must finish inside it:
-    once the hour rolls over that start is in the past, and booking rightly refuses it.
-    """
-    now = timezone.now()
-    left = (slot_floor(now, 60) + timedelta(hours=1) - now).total_seconds()
-    if left < margin_s:
-        time.sleep(left + 0.1)
-        now = timezone.now()
-    return now
 
 
 def counter(name, **labels):
@@ -250,7 +235,7 @@ def test_observe_booking_maps_unknown_outcomes_to_error():
 
 def other_app_rows(world) -> None:
     """Clusters with phase transitions, health checks, repairs and deliveries, written as fixtures."""
-    from datetime import UTC, datetime
+    from datetime import UTC
 
     from django.apps import apps
 
