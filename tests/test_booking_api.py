@@ -233,3 +233,32 @@ def test_list_uses_a_constant_number_of_queries(world, t0, django_assert_max_num
     with django_assert_max_num_queries(8):
         r = c.get("/api/v1/reservations/")
     assert r.json()["count"] == 6
+
+
+def test_booking_statements_are_prepared_on_the_connection(world, t0):
+    """Server-side binding: the booking path's statements are parsed and planned once per connection."""
+    from django.db import connection
+
+    for i in range(3):
+        assert book(world, "alpha-lead", t0, n=1, hours=1, offset=i).status_code == 201
+    with connection.cursor() as cur:
+        cur.execute("SELECT statement FROM pg_prepared_statements WHERE NOT from_sql")
+        prepared = [row[0] for row in cur.fetchall()]
+    assert any('FROM "tenants_quota"' in sql and "FOR NO KEY UPDATE" in sql for sql in prepared), prepared
+    assert any("INSERT INTO reservations_reservation" in sql for sql in prepared), prepared
+    # Parameters are bound by the server, not quoted into the text.
+    assert all("'alpha'" not in sql for sql in prepared)
+
+
+def test_prepared_statements_can_be_turned_off_for_old_poolers():
+    import subprocess
+    import sys
+
+    code = ("import django, os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'portal.settings.test');"
+            "django.setup();"
+            "from django.conf import settings; o = settings.DATABASES['default']['OPTIONS'];"
+            "print(o['server_side_binding'], o['prepare_threshold'])")
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "DB_PREPARE_THRESHOLD": "-1"}).stdout.split()
+    assert on == ["True", "2"] and off == ["True", "None"]

@@ -60,7 +60,7 @@ def check_database(alias: str = "default") -> CheckResult:
         wrapper = connections[alias].__class__(configured, alias)
         try:
             with wrapper.cursor() as cur:
-                cur.execute("SET statement_timeout = %s", [int(_timeout() * 1000)])
+                cur.execute("SELECT set_config('statement_timeout', %s, false)", [str(int(_timeout() * 1000))])
                 cur.execute("SELECT 1")
                 cur.fetchone()
         finally:

@@ -89,6 +89,14 @@ DATABASES["default"]["HOST"] = unquote(DATABASES["default"].get("HOST") or "")
 DATABASES["default"]["ATOMIC_REQUESTS"] = False  # services own their (durable) transactions
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# Parameters travel separately from the SQL (server-side binding) and a statement run twice on a
+# connection is prepared once: PostgreSQL then neither re-parses nor re-plans the booking path's
+# statements, and psycopg need not quote parameters into the text in Python. Behind a PgBouncer
+# older than 1.21 in transaction mode (no prepared statements), set DB_PREPARE_THRESHOLD=-1.
+DATABASES["default"].setdefault("OPTIONS", {})
+DATABASES["default"]["OPTIONS"]["server_side_binding"] = env.bool("DB_SERVER_SIDE_BINDING", default=True)
+_prepare_threshold = env.int("DB_PREPARE_THRESHOLD", default=2)
+DATABASES["default"]["OPTIONS"]["prepare_threshold"] = None if _prepare_threshold < 0 else _prepare_threshold
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="redis://127.0.0.1:6379/0")
