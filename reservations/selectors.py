@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.db import connection
+from django.db.models import F, Func, OuterRef, Subquery
 
 from .choices import HOLDING_STATUSES, NodeState
-from .models import Pool, Reservation
+from .models import Node, Pool, Reservation
 from .timeutil import EPOCH
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "free_nodes",
     "suggest_windows",
     "reservations_for_user",
+    "pools_for_booking",
 ]
 
 
@@ -33,6 +35,13 @@ class Slot:
 
 def reservations_for_user(*, user):
     return Reservation.objects.for_user(user).select_related("tenant", "pool", "created_by")
+
+
+def pools_for_booking():
+    """Pools with `bookable_nodes` (nodes not retired) read in the same query; the booking service uses it."""
+    count = (Node.objects.filter(pool=OuterRef("pk")).exclude(state=NodeState.RETIRED).order_by()
+             .annotate(n=Func(F("pk"), function="COUNT")).values("n"))
+    return Pool.objects.annotate(bookable_nodes=Subquery(count))
 
 
 # Availability from the per-slot summary.

@@ -116,6 +116,11 @@ def _raise_if(errors: dict[str, str]) -> None:
         raise InvalidInput(f"{first}: {errors[first]}", fields=errors)
 
 
+def _bookable_node_count(pool: Pool) -> int:
+    annotated = getattr(pool, "bookable_nodes", None)  # read with the pool by selectors.pools_for_booking()
+    return annotated if annotated is not None else pool.nodes.exclude(state=NodeState.RETIRED).count()
+
+
 def _require_role(*, actor: Any, tenant: Tenant, roles: frozenset[str]) -> str:
     if getattr(actor, "is_staff", False):
         return "staff"
@@ -149,9 +154,11 @@ def _classify_billing(
     """
     # of=self: Quota's default ordering joins tenant and pool, and a plain FOR NO KEY UPDATE would
     # lock their rows too, serialising every booking of the pool (and every write of the tenant).
-    quota = Quota.objects.select_for_update(no_key=True, of=("self",)).filter(tenant=tenant, pool=pool).first()
-    if quota is None:
-        raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.")
+    # get(): (tenant, pool) is unique, so no ORDER BY (and none of the joins the default ordering needs).
+    try:
+        quota = Quota.objects.select_for_update(no_key=True, of=("self",)).get(tenant=tenant, pool=pool)
+    except Quota.DoesNotExist:
+        raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.") from None
     hours = (end - start).total_seconds() / 3600
     if quota.max_duration_hours is not None and hours > quota.max_duration_hours:
         raise QuotaExceeded(
@@ -300,7 +307,7 @@ def reservation_create(
     errors = _validate_window(pool=pool, start=start, end=end, now=now)
     if not isinstance(node_count, int) or isinstance(node_count, bool) or node_count < 1:
         errors["node_count"] = "Must be a whole number of at least 1."
-    elif node_count > pool.nodes.exclude(state=NodeState.RETIRED).count():
+    elif node_count > _bookable_node_count(pool):
         errors["node_count"] = f"The {pool.name} pool has only {pool.nodes.count()} nodes."
     if orchestrator not in Orchestrator.values:
         errors["cluster.orchestrator"] = f"One of {', '.join(Orchestrator.values)}."

@@ -21,11 +21,11 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             key = header[1].decode()
         except UnicodeError:
             raise exceptions.AuthenticationFailed("Invalid token.")
-        token = (
-            ApiToken.objects.select_related("user")
-            .filter(key_hash=ApiToken.hash_key(key), revoked=False)
-            .first()
-        )
+        # key_hash is unique: get() reads at most one row with no ORDER BY.
+        try:
+            token = ApiToken.objects.select_related("user").get(key_hash=ApiToken.hash_key(key), revoked=False)
+        except ApiToken.DoesNotExist:
+            token = None
         now = timezone.now()
         if token is None or not token.user.is_active or (token.expires_at and token.expires_at <= now):
             raise exceptions.AuthenticationFailed("Invalid or expired token.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.apps import apps
 from django.db import models
 
 __all__ = ["TenantScopedQuerySet"]
@@ -21,11 +22,13 @@ class TenantScopedQuerySet(models.QuerySet):
             return self.none()
         if user.is_staff and roles is None:
             return self.all()
-        lookup = {f"{self.tenant_path}__memberships__user": user}
+        memberships = apps.get_model("tenants", "Membership")._base_manager.filter(user=user.pk)
         if roles is not None:
-            lookup[f"{self.tenant_path}__memberships__role__in"] = list(roles)
-        # Filtering across the membership join can duplicate rows; the id subquery avoids DISTINCT.
-        return self.filter(pk__in=self.model._base_manager.filter(**lookup).values("pk"))
+            memberships = memberships.filter(role__in=list(roles))
+        # tenant IN (the user's memberships' tenants): the path to the tenant is single-valued, so no
+        # row can repeat, and the outer query needs no join to the membership table at all.
+        lookup = f"{self.tenant_path}__in" if self.tenant_path else "pk__in"
+        return self.filter(**{lookup: memberships.values("tenant_id")})
 
     def for_tenant(self, tenant):
         return self.filter(**{self.tenant_path: tenant})

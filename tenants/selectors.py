@@ -11,6 +11,8 @@ def role_of(*, user, tenant: Tenant) -> str | None:
     """Return the user's role in tenant, or None when they are not a member."""
     if not getattr(user, "is_authenticated", False):
         return None
+    if getattr(tenant, "role_of_user_id", None) == user.pk:  # read with Tenant.objects.with_role_of(user)
+        return tenant.role_of_user
     return Membership.objects.filter(user=user, tenant=tenant).values_list("role", flat=True).first()
 
 

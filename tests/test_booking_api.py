@@ -262,3 +262,33 @@ def test_prepared_statements_can_be_turned_off_for_old_poolers():
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "DB_PREPARE_THRESHOLD": "-1"}).stdout.split()
     assert on == ["True", "2"] and off == ["True", "None"]
+
+
+def test_booking_reads_the_role_and_pool_size_with_the_tenant_and_pool(world, t0):
+    """No separate membership or node-count round trip on the booking path; the statements stay few."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    book(world, "alpha-lead", t0)  # warm: the token's last_used_at touch happens on the first request
+    with CaptureQueriesContext(connection) as captured:
+        r = book(world, "alpha-lead", t0, offset=4)
+    assert r.status_code == 201, r.json()
+    statements = [q["sql"].lstrip() for q in captured.captured_queries]
+    assert not any(s.startswith('SELECT "tenants_membership"') for s in statements), statements
+    assert not any(s.startswith("SELECT COUNT(") for s in statements), statements
+    # token, pool (+ size), tenant (+ role), quota lock, peak, free nodes, insert, audit (the tests run
+    # events inline, so no outbox row)
+    reads_and_writes = [s[:60] for s in statements if s.split()[0].upper() in ("SELECT", "WITH", "INSERT")]
+    assert len(reads_and_writes) == 8, reads_and_writes
+
+
+def test_role_annotation_answers_only_for_the_user_it_was_read_for(world):
+    from tenants.models import Tenant
+    from tenants.selectors import role_of
+
+    lead, outsider = world.users["alpha-lead"], world.users["beta-lead"]
+    tenant = Tenant.objects.with_role_of(lead).get(slug="alpha")
+    assert role_of(user=lead, tenant=tenant) == "lead"
+    assert role_of(user=outsider, tenant=tenant) is None  # not the annotated user: asks the database
+    as_outsider = Tenant.objects.with_role_of(outsider).get(slug="alpha")
+    assert as_outsider.role_of_user is None and role_of(user=outsider, tenant=as_outsider) is None

@@ -5,6 +5,7 @@ from tenants.models import Tenant
 
 from ..choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, NodeState, Orchestrator, ReservationStatus
 from ..models import Node, Pool, Reservation
+from ..selectors import pools_for_booking
 
 
 class PoolSerializer(serializers.ModelSerializer):
@@ -49,12 +50,15 @@ class ClusterSpecSerializer(serializers.Serializer):
 
 
 def _bookable_tenants(user):
-    return Tenant.objects.for_user(user) if user is not None else Tenant.objects.none()
+    # The caller's role comes along, so the booking service need not ask for it again.
+    if user is None or not user.is_authenticated:
+        return Tenant.objects.none()
+    return Tenant.objects.for_user(user).with_role_of(user)
 
 
 class ReservationCreateSerializer(serializers.Serializer):
     tenant = ScopedSlugRelatedField(slug_field="slug", scope=_bookable_tenants, required=False)
-    pool = serializers.SlugRelatedField(slug_field="name", queryset=Pool.objects.all())
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=pools_for_booking())
     node_count = StrictIntegerField(min_value=1, max_value=100_000)
     start = AwareDateTimeField()
     end = AwareDateTimeField()
@@ -64,7 +68,7 @@ class ReservationCreateSerializer(serializers.Serializer):
     def validate(self, attrs):
         if "tenant" not in attrs:
             user = self.context["request"].user
-            candidates = [] if user.is_staff else list(Tenant.objects.for_user(user)[:2])
+            candidates = [] if user.is_staff else list(Tenant.objects.for_user(user).with_role_of(user)[:2])
             if len(candidates) != 1:
                 raise serializers.ValidationError({"tenant": "Name the tenant to book for (its slug)."})
             attrs["tenant"] = candidates[0]
