@@ -1,7 +1,8 @@
 """PostgreSQL advisory-lock keys of this app, in one place (two-int form: namespace, id).
 
 Session-level locks (pg_try_advisory_lock) are released by PostgreSQL when the holding
-connection goes away, so a worker killed with SIGKILL never leaves one behind.
+connection goes away, so a worker killed with SIGKILL never leaves one behind. The helpers
+(`advisory_lock`, `locked_keys`) and the 70_xxx namespace live in portal.core.locks.
 """
 
 # One provisioning/teardown task per cluster at a time: a duplicate delivery (redispatch,

@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DatabaseError, connection, transaction
+from django.db import transaction
 from django.db.models import F, Q, Sum
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from portal.core import events
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
+from portal.core.locks import advisory_lock, locked_keys
 from portal.core.services import audit_record
 from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
@@ -120,42 +121,6 @@ class _Stop(Exception):
 
 
 # --- plumbing ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def advisory_lock(namespace: int, key: int, *, wait: float = 0.0) -> Iterator[bool]:
-    """Hold a session-level advisory lock for the block; yield whether we got it.
-
-    Session-level (not transaction-level) because the block spans many short transactions
-    and slow backend calls; PostgreSQL releases it if our connection dies.
-    """
-    deadline = time.monotonic() + wait
-    while True:
-        with connection.cursor() as cur:
-            cur.execute("SELECT pg_try_advisory_lock(%s, %s)", [namespace, key])
-            held = bool(cur.fetchone()[0])
-        if held or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    try:
-        yield held
-    finally:
-        if held:
-            try:
-                with connection.cursor() as cur:
-                    cur.execute("SELECT pg_advisory_unlock(%s, %s)", [namespace, key])
-            except DatabaseError:  # the connection is gone, and the lock with it
-                logger.warning("could not release advisory lock (%s, %s)", namespace, key, exc_info=True)
-
-
-def _locked_ids(namespace: int) -> set[int]:
-    """Return the keys of namespace whose advisory lock some session holds right now."""
-    with connection.cursor() as cur:
-        cur.execute(
-            "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objsubid = 2 AND granted",
-            [namespace],
-        )
-        return {int(row[0]) for row in cur.fetchall()}
 
 
 def _send(task_name: str, *args: Any, countdown: float | None = None) -> None:
@@ -1119,7 +1084,7 @@ def _remind(cluster_id: int, which: str) -> int:
 def _tick_redispatch(now: datetime) -> int:
     """Resend work whose message was lost: not running (no lock held), not sent recently, not backing off."""
     stale = now - timedelta(seconds=setting_int("PORTAL_PROVISIONING_REDISPATCH_SECONDS", 180))
-    running = _locked_ids(LOCK_CLUSTER)
+    running = locked_keys(LOCK_CLUSTER)
     idle = (Q(dispatched_at__isnull=True) | Q(dispatched_at__lt=stale)) & \
         (Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now))
     provisioning = VirtualCluster.objects.filter(

@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -316,3 +317,70 @@ def test_staff_requeue_stuck_events_from_the_admin(outboxed, handlers, broker, d
     member = Client()
     member.force_login(get_user_model().objects.create_user(username="someone"))
     assert member.get(url).status_code == 302  # to the login page: not for non-staff
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_second_copy_while_the_first_runs_leaves_the_event_to_it(outboxed, handlers, broker, monkeypatch):
+    """The relay re-sent an event whose first message waited in a busy queue: both copies meet."""
+    monkeypatch.setattr(tasks.dispatch_event, "apply_async", lambda *a, **k: None)  # keep the queue out of it
+    events.emit("test.happened", thing_id=31)  # autocommit: committed at once
+    outbox_id = OutboxEvent.objects.get().pk
+    inside, release, runs, outcomes, errors = threading.Event(), threading.Event(), [], {}, []
+
+    def slow(event, payload):
+        runs.append(payload["thing_id"])
+        inside.set()
+        assert release.wait(20)
+
+    def worker(name):
+        try:
+            outcomes[name] = tasks.dispatch_event(outbox_id)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    events.subscribe("test.happened", slow, background=True)
+    try:
+        first = threading.Thread(target=worker, args=("first",))
+        first.start()
+        assert inside.wait(20)
+        second = threading.Thread(target=worker, args=("second",))
+        second.start()
+        second.join(20)
+        assert outcomes.get("second") == "busy"  # left alone while the first still runs
+        release.set()
+        first.join(20)
+    finally:
+        release.set()
+        events.unsubscribe("test.happened", slow)
+    assert not errors, errors
+    assert outcomes == {"first": "done", "second": "busy"}
+    assert runs == [31]  # the subscribers ran once
+    assert not OutboxEvent.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_copy_after_its_worker_died_goes_ahead_at_once(outboxed, handlers, broker, monkeypatch):
+    """A worker killed mid-event: its session's lock goes with it, so the redelivered copy runs now."""
+    import psycopg
+
+    from portal.core.locks import LOCK_OUTBOX_EVENT
+
+    monkeypatch.setattr(tasks.dispatch_event, "apply_async", lambda *a, **k: None)
+    events.emit("test.happened", thing_id=41)
+    outbox_id = OutboxEvent.objects.get().pk
+    params = connection.get_connection_params()
+    dead = psycopg.connect(**{k: v for k, v in params.items() if k not in ("cursor_factory", "context")},
+                           autocommit=True)
+    # The dead worker: it claimed the event and holds its lock, then its process is killed.
+    dead.execute("SELECT pg_advisory_lock(%s, %s)", [LOCK_OUTBOX_EVENT, outbox_id])
+    dead.execute("UPDATE core_outboxevent SET attempts = 1 WHERE id = %s", [outbox_id])
+    assert tasks.dispatch_event(outbox_id) == "busy"  # alive: left to it
+    dead.close()  # PostgreSQL drops the session's locks when it sees the socket close
+    deadline = time.monotonic() + 10
+    while (outcome := tasks.dispatch_event(outbox_id)) == "busy" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outcome == "done"
+    assert [name for name, _, _ in handlers if name != "inline"] == ["bg1", "bg2"]
+    assert not OutboxEvent.objects.exists()

@@ -34,6 +34,7 @@ from django.db import Error as DjangoDatabaseError
 from django.db import connection, transaction
 
 from .conf import setting_bool
+from .locks import LOCK_OUTBOX_EVENT, advisory_lock
 
 __all__ = [
     "subscribe", "unsubscribe", "emit", "clear_subscribers", "dispatch_background", "outbox_dispatch", "outbox_relay",
@@ -180,8 +181,20 @@ def outbox_dispatch(outbox_id: int) -> str:
     "done": they ran and the row is deleted. "duplicate": the row is gone, a second message
     for an event already handled. "stuck": claimed OUTBOX_MAX_ATTEMPTS times already, left
     for an operator. "retry": a subscriber failed; the row stays and the relay sends it again
-    after a backoff (the others ran; every background subscriber must be idempotent).
+    after a backoff (the others ran; every background subscriber must be idempotent). "busy":
+    another worker is running this event's subscribers right now (a second copy of its message,
+    e.g. re-sent by the relay while the first waited in a queue); that worker sees it through.
     """
+    # The lock says "a live worker has this event": a copy redelivered after its worker died
+    # finds it free (PostgreSQL dropped the dead session's locks) and goes ahead at once.
+    with advisory_lock(LOCK_OUTBOX_EVENT, outbox_id) as held:
+        if not held:
+            logger.info("outbox event %s is being handled by another worker; this copy leaves it", outbox_id)
+            return "busy"
+        return _dispatch_locked(outbox_id)
+
+
+def _dispatch_locked(outbox_id: int) -> str:
     with connection.cursor() as cur:
         cur.execute(_OUTBOX_CLAIM, [_claim_lease_s(), outbox_id, OUTBOX_MAX_ATTEMPTS])
         row = cur.fetchone()

@@ -103,7 +103,7 @@ def test_kill_9_of_the_worker_mid_provisioning_reaches_ready_once_without_a_seco
 
     replacement = start_worker(logs, **env)
     # PostgreSQL drops the killed session's advisory lock as soon as it sees the socket close.
-    wait_for(lambda: cluster.pk not in services._locked_ids(LOCK_CLUSTER), timeout=10, what="lock released")
+    wait_for(lambda: cluster.pk not in services.locked_keys(LOCK_CLUSTER), timeout=10, what="lock released")
     try:
         # The killed task's message waits for Redis's visibility timeout; the tick resends at once
         # because no session holds the cluster's lock any more (PostgreSQL dropped it with the connection).

@@ -166,7 +166,7 @@ def test_a_duplicate_delivery_returns_while_another_worker_holds_the_cluster(wor
     try:
         assert held.wait(10)
         assert services.cluster_provision(cluster_id=cluster.pk) == "busy"
-        assert cluster.pk in services._locked_ids(LOCK_CLUSTER)
+        assert cluster.pk in services.locked_keys(LOCK_CLUSTER)
     finally:
         release.set()
         thread.join()
