@@ -19,3 +19,6 @@ LOCK_BOOKING = 71_004
 # availability summary's allocation trigger (reservations migration 0006) serialises changes
 # to one node's off-grid allocations with pg_advisory_xact_lock(72001, node id).
 LOCK_SLOT_USAGE_NODE = 72_001
+# Transaction locks on the nodes a booking is about to insert, in node-id order, so two bookers of
+# one node queue instead of deadlocking in the exclusion index (reservations.services).
+LOCK_BOOKING_NODE = 72_002

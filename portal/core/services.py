@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from django.db import models
-
-from .models import AuditLog
+from django.db import connection, models
+from django.utils import timezone
 
 __all__ = ["audit_record"]
+
+# One fixed statement (no ORM compilation): every service write pays for it.
+_AUDIT_INSERT = (
+    "INSERT INTO core_auditlog (created_at, actor_id, action, object_type, object_id, tenant_id, before, after)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb)"
+)
 
 
 def audit_record(
@@ -19,14 +25,10 @@ def audit_record(
     tenant_id: int | None = None,
     before: dict[str, Any] | None = None,
     after: dict[str, Any] | None = None,
-) -> AuditLog:
-    """Write an audit row; call inside the service's transaction so both land or neither."""
-    return AuditLog.objects.create(
-        actor=actor if getattr(actor, "pk", None) else None,
-        action=action,
-        object_type=obj._meta.label_lower,
-        object_id=str(obj.pk),
-        tenant_id=tenant_id,
-        before=before or {},
-        after=after or {},
-    )
+) -> None:
+    """Write an audit row (core.AuditLog); call inside the service's transaction so both land or neither."""
+    with connection.cursor() as cur:
+        cur.execute(_AUDIT_INSERT, [
+            timezone.now(), getattr(actor, "pk", None), action, obj._meta.label_lower, str(obj.pk), tenant_id,
+            json.dumps(before or {}), json.dumps(after or {}),
+        ])
