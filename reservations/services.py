@@ -284,6 +284,12 @@ def _insert_booking(
     return reservation
 
 
+def _lock_nodes(node_ids: list[int]) -> None:
+    """Take the booking locks of node_ids (in id order) before moving allocations onto a new period."""
+    with connection.cursor() as cur:
+        cur.execute(_NODE_LOCKS, {"nodes": sorted(node_ids)})
+
+
 def _allocate(*, reservation: Reservation, node_ids: list[int], period: DateTimeTZRange, actor: Any) -> None:
     """Allocate node_ids to reservation for period, in node-id order (one statement)."""
     with connection.cursor() as cur:
@@ -472,6 +478,7 @@ def _repoint_allocations(
     allocations = reservation.allocations.filter(active=True)
     try:
         with transaction.atomic():
+            _lock_nodes(list(allocations.values_list("node_id", flat=True)))  # as bookers of them do
             allocations.update(period=period)
             return
     except _COLLISIONS as exc:
