@@ -221,15 +221,19 @@ def sql_phase(db_url: str, jobs, clients: int, t0: datetime):
                                 " created_at, updated_at)"
                                 " VALUES (%(t)s, %(p)s, %(n)s, tstzrange(%(s)s, %(e)s), '', 'confirmed', '', 0,"
                                 " 'committed', 'slurm', '12.8', now(), now()) RETURNING id", p).fetchone()[0]
-                            # One statement for all the nodes (as the service does): the
-                            # availability-summary trigger then runs once per booking.
+                            # One statement for all the nodes (as the service does): the node
+                            # locks in id order, then the allocations; the availability-summary
+                            # trigger then runs once per booking.
                             conn.execute(
-                                "INSERT INTO reservations_allocation (reservation_id, node_id, period, kind,"
+                                "WITH locks AS (SELECT count(pg_advisory_xact_lock(72002,"
+                                " (node_id %% 2147483648)::int)) AS n FROM (SELECT node_id FROM"
+                                " unnest(%(ids)s::bigint[]) AS node_id ORDER BY node_id) AS ordered)"
+                                " INSERT INTO reservations_allocation (reservation_id, node_id, period, kind,"
                                 " active, note, created_at) SELECT %(r)s, node_id, tstzrange(%(s)s, %(e)s),"
-                                " 'reservation', true, '', now() FROM unnest(%(ids)s::bigint[]) AS node_id"
+                                " 'reservation', true, '', now() FROM locks, unnest(%(ids)s::bigint[]) AS node_id"
                                 " ORDER BY node_id", {**p, "r": rid, "ids": ids})
                             return "created"
-                    except psycopg.errors.ExclusionViolation:
+                    except (psycopg.errors.ExclusionViolation, psycopg.errors.DeadlockDetected):
                         continue
                 return "capacity_unavailable"
         return book

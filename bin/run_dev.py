@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 HOST = os.environ.get("PORTAL_HOST", "127.0.0.1")
 PORT = os.environ.get("PORTAL_PORT", "8000")
-# Two workers, as the compose stack splits them by queue: events and notifications never wait
-# behind a burst of provisioning phases or health checks.
-EVENT_QUEUES = os.environ.get("PORTAL_EVENT_WORKER_QUEUES", "default,notifications")
-WORK_QUEUES = os.environ.get("PORTAL_WORKER_QUEUES", "provisioning,health,fleet")
+# Two workers, as the compose stack splits them by queue: domain events (the `default` queue) never
+# wait behind a burst of provisioning phases, health checks or slow webhook deliveries.
+EVENT_QUEUES = os.environ.get("PORTAL_EVENT_WORKER_QUEUES", "default")
+WORK_QUEUES = os.environ.get("PORTAL_WORKER_QUEUES", "provisioning,health,fleet,notifications")
 
 
 def main() -> int:

@@ -219,8 +219,8 @@ def _z(dt: datetime) -> str:
 # (a race of 24 bookers on 4 nodes saw 136 of them). So a booking first takes a transaction
 # advisory lock per node, in node-id order: a second booker of a node waits for the first to
 # commit, then its insert fails at once with 23P01 and it picks again. Keys wrap at 2^31 (two
-# nodes 2^31 ids apart only wait for each other). Namespace 72002 (see provisioning.constants).
-LOCK_BOOKING_NODE = 72_002
+# nodes 2^31 ids apart only wait for each other). Namespace 72002: provisioning.constants.LOCK_BOOKING_NODE
+# lists it with the app's other advisory-lock keys (a test checks the two agree).
 _NODE_LOCKS = """
     SELECT count(pg_advisory_xact_lock(72002, (node_id %% 2147483648)::int)) AS locked
     FROM (SELECT node_id FROM unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id) AS ordered
@@ -607,6 +607,7 @@ def maintenance_window_create(*, actor: Any, node: Node, start: datetime, end: d
     period = DateTimeTZRange(start, end, "[)")
     try:
         with transaction.atomic(durable=True):
+            _lock_nodes([node.pk])  # queue behind a booker of this node rather than deadlock with it
             allocation = Allocation.objects.create(
                 node=node, period=period, kind=AllocationKind.MAINTENANCE, note=note[:255],
                 created_by=actor if getattr(actor, "pk", None) else None,
@@ -723,8 +724,10 @@ def reservation_reopen(*, reservation_id: int, actor: Any, reason: str = "") -> 
         try:
             with transaction.atomic():
                 # Allocations a node swap replaced stay released ("replaced …" note).
-                reservation.allocations.filter(active=False, kind=AllocationKind.RESERVATION).exclude(
-                    note__startswith="replaced").update(active=True)
+                reopened = reservation.allocations.filter(active=False, kind=AllocationKind.RESERVATION).exclude(
+                    note__startswith="replaced")
+                _lock_nodes(list(reopened.values_list("node_id", flat=True)))  # as bookers of them do
+                reopened.update(active=True)
         except IntegrityError as exc:
             if _sqlstate(exc) != EXCLUSION_VIOLATION:
                 raise

@@ -24,7 +24,8 @@ class TenantQuerySet(TenantScopedQuerySet):
 
         `tenants.selectors.role_of` answers from the annotation instead of asking again.
         """
-        role = Membership.objects.filter(tenant=OuterRef("pk"), user=user.pk).values("role")[:1]
+        # order_by(): (user, tenant) is unique, and Membership's default ordering would join two tables.
+        role = Membership.objects.filter(tenant=OuterRef("pk"), user=user.pk).order_by().values("role")[:1]
         return self.annotate(role_of_user_id=Value(user.pk, output_field=models.BigIntegerField()),
                              role_of_user=Subquery(role))
 

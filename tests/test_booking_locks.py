@@ -100,3 +100,56 @@ def test_other_operational_errors_are_not_retried(monkeypatch, t0):
                            pool=world.pool, node_count=1, start=t0, end=t0 + timedelta(hours=1))
     assert len(calls) == 1
     assert Reservation.objects.count() == 0
+
+
+def test_the_node_lock_namespace_is_the_registered_one():
+    """The booking statement hard-codes its advisory-lock namespace; the registry must agree."""
+    from provisioning.constants import LOCK_BOOKING_NODE, LOCK_SLOT_USAGE_NODE
+    from reservations import services
+
+    assert f"pg_advisory_xact_lock({LOCK_BOOKING_NODE}," in services._NODE_LOCKS
+    assert LOCK_BOOKING_NODE != LOCK_SLOT_USAGE_NODE
+    assert services._NODE_LOCKS in services._INSERT_BOOKING_SQL and services._NODE_LOCKS in services._ALLOCATE_SQL
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_maintenance_window_racing_a_booking_of_its_node_is_refused_cleanly(t0):
+    """Staff block a node while a booking of it is between its insert and its commit: the window
+    waits for the booking (node lock), then is refused as booked — a 409, never a deadlock or 500."""
+    import time
+    from unittest import mock
+
+    from portal.core.exceptions import CapacityUnavailable
+    from reservations import services
+    from reservations.models import Node
+
+    world = make_world(nodes=1, max_nodes=1, burst_nodes=0)
+    node = Node.objects.get()
+    inserted, outcome = threading.Event(), {}
+    original_audit = services.audit_record
+
+    def audit_then_linger(**kwargs):  # inside the booking's transaction, after its insert
+        original_audit(**kwargs)
+        if kwargs["action"] == "reservation.create":
+            inserted.set()
+            time.sleep(0.3)
+
+    def staff():
+        try:
+            assert inserted.wait(10)
+            outcome["maintenance"] = services.maintenance_window_create(
+                actor=world.users["staff"], node=node, start=t0, end=t0 + timedelta(hours=2))
+        except Exception as exc:  # noqa: BLE001 - asserted on below
+            outcome["maintenance"] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=staff)
+    thread.start()
+    with mock.patch.object(services, "audit_record", audit_then_linger):
+        booked = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                    pool=node.pool, node_count=1, start=t0, end=t0 + timedelta(hours=2))
+    thread.join(20)
+    assert booked.node_count == 1
+    assert isinstance(outcome["maintenance"], CapacityUnavailable), outcome
+    assert Allocation.objects.filter(active=True).count() == 1

@@ -51,6 +51,12 @@ def advisory_lock(namespace: int, key: int, *, wait: float = 0.0) -> Iterator[bo
             try:
                 with connection.cursor() as cur:
                     cur.execute("SELECT pg_advisory_unlock(%s::int, %s::int)", [namespace, key])
+                    released = bool(cur.fetchone()[0])
+                if not released:
+                    # Our session did not hold it: the statements went to different server sessions,
+                    # as behind a transaction-pooling proxy — where session locks cannot work.
+                    logger.error("advisory lock (%s, %s) was not held by this session at release; is a "
+                                 "transaction-pooling proxy between this process and PostgreSQL?", namespace, key)
             except DatabaseError:  # the connection is gone, and the lock with it
                 logger.warning("could not release advisory lock (%s, %s)", namespace, key, exc_info=True)
 
