@@ -68,7 +68,7 @@ class ReservationCreateSerializer(serializers.Serializer):
     def validate(self, attrs):
         if "tenant" not in attrs:
             user = self.context["request"].user
-            candidates = [] if user.is_staff else list(Tenant.objects.for_user(user).with_role_of(user)[:2])
+            candidates = [] if user.is_staff else list(_bookable_tenants(user)[:2])
             if len(candidates) != 1:
                 raise serializers.ValidationError({"tenant": "Name the tenant to book for (its slug)."})
             attrs["tenant"] = candidates[0]
