@@ -5,7 +5,16 @@ from __future__ import annotations
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
+from portal.core.statements import CompiledLookup
+
 from .models import ApiToken
+
+# Every API request runs this one query shape: compiled by the ORM once per thread, bound per request.
+_TOKEN = CompiledLookup(str)
+
+
+def _token_by_hash(key_hash):
+    return ApiToken.objects.select_related("user").filter(key_hash=key_hash, revoked=False)
 
 
 class BearerTokenAuthentication(authentication.BaseAuthentication):
@@ -21,11 +30,8 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             key = header[1].decode()
         except UnicodeError:
             raise exceptions.AuthenticationFailed("Invalid token.")
-        # key_hash is unique: get() reads at most one row with no ORDER BY.
-        try:
-            token = ApiToken.objects.select_related("user").get(key_hash=ApiToken.hash_key(key), revoked=False)
-        except ApiToken.DoesNotExist:
-            token = None
+        # key_hash is unique: at most one row, read with no ORDER BY.
+        token = _TOKEN.get(_token_by_hash, ApiToken.hash_key(key), shape="token")
         now = timezone.now()
         if token is None or not token.user.is_active or (token.expires_at and token.expires_at <= now):
             raise exceptions.AuthenticationFailed("Invalid or expired token.")

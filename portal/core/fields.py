@@ -7,6 +7,8 @@ from datetime import UTC
 from django.utils.dateparse import parse_datetime
 from rest_framework import serializers
 
+from .statements import CompiledLookup, marker_user
+
 __all__ = ["AwareDateTimeField", "StrictIntegerField", "ScopedSlugRelatedField"]
 
 
@@ -47,15 +49,22 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 class ScopedSlugRelatedField(serializers.SlugRelatedField):
-    """A slug lookup inside the requesting user's scope; a foreign object reads as unknown."""
+    """A slug lookup inside the requesting user's scope; a foreign object reads as unknown.
+
+    `scope(user)` returns the queryset the user may pick from (the tenant scope, usually); the
+    lookup runs as a `CompiledLookup`, so the request binds the user and slug into SQL the ORM
+    compiled from that scope once per thread and shape (staff, member, anonymous).
+    """
 
     default_error_messages = {
         "does_not_exist": "Unknown {slug_name} {value}.",
         "invalid": "Invalid value.",
     }
+    lookup = CompiledLookup(int, str, optional=(0,))
 
-    def __init__(self, *, scope, **kwargs):
+    def __init__(self, *, scope, noun: str = "", **kwargs):
         self.scope = scope
+        self.noun = noun
         super().__init__(**kwargs)
 
     def get_queryset(self):
@@ -65,7 +74,17 @@ class ScopedSlugRelatedField(serializers.SlugRelatedField):
     def to_internal_value(self, data):
         if not isinstance(data, str):
             self.fail("invalid")
-        try:
-            return self.get_queryset().get(**{self.slug_field: data})
-        except self.get_queryset().model.DoesNotExist:
-            self.fail("does_not_exist", slug_name=self.slug_field.replace("_", " "), value=repr(data)[:60])
+        user = getattr(self.context.get("request"), "user", None)
+        authenticated = bool(getattr(user, "is_authenticated", False))
+        staff = bool(getattr(user, "is_staff", False))
+        user_pk = user.pk if authenticated else 0
+
+        def build(pk, slug):
+            return self.scope(marker_user(user, pk) if user is not None else None).filter(**{self.slug_field: slug})
+
+        shape = (self.scope, self.slug_field, user is not None, authenticated, staff)
+        obj = self.lookup.get(build, user_pk, data, shape=shape)
+        if obj is None:
+            self.fail("does_not_exist", slug_name=self.noun or self.slug_field.replace("_", " "),
+                      value=repr(data)[:60])
+        return obj

@@ -56,9 +56,15 @@ def _bookable_tenants(user):
     return Tenant.objects.for_user(user).with_role_of(user)
 
 
+def _bookable_pools(user):
+    # Every pool is bookable by every tenant (quotas decide how much); the scope takes the user
+    # all the same, as ScopedSlugRelatedField's scopes do.
+    return pools_for_booking()
+
+
 class ReservationCreateSerializer(serializers.Serializer):
-    tenant = ScopedSlugRelatedField(slug_field="slug", scope=_bookable_tenants, required=False)
-    pool = serializers.SlugRelatedField(slug_field="name", queryset=pools_for_booking())
+    tenant = ScopedSlugRelatedField(slug_field="slug", noun="tenant", scope=_bookable_tenants, required=False)
+    pool = ScopedSlugRelatedField(slug_field="name", noun="pool", scope=_bookable_pools)
     node_count = StrictIntegerField(min_value=1, max_value=100_000)
     start = AwareDateTimeField()
     end = AwareDateTimeField()

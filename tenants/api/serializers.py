@@ -42,7 +42,7 @@ def _membership_tenants(user):
 
 
 class MembershipInputSerializer(serializers.Serializer):
-    tenant = ScopedSlugRelatedField(slug_field="slug", scope=_membership_tenants)
+    tenant = ScopedSlugRelatedField(slug_field="slug", noun="tenant", scope=_membership_tenants)
     user = serializers.SlugRelatedField(slug_field="username", queryset=get_user_model().objects.all())
     role = serializers.ChoiceField(choices=Role.choices)
 
