@@ -71,12 +71,19 @@ def manage(env: dict, *args: str) -> None:
 
 @contextmanager
 def app_server(env: dict, *, workers: int = 3):
-    """Run the portal under gunicorn on a free loopback port; yield its base URL."""
+    """Run the portal under gunicorn on a free loopback port; yield its base URL.
+
+    Its output (the floor phase's 400s log two warnings each) goes to var/bench-gunicorn.log, not
+    into the figures; a server that exits during start-up has the log's tail printed.
+    """
     port = free_port()
+    log_path = ROOT / "var" / "bench-gunicorn.log"
+    log_path.parent.mkdir(exist_ok=True)
+    log = open(log_path, "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{port}",
          "-w", str(workers), "--log-level", "warning"],
-        cwd=ROOT, env=env,
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -87,12 +94,15 @@ def app_server(env: dict, *, workers: int = 3):
                     break
             except OSError:
                 if proc.poll() is not None:
-                    raise SystemExit("gunicorn exited during start-up")
+                    log.flush()
+                    tail = log_path.read_text()[-3000:]
+                    raise SystemExit(f"gunicorn exited during start-up; {log_path}:\n{tail}")
                 time.sleep(0.2)
         yield url
     finally:
         proc.terminate()
         proc.wait(20)
+        log.close()
 
 
 def percentile(values: list[float], q: float) -> float:

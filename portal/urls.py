@@ -13,6 +13,9 @@ api_v1 = [
 ]
 
 urlpatterns = [
+    # The API first: Django tries patterns in order, and every "" include below would otherwise be
+    # searched, pattern by pattern, before an API path matched (a measurable share of a request).
+    path("api/v1/", include(api_v1)),
     path("admin/", admin.site.urls),
     path("", include("portal.ops.urls")),
     path("", include("portal.core.urls")),
@@ -21,7 +24,6 @@ urlpatterns = [
     path("", include("provisioning.urls")),
     path("", include("provisioning.health.urls")),
     path("notifications/", include("notifications.urls")),
-    path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="api-redoc"),

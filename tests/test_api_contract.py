@@ -1,6 +1,7 @@
 """The contract around the endpoints: schema, docs, tokens, throttling, unknown paths."""
 
 import io
+import json
 import re
 
 import pytest
@@ -42,6 +43,16 @@ def test_schema_is_valid_openapi_3_with_every_design_path(world):
     assert operations and len(secured) == len(
         [op for op in operations if op.get("security") and op["security"] != [{}]])
     assert {"bearerAuth": []} in create["security"]
+
+
+def test_schema_generates_without_warnings_and_types_the_scoped_slugs():
+    # --fail-on-warn: every field and view documents itself (a scoped slug field as its model's slug).
+    out = io.StringIO()
+    call_command("spectacular", "--fail-on-warn", "--format", "openapi-json", stdout=out)
+    schemas = json.loads(out.getvalue())["components"]["schemas"]
+    assert schemas["ReservationCreateRequest"]["properties"]["pool"] == {"type": "string", "minLength": 1}
+    assert schemas["ReservationCreateRequest"]["properties"]["tenant"] == {"type": "string", "minLength": 1}
+    assert schemas["MembershipInputRequest"]["properties"]["tenant"] == {"type": "string", "minLength": 1}
 
 
 def test_swagger_ui_is_served_locally(world):

@@ -53,7 +53,9 @@ class ScopedSlugRelatedField(serializers.SlugRelatedField):
 
     `scope(user)` returns the queryset the user may pick from (the tenant scope, usually); the
     lookup runs as a `CompiledLookup`, so the request binds the user and slug into SQL the ORM
-    compiled from that scope once per thread and shape (staff, member, anonymous).
+    compiled from that scope once per thread and shape (staff, member, anonymous). A scope may
+    branch on `is_authenticated` and `is_staff` only (they make the shape); anything else it
+    reads of the user must reach the SQL as a bound value, as the user's id does.
     """
 
     default_error_messages = {

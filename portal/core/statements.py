@@ -78,8 +78,8 @@ def _compile(queryset: QuerySet):
 
 
 class _Compiled:
-    __slots__ = ("db", "sql", "params", "slots", "compiler", "init_list", "model_slice", "populators",
-                 "annotations", "model")
+    __slots__ = ("db", "sql", "params", "slots", "compiler", "converters", "init_list", "model_slice",
+                 "populators", "annotations", "model")
 
     def __init__(self, build: Callable[..., QuerySet], types: tuple[type, ...], optional: frozenset[int]):
         markers = [tuple(marker_for(t, i, variant) for i, t in enumerate(types)) for variant in (0, 1)]
@@ -106,6 +106,8 @@ class _Compiled:
                                  "use the ORM for this query")
         klass_info = self.compiler.klass_info
         select = self.compiler.select
+        # What results_iter() would work out per call: the from-database converters of the columns.
+        self.converters = self.compiler.get_converters([s[0] for s in select[: self.compiler.col_count]])
         self.model = klass_info["model"]
         fields = klass_info["select_fields"]
         self.model_slice = slice(fields[0], fields[-1] + 1)
@@ -158,7 +160,9 @@ class CompiledLookup:
             return None
         if len(rows) > 1:
             raise MultipleObjectsReturned(f"CompiledLookup on {compiled.model.__name__} matched more than one row")
-        row = next(iter(compiled.compiler.results_iter([rows])))
+        row = rows[0]
+        if compiled.converters:
+            row = next(iter(compiled.compiler.apply_converters([row], compiled.converters)))
         obj = compiled.model.from_db(compiled.db, compiled.init_list, row[compiled.model_slice])
         for populator in compiled.populators:
             populator.populate(row, obj)
