@@ -1,5 +1,6 @@
 """Every bad input ⇒ the 400 envelope naming the field, and nothing stored (DESIGN §6)."""
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -162,3 +163,96 @@ def test_overlapping_tenant_networks_are_refused_by_the_database(world):
     assert r.status_code == 400 and "cidr" in r.json()["fields"]
     r = c.post("/api/v1/tenants/", {"slug": "n3", "name": "n3", "vlan_id": 100}, format="json")
     assert r.status_code == 400 and "vlan_id" in r.json()["fields"]
+
+
+# NUL (0x00): PostgreSQL text cannot hold one and psycopg refuses to send it, so wherever a NUL could
+# reach a lookup it must be a 400 naming where it was — never the database error's 500.
+NUL_BODIES = [
+    ("/api/v1/reservations/", "alpha-lead", lambda t0: {**good(t0), "tenant": "al\x00pha"}, "tenant"),
+    ("/api/v1/reservations/", "alpha-lead", lambda t0: {**good(t0), "pool": "h1\x0000"}, "pool"),
+    ("/api/v1/nodes/", "staff", lambda t0: {"hostname": "n9", "pool": "\x00"}, "pool"),
+    ("/api/v1/quotas/", "staff", lambda t0: {"tenant": "\x00", "pool": "h100", "max_nodes": 1}, "tenant"),
+    ("/api/v1/quotas/", "staff", lambda t0: {"tenant": "alpha", "pool": "h100\x00", "max_nodes": 1}, "pool"),
+    ("/api/v1/memberships/", "staff", lambda t0: {"tenant": "alpha", "user": "be\x00ta", "role": "member"}, "user"),
+    ("/api/v1/memberships/", "alpha-lead", lambda t0: {"tenant": "\x00alpha", "user": "beta-lead", "role": "member"},
+     "tenant"),
+]
+
+
+@pytest.mark.parametrize("url,who,make,field", NUL_BODIES, ids=[f"{b[0]}-{b[3]}" for b in NUL_BODIES])
+def test_nul_in_a_slug_of_a_json_body(world, t0, url, who, make, field):
+    from django.contrib.auth import get_user_model
+
+    from reservations.models import Node
+    from tenants.models import Membership, Quota
+
+    models = (Reservation, Node, Quota, Membership, get_user_model())
+    counts = [m.objects.count() for m in models]
+    r = world.client(who).post(url, make(t0), format="json")
+    assert r.status_code == 400, (r.status_code, r.content)
+    assert r.json()["code"] == "invalid" and field in r.json()["fields"], r.json()
+    assert counts == [m.objects.count() for m in models]
+
+
+def _routes():
+    """Every URL pattern of the site but the admin's, as (route, has a string parameter)."""
+    from django.urls import URLResolver, get_resolver
+
+    def walk(patterns, prefix=""):
+        for p in patterns:
+            if isinstance(p, URLResolver):
+                if str(p.pattern) != "admin/":
+                    yield from walk(p.url_patterns, prefix + str(p.pattern))
+            else:
+                yield prefix + str(p.pattern)
+    return list(walk(get_resolver().url_patterns))
+
+
+def _fill(route: str, text: str) -> str:
+    """A concrete path for route: integer parameters 1, every other parameter text."""
+    import re
+
+    path = route.replace("^", "").replace("$", "")
+    path = re.sub(r"<int:\w+>", "1", path)
+    path = re.sub(r"<(?:str|slug|path):\w+>", text, path)
+    path = re.sub(r"\(\?P<kind>[^)]*\)", "kubeconfig", path)
+    path = re.sub(r"\(\?P<pk>[^)]*\)", "1", path)
+    path = re.sub(r"\(\?P<\w+>[^)]*\)", text, path)
+    return "/" + path.replace("\\.", ".").replace("(?P<format>[a-z0-9]+)", "json")
+
+
+def test_nul_in_a_url_or_query_is_a_400_on_every_route(world):
+    from django.test import Client
+
+    web = Client(raise_request_exception=False)
+    web.force_login(world.users["staff"])
+    api = world.client("staff")
+    api.raise_request_exception = False
+    routes = [r for r in _routes() if "format" not in r]
+    with_text = [r for r in routes if re.search(r"<(?:str|slug|path):|\(\?P<(?!pk>|kind>)", r)]
+    assert len(routes) > 40 and {"api/v1/^tenants/(?P<slug>[^/]+)/$", "health/nodes/<str:hostname>/"} <= set(with_text)
+    seen = []
+    for route in routes:
+        client = api if route.startswith("api/") else web
+        for path in {_fill(route, "x"), _fill(route, "%00")}:
+            for url in ([f"{path}?pool=%00"] + ([path] if "%00" in path else [])):
+                r = client.get(url)
+                seen.append((url, r.status_code))
+                assert r.status_code == 400, (url, r.status_code, r.content[:200])
+                if url.startswith("/api/"):
+                    assert r.json()["code"] == "invalid" and r.json()["fields"], r.json()
+    assert len(seen) > len(routes)
+
+
+def test_nul_in_a_form_field_is_a_400(world):
+    from django.test import Client
+
+    web = Client(raise_request_exception=False)
+    web.force_login(world.users["alpha-lead"])
+    # Refused at the door, before any form (the switcher, the booking form) sees the field.
+    r = web.post("/tenant/switch/", {"tenant": "al\x00pha", "next": "/"})
+    assert r.status_code == 400 and b"tenant" in r.content, (r.status_code, r.content[:200])
+    r = web.post("/reservations/new/", {"pool": "h1\x0000", "node_count": "1", "start": "2030-01-01T00:00",
+                                        "end": "2030-01-01T02:00"})
+    assert r.status_code == 400 and b"pool" in r.content
+    assert_nothing_stored()

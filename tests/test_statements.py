@@ -4,13 +4,12 @@ import threading
 
 import pytest
 from django.contrib.auth.models import AnonymousUser
-from django.core.exceptions import MultipleObjectsReturned
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 from django.utils.functional import SimpleLazyObject
 
 from portal.core.fields import ScopedSlugRelatedField
-from portal.core.statements import CompiledLookup, marker_for, marker_user
+from portal.core.statements import VARIANTS, CompiledLookup, marker_for, marker_user
 from reservations.api.serializers import _bookable_pools, _bookable_tenants
 from tenants.auth import _TOKEN, _token_by_hash
 from tenants.models import ApiToken, Tenant
@@ -29,8 +28,8 @@ class _Request:
         self.user = user
 
 
-def _scoped(scope, user, slug, slug_field="slug"):
-    field = ScopedSlugRelatedField(slug_field=slug_field, scope=scope)
+def _scoped(scope, user, slug, slug_field="slug", per_user=True):
+    field = ScopedSlugRelatedField(slug_field=slug_field, scope=scope, per_user=per_user)
     field._context = {"request": _Request(user)}
     return field.to_internal_value(slug)
 
@@ -94,7 +93,7 @@ def test_the_anonymous_scope_runs_no_query(world):
 def test_pool_lookup_carries_the_bookable_count(world):
     world.nodes[0].state = "retired"
     world.nodes[0].save(update_fields=["state"])
-    pool = _scoped(_bookable_pools, world.users["beta-viewer"], "h100", slug_field="name")
+    pool = _scoped(_bookable_pools, world.users["beta-viewer"], "h100", slug_field="name", per_user=False)
     assert pool.pk == world.pool.pk and pool.bookable_nodes == len(world.nodes) - 1
 
 
@@ -111,10 +110,48 @@ def test_values_that_would_not_be_bound_are_refused_at_compile_time(world):
         lookup.get(lambda slug: Tenant.objects.filter(slug=slug), 7, shape="typed")
 
 
+def test_values_derived_or_transformed_in_python_are_refused(world):
+    # Three marker sets of different lengths, case, spacing and uneven integer strides: a value the
+    # query derives from another (len, + 1) or transforms (lower, strip) never passes for a marker.
+    from django.db.models.functions import Length
+
+    Tenant.objects.filter(slug="alpha").update(storage_quota_tib=20, vlan_id=100)
+    for shape, types, build in [
+        ("len", (str,), lambda s: Tenant.objects.annotate(n=Length("name")).filter(slug=s, n__gte=len(s))),
+        ("lower", (str,), lambda s: Tenant.objects.filter(slug=s.lower())),
+        ("strip", (str,), lambda s: Tenant.objects.filter(slug=s.strip())),
+        ("plus one", (int, int), lambda a, b: Tenant.objects.filter(storage_quota_tib__gte=a,
+                                                                    storage_quota_tib__lt=a + 1, vlan_id=b)),
+        ("double", (int, int), lambda a, b: Tenant.objects.filter(storage_quota_tib=a, vlan_id=2 * a + b)),
+    ]:
+        with pytest.raises(ValueError, match="transformed or derived|no SQL"):
+            CompiledLookup(*types).get(build, *([7] * len(types) if types[0] is int else ["alpha"]), shape=shape)
+
+
+def test_querysets_it_cannot_build_like_the_orm_are_refused(world):
+    lookup = CompiledLookup(str)
+    for shape, build in [("prefetch", lambda s: Tenant.objects.prefetch_related("memberships").filter(slug=s)),
+                         ("values", lambda s: Tenant.objects.filter(slug=s).values("pk"))]:
+        with pytest.raises(ValueError, match="plain model querysets"):
+            lookup.get(build, "alpha", shape=shape)
+
+
+def test_a_member_scope_must_bind_the_user(world):
+    # A scope that forgot the user (or read it from somewhere else) would resolve any tenant for anyone.
+    with pytest.raises(ValueError, match="not a bound parameter"):
+        _scoped(lambda user: Tenant.objects.all(), world.users["beta-lead"], "alpha")
+    # The stand-in user carries nothing but its id and staff flag: a scope reading anything else of
+    # the real user fails loudly instead of freezing the first user's data into the statement.
+    real = world.users["beta-lead"]
+    real.tenant_ids = [world.tenants["beta"].pk]
+    with pytest.raises(AttributeError):
+        _scoped(lambda user: Tenant.objects.filter(pk__in=user.tenant_ids), real, "beta")
+
+
 def test_more_than_one_row_is_an_error_as_with_get(world):
     lookup = CompiledLookup(int)
     build = lambda quota: Tenant.objects.filter(storage_quota_tib=quota)  # noqa: E731
-    with pytest.raises(MultipleObjectsReturned):
+    with pytest.raises(Tenant.MultipleObjectsReturned):
         lookup.get(build, 10, shape="quota")  # both tenants have the default 10 TiB
     Tenant.objects.filter(slug="beta").update(storage_quota_tib=20)
     assert lookup.get(build, 20, shape="quota").slug == "beta"
@@ -130,9 +167,10 @@ def test_a_value_the_orm_drops_as_out_of_range_is_refused(world):
 
 
 def test_markers_are_values_no_caller_passes():
-    assert "\x00" in marker_for(str, 0)  # PostgreSQL text cannot hold NUL
-    assert {marker_for(int, i, v) for i in range(3) for v in (0, 1)}.__len__() == 6
-    assert all(0 < marker_for(int, i, v) < 2**31 for i in range(3) for v in (0, 1))
+    assert all("\x00" in marker_for(str, i, v) for i in range(3) for v in range(VARIANTS))  # text cannot hold NUL
+    assert len({marker_for(str, 0, v).lower().strip() for v in range(VARIANTS)}) == VARIANTS
+    ints = {marker_for(int, i, v) for i in range(3) for v in range(VARIANTS)}
+    assert len(ints) == 3 * VARIANTS and all(0 < m < 2**31 for m in ints)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -9,7 +9,7 @@ from rest_framework import serializers
 
 from .statements import CompiledLookup, marker_user
 
-__all__ = ["AwareDateTimeField", "StrictIntegerField", "ScopedSlugRelatedField"]
+__all__ = ["AwareDateTimeField", "StrictIntegerField", "StrictSlugRelatedField", "ScopedSlugRelatedField"]
 
 
 class AwareDateTimeField(serializers.DateTimeField):
@@ -48,25 +48,46 @@ class StrictIntegerField(serializers.IntegerField):
         return super().to_internal_value(data)
 
 
-class ScopedSlugRelatedField(serializers.SlugRelatedField):
+class StrictSlugRelatedField(serializers.SlugRelatedField):
+    """A slug lookup that takes only a string without NUL (PostgreSQL text cannot hold one): anything
+    else is a 400 naming the field, never a database error."""
+
+    default_error_messages = {
+        "invalid": "Invalid value.",
+        "nul": "Must not contain NUL characters.",
+    }
+
+    def check_slug(self, data) -> None:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        if "\x00" in data:
+            self.fail("nul")
+
+    def to_internal_value(self, data):
+        self.check_slug(data)
+        return super().to_internal_value(data)
+
+
+class ScopedSlugRelatedField(StrictSlugRelatedField):
     """A slug lookup inside the requesting user's scope; a foreign object reads as unknown.
 
     `scope(user)` returns the queryset the user may pick from (the tenant scope, usually); the
     lookup runs as a `CompiledLookup`, so the request binds the user and slug into SQL the ORM
     compiled from that scope once per thread and shape (staff, member, anonymous). A scope may
-    branch on `is_authenticated` and `is_staff` only (they make the shape); anything else it
-    reads of the user must reach the SQL as a bound value, as the user's id does.
+    branch on `is_authenticated` and `is_staff` only (they make the shape; it is handed a stand-in
+    user with nothing else of the real one); anything else must reach the SQL as a bound value,
+    as the user's id does.
     """
 
-    default_error_messages = {
-        "does_not_exist": "Unknown {slug_name} {value}.",
-        "invalid": "Invalid value.",
-    }
-    lookup = CompiledLookup(int, str, optional=(0,))
+    default_error_messages = {"does_not_exist": "Unknown {slug_name} {value}."}
+    lookup = CompiledLookup(int, str)
 
-    def __init__(self, *, scope, noun: str = "", **kwargs):
+    def __init__(self, *, scope, noun: str = "", per_user: bool = True, **kwargs):
+        """per_user=False: the scope is the same for every user (pools); otherwise a member's scope
+        must bind the user's id into its SQL, or the lookup refuses to compile."""
         self.scope = scope
         self.noun = noun
+        self.per_user = per_user
         super().__init__(**kwargs)
 
     def get_queryset(self):
@@ -74,18 +95,18 @@ class ScopedSlugRelatedField(serializers.SlugRelatedField):
         return self.scope(getattr(request, "user", None))
 
     def to_internal_value(self, data):
-        if not isinstance(data, str):
-            self.fail("invalid")
+        self.check_slug(data)
         user = getattr(self.context.get("request"), "user", None)
         authenticated = bool(getattr(user, "is_authenticated", False))
-        staff = bool(getattr(user, "is_staff", False))
-        user_pk = user.pk if authenticated else 0
+        staff = authenticated and bool(getattr(user, "is_staff", False))
 
         def build(pk, slug):
-            return self.scope(marker_user(user, pk) if user is not None else None).filter(**{self.slug_field: slug})
+            return self.scope(marker_user(user, pk)).filter(**{self.slug_field: slug})
 
-        shape = (self.scope, self.slug_field, user is not None, authenticated, staff)
-        obj = self.lookup.get(build, user_pk, data, shape=shape)
+        # A member's scope must bind the user's id; staff scopes may not filter by it at all.
+        optional = (0,) if staff or not authenticated or not self.per_user else ()
+        obj = self.lookup.get(build, user.pk if authenticated else 0, data,
+                              shape=(self.scope, self.slug_field, authenticated, staff), optional=optional)
         if obj is None:
             self.fail("does_not_exist", slug_name=self.noun or self.slug_field.replace("_", " "),
                       value=repr(data)[:60])

@@ -1,6 +1,6 @@
 from rest_framework import serializers
 
-from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField
+from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField, StrictSlugRelatedField
 from tenants.models import Tenant
 
 from ..choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, NodeState, Orchestrator, ReservationStatus
@@ -35,7 +35,7 @@ class NodeSerializer(serializers.ModelSerializer):
 
 class NodeInputSerializer(serializers.Serializer):
     hostname = serializers.RegexField(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$", max_length=253)
-    pool = serializers.SlugRelatedField(slug_field="name", queryset=Pool.objects.all())
+    pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all())
     state = serializers.ChoiceField(choices=NodeState.choices, required=False, default=NodeState.AVAILABLE)
 
 
@@ -64,7 +64,7 @@ def _bookable_pools(user):
 
 class ReservationCreateSerializer(serializers.Serializer):
     tenant = ScopedSlugRelatedField(slug_field="slug", noun="tenant", scope=_bookable_tenants, required=False)
-    pool = ScopedSlugRelatedField(slug_field="name", noun="pool", scope=_bookable_pools)
+    pool = ScopedSlugRelatedField(slug_field="name", noun="pool", scope=_bookable_pools, per_user=False)
     node_count = StrictIntegerField(min_value=1, max_value=100_000)
     start = AwareDateTimeField()
     end = AwareDateTimeField()
@@ -125,7 +125,7 @@ class ReservationFilterSerializer(serializers.Serializer):
 
 
 class AvailabilityQuerySerializer(serializers.Serializer):
-    pool = serializers.SlugRelatedField(slug_field="name", queryset=Pool.objects.all())
+    pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all())
     start = AwareDateTimeField(required=False)
     end = AwareDateTimeField(required=False)
     step = serializers.IntegerField(required=False, min_value=60)

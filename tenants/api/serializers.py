@@ -1,7 +1,7 @@
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
-from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField
+from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField, StrictSlugRelatedField
 from reservations.models import Pool
 
 from ..choices import Role
@@ -43,7 +43,7 @@ def _membership_tenants(user):
 
 class MembershipInputSerializer(serializers.Serializer):
     tenant = ScopedSlugRelatedField(slug_field="slug", noun="tenant", scope=_membership_tenants)
-    user = serializers.SlugRelatedField(slug_field="username", queryset=get_user_model().objects.all())
+    user = StrictSlugRelatedField(slug_field="username", queryset=get_user_model().objects.all())
     role = serializers.ChoiceField(choices=Role.choices)
 
 
@@ -67,8 +67,8 @@ class QuotaOutputSerializer(serializers.ModelSerializer):
 
 
 class QuotaCreateSerializer(serializers.Serializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
-    pool = serializers.SlugRelatedField(slug_field="name", queryset=Pool.objects.all())
+    tenant = StrictSlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all())
     max_nodes = StrictIntegerField(min_value=0, max_value=1_000_000)
     burst_nodes = StrictIntegerField(min_value=0, max_value=1_000_000, required=False, default=0)
     max_duration_hours = StrictIntegerField(min_value=1, max_value=24 * 366, required=False, allow_null=True,

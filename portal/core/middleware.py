@@ -1,0 +1,47 @@
+"""Requests PostgreSQL could not even be asked about."""
+
+from __future__ import annotations
+
+from django.http import HttpResponseBadRequest, JsonResponse
+
+from .api import envelope
+
+NUL = "\x00"
+_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def _nul_in(request) -> str | None:
+    """Where request carries a NUL character (path, a query or form field), else None."""
+    if NUL in request.path_info:
+        return "path"
+    params = [request.GET]
+    # Forms of the browser pages; an API body is its parser's and serializers' (reading it here would
+    # also take it from DRF, which answers a form-encoded body with 400 content_type).
+    api = request.path_info.startswith("/api/")
+    if request.method == "POST" and not api and request.content_type in _FORM_TYPES:
+        params.append(request.POST)
+    for query in params:
+        for key, values in query.lists():
+            if NUL in key or any(NUL in value for value in values):
+                return key.replace(NUL, "\\x00") or "query"
+    return None
+
+
+class RejectNulMiddleware:
+    """PostgreSQL text cannot hold NUL (0x00), and psycopg refuses to send one: a NUL in a URL
+    path segment, a query parameter or a form field would reach some lookup as a database error
+    (a 500). Answer such requests here with a 400 naming where the NUL was — the API's envelope
+    under /api/, a plain 400 elsewhere. JSON bodies are the serializers' (every string field
+    refuses NUL); this covers what reaches views outside them."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        where = _nul_in(request)
+        if where is None:
+            return self.get_response(request)
+        if request.path_info.startswith("/api/"):
+            return JsonResponse(envelope("invalid", f"{where}: must not contain NUL characters.",
+                                         {where: "Must not contain NUL characters."}), status=400)
+        return HttpResponseBadRequest(f"{where}: must not contain NUL characters.", content_type="text/plain")
