@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from django import forms
 from django.utils import timezone
 
+from portal.core.fields import DATETIME_MAX, DATETIME_MIN, RANGE_MESSAGE, in_supported_range
 from tenants.models import Quota, Tenant
 
 from .choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, Orchestrator
@@ -47,14 +48,19 @@ def parse_zoned(value: str, tz: zoneinfo.ZoneInfo) -> datetime:
         parsed = datetime.fromisoformat(text)
     except ValueError:
         raise ValueError("Enter a date and time, e.g. 2026-03-02 09:00.")
-    if parsed.tzinfo is not None and parsed.utcoffset() is not None:
-        return parsed.astimezone(UTC)
-    if _shifts(parsed, tz):
-        raise ValueError(
-            f"{parsed:%Y-%m-%d %H:%M} is skipped or repeated in {tz.key} (a daylight-saving change); "
-            "pick another time."
-        )
-    return parsed.replace(tzinfo=tz).astimezone(UTC)
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        if not DATETIME_MIN.year <= parsed.year < DATETIME_MAX.year:
+            raise ValueError(RANGE_MESSAGE)
+        if _shifts(parsed, tz):
+            raise ValueError(
+                f"{parsed:%Y-%m-%d %H:%M} is skipped or repeated in {tz.key} (a daylight-saving change); "
+                "pick another time."
+            )
+        parsed = parsed.replace(tzinfo=tz)
+    utc = in_supported_range(parsed)
+    if utc is None:
+        raise ValueError(RANGE_MESSAGE)
+    return utc
 
 
 class ZonedDateTimeInput(forms.DateTimeInput):
@@ -143,6 +149,12 @@ class FleetWindowForm(forms.Form):
     days = forms.TypedChoiceField(label="Span", choices=DAYS, coerce=int, required=False, empty_value=3)
     pool = forms.ModelChoiceField(queryset=Pool.objects.order_by("name"), to_field_name="name", required=False,
                                   empty_label="All pools", label="Pool")
+
+    def clean_start(self):
+        day = self.cleaned_data.get("start")
+        if day is not None and not DATETIME_MIN.date() <= day < DATETIME_MAX.date():
+            raise forms.ValidationError(RANGE_MESSAGE, code="range")
+        return day
 
     def window(self) -> tuple[datetime, datetime]:
         """Return [local midnight of start, local midnight days later) in UTC: DST days are 23 or 25 h."""

@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
-from datetime import UTC
+from datetime import UTC, datetime
 
 from django.utils.dateparse import parse_datetime
 from rest_framework import serializers
 
 from .statements import CompiledLookup, marker_user
 
-__all__ = ["AwareDateTimeField", "StrictIntegerField", "StrictSlugRelatedField", "ScopedSlugRelatedField"]
+__all__ = [
+    "DATETIME_MAX", "DATETIME_MIN", "AwareDateTimeField", "format_utc", "in_supported_range", "StrictIntegerField",
+    "StrictSlugRelatedField", "ScopedSlugRelatedField",
+]
+
+
+# The datetimes the portal takes: wide enough for any booking, listing or feed, and far enough from
+# Python's year 1 and 9999 that no offset, default window or horizon added to them can overflow.
+DATETIME_MIN = datetime(1970, 1, 1, tzinfo=UTC)
+DATETIME_MAX = datetime(9000, 1, 1, tzinfo=UTC)
+RANGE_MESSAGE = "Must be a date between 1970 and 8999 (UTC)."
+
+
+def in_supported_range(value: datetime) -> datetime | None:
+    """value in UTC when it lies in [DATETIME_MIN, DATETIME_MAX), else None (also when converting it to
+    UTC would leave Python's calendar, as 0001-01-01T00:00+14:00 does)."""
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        return None
+    return utc if DATETIME_MIN <= utc < DATETIME_MAX else None
+
+
+def format_utc(value: datetime) -> str:
+    """2026-01-05T09:00:00Z. Not strftime("%Y"): glibc does not zero-pad years below 1000."""
+    v = value.astimezone(UTC)
+    return f"{v.year:04d}-{v.month:02d}-{v.day:02d}T{v.hour:02d}:{v.minute:02d}:{v.second:02d}Z"
 
 
 class AwareDateTimeField(serializers.DateTimeField):
@@ -18,6 +44,7 @@ class AwareDateTimeField(serializers.DateTimeField):
     default_error_messages = {
         "naive": "Give the datetime with a UTC offset (e.g. 2026-01-05T09:00:00Z).",
         "invalid": "Not an ISO 8601 datetime.",
+        "range": RANGE_MESSAGE,
     }
 
     def to_internal_value(self, value):
@@ -31,12 +58,15 @@ class AwareDateTimeField(serializers.DateTimeField):
             self.fail("invalid")
         if parsed.tzinfo is None or parsed.utcoffset() is None:
             self.fail("naive")
-        return parsed.astimezone(UTC)
+        utc = in_supported_range(parsed)
+        if utc is None:
+            self.fail("range")
+        return utc
 
     def to_representation(self, value):
         if value is None:
             return None
-        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return format_utc(value)
 
 
 class StrictIntegerField(serializers.IntegerField):

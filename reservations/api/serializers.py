@@ -128,7 +128,7 @@ class AvailabilityQuerySerializer(serializers.Serializer):
     pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all())
     start = AwareDateTimeField(required=False)
     end = AwareDateTimeField(required=False)
-    step = serializers.IntegerField(required=False, min_value=60)
+    step = serializers.IntegerField(required=False, min_value=60, max_value=366 * 24 * 3600)
 
 
 class SlotSerializer(serializers.Serializer):
