@@ -43,6 +43,14 @@ def test_schema_is_valid_openapi_3_with_every_design_path(world):
     assert operations and len(secured) == len(
         [op for op in operations if op.get("security") and op["security"] != [{}]])
     assert {"bearerAuth": []} in create["security"]
+    # The error envelope of DESIGN §6 is documented where each status can happen.
+    error = {"$ref": "#/components/schemas/Error"}
+    assert spec["components"]["schemas"]["Error"]["required"] == ["code", "detail", "fields"]
+    assert {"400", "401", "403", "409", "429"} <= set(create["responses"])
+    assert create["responses"]["409"]["content"]["application/json"]["schema"] == error
+    detail = spec["paths"]["/api/v1/reservations/{id}/"]["get"]["responses"]
+    assert "404" in detail and "409" not in detail
+    assert "404" not in spec["paths"]["/api/v1/reservations/"]["get"]["responses"]
 
 
 def test_schema_generates_without_warnings_and_types_the_scoped_slugs():

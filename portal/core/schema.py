@@ -1,4 +1,4 @@
-"""OpenAPI: a scoped slug field documents itself as the slug field of its scope's model."""
+"""OpenAPI: scoped slug fields typed as their model's slug; the error envelope on every operation."""
 
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
@@ -14,3 +14,45 @@ class ScopedSlugRelatedFieldExtension(OpenApiSerializerFieldExtension):
         stand_in = serializers.SlugRelatedField(slug_field=self.target.slug_field,
                                                 queryset=model._default_manager.none())
         return auto_schema._map_serializer_field(stand_in, direction)
+
+
+_ERROR_CODES = ("invalid, not_authenticated, permission_denied, not_found, method_not_allowed, not_acceptable, "
+                "capacity_unavailable, quota_exceeded, invalid_state, throttled")
+_ERRORS = {  # status: (description, when it applies to an operation)
+    "400": ("Malformed or out-of-range input (`invalid`); `fields` names each bad field.", lambda m, path: True),
+    "401": ("No or bad credentials (`not_authenticated`).", lambda m, path: True),
+    "403": ("Signed in, but the role does not allow it (`permission_denied`).", lambda m, path: True),
+    "404": ("Unknown or another tenant's object (`not_found`; never 403).", lambda m, path: "{" in path),
+    "409": ("`capacity_unavailable` (with `suggestions`), `quota_exceeded` or `invalid_state`.",
+            lambda m, path: m in ("post", "put", "patch", "delete")),
+    "429": ("Rate limit (`throttled`), with `Retry-After`.", lambda m, path: True),
+}
+
+
+def add_error_responses(result, generator, request, public):  # noqa: ARG001 - drf-spectacular's hook signature
+    """Document DESIGN §6's error envelope on every operation, for the statuses it can answer."""
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    schemas["Error"] = {
+        "type": "object",
+        "description": "Every 4xx answer (DESIGN §6). A rejected write changes nothing.",
+        "properties": {
+            "code": {"type": "string", "description": f"One of: {_ERROR_CODES}."},
+            "detail": {"type": "string"},
+            "fields": {"type": "object", "additionalProperties": {"type": "string"},
+                       "description": "Each bad field (dotted for nested ones) and what is wrong with it."},
+            "suggestions": {"type": "array", "description": "With capacity_unavailable: windows of the same "
+                            "length that fit.", "items": {"type": "object", "properties": {
+                                "start": {"type": "string", "format": "date-time"},
+                                "end": {"type": "string", "format": "date-time"}}}},
+        },
+        "required": ["code", "detail", "fields"],
+    }
+    reference = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    for path, item in result.get("paths", {}).items():
+        for method, operation in item.items():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            for status, (description, applies) in _ERRORS.items():
+                if applies(method, path):
+                    operation["responses"].setdefault(status, {"description": description, "content": reference})
+    return result

@@ -171,6 +171,9 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    # The error envelope of DESIGN §6 on every operation, for the statuses it can answer.
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "portal.core.schema.add_error_responses"],
 }
 
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default=REDIS_URL)
