@@ -366,9 +366,13 @@ def cluster_configure(*, actor: Any, cluster: VirtualCluster, **changes: Any) ->
         if cluster.status != ClusterStatus.PENDING:
             raise InvalidState(f"Cluster #{cluster.pk} is {cluster.status}; its spec can change only while pending.")
         before = _spec_snapshot(cluster)
-        spec = {**before, **{k: v for k, v in changes.items() if v is not None}}
+        sent = {k: v for k, v in changes.items() if v is not None}
+        spec = {**before, **sent}
         spec["mig_profile"] = spec["mig_profile"] or ""
-        errors = validate_spec(cluster=cluster, spec=spec)
+        # Only what the caller changes is judged: a value set earlier that no longer fits (the
+        # tenant's storage quota was lowered since) must not block changing another field. The
+        # storage itself is checked again, under a lock, when it is allocated.
+        errors = {k: v for k, v in validate_spec(cluster=cluster, spec=spec).items() if k in sent}
         if errors:
             first = next(iter(errors))
             raise InvalidInput(f"{first}: {errors[first]}", fields=errors)

@@ -45,6 +45,8 @@ CASES = [
     ("start leaves the calendar in UTC", lambda t0: {**good(t0), "start": "0001-01-01T00:00:00+14:00"}, "start"),
     ("end leaves the calendar in UTC", lambda t0: {**good(t0), "end": "9999-12-31T23:59:59-12:00"}, "end"),
     ("start before 1970", lambda t0: {**good(t0), "start": "1969-12-31T23:00:00Z"}, "start"),
+    ("NUL after the start", lambda t0: {**good(t0), "start": iso(t0) + "\x00"}, "start"),
+    ("NUL inside the end", lambda t0: {**good(t0), "end": iso(t0 + timedelta(hours=2)).replace("Z", "\x00Z")}, "end"),
     ("end in year 9999", lambda t0: {**good(t0), "end": "9999-12-31T23:00:00Z"}, "end"),
     ("unknown pool", lambda t0: {**good(t0), "pool": "tpu-v9"}, "pool"),
     ("foreign tenant", lambda t0: {**good(t0), "tenant": "beta"}, "tenant"),

@@ -48,7 +48,9 @@ class AwareDateTimeField(serializers.DateTimeField):
     }
 
     def to_internal_value(self, value):
-        if not isinstance(value, str):
+        # Python's ISO parser lets a trailing NUL through ("…00Z\x00"): control characters are
+        # refused outright, not parsed around.
+        if not isinstance(value, str) or any(ord(c) < 32 for c in value):
             self.fail("invalid")
         try:
             parsed = parse_datetime(value.strip())

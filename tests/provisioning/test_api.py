@@ -127,6 +127,15 @@ def test_spec_patch_while_pending(world, clusters):
     pending.refresh_from_db()
     assert pending.mig_profile == "3g.40gb"
 
+    # The tenant's storage quota lowered below the cluster's volume since (found by fuzzing): changing
+    # another field still works, and only a storage change is judged against the new quota.
+    world.tenants["alpha"].storage_quota_tib = 0
+    world.tenants["alpha"].save(update_fields=["storage_quota_tib"])
+    ok = world.client("alpha-lead").patch(url, {"cuda_version": "12.6"}, format="json")
+    assert ok.status_code == 200 and ok.json()["spec"]["shared_storage_gib"] == 512, ok.json()
+    bad = world.client("alpha-lead").patch(url, {"shared_storage_gib": 256}, format="json")
+    assert bad.status_code == 400 and set(bad.json()["fields"]) == {"shared_storage_gib"}
+
     ready = clusters["alpha"]
     late = world.client("alpha-lead").patch(f"/api/v1/clusters/{ready.pk}/", {"cuda_version": "12.6"}, format="json")
     assert late.status_code == 409 and late.json()["code"] == "invalid_state"
