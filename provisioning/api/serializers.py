@@ -112,4 +112,4 @@ class ClusterSpecInputSerializer(serializers.Serializer):
 class ClusterFilterSerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=[c for c, _ in VirtualCluster._meta.get_field("status").choices],
                                      required=False)
-    reservation = StrictIntegerField(required=False)
+    reservation = serializers.IntegerField(required=False, min_value=1)  # a query string: digits in a string

@@ -52,6 +52,16 @@ def test_list_shows_only_the_users_tenants_and_staff_sees_all(world, clusters):
     assert [c["id"] for c in filtered["results"]] == [clusters["alpha"].pk]
     bad = world.client("alpha-lead").get("/api/v1/clusters/?status=bogus")
     assert bad.status_code == 400 and bad.json()["code"] == "invalid"
+    # ?reservation=<id> (a query string, so digits in a string); another tenant's id finds nothing.
+    own = clusters["alpha2"]
+    by_reservation = world.client("alpha-lead").get(f"/api/v1/clusters/?reservation={own.reservation_id}")
+    assert by_reservation.status_code == 200, by_reservation.json()
+    assert [c["id"] for c in by_reservation.json()["results"]] == [own.pk]
+    foreign = world.client("alpha-lead").get(f"/api/v1/clusters/?reservation={clusters['beta'].reservation_id}")
+    assert foreign.status_code == 200 and foreign.json()["count"] == 0
+    for value, message in (("abc", "valid integer"), ("0", "greater than or equal to 1"), ("1.5", "valid integer")):
+        bad = world.client("alpha-lead").get(f"/api/v1/clusters/?reservation={value}")
+        assert bad.status_code == 400 and message in bad.json()["fields"]["reservation"], (value, bad.json())
 
 
 def test_detail_has_phases_with_times_connection_and_credentials_without_secrets(world, clusters):
