@@ -52,6 +52,12 @@ def test_schema_is_valid_openapi_3_with_every_design_path(world):
     assert "404" in detail and "409" not in detail
     assert "404" in spec["paths"]["/api/v1/reservations/"]["get"]["responses"]  # a page past the end
     assert "404" not in create["responses"]
+    # List filters are documented on the lists only, not on detail and action routes.
+    def query(path, method="get"):
+        return {p["name"] for p in spec["paths"][path][method].get("parameters", []) if p["in"] == "query"}
+    assert {"status", "pool", "start", "end"} <= query("/api/v1/reservations/")
+    assert query("/api/v1/reservations/{id}/") == set() == query("/api/v1/reservations/{id}/cancel/", "post")
+    assert {"status", "reservation"} <= query("/api/v1/clusters/") and query("/api/v1/clusters/{id}/") == set()
 
 
 def test_schema_generates_without_warnings_and_types_the_scoped_slugs():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import mixins, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import IsAuthenticated
@@ -18,7 +18,8 @@ from ..choices import CredentialKind, TransitionSource
 from . import serializers as s
 
 
-@extend_schema(parameters=[OpenApiParameter("status", str), OpenApiParameter("reservation", int)])
+@extend_schema_view(list=extend_schema(  # the list's filters, not the detail routes'
+    parameters=[OpenApiParameter("status", str), OpenApiParameter("reservation", int)]))
 class ClusterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
     serializer_class = s.ClusterSerializer

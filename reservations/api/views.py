@@ -6,7 +6,7 @@ from django.conf import settings
 from django.db.models import Count, Prefetch, Q
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import IsAuthenticated
@@ -73,10 +73,10 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         return Response(s.NodeSerializer(node).data)
 
 
-@extend_schema(parameters=[
+@extend_schema_view(list=extend_schema(parameters=[  # the list's filters, not the detail routes'
     OpenApiParameter("status", str), OpenApiParameter("pool", str),
     OpenApiParameter("start", OpenApiTypes.DATETIME), OpenApiParameter("end", OpenApiTypes.DATETIME),
-])
+]))
 class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
     serializer_class = s.ReservationSerializer
