@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.apps import apps
@@ -24,6 +24,7 @@ from django.db.models import DateTimeField, Exists, F, Func, OuterRef, Q
 from django.utils import timezone
 
 from portal.core.models import AuditLog
+from portal.core.timefmt import format_utc
 from reservations.choices import HOLDING_STATUSES, AllocationKind
 from reservations.models import Allocation, Node, Reservation
 from tenants.choices import Role
@@ -73,10 +74,6 @@ class Notice:
 def jsonable(payload: dict[str, Any]) -> dict[str, Any]:
     """Return payload as plain JSON types (datetimes become ISO strings), as Celery will carry it."""
     return json.loads(json.dumps(payload, cls=DjangoJSONEncoder))
-
-
-def _iso(dt: datetime) -> str:
-    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _digest(payload: dict[str, Any]) -> str:
@@ -129,8 +126,8 @@ def reservation_payload(reservation: Reservation, *, actor: str | None = None) -
         "name": reservation.name,
         "pool": reservation.pool.name,
         "node_count": reservation.node_count,
-        "start": _iso(reservation.period.lower),
-        "end": _iso(reservation.period.upper),
+        "start": format_utc(reservation.period.lower),
+        "end": format_utc(reservation.period.upper),
         "billing": reservation.billing,
         "status": reservation.status,
         "orchestrator": reservation.orchestrator,
@@ -218,7 +215,7 @@ def _reminder(kind: str) -> Translator:
             slack_event = {24: Event.RESERVATION_ENDING_24H, 1: Event.RESERVATION_ENDING_1H}.get(as_id(hours) or 0)
         if slack_event is None:
             return []
-        key = f"{slack_event}:r{reservation.pk}:{_iso(boundary)}"
+        key = f"{slack_event}:r{reservation.pk}:{format_utc(boundary)}"
         return [Notice(event=slack_event, key=key, payload=reservation_payload(reservation), source_event=name,
                        tenant_id=reservation.tenant_id)]
 

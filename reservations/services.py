@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -22,6 +22,7 @@ from portal.core.exceptions import (
     QuotaExceeded,
 )
 from portal.core.services import audit_record
+from portal.core.timefmt import format_utc
 from tenants.choices import BOOKING_ROLES, Role
 from tenants.models import Tenant
 from tenants.selectors import role_of
@@ -205,12 +206,8 @@ def _capacity_error(
     return CapacityUnavailable(
         f"Only {free} of {total} available {pool.name} nodes are free from {start:%Y-%m-%d %H:%M}Z "
         f"to {end:%Y-%m-%d %H:%M}Z; {node_count} requested.",
-        suggestions=[{"start": _z(s["start"]), "end": _z(s["end"])} for s in suggestions],
+        suggestions=[{"start": format_utc(s["start"]), "end": format_utc(s["end"])} for s in suggestions],
     )
-
-
-def _z(dt: datetime) -> str:
-    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # Two bookings that insert the same node at the same time each find the other's uncommitted row
@@ -417,8 +414,8 @@ def _claim_idempotency_key(*, user: Any, key: str, request_hash: str) -> Reserva
 
 def _snapshot(reservation: Reservation) -> dict[str, Any]:
     return {
-        "start": _z(reservation.period.lower),
-        "end": _z(reservation.period.upper),
+        "start": format_utc(reservation.period.lower),
+        "end": format_utc(reservation.period.upper),
         "node_count": reservation.node_count,
         "status": reservation.status,
         "billing": reservation.billing,
@@ -613,7 +610,8 @@ def maintenance_window_create(*, actor: Any, node: Node, start: datetime, end: d
                 created_by=actor if getattr(actor, "pk", None) else None,
             )
             audit_record(actor=actor, action="node.maintenance", obj=allocation,
-                         after={"node": node.hostname, "start": _z(start), "end": _z(end), "note": note})
+                         after={"node": node.hostname, "start": format_utc(start), "end": format_utc(end),
+                                "note": note})
     except IntegrityError as exc:
         if _sqlstate(exc) != EXCLUSION_VIOLATION:
             raise
@@ -664,7 +662,7 @@ def _replace_one(*, allocation_id: int, now: datetime, actor: Any, reason: str) 
         if allocation.period.lower < cut:
             allocation.period = DateTimeTZRange(allocation.period.lower, cut, "[)")
         allocation.active = False
-        allocation.note = f"replaced at {_z(cut)}: {reason}"[:255]
+        allocation.note = f"replaced at {format_utc(cut)}: {reason}"[:255]
         allocation.save(update_fields=["period", "active", "note"])
         spare = _insert_spare(reservation=reservation, period=remaining, actor=actor)
         before = _snapshot(reservation)

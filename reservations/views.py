@@ -24,6 +24,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
+from portal.core.timefmt import format_utc
 from tenants.models import Quota, Tenant
 from tenants.views import portal_json, portal_view, render_page
 
@@ -58,10 +59,6 @@ FEED_HISTORY = timedelta(days=30)
 # Hooks for later work (virtual clusters, credentials, health): the first template that exists wins.
 CLUSTER_TEMPLATES = ["provisioning/_reservation_cluster.html", "reservations/_cluster_placeholder.html"]
 CLUSTER_BADGE_TEMPLATES = ["provisioning/_cluster_badge.html", "reservations/_cluster_badge_placeholder.html"]
-
-
-def _z(dt: datetime) -> str:
-    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _is_partial(request) -> bool:
@@ -172,8 +169,8 @@ def _event(row: tuple, *, portal, now: datetime, detail_url: str) -> dict:
     event = {
         "id": str(pk),
         "title": f"{name or 'Reservation'} · {node_count}× {pool_name}",
-        "start": _z(period.lower),
-        "end": _z(period.upper),
+        "start": format_utc(period.lower),
+        "end": format_utc(period.upper),
         "url": detail_url.replace("/0/", f"/{pk}/"),
         "classNames": [f"st-{status}", f"bill-{billing}"],
     }
@@ -211,8 +208,8 @@ def _level(free: int, total: int) -> int:
 
 def _background(start, end, free: int, total: int, *, all_day: bool = False) -> dict:
     return {
-        "start": start.isoformat() if all_day else _z(start),
-        "end": end.isoformat() if all_day else _z(end),
+        "start": start.isoformat() if all_day else format_utc(start),
+        "end": end.isoformat() if all_day else format_utc(end),
         "allDay": all_day,
         "display": "background",
         "title": f"{free}/{total}",
@@ -365,7 +362,7 @@ def _detail_context(request, reservation) -> dict:
                   and reservation.status not in FINAL_STATUSES and reservation.end > now)
     slot = timedelta(minutes=pool.slot_minutes)
     extend_options = [
-        (label, _z(reservation.end + delta))
+        (label, format_utc(reservation.end + delta))
         for label, delta in (("+1 slot", slot), ("+4 hours", timedelta(hours=4)), ("+1 day", timedelta(days=1)))
         if delta >= slot and delta % slot == timedelta(0)
     ]

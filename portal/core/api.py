@@ -78,9 +78,14 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     return Response(body, status=status, headers=headers)
 
 
+def is_api(request) -> bool:
+    """Whether request is one of the API's, answered with the envelope rather than a page."""
+    return request.path_info.startswith("/api/")
+
+
 def json_404(request, exception=None):  # noqa: ARG001
     """Answer unknown URLs with the envelope under /api/, Django's page elsewhere."""
-    if request.path.startswith("/api/"):
+    if is_api(request):
         return JsonResponse(envelope("not_found", "Not found."), status=404)
     from django.views.defaults import page_not_found
 
@@ -88,7 +93,7 @@ def json_404(request, exception=None):  # noqa: ARG001
 
 
 def json_500(request):
-    if request.path.startswith("/api/"):
+    if is_api(request):
         return JsonResponse(envelope("server_error", "Internal error; it has been logged."), status=500)
     from django.views.defaults import server_error
 

@@ -8,9 +8,10 @@ from django.utils.dateparse import parse_datetime
 from rest_framework import serializers
 
 from .statements import CompiledLookup, marker_user
+from .timefmt import format_utc
 
 __all__ = [
-    "DATETIME_MAX", "DATETIME_MIN", "AwareDateTimeField", "format_utc", "in_supported_range", "StrictIntegerField",
+    "DATETIME_MAX", "DATETIME_MIN", "AwareDateTimeField", "in_supported_range", "StrictIntegerField",
     "StrictSlugRelatedField", "ScopedSlugRelatedField",
 ]
 
@@ -30,12 +31,6 @@ def in_supported_range(value: datetime) -> datetime | None:
     except OverflowError:
         return None
     return utc if DATETIME_MIN <= utc < DATETIME_MAX else None
-
-
-def format_utc(value: datetime) -> str:
-    """2026-01-05T09:00:00Z. Not strftime("%Y"): glibc does not zero-pad years below 1000."""
-    v = value.astimezone(UTC)
-    return f"{v.year:04d}-{v.month:02d}-{v.day:02d}T{v.hour:02d}:{v.minute:02d}:{v.second:02d}Z"
 
 
 class AwareDateTimeField(serializers.DateTimeField):

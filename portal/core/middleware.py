@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from django.http import HttpResponseBadRequest, JsonResponse
 
-from .api import envelope
+from .api import envelope, is_api
 
 NUL = "\x00"
+NUL_MESSAGE = "Must not contain NUL characters."
 _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
@@ -17,8 +18,7 @@ def _nul_in(request) -> str | None:
     params = [request.GET]
     # Forms of the browser pages; an API body is its parser's and serializers' (reading it here would
     # also take it from DRF, which answers a form-encoded body with 400 content_type).
-    api = request.path_info.startswith("/api/")
-    if request.method == "POST" and not api and request.content_type in _FORM_TYPES:
+    if request.method == "POST" and not is_api(request) and request.content_type in _FORM_TYPES:
         params.append(request.POST)
     for query in params:
         for key, values in query.lists():
@@ -41,7 +41,7 @@ class RejectNulMiddleware:
         where = _nul_in(request)
         if where is None:
             return self.get_response(request)
-        if request.path_info.startswith("/api/"):
-            return JsonResponse(envelope("invalid", f"{where}: must not contain NUL characters.",
-                                         {where: "Must not contain NUL characters."}), status=400)
-        return HttpResponseBadRequest(f"{where}: must not contain NUL characters.", content_type="text/plain")
+        detail = f"{where}: {NUL_MESSAGE}"
+        if is_api(request):
+            return JsonResponse(envelope("invalid", detail, {where: NUL_MESSAGE}), status=400)
+        return HttpResponseBadRequest(detail, content_type="text/plain")

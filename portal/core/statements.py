@@ -95,9 +95,10 @@ class _Compiled:
     __slots__ = ("db", "sql", "params", "slots", "compiler", "converters", "init_list", "model_slice",
                  "populators", "annotations", "model")
 
-    def __init__(self, build: Callable[..., QuerySet], types: tuple[type, ...], optional: frozenset[int]):
+    def __init__(self, build: Callable[..., QuerySet], queryset: QuerySet, types: tuple[type, ...],
+                 optional: frozenset[int]):
+        """queryset: build's for the first marker set (already built by the caller)."""
         markers = [tuple(marker_for(t, i, v) for i, t in enumerate(types)) for v in range(VARIANTS)]
-        queryset = build(*markers[0])
         self.db = queryset.db
         self.compiler, self.sql, self.params = _compile(queryset)
         others = [_compile(build(*m))[1:] for m in markers[1:]]
@@ -154,8 +155,8 @@ class CompiledLookup:
         cache = self._local.__dict__.setdefault("cache", {})
         compiled = cache.get(shape)
         if compiled is None:
-            probe = build(*(marker_for(t, i) for i, t in enumerate(self.types)))
-            compiled = _NONE if probe.query.is_empty() else _Compiled(build, self.types, frozenset(optional))
+            first = build(*(marker_for(t, i) for i, t in enumerate(self.types)))
+            compiled = _NONE if first.query.is_empty() else _Compiled(build, first, self.types, frozenset(optional))
             cache[shape] = compiled
         return compiled
 

@@ -11,11 +11,13 @@ import functools
 import json
 import time
 from dataclasses import asdict
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import redis
 from django.conf import settings
+
+from portal.core.timefmt import format_utc
 
 from ..conf import phase_seconds, setting
 from .base import BackendStatus, ClusterContext, Drift, PhaseResult, ProvisioningBackend
@@ -46,10 +48,6 @@ def _index() -> str:
     return f"{_prefix()}:index"
 
 
-def _iso(value: datetime) -> str:
-    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class SimulatedBackend(ProvisioningBackend):
     name = "simulated"
 
@@ -65,7 +63,8 @@ class SimulatedBackend(ProvisioningBackend):
     def _store(self, ctx: ClusterContext, **changes: Any) -> dict[str, Any]:
         state = self._load(ctx)
         state.update(changes)
-        state.update(nodes=list(ctx.nodes), start=_iso(ctx.start), end=_iso(ctx.end), tenant=ctx.tenant_slug)
+        state.update(nodes=list(ctx.nodes), start=format_utc(ctx.start), end=format_utc(ctx.end),
+                     tenant=ctx.tenant_slug)
         pipe = _redis().pipeline()
         pipe.set(_key(ctx.cluster_id), json.dumps(state), ex=_TTL)
         pipe.sadd(_index(), ctx.cluster_id)
@@ -116,7 +115,7 @@ class SimulatedBackend(ProvisioningBackend):
     def update_window(self, ctx: ClusterContext) -> PhaseResult:
         if self._load(ctx):
             self._store(ctx)
-        return PhaseResult(detail=f"window now ends {_iso(ctx.end)}")
+        return PhaseResult(detail=f"window now ends {format_utc(ctx.end)}")
 
     def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:
         self._store(ctx)
