@@ -70,8 +70,9 @@ def manage(env: dict, *args: str) -> None:
 
 
 @contextmanager
-def app_server(env: dict, *, workers: int = 3):
-    """Run the portal under gunicorn on a free loopback port; yield its base URL.
+def app_server(env: dict, *, workers: int | None = None):
+    """Run the portal under gunicorn, configured as deployed (gunicorn.conf.py: sync workers, 2 × CPUs + 1
+    of them unless workers says otherwise), on a free loopback port; yield its base URL.
 
     Its output (the floor phase's 400s log two warnings each) goes to var/bench-gunicorn.log, not
     into the figures; a server that exits during start-up has the log's tail printed.
@@ -80,10 +81,13 @@ def app_server(env: dict, *, workers: int = 3):
     log_path = ROOT / "var" / "bench-gunicorn.log"
     log_path.parent.mkdir(exist_ok=True)
     log = open(log_path, "w")  # noqa: SIM115 - closed in the finally below
+    server_env = {**env, "GUNICORN_BIND": f"127.0.0.1:{port}"}
+    server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # gunicorn.conf.py makes a fresh one
+    if workers is not None:
+        server_env["WEB_CONCURRENCY"] = str(workers)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "portal.wsgi:application", "-b", f"127.0.0.1:{port}",
-         "-w", str(workers), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "portal.wsgi:application"],
+        cwd=ROOT, env=server_env, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -98,6 +102,15 @@ def app_server(env: dict, *, workers: int = 3):
                     tail = log_path.read_text()[-3000:]
                     raise SystemExit(f"gunicorn exited during start-up; {log_path}:\n{tail}")
                 time.sleep(0.2)
+        import psutil
+
+        workers_seen, steady_since = 0, time.monotonic()
+        while time.monotonic() - steady_since < 1.0 and time.monotonic() < deadline + 10:  # all forked
+            count = len(psutil.Process(proc.pid).children())
+            if count != workers_seen:
+                workers_seen, steady_since = count, time.monotonic()
+            time.sleep(0.1)
+        print(f"gunicorn (gunicorn.conf.py): {workers_seen} sync workers", flush=True)
         yield url
     finally:
         proc.terminate()

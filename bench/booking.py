@@ -270,7 +270,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--nodes", type=int, default=1000)
-    ap.add_argument("--workers", type=int, default=3, help="gunicorn worker processes")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="gunicorn worker processes (default: gunicorn.conf.py's, 2 x CPUs + 1)")
     args = ap.parse_args()
 
     db_url = recreate_database(base_database_url(), "portal_bench")
@@ -282,7 +283,7 @@ def main() -> int:
            "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "DEBUG": "false",
            "PORTAL_THROTTLE_USER": "10000000/min", "LOG_LEVEL": "WARNING"}
     print(f"booking benchmark: {args.nodes} nodes, {TENANTS} tenants, {args.clients} clients, "
-          f"{args.requests} requests, gunicorn -w {args.workers}, {os.cpu_count()} CPUs")
+          f"{args.requests} requests, {os.cpu_count()} CPUs")
     db_name = db_url.rsplit("/", 1)[-1].split("?")[0]
     groups = {"web": lambda cmd: "gunicorn" in cmd and "portal.wsgi" in cmd,
               "postgres": lambda cmd: cmd.startswith("postgres: ") and f" {db_name} " in cmd}
