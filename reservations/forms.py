@@ -159,7 +159,10 @@ class FleetWindowForm(forms.Form):
     def window(self) -> tuple[datetime, datetime]:
         """Return [local midnight of start, local midnight days later) in UTC: DST days are 23 or 25 h."""
         tz = timezone.get_current_timezone()
-        data = self.cleaned_data if self.is_valid() else {}
+        # The fields that are valid still count when another is not (a bad date keeps the pool);
+        # the page shows the errors of the others and falls back to their defaults.
+        self.is_valid()
+        data = getattr(self, "cleaned_data", {})
         day = data.get("start") or timezone.localdate()
         days = data.get("days") or 3
         lo = datetime.combine(day, datetime.min.time(), tzinfo=tz)

@@ -508,7 +508,7 @@ def _hue(slug: str) -> int:
 def fleet(request):
     form = FleetWindowForm(request.GET or None)
     lo, hi = form.window()
-    pool = form.cleaned_data.get("pool") if form.is_valid() else None
+    pool = getattr(form, "cleaned_data", {}).get("pool")  # window() validated; an unbound form has none
     nodes, by_node = selectors.fleet_timeline(user=request.user, start=lo, end=hi, pool=pool)
     span = (hi - lo).total_seconds()
     now = timezone.now()

@@ -11,6 +11,7 @@ from icalendar import Calendar
 
 from reservations import services
 from reservations.forms import FleetWindowForm
+from reservations.models import Node, Pool
 from reservations.selectors import Slot
 from reservations.views import heatmap_rows
 from tests.conftest import iso
@@ -63,6 +64,19 @@ def test_fleet_window_is_whole_local_days_even_across_dst():
         assert (lo, hi - lo) == (datetime(2027, 3, 14, 5, tzinfo=UTC), timedelta(hours=23))
         lo, hi = FleetWindowForm({"start": "2027-11-07", "days": "1"}).window()
         assert hi - lo == timedelta(hours=25)
+
+
+def test_fleet_page_keeps_the_valid_filters_and_names_the_invalid_one(world, web, book, t0):
+    other = Pool.objects.create(name="a100", gpu_model="A100", gpus_per_node=8)
+    Node.objects.create(hostname="a100-001", pool=other)
+    page = web("staff").get("/fleet/", {"start": "0999-01-01", "pool": "a100"})
+    assert page.status_code == 200
+    body = page.content.decode()
+    assert 'data-node="a100-001"' in body and 'data-node="h100-001"' not in body  # the pool still filters
+    assert "From: Must be a date between 1970 and 8999 (UTC). Showing the default instead." in body
+    assert "Showing the default" not in web("staff").get("/fleet/").content.decode()
+    bad_pool = web("staff").get("/fleet/", {"pool": "nope", "days": "7"}).content.decode()
+    assert "Pool: " in bad_pool and 'data-node="h100-001"' in bad_pool
 
 
 def test_fleet_timeline_shows_nodes_reservations_maintenance_and_state(world, web, book, t0):
