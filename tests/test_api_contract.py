@@ -70,6 +70,19 @@ def test_schema_generates_without_warnings_and_types_the_scoped_slugs():
     assert schemas["MembershipInputRequest"]["properties"]["tenant"] == {"type": "string", "minLength": 1}
 
 
+def test_a_non_negative_decimal_is_documented_without_a_minus(world):
+    out = io.StringIO()
+    call_command("spectacular", "--format", "openapi-json", stdout=out)
+    pattern = json.loads(out.getvalue())["components"]["schemas"]["PoolInputRequest"]["properties"][
+        "on_demand_rate"]["pattern"]
+    assert re.fullmatch(pattern, "2.5") and re.fullmatch(pattern, "123456.1234")
+    assert not re.fullmatch(pattern, "-1") and not re.fullmatch(pattern, "-0.5")
+    # What the pattern refuses, the server refuses too: a client built from the schema finds no surprise.
+    body = {"name": "neg", "gpu_model": "X", "gpus_per_node": 8, "on_demand_rate": "-1"}
+    r = world.client("staff").post("/api/v1/pools/", body, format="json")
+    assert r.status_code == 400 and "on_demand_rate" in r.json()["fields"]
+
+
 def test_swagger_ui_is_served_locally(world):
     client = APIClient()
     client.force_login(world.users["alpha-viewer"])

@@ -1,4 +1,5 @@
-"""OpenAPI: scoped slug fields typed as their model's slug; the error envelope on every operation."""
+"""OpenAPI: scoped slug fields typed as their model's slug; non-negative decimals without a "-"; the error
+envelope on every operation."""
 
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
@@ -14,6 +15,20 @@ class ScopedSlugRelatedFieldExtension(OpenApiSerializerFieldExtension):
         stand_in = serializers.SlugRelatedField(slug_field=self.target.slug_field,
                                                 queryset=model._default_manager.none())
         return auto_schema._map_serializer_field(stand_in, direction)
+
+
+class NonNegativeDecimalFieldExtension(OpenApiSerializerFieldExtension):
+    """A decimal whose minimum is 0 or more: drf-spectacular's string pattern admits a leading "-"
+    (it knows only the digits), which the field then refuses; the pattern here does not."""
+
+    target_class = "rest_framework.fields.DecimalField"
+
+    def map_serializer_field(self, auto_schema, direction):
+        schema = auto_schema._map_serializer_field(self.target, direction, bypass_extensions=True)
+        minimum = self.target.min_value
+        if minimum is not None and minimum >= 0 and schema.get("pattern", "").startswith("^-?"):
+            schema["pattern"] = "^" + schema["pattern"][len("^-?"):]
+        return schema
 
 
 _ERROR_CODES = ("invalid, not_authenticated, permission_denied, not_found, method_not_allowed, not_acceptable, "
