@@ -63,6 +63,18 @@ DEADLOCK_DETECTED = "40P01"
 # A booking that lost a race: 23P01 arrives as IntegrityError, 40P01 as OperationalError (Django
 # maps psycopg's DeadlockDetected, a TransactionRollback, there). Callers check the SQLSTATE.
 _COLLISIONS = (IntegrityError, OperationalError)
+
+
+class _NodeTaken(Exception):
+    """A chosen node left the available state (drained, failed, retired) before its lock was ours."""
+
+
+# What the booking loops retry: a lost race for a node (23P01, 40P01) or a node taken out of service meanwhile.
+_RETRYABLE = (*_COLLISIONS, _NodeTaken)
+
+
+def _lost_race(exc: BaseException) -> bool:
+    return isinstance(exc, _NodeTaken) or _sqlstate(exc) in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED)
 MAX_NAME_LENGTH = 200
 
 
@@ -223,6 +235,17 @@ _NODE_LOCKS = """
     FROM (SELECT node_id FROM unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id) AS ordered
 """
 
+# A node's state changes under the same lock (node_update), so once a booking holds its nodes'
+# locks, a statement it starts afterwards (READ COMMITTED: a fresh snapshot) sees their state as
+# final until it commits: a node drained meanwhile is never handed over, and a drain that comes
+# later waits for the booking and then moves it off the node (node_replace_allocations). The
+# writes below therefore run only when every chosen node is still available; a row from `ready`
+# says so.
+_READY = """
+    SELECT 1 AS ok FROM reservations_node WHERE id = ANY(%(nodes)s::bigint[]) AND state = 'available'
+    HAVING count(*) = cardinality(%(nodes)s::bigint[])
+"""
+
 # One INSERT of a booking's allocations in node-id order; {reservation} is the reservation id's
 # SQL and {rows} what the SELECT reads besides the node ids.
 _ALLOCATIONS_INSERT = """
@@ -231,26 +254,26 @@ _ALLOCATIONS_INSERT = """
     FROM {rows}unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id
 """
 
-# The booking's writes in one statement: the node locks, then (reading them, so after) the
-# reservation row, then (reading its id) its allocations. A node won by a concurrent booking
-# fails the whole statement with 23P01 (exclusion constraint).
+# The booking's writes in one statement, after its node locks: the reservation row if the nodes
+# are ready, then (reading its id) its allocations. A node won by a concurrent booking fails the
+# whole statement with 23P01 (exclusion constraint); a node taken out of service returns no row.
 _INSERT_BOOKING_TEMPLATE = """
-    WITH locks AS ({locks}), r AS (
+    WITH ready AS ({ready}), r AS (
         INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name, status, status_reason,
             missing_nodes, billing, orchestrator, cuda_version, created_by_id, created_at, updated_at)
         SELECT %(tenant)s, %(pool)s, %(n)s, %(period)s, %(name)s, %(status)s, '', 0, %(billing)s,
             %(orchestrator)s, %(cuda)s, %(actor)s, %(now)s, %(now)s
-        FROM locks
+        FROM ready
         RETURNING id
     ), a AS ({allocations})
     SELECT id FROM r
 """
 # Constant fragments only, no input.
 _INSERT_BOOKING_SQL = _INSERT_BOOKING_TEMPLATE.format(
-    locks=_NODE_LOCKS, allocations=_ALLOCATIONS_INSERT.format(reservation="r.id", rows="r, "))
+    ready=_READY, allocations=_ALLOCATIONS_INSERT.format(reservation="r.id", rows="r, "))
 
-_ALLOCATE_SQL = "WITH locks AS ({locks}) {insert}".format(
-    locks=_NODE_LOCKS, insert=_ALLOCATIONS_INSERT.format(reservation="%(reservation)s", rows="locks, "))
+_ALLOCATE_SQL = "WITH ready AS ({ready}) {insert}".format(
+    ready=_READY, insert=_ALLOCATIONS_INSERT.format(reservation="%(reservation)s", rows="ready, "))
 
 
 def _actor_id(actor: Any) -> int | None:
@@ -261,16 +284,24 @@ def _insert_booking(
     *, tenant: Tenant, pool: Pool, node_count: int, period: DateTimeTZRange, name: str, billing: str,
     orchestrator: str, cuda_version: str, node_ids: list[int], actor: Any,
 ) -> Reservation:
-    """Insert a confirmed reservation holding node_ids for period (one round trip); return it."""
+    """Insert a confirmed reservation holding node_ids for period (the node locks, then one insert); return it.
+
+    Raises _NodeTaken when one of the nodes left the available state before its lock was ours.
+    """
     now = timezone.now()
+    nodes = sorted(node_ids)
     with connection.cursor() as cur:
+        cur.execute(_NODE_LOCKS, {"nodes": nodes})
         cur.execute(_INSERT_BOOKING_SQL, {
             "tenant": tenant.pk, "pool": pool.pk, "n": node_count, "period": period, "name": name,
             "status": ReservationStatus.CONFIRMED, "billing": billing, "orchestrator": orchestrator,
             "cuda": cuda_version, "actor": _actor_id(actor), "now": now, "kind": AllocationKind.RESERVATION,
-            "nodes": sorted(node_ids),
+            "nodes": nodes,
         })
-        (reservation_id,) = cur.fetchone()
+        row = cur.fetchone()
+    if row is None:
+        raise _NodeTaken(nodes)
+    (reservation_id,) = row
     reservation = Reservation(
         id=reservation_id, tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
         status=ReservationStatus.CONFIRMED, billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
@@ -288,10 +319,17 @@ def _lock_nodes(node_ids: list[int]) -> None:
 
 
 def _allocate(*, reservation: Reservation, node_ids: list[int], period: DateTimeTZRange, actor: Any) -> None:
-    """Allocate node_ids to reservation for period, in node-id order (one statement)."""
+    """Allocate node_ids to reservation for period, in node-id order (their locks, then one insert).
+
+    Raises _NodeTaken when one of the nodes left the available state before its lock was ours.
+    """
+    nodes = sorted(node_ids)
     with connection.cursor() as cur:
+        cur.execute(_NODE_LOCKS, {"nodes": nodes})
         cur.execute(_ALLOCATE_SQL, {"reservation": reservation.pk, "period": period, "kind": AllocationKind.RESERVATION,
-                                    "actor": _actor_id(actor), "now": timezone.now(), "nodes": sorted(node_ids)})
+                                    "actor": _actor_id(actor), "now": timezone.now(), "nodes": nodes})
+        if cur.rowcount != len(nodes):
+            raise _NodeTaken(nodes)
 
 
 def _with_retry(attempt_fn, *, on_exhausted):
@@ -300,10 +338,10 @@ def _with_retry(attempt_fn, *, on_exhausted):
         try:
             with transaction.atomic():
                 return attempt_fn()
-        except _COLLISIONS as exc:
-            if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+        except _RETRYABLE as exc:
+            if not _lost_race(exc):
                 raise
-            logger.info("booking collided with a concurrent one (attempt %d): %s", attempt + 1, _sqlstate(exc))
+            logger.info("booking collided with a concurrent change (attempt %d): %r", attempt + 1, exc)
     raise on_exhausted()
 
 
@@ -349,10 +387,10 @@ def reservation_create(
                 orchestrator=orchestrator, cuda_version=cuda_version, idempotency_key=idempotency_key,
                 request_hash=request_hash, now=now,
             )
-        except _COLLISIONS as exc:
-            if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+        except _RETRYABLE as exc:
+            if not _lost_race(exc):
                 raise
-            logger.info("booking collided with a concurrent one (attempt %d): %s", attempt + 1, _sqlstate(exc))
+            logger.info("booking collided with a concurrent change (attempt %d): %r", attempt + 1, exc)
     raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
 
 
@@ -581,8 +619,15 @@ def node_create(*, actor: Any, hostname: str, pool: Pool, state: str = NodeState
 
 
 def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str | None = None) -> Node:
-    """Change a node's state; only available nodes are given to new bookings."""
+    """Change a node's state; only available nodes are given to new bookings.
+
+    A state change takes the node's booking lock first: it waits for a booking that is handing the
+    node over (which then holds it, and a drain moves it off afterwards), and a booking that
+    chose the node meanwhile waits for the change and then finds the node gone (_READY).
+    """
     with transaction.atomic(durable=True):
+        if state is not None:
+            _lock_nodes([node.pk])  # before the row lock, as bookers take them
         node = Node.objects.select_for_update().get(pk=node.pk)
         before = {"state": node.state, "state_reason": node.state_reason}
         if state is not None:
@@ -694,8 +739,8 @@ def _insert_spare(*, reservation: Reservation, period: DateTimeTZRange, actor: A
             with transaction.atomic():
                 _allocate(reservation=reservation, node_ids=[nodes[0][0]], period=period, actor=actor)
             return Node.objects.get(pk=nodes[0][0])
-        except _COLLISIONS as exc:
-            if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+        except _RETRYABLE as exc:
+            if not _lost_race(exc):
                 raise
     return None
 
@@ -719,13 +764,27 @@ def reservation_reopen(*, reservation_id: int, actor: Any, reason: str = "") -> 
         if reservation.period.upper <= timezone.now():
             raise InvalidState(f"Reservation #{reservation.pk} has ended; it cannot be retried.")
         before = _snapshot(reservation)
+        now = timezone.now()
         try:
             with transaction.atomic():
                 # Allocations a node swap replaced stay released ("replaced …" note).
                 reopened = reservation.allocations.filter(active=False, kind=AllocationKind.RESERVATION).exclude(
                     note__startswith="replaced")
                 _lock_nodes(list(reopened.values_list("node_id", flat=True)))  # as bookers of them do
-                reopened.update(active=True)
+                # Read after the locks, so a node taken out of service since the failure is seen: its
+                # allocation stays released and a spare of the pool takes the rest of the window.
+                gone = list(reopened.exclude(node__state=NodeState.AVAILABLE).select_related("node"))
+                reopened.filter(node__state=NodeState.AVAILABLE).update(active=True)
+                for allocation in gone:
+                    allocation.note = f"replaced at {format_utc(now)}: {allocation.node.hostname} is " \
+                                      f"{allocation.node.state}"[:255]
+                    allocation.save(update_fields=["note"])
+                    remaining = DateTimeTZRange(max(allocation.period.lower, now), allocation.period.upper, "[)")
+                    if _insert_spare(reservation=reservation, period=remaining, actor=actor) is None:
+                        raise CapacityUnavailable(
+                            f"Reservation #{reservation.pk}'s node {allocation.node.hostname} is "
+                            f"{allocation.node.state} and no spare is free for the rest of its window.",
+                            suggestions=[])
         except IntegrityError as exc:
             if _sqlstate(exc) != EXCLUSION_VIOLATION:
                 raise
