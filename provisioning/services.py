@@ -175,6 +175,10 @@ def _transition(
     """Move a locked cluster to phase: the status, its timestamp, the audit row, the event."""
     now = timezone.now()
     previous = cluster.status
+    if phase == ClusterStatus.TEARING_DOWN and previous != phase:
+        # Teardown is a pipeline of its own: the attempts provisioning spent do not count against it.
+        cluster.attempts = 0
+        cluster.next_attempt_at = None
     cluster.status = phase
     cluster.phase_started_at = now
     cluster.heartbeat_at = now
@@ -550,6 +554,12 @@ def _record_failure(cluster_id: int, exc: BackendError, *, during: str) -> str:
     retry_in: float | None = None
     with transaction.atomic():
         cluster = _lock_cluster(cluster_id)
+        if not _still_in(cluster, during):
+            # It moved on while the backend call ran (the tenant asked for a teardown, the booking was
+            # cancelled): that pipeline owns the cluster now; this failure is not its to record.
+            logger.info("cluster %s failed during %s after moving on to %s: %s", cluster_id, during,
+                        cluster.status, exc.message)
+            return "stopped"
         cluster.attempts += 1
         cluster.last_error = exc.message[:2000]
         if exc.transient and cluster.attempts < max_attempts:
@@ -577,6 +587,14 @@ def _record_failure(cluster_id: int, exc: BackendError, *, during: str) -> str:
     if during == FailedDuring.PROVISIONING:
         _cleanup_failed(cluster_id)
     return ClusterStatus.FAILED
+
+
+def _still_in(cluster: VirtualCluster, during: str) -> bool:
+    """Whether the locked cluster is still where a run of the pipeline `during` left it (see _step)."""
+    if during == FailedDuring.PROVISIONING:
+        return (cluster.status in PROVISIONING_STATUSES
+                and cluster.reservation.status == ReservationStatus.PROVISIONING)
+    return cluster.status == ClusterStatus.TEARING_DOWN
 
 
 def _cleanup_failed(cluster_id: int) -> None:
@@ -926,10 +944,30 @@ def node_sync(*, node_id: int) -> dict[str, int]:
     return dict(Counter(outcome["result"] for outcome in outcomes))
 
 
+# How long a node swap waits for the cluster's lock before its task tries again later.
+NODES_CHANGED_LOCK_WAIT_S = 10.0
+
+
 def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None) -> str:
-    """Bring a cluster along after its reservation lost node failed (to spare, or to nothing: degraded)."""
-    cluster = VirtualCluster.objects.filter(reservation_id=reservation_id).first()
-    if cluster is None or cluster.status in (ClusterStatus.DELETED, ClusterStatus.TEARING_DOWN):
+    """Bring a cluster along after its reservation lost node failed (to spare, or to nothing: degraded).
+
+    Holds the cluster's lock, as provisioning and teardown do: a swap never runs beside a teardown
+    (it would build again what the teardown removed) nor beside a provisioning run (whose later
+    phases read the new node set; the swap follows once the run is over). RetryLater when the lock
+    stays taken.
+    """
+    cluster_id = VirtualCluster.objects.filter(reservation_id=reservation_id).values_list("pk", flat=True).first()
+    if cluster_id is None:
+        return "nothing to do"
+    with advisory_lock(LOCK_CLUSTER, cluster_id, wait=NODES_CHANGED_LOCK_WAIT_S) as held:
+        if not held:
+            raise RetryLater(5, "cluster busy (provisioning or teardown running)")
+        return _cluster_nodes_changed_locked(cluster_id, reservation_id=reservation_id, failed=failed, spare=spare)
+
+
+def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, failed: str, spare: str | None) -> str:
+    cluster = VirtualCluster.objects.get(pk=cluster_id)
+    if cluster.status in (ClusterStatus.DELETED, ClusterStatus.TEARING_DOWN):
         return "nothing to do"
     built = cluster.status in LIVE_STATUSES or cluster.status in PROVISION_PHASES
     with transaction.atomic():

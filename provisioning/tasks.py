@@ -71,8 +71,12 @@ def node_changed(node_id: int) -> dict:
     return services.node_sync(node_id=node_id)
 
 
-@shared_task(name="provisioning.cluster_nodes_changed", ignore_result=True)
-def cluster_nodes_changed(reservation_id: int, failed: str, spare: str | None) -> str:
+@shared_task(bind=True, name="provisioning.cluster_nodes_changed", ignore_result=True, max_retries=None)
+def cluster_nodes_changed(self, reservation_id: int, failed: str, spare: str | None) -> str:
     from . import services
 
-    return services.cluster_nodes_changed(reservation_id=reservation_id, failed=failed, spare=spare)
+    try:
+        return services.cluster_nodes_changed(reservation_id=reservation_id, failed=failed, spare=spare)
+    except services.RetryLater as exc:
+        # The cluster is being provisioned or torn down: the swap follows once that run lets go.
+        raise self.retry(countdown=exc.countdown, max_retries=None)

@@ -5,15 +5,30 @@ from datetime import timedelta
 
 import pytest
 
+from portal.core import events
 from provisioning import services
+from provisioning.backends.base import BackendError
+from provisioning.backends.simulated import SimulatedBackend
 from provisioning.choices import ClusterStatus
 from provisioning.models import VirtualCluster
 from reservations.choices import ReservationStatus
 from reservations.models import Allocation, Node
-from reservations.services import node_update
-from tests.provisioning.conftest import book
+from reservations.services import node_update, reservation_cancel
+from tests.provisioning.conftest import book, now_slot
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def captured():
+    seen = []
+
+    def record(event, payload):
+        seen.append((event, payload))
+
+    events.subscribe("*", record)
+    yield seen
+    events.unsubscribe("*", record)
 
 
 def _failed_booking(world, t0, settings):
@@ -55,3 +70,131 @@ def test_staff_retry_with_no_spare_for_a_drained_node_changes_nothing(world, t0,
     assert reservation.status == ReservationStatus.FAILED
     assert not Allocation.objects.filter(reservation=reservation, active=True).exists()
     assert Allocation.objects.get(reservation=reservation, node=node).note == ""  # nothing written
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_swap_never_rebuilds_a_cluster_torn_down_meanwhile(world, monkeypatch):
+    """The swap (a worker) and the teardown (another worker) of one cluster never overlap: the teardown
+    that starts while the swap is in the backend finds the cluster busy, and runs after it."""
+    import threading
+
+    from django.db import connection
+
+    start = now_slot(world)
+    reservation = book(world, "alpha-lead", start, hours=4, nodes=2)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.READY
+    real_build = services.build_context
+    seen = {}
+
+    def teardown_in_other_worker(cluster_id):
+        try:
+            seen["teardown"] = services.cluster_teardown(cluster_id=cluster_id)
+        finally:
+            connection.close()
+
+    def build_while_the_tenant_cancels(cluster_id):
+        ctx = real_build(cluster_id)
+        if not seen:  # the swap has read READY and built its context; the tenant cancels now
+            reservation_cancel(actor=world.users["alpha-lead"], reservation=reservation)
+            worker = threading.Thread(target=teardown_in_other_worker, args=(cluster_id,))
+            worker.start()
+            worker.join(30)
+        return ctx
+
+    monkeypatch.setattr(services, "build_context", build_while_the_tenant_cancels)
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed="h100-001", spare="h100-004") \
+        == "replaced"
+    monkeypatch.setattr(services, "build_context", real_build)
+    assert seen["teardown"] == "busy"  # its task asks again a few seconds later
+    assert services.cluster_teardown(cluster_id=cluster.pk) == ClusterStatus.DELETED
+    cluster.refresh_from_db()
+    reservation.refresh_from_db()
+    assert cluster.status == ClusterStatus.DELETED and reservation.status == ReservationStatus.CANCELLED
+    # The cancelled reservation keeps no cluster in the backend.
+    assert not SimulatedBackend().status(services.build_context(cluster.pk)).exists
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_swap_waits_for_a_running_provisioning_then_asks_again(world, monkeypatch):
+    import threading
+
+    from django.db import connection
+
+    from portal.core.locks import advisory_lock
+    from provisioning.constants import LOCK_CLUSTER
+
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=2)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    monkeypatch.setattr(services, "NODES_CHANGED_LOCK_WAIT_S", 0.3)
+    holding, release = threading.Event(), threading.Event()
+
+    def provisioning_elsewhere():
+        try:
+            with advisory_lock(LOCK_CLUSTER, cluster.pk) as held:
+                assert held
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=provisioning_elsewhere)
+    worker.start()
+    assert holding.wait(10)
+    try:
+        with pytest.raises(services.RetryLater):
+            services.cluster_nodes_changed(reservation_id=reservation.pk, failed="h100-001", spare="h100-004")
+    finally:
+        release.set()
+        worker.join(30)
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed="h100-001", spare="h100-004") \
+        in ("replaced", "degraded")
+
+def test_a_backend_error_after_a_teardown_request_leaves_the_teardown_in_charge(world, monkeypatch, captured):
+    start = now_slot(world)
+    reservation = book(world, "alpha-lead", start, hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+
+    def install_drivers(self, ctx):
+        # While the driver install runs, the lead presses "tear down" (row lock only, no advisory lock).
+        services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=VirtualCluster.objects.get(
+            pk=ctx.cluster_id))
+        raise BackendError("driver image missing", transient=False)
+
+    monkeypatch.setattr(SimulatedBackend, "install_drivers", install_drivers)
+    captured.clear()
+    services.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    phases = list(cluster.transitions.order_by("at", "id").values_list("phase", flat=True))
+    # tearing_down must not go back to failed, nor may the tenant be told its cluster "failed".
+    assert cluster.status == ClusterStatus.TEARING_DOWN, phases
+    assert not [e for e, _ in captured if e == "cluster.failed"], phases
+
+
+def test_teardown_gets_its_own_attempts_after_provisioning_spent_some(
+        world, t0, settings, monkeypatch):
+    import time as _time
+    settings.PORTAL_PROVISIONING_FAULTS = "installing_drivers=error"
+    reservation = book(world, "alpha-lead", t0)
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    for _ in range(2):  # two transient failures (max 3 attempts in the fast settings)
+        with pytest.raises(services.RetryLater) as exc:
+            services.cluster_provision(cluster_id=cluster.pk)
+        _time.sleep(exc.value.countdown + 0.05)
+    settings.PORTAL_PROVISIONING_FAULTS = ""
+    reservation_cancel(actor=world.users["alpha-lead"], reservation=reservation)
+
+    def flaky_teardown(self, ctx):
+        raise BackendError("API server timeout")  # transient
+
+    monkeypatch.setattr(SimulatedBackend, "teardown", flaky_teardown)
+    try:
+        services.cluster_teardown(cluster_id=cluster.pk)
+    except services.RetryLater:
+        pass  # what a first transient teardown error should give
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.TEARING_DOWN, (cluster.status, cluster.failed_during, cluster.attempts)
