@@ -37,6 +37,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from portal.core import egress
 from portal.core.crypto import mask
 from portal.core.exceptions import InvalidInput, InvalidState
 from portal.core.services import audit_record
@@ -157,7 +158,21 @@ def _validate_url(url: str, field: str = "url") -> str:
         raise InvalidInput(f"{field}: an absolute http(s) URL is required.", fields={field: "Give an http(s) URL."})
     if len(url) > MAX_URL_LENGTH:
         raise InvalidInput(f"{field}: at most {MAX_URL_LENGTH} characters.", fields={field: "Too long."})
+    if any(ord(c) < 32 or ord(c) == 127 for c in url):
+        raise InvalidInput(f"{field}: control characters are not allowed.", fields={field: "Remove them."})
+    problem = egress.destination_problem(url)
+    if problem:
+        raise InvalidInput(f"{field}: the portal posts only to public addresses ({problem}).",
+                           fields={field: "Give a public http(s) URL."})
     return url
+
+
+def _validate_channel_name(name: Any) -> str:
+    name = str(name or "").strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise InvalidInput("name: control characters (line breaks, tabs …) are not allowed.",
+                           fields={"name": "Use plain text on one line."})
+    return name[:100]
 
 
 def _validate_events(events: Any) -> list[str]:
@@ -293,11 +308,12 @@ def webhook_create(
 ) -> tuple[Channel, str]:
     """Register a tenant's signed webhook; return it with its secret, which is shown only now."""
     url = _validate_url(url)
+    name = _validate_channel_name(name)
     events = _validate_events(TENANT_DEFAULT_EVENTS if events is None else events)
     secret = signing.generate_secret()
     with transaction.atomic(durable=True):
         channel = Channel.objects.create(
-            tenant=tenant, kind=ChannelKind.WEBHOOK, name=(name or "").strip()[:100], url=url, secret=secret,
+            tenant=tenant, kind=ChannelKind.WEBHOOK, name=name, url=url, secret=secret,
             events=events,
         )
         audit_record(actor=actor, action="notifications.webhook.create", obj=channel, tenant_id=tenant.pk,
@@ -313,15 +329,18 @@ def webhook_update(
     *, actor: Any, channel: Channel, url: str | None = None, name: str | None = None,
     events: list[str] | None = None, enabled: bool | None = None,
 ) -> Channel:
+    # Checked before the row lock: the URL check resolves the host name.
+    url = None if url is None else _validate_url(url)
+    name = None if name is None else _validate_channel_name(name)
     with transaction.atomic(durable=True):
         channel = _lock_channel(channel)
         if channel.kind != ChannelKind.WEBHOOK:
             raise InvalidState("Only signed webhooks are edited here.")
         before = _channel_snapshot(channel)
         if url is not None:
-            channel.url = _validate_url(url)
+            channel.url = url
         if name is not None:
-            channel.name = name.strip()[:100]
+            channel.name = name
         if events is not None:
             channel.events = _validate_events(events)
         if enabled is not None:
@@ -710,6 +729,11 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
     if reason:
         return _finish(delivery.pk, status=DeliveryStatus.SKIPPED, error=reason)
     url = channel.target_url()
+    if not channel.is_platform:
+        # Checked again at every send: the name may point somewhere else now than when it was saved.
+        problem = egress.destination_problem(url)
+        if problem:
+            return _finish(delivery.pk, status=DeliveryStatus.FAILED, error=f"blocked_destination: {problem}")
     # Take the webhook's one-per-second slot before the row: a slot wasted on a lost claim is harmless.
     wait = ratelimit.acquire(_redis(), ratelimit.key_for_url(url), _min_interval())
     if wait > 0:

@@ -231,6 +231,7 @@ def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
     from urllib.parse import urlsplit
 
     from portal.core.crypto import mask
+    from portal.core.egress import destination_problem
 
     url = (url or "").strip()
     if url:
@@ -239,8 +240,12 @@ def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
             ok = parts.scheme in ("http", "https") and bool(parts.hostname)
         except ValueError:
             ok = False
-        if not ok or len(url) > 2000:
+        if not ok or len(url) > 2000 or any(ord(c) < 32 or ord(c) == 127 for c in url):
             raise InvalidInput("slack_webhook_url: an absolute http(s) URL is required.",
+                               fields={"slack_webhook_url": "Give the incoming-webhook URL Slack showed you."})
+        problem = destination_problem(url)
+        if problem:
+            raise InvalidInput(f"slack_webhook_url: the portal posts only to public addresses ({problem}).",
                                fields={"slack_webhook_url": "Give the incoming-webhook URL Slack showed you."})
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
     before = {"slack_webhook_url": mask(tenant.slack_webhook_url, keep=6)}

@@ -210,6 +210,9 @@ PORTAL_BASE_URL = env("PORTAL_BASE_URL", default="http://127.0.0.1:8000")
 # Notifications (notifications/): platform channel, demo receiver, delivery policy.
 PORTAL_PLATFORM_SLACK_WEBHOOK = env("PORTAL_PLATFORM_SLACK_WEBHOOK", default="")
 PORTAL_PLATFORM_SLACK_EVENTS = env.list("PORTAL_PLATFORM_SLACK_EVENTS", default=[])
+# Tenants' webhook and Slack URLs must name public addresses (portal/core/egress.py: no probing of the
+# platform's own network through the notifier); true lets them reach private and loopback ones.
+PORTAL_WEBHOOK_ALLOW_PRIVATE = env.bool("PORTAL_WEBHOOK_ALLOW_PRIVATE", default=False)
 PORTAL_DEMO_WEBHOOK_URL = env("PORTAL_DEMO_WEBHOOK_URL", default="")
 PORTAL_DEMO_TENANT = env("PORTAL_DEMO_TENANT", default="research")
 PORTAL_DEMO_WEBHOOK_SECRET = env("PORTAL_DEMO_WEBHOOK_SECRET", default="")

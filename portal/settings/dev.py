@@ -9,3 +9,6 @@ PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=["ZGV2LW9ubHktZmVybm
 
 # Clusters are handed over only when their nodes pass the medium GPU checks (provisioning/health).
 PORTAL_ACCEPTANCE_GATE = env("PORTAL_ACCEPTANCE_GATE", default="provisioning.health.services.health_acceptance_gate")
+
+# `make run`'s demo webhook receiver listens on loopback.
+PORTAL_WEBHOOK_ALLOW_PRIVATE = env.bool("PORTAL_WEBHOOK_ALLOW_PRIVATE", default=True)

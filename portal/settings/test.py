@@ -15,3 +15,6 @@ CACHES["default"]["KEY_PREFIX"] = env("CACHE_KEY_PREFIX", default="portal-test")
 PORTAL_FERNET_KEYS = ["dGVzdC1vbmx5LWZlcm5ldC1rZXktMzItYnl0ZXMhISE="]
 # Parallel test sessions on one machine (e.g. several developers' worktrees) each name their own database.
 DATABASES["default"]["TEST"] = {"NAME": env("TEST_DB_NAME", default="test_portal")}  # noqa: F405
+# The suite's webhook receivers listen on loopback; tests/notifications/test_egress.py holds the
+# production default (public addresses only) with this off.
+PORTAL_WEBHOOK_ALLOW_PRIVATE = True

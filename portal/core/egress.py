@@ -1,0 +1,68 @@
+"""Where the portal may POST a tenant's notifications: public addresses only.
+
+A tenant lead types the URL of a webhook or a Slack incoming webhook; the notification worker then
+POSTs to it from inside the platform's network and records the answer's status for the lead to
+see. Left unchecked that is a probe of the internal network (metadata services, Redis, the
+portal itself): server-side request forgery. So a tenant-supplied URL must name a host whose every
+address is public (``ipaddress``'s ``is_global``: not loopback, private, link-local, shared,
+reserved or multicast), checked when the URL is saved and again, after resolving the name, before
+every POST (a name can be re-pointed after it was saved).
+
+``PORTAL_WEBHOOK_ALLOW_PRIVATE = True`` lifts the rule for platforms whose chat or webhook
+receivers live on their own network (and for the local demo receiver). The platform's own Slack
+webhook (``PORTAL_PLATFORM_SLACK_WEBHOOK``) is the operator's and is never checked.
+
+Not covered: a name that resolves to a public address when checked and to a private one a moment
+later, when the HTTP client resolves it again (DNS rebinding with a zero TTL); the check narrows
+that window to the time between two lookups.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+from .conf import setting_bool
+
+__all__ = ["destination_problem"]
+
+_LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+
+
+def _private(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone ("fe80::1%eth0") is link-local anyway
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return not (mapped or ip).is_global or ip.is_multicast
+
+
+def destination_problem(url: str, *, resolve: bool = True) -> str | None:
+    """Why a tenant's URL must not be called, in words for the lead; None when it may be."""
+    if setting_bool("PORTAL_WEBHOOK_ALLOW_PRIVATE", False):
+        return None
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").rstrip(".").lower()
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return "not a valid URL"
+    if not host:
+        return "no host"
+    if host in _LOCAL_NAMES or host.endswith(".localhost"):
+        return f"{host} is this machine"
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    if literal is not None:
+        return f"{host} is not a public address" if _private(host) else None
+    if not resolve:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None  # does not resolve (now): the POST fails as a connection error and is retried
+    private = sorted({info[4][0] for info in infos if _private(info[4][0])})
+    if private:
+        return f"{host} resolves to {', '.join(private)}, not a public address"
+    return None
