@@ -274,6 +274,23 @@ def test_nul_in_a_form_field_is_a_400(world):
     assert_nothing_stored()
 
 
+def test_a_cookie_with_nul_is_dropped_not_a_500(world):
+    """A session or CSRF cookie with a NUL reached the session lookup (a 500 on every page, signed in or
+    not); it is dropped, and the request goes on as an anonymous one."""
+    from django.test import Client
+
+    web = Client(raise_request_exception=False)
+    web.cookies["sessionid"] = "abcdefgh\x00ijkl"
+    web.cookies["csrftoken"] = "x\x00y"
+    r = web.get("/")
+    assert r.status_code in (200, 302), (r.status_code, r.content[:200])
+    assert web.get("/accounts/login/").status_code == 200
+    api = world.client("alpha-viewer")
+    api.raise_request_exception = False
+    api.cookies["sessionid"] = "\x00"
+    assert api.get("/api/v1/reservations/").status_code == 200  # the token still signs it in
+
+
 @pytest.mark.parametrize("params", [{"start": "0001-01-01T00:00:00+14:00"}, {"end": "9999-12-31T23:59:59-12:00"},
                                     {"start": "9999-12-31T23:00:00Z"}])
 def test_bad_reservation_list_window(world, params):

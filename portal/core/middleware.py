@@ -32,12 +32,17 @@ class RejectNulMiddleware:
     path segment, a query parameter or a form field would reach some lookup as a database error
     (a 500). Answer such requests here with a 400 naming where the NUL was — the API's envelope
     under /api/, a plain 400 elsewhere. JSON bodies are the serializers' (every string field
-    refuses NUL); this covers what reaches views outside them."""
+    refuses NUL); this covers what reaches views outside them. Cookies with a NUL are dropped."""
 
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
+        # A cookie holding a NUL (the session id, the CSRF token) is dropped, not answered with a 400:
+        # the browser would send it with every request and never reach a page to get a fresh one.
+        # Without it the request is anonymous, as with an expired session.
+        for name in [k for k, v in request.COOKIES.items() if NUL in k or NUL in v]:
+            del request.COOKIES[name]
         where = _nul_in(request)
         if where is None:
             return self.get_response(request)
