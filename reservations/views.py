@@ -358,7 +358,7 @@ def _detail_context(request, reservation) -> dict:
     portal = request.portal
     pool = reservation.pool
     now = timezone.now()
-    changeable = (portal.can_book and portal.can_change(reservation)
+    changeable = (portal.can_change(reservation)
                   and reservation.status not in FINAL_STATUSES and reservation.end > now)
     slot = timedelta(minutes=pool.slot_minutes)
     extend_options = [
@@ -422,15 +422,16 @@ def reservation_cancel(request, pk: int):
     try:
         reservation = services.reservation_cancel(actor=request.user, reservation=reservation)
     except DomainError as exc:
-        messages.error(request, f"Not cancelled: {exc.detail}")
-        ok = False
+        ok, text = False, f"Not cancelled: {exc.detail}"
     else:
-        messages.success(request, f"Reservation #{reservation.pk} cancelled; its nodes are free again.")
-        ok = True
+        ok, text = True, f"Reservation #{reservation.pk} cancelled; its nodes are free again."
     if _is_partial(request):
+        # The panel says it itself: a queued message would surface on whatever page loads next.
         reservation = get_object_or_404(_own_reservations(request), pk=pk)
-        response = render_page(request, "reservations/_panel.html", _detail_context(request, reservation))
+        context = {**_detail_context(request, reservation), "panel_message": text, "panel_ok": ok}
+        response = render_page(request, "reservations/_panel.html", context)
         return trigger_client_event(response, "reservation-changed", {"id": reservation.pk}) if ok else response
+    (messages.success if ok else messages.error)(request, text)
     return HttpResponseRedirect(reverse("reservation-page", args=[pk]))
 
 

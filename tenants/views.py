@@ -71,9 +71,20 @@ class Portal:
     def is_lead(self) -> bool:
         return self.is_staff or self.role == Role.LEAD
 
+    def role_in(self, tenant_id: int | None) -> str | None:
+        """The user's role in one of their tenants (not only the current one); "staff" for staff."""
+        if self.is_staff:
+            return "staff"
+        return next((t.my_role for t in self.tenants if t.pk == tenant_id), None)
+
     def can_change(self, reservation) -> bool:
-        """Show change/cancel controls: leads any booking of the tenant, members their own."""
-        return self.may_change(created_by_id=reservation.created_by_id)
+        """Show change/cancel controls on any of the user's reservations: by their role in the
+        reservation's tenant (a lead of one tenant may be a viewer of another), leads and staff any
+        booking, members their own."""
+        role = self.role_in(reservation.tenant_id)
+        if role in ("staff", Role.LEAD):
+            return True
+        return role == Role.MEMBER and reservation.created_by_id == self.user.pk
 
     def may_change(self, *, created_by_id: int | None) -> bool:
         if self.is_lead:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.core.cache import cache
 from django.test import Client
@@ -135,3 +137,23 @@ def test_fleet_link_and_page_are_for_staff_only(world, web):
     staff = web("staff")
     assert b'href="/fleet/"' in staff.get("/").content
     assert staff.get("/fleet/").status_code == 200
+
+
+def test_change_controls_follow_the_role_in_the_reservations_tenant(world, multi_tenant_user, web, book, t0):
+    """alpha-lead is a viewer of beta: beta's bookings show no extend/cancel controls to them, whichever
+    tenant is current, and alpha's do; beta-lead sees them on beta's."""
+    beta_run = book("beta-lead", t0, name="beta-run")
+    alpha_run = book("alpha-lead", t0 + timedelta(hours=4), name="alpha-run")
+    client = web("alpha-lead")
+    for current in ("alpha", "beta"):
+        client.post("/tenant/switch/", {"tenant": current, "next": "/"})
+        for path in ("/reservations/{}/", "/reservations/{}/panel/"):
+            beta_page = client.get(path.format(beta_run.pk)).content.decode()
+            alpha_page = client.get(path.format(alpha_run.pk)).content.decode()
+            assert f"/reservations/{beta_run.pk}/extend/" not in beta_page, (current, path)
+            assert f"/reservations/{beta_run.pk}/cancel/" not in beta_page, (current, path)
+            assert f"/reservations/{alpha_run.pk}/extend/" in alpha_page, (current, path)
+    assert f"/reservations/{beta_run.pk}/extend/" in web("beta-lead").get(
+        f"/reservations/{beta_run.pk}/").content.decode()
+    assert f"/reservations/{beta_run.pk}/extend/" not in web("beta-viewer").get(
+        f"/reservations/{beta_run.pk}/").content.decode()

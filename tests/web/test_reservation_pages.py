@@ -78,6 +78,17 @@ def test_member_cannot_cancel_a_leads_booking_even_by_posting(world, web, book, 
     assert r.status == "confirmed"
 
 
+def test_a_refused_cancel_in_the_panel_says_so_there_and_nowhere_else(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    client = web("alpha-member")
+    response = client.post(f"/reservations/{r.pk}/cancel/", **HTMX)
+    assert response.status_code == 200 and "HX-Trigger" not in response
+    assert "Not cancelled: Members can change only their own reservations" in response.content.decode()
+    assert "Not cancelled" not in client.get("/availability/").content.decode()  # no leftover message
+    r.refresh_from_db()
+    assert r.status == "confirmed"
+
+
 def test_cancel_asks_first_then_frees_the_nodes(world, web, book, t0):
     r = book("alpha-lead", t0)
     client = web("alpha-lead")
@@ -88,6 +99,8 @@ def test_cancel_asks_first_then_frees_the_nodes(world, web, book, t0):
     response = client.post(f"/reservations/{r.pk}/cancel/", **HTMX)
     assert response.status_code == 200 and "reservation-changed" in response["HX-Trigger"]
     assert 'badge st-cancelled' in response.content.decode()
+    assert "cancelled; its nodes are free again" in response.content.decode()
+    assert "free again" not in client.get("/").content.decode()  # said in the panel, not queued
     r.refresh_from_db()
     assert r.status == "cancelled" and not r.allocations.filter(active=True).exists()
 
