@@ -578,6 +578,9 @@ def _repair_create(*, node: Node, actor: Any, reason: str, check: HealthCheck | 
     return repair
 
 
+REPAIR_REASON_MAX = 500  # Repair.reason's length
+
+
 def repair_open(*, actor: Any, node: Node, reason: str) -> Repair:
     """Take a node out of service by hand (staff): drain it, open a repair, move its bookings."""
     if not getattr(actor, "is_staff", False):
@@ -585,6 +588,9 @@ def repair_open(*, actor: Any, node: Node, reason: str) -> Repair:
     reason = (reason or "").strip()
     if not reason:
         raise InvalidInput("Say why the node needs repair.", fields={"reason": "This field is required."})
+    if len(reason) > REPAIR_REASON_MAX:  # a longer one was cut silently on its way to the node and the repair
+        raise InvalidInput(f"reason: at most {REPAIR_REASON_MAX} characters.",
+                           fields={"reason": f"At most {REPAIR_REASON_MAX} characters."})
     with _node_lock(node.pk):
         node = Node.objects.get(pk=node.pk)
         if node.state not in IN_SERVICE_STATES:

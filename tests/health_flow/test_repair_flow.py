@@ -207,3 +207,17 @@ def test_a_reused_open_check_counts_as_the_retest(fleet):
     repair = repair_advance(actor=staff, repair=repair, to="rejoined")
     node.refresh_from_db()
     assert node.state == "available"
+
+
+@pytest.mark.django_db
+def test_an_overlong_repair_reason_is_refused_and_nothing_changes(fleet):
+    from portal.core.exceptions import InvalidInput
+    from provisioning.health.models import Repair
+
+    node = fleet.nodes[1]
+    with pytest.raises(InvalidInput) as exc:
+        repair_open(actor=fleet.users["staff"], node=node, reason="x" * 100_000)
+    assert exc.value.fields == {"reason": "At most 500 characters."}
+    node.refresh_from_db()
+    assert node.state == "available" and not Repair.objects.filter(node=node).exists()
+    assert repair_open(actor=fleet.users["staff"], node=node, reason="y" * 500).reason == "y" * 500
