@@ -366,6 +366,11 @@ def _node_notices(slack_event: str, name: str, payload: dict[str, Any], node: No
     return notices
 
 
+# How long after a repair ends as failed its node's row may change and still be that same failure (the
+# node follows in the next transaction; a reconcile after a dead worker, within minutes).
+_REPAIR_CLOSE_SLACK = timedelta(minutes=30)
+
+
 def _failure_ident(node: Node, payload: dict[str, Any]) -> str:
     """Name one failure of a node: its repair when the health checks opened one, else the node's row version.
 
@@ -376,7 +381,15 @@ def _failure_ident(node: Node, payload: dict[str, Any]) -> str:
     if repair_id is None:
         Repair = _optional_model("health", "Repair")
         if Repair is not None:
-            repair_id = Repair.objects.filter(node_id=node.pk).order_by("-pk").values_list("pk", flat=True).first()
+            # The repair this failure belongs to: one still open, or one that has just ended as failed (it
+            # put the node in that state moments before the node's row changed). A repair closed long
+            # before — the node came back, then failed again — is another failure, announced anew.
+            repair_id = (
+                Repair.objects.filter(node_id=node.pk)
+                .filter(Q(closed_at__isnull=True)
+                        | Q(state="failed", closed_at__gte=node.updated_at - _REPAIR_CLOSE_SLACK))
+                .order_by("-pk").values_list("pk", flat=True).first()
+            )
     return f"repair{repair_id}" if repair_id is not None else f"u{node.updated_at.timestamp():.0f}"
 
 
