@@ -504,9 +504,19 @@ def _fail_consequences(check: HealthCheck) -> None:
     tenant_ids = _affected_tenant_ids(node.pk, now)
     reason = f"health check #{check.pk} ({check.level}) failed: {check.summary}"
     took_out = False
-    if node.state in IN_SERVICE_STATES and not Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).exists():
+    repair = Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).order_by("-pk").first()
+    if node.state in IN_SERVICE_STATES and repair is None:
         repair = _take_out_of_service(node=node, actor=None, reason=reason, check=check)
         took_out = True
+    elif repair is not None and repair.triggering_check_id == check.pk:
+        # This check opened the repair in a run that died before it finished (moving the bookings,
+        # announcing): finish it now. Moving again finds only what is left to move.
+        outcomes = _move_bookings(node=node, actor=None, reason=reason)
+        if outcomes:
+            repair.outcomes = [*repair.outcomes, *outcomes]
+            Repair.objects.filter(pk=repair.pk).update(outcomes=repair.outcomes)
+        took_out = True
+    if took_out:
         events.emit(
             "node.failed", node_id=node.pk, node=node.hostname, state=NodeState.DRAINING, reason=reason[:500],
             check_id=check.pk, repair_id=repair.pk, recommended_action=check.recommended_action,
