@@ -419,7 +419,19 @@ def cluster_provision(*, cluster_id: int) -> str:
     with advisory_lock(LOCK_CLUSTER, cluster_id) as held:
         if not held:
             return "busy"
-        return _provision_locked(cluster_id)
+        try:
+            return _provision_locked(cluster_id)
+        except RetryLater as exc:
+            _expect_retry(cluster_id, exc)
+            raise
+
+
+def _expect_retry(cluster_id: int, exc: RetryLater) -> None:
+    """Say when this cluster's own task comes back (a backoff, the acceptance gate's checks still
+    running, a teardown in progress): the lifecycle tick resends work only once that time has passed
+    without it, instead of starting a second chain of retries beside the first."""
+    VirtualCluster.objects.filter(pk=cluster_id).update(
+        next_attempt_at=timezone.now() + timedelta(seconds=exc.countdown))
 
 
 def _provision_locked(cluster_id: int) -> str:
@@ -778,7 +790,9 @@ def cluster_teardown(*, cluster_id: int) -> str:
             return _record_failure(cluster_id, exc, during=FailedDuring.TEARDOWN)
         if not done:
             VirtualCluster.objects.filter(pk=cluster_id).update(heartbeat_at=timezone.now())
-            raise RetryLater(setting_float("PORTAL_TEARDOWN_POLL_SECONDS", 5.0), "teardown in progress")
+            poll = RetryLater(setting_float("PORTAL_TEARDOWN_POLL_SECONDS", 5.0), "teardown in progress")
+            _expect_retry(cluster_id, poll)
+            raise poll
         with transaction.atomic():
             cluster = _lock_cluster(cluster_id)
             if cluster.status != ClusterStatus.TEARING_DOWN:

@@ -198,3 +198,31 @@ def test_teardown_gets_its_own_attempts_after_provisioning_spent_some(
         pass  # what a first transient teardown error should give
     cluster.refresh_from_db()
     assert cluster.status == ClusterStatus.TEARING_DOWN, (cluster.status, cluster.failed_during, cluster.attempts)
+
+
+def gate_checks_still_running(*, cluster):
+    raise services.RetryLater(300.0, "health checks running on 1 of 1 nodes")
+
+
+def test_the_tick_leaves_a_cluster_waiting_on_its_gate_to_its_own_retry(world, settings, monkeypatch):
+    """The acceptance gate asks to be asked again later: the tick must not start a second provisioning chain
+    while the first one's retry is pending (each chain retries itself), only once that retry is overdue."""
+    from django.utils import timezone
+
+    settings.PORTAL_ACCEPTANCE_GATE = "tests.provisioning.test_review_races.gate_checks_still_running"
+    sent = []
+    monkeypatch.setattr(services, "_send", lambda name, *args, countdown=None: sent.append((name, args)))
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    with pytest.raises(services.RetryLater):
+        services.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.RUNNING_ACCEPTANCE_TESTS and cluster.next_attempt_at is not None
+    sent.clear()
+    now = timezone.now()
+    services.lifecycle_tick(now=now + timedelta(seconds=200))  # dispatched long ago, but its retry is due at +300 s
+    assert [s for s in sent if s[0] == "provision_cluster"] == []
+    assert services.cluster_provision(cluster_id=cluster.pk) == "waiting"  # an early duplicate ends at once
+    services.lifecycle_tick(now=now + timedelta(seconds=400))  # the retry never came: its message was lost
+    assert [s[0] for s in sent if s[0] == "provision_cluster"] == ["provision_cluster"]
