@@ -14,6 +14,9 @@ LOCK_TICK = 71_002
 LOCK_TENANT_NETWORK = 71_003
 # Converging one reservation's booking with the backend (Slurm reservation).
 LOCK_BOOKING = 71_004
+# Following one node's state into the backends (drain/resume): two node_changed tasks of one node
+# run one after the other, so the later one acts on the latest state.
+LOCK_NODE_SYNC = 71_005
 
 # Taken inside PostgreSQL, not from Python, and listed here so no key is used twice: the
 # availability summary's allocation trigger (reservations migration 0006) serialises changes

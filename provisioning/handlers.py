@@ -63,7 +63,9 @@ def connect() -> None:
     # Creating the cluster is a transaction of its own: a worker does it, not the booking request.
     # (Any lost message is repaired by the lifecycle tick, which creates missing clusters.)
     events.subscribe("reservation.confirmed", on_reservation_confirmed, background=True)
-    events.subscribe("reservation.changed", on_reservation_changed)
+    # Through the outbox: a window change whose sync message was lost (the process died right after
+    # the commit) would otherwise reach the backend only with `manage.py reconcile`.
+    events.subscribe("reservation.changed", on_reservation_changed, background=True)
     events.subscribe("reservation.cancelled", on_reservation_cancelled)
     events.subscribe("node.state_changed", on_node_state_changed)
     # reservations.node_replace_allocations moved a booking off a failed node (ours or the health checks').

@@ -67,7 +67,7 @@ from .choices import (
     VolumeStatus,
 )
 from .conf import setting, setting_float, setting_int
-from .constants import LOCK_BOOKING, LOCK_CLUSTER, LOCK_TENANT_NETWORK, LOCK_TICK
+from .constants import LOCK_BOOKING, LOCK_CLUSTER, LOCK_NODE_SYNC, LOCK_TENANT_NETWORK, LOCK_TICK
 from .models import ClusterCredential, ClusterTransition, StorageVolume, VirtualCluster
 from .selectors import can_download_credentials, can_manage_cluster, pool_capabilities
 
@@ -928,6 +928,9 @@ def _book(backend: ProvisioningBackend, ctx: ClusterContext, *, repair: bool) ->
         backend.book(ctx)
 
 
+NODE_SYNC_LOCK_WAIT_S = 30.0
+
+
 def node_sync(*, node_id: int) -> dict[str, int]:
     """Follow a node's state: drain or resume it in the backends; move its bookings off it if out of service.
 
@@ -936,6 +939,15 @@ def node_sync(*, node_id: int) -> dict[str, int]:
     ``node.replaced`` / ``reservation.degraded`` events bring each cluster along
     (:func:`cluster_nodes_changed`).
     """
+    # One sync of a node at a time, reading the state under the lock: two tasks (drain, then resume)
+    # can no longer reach the backend in the other order and leave it drained beside an available node.
+    with advisory_lock(LOCK_NODE_SYNC, node_id, wait=NODE_SYNC_LOCK_WAIT_S) as held:
+        if not held:
+            raise RetryLater(5, "node sync busy")
+        return _node_sync_locked(node_id)
+
+
+def _node_sync_locked(node_id: int) -> dict[str, int]:
     node = Node.objects.filter(pk=node_id).first()
     if node is None:
         return {}

@@ -64,11 +64,15 @@ def sync_reservation(self, reservation_id: int) -> str:
         raise self.retry(countdown=exc.countdown)
 
 
-@shared_task(name="provisioning.node_changed", ignore_result=True)
-def node_changed(node_id: int) -> dict:
+@shared_task(bind=True, name="provisioning.node_changed", ignore_result=True, max_retries=12)
+def node_changed(self, node_id: int) -> dict:
     from . import services
 
-    return services.node_sync(node_id=node_id)
+    try:
+        return services.node_sync(node_id=node_id)
+    except services.RetryLater as exc:
+        # Another sync of this node runs; past the retries `manage.py reconcile` converges it.
+        raise self.retry(countdown=exc.countdown)
 
 
 @shared_task(bind=True, name="provisioning.cluster_nodes_changed", ignore_result=True, max_retries=None)

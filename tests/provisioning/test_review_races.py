@@ -226,3 +226,62 @@ def test_the_tick_leaves_a_cluster_waiting_on_its_gate_to_its_own_retry(world, s
     assert services.cluster_provision(cluster_id=cluster.pk) == "waiting"  # an early duplicate ends at once
     services.lifecycle_tick(now=now + timedelta(seconds=400))  # the retry never came: its message was lost
     assert [s[0] for s in sent if s[0] == "provision_cluster"] == ["provision_cluster"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_syncs_of_one_node_never_overlap(world, monkeypatch):
+    """node_sync reads the node's state and drives the backends under the node's lock: a second sync (the
+    node came back meanwhile) waits for the first and then acts on the latest state."""
+    import threading
+
+    from django.db import connection
+
+    from portal.core.locks import advisory_lock
+    from provisioning.constants import LOCK_NODE_SYNC
+
+    node = world.nodes[0]
+    monkeypatch.setattr(services, "NODE_SYNC_LOCK_WAIT_S", 0.3)
+    holding, release = threading.Event(), threading.Event()
+
+    def first_sync_elsewhere():
+        try:
+            with advisory_lock(LOCK_NODE_SYNC, node.pk) as held:
+                assert held
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=first_sync_elsewhere)
+    worker.start()
+    assert holding.wait(10)
+    try:
+        with pytest.raises(services.RetryLater):
+            services.node_sync(node_id=node.pk)
+    finally:
+        release.set()
+        worker.join(30)
+    assert services.node_sync(node_id=node.pk) == {}  # available: resumed, nothing to move
+
+
+def test_a_window_change_reaches_the_backend_through_the_outbox(world, t0, settings, monkeypatch,
+                                                                django_capture_on_commit_callbacks):
+    """reservation.changed is a background subscriber: its outbox row commits with the change, so a sync whose
+    message was lost after the commit is sent again by the relay (not left for `manage.py reconcile`)."""
+    from portal.core.models import OutboxEvent
+    from reservations.services import reservation_update
+
+    reservation = book(world, "alpha-lead", t0)
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    settings.PORTAL_EVENTS_INLINE = False  # as in production
+    reservation_update(actor=world.users["alpha-lead"], reservation=reservation,
+                       end=reservation.end + timedelta(hours=1))
+    row = OutboxEvent.objects.get(event="reservation.changed", payload__reservation_id=reservation.pk)
+    from provisioning.handlers import on_reservation_changed
+    assert on_reservation_changed in events._handlers(events._background, "reservation.changed")
+    assert on_reservation_changed not in events._handlers(events._subscribers, "reservation.changed")
+    sent = []
+    monkeypatch.setattr(services, "_send", lambda name, *args, countdown=None: sent.append((name, args)))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert events.outbox_dispatch(row.pk) == "done"  # the worker's side: the sync task goes out
+    assert ("sync_reservation", (reservation.pk,)) in sent
