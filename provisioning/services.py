@@ -1118,13 +1118,17 @@ def _tick_end(now: datetime) -> int:
 def _tick_reminders(now: datetime) -> int:
     before_start = timedelta(minutes=setting_int("PORTAL_REMIND_BEFORE_START_MINUTES", 60))
     before_end = timedelta(minutes=setting_int("PORTAL_REMIND_BEFORE_END_MINUTES", 60))
+    # Never for a booking made after its reminder's moment (booked 30 minutes ahead: no "starts in 1 h"),
+    # as notifications.selectors.reminders_due has it.
     starting = VirtualCluster.objects.filter(
         reservation__status__in=(ReservationStatus.CONFIRMED, ReservationStatus.PROVISIONING),
         reservation__period__startswith__lte=now + before_start, reservation__period__startswith__gt=now,
+        reservation__created_at__lte=F("reservation__period__startswith") - before_start,
     ).exclude(start_reminded_for=F("reservation__period__startswith"))
     ending = VirtualCluster.objects.filter(
         reservation__status__in=(ReservationStatus.ACTIVE, ReservationStatus.PROVISIONING),
         reservation__period__endswith__lte=now + before_end, reservation__period__endswith__gt=now,
+        reservation__created_at__lte=F("reservation__period__endswith") - before_end,
     ).exclude(end_reminded_for=F("reservation__period__endswith"))
     return (_each(starting.values_list("id", flat=True), lambda cid: _remind(cid, "start"), "reminding of a start")
             + _each(ending.values_list("id", flat=True), lambda cid: _remind(cid, "end"), "reminding of an end"))

@@ -197,6 +197,19 @@ def test_reminders_are_events_sent_once_per_start_and_end(world, t0, captured, d
     assert [name for name, _ in captured].count("reservation.ending_soon") == 2
 
 
+def test_a_booking_made_inside_its_reminder_hour_gets_no_starts_soon(world, captured,
+                                                                    django_capture_on_commit_callbacks):
+    from django.utils import timezone
+
+    from reservations.timeutil import slot_floor
+
+    start = slot_floor(timezone.now(), 60) + timedelta(hours=1)  # under an hour from now
+    reservation = book(world, "alpha-lead", start, hours=2)
+    committed(django_capture_on_commit_callbacks, services.lifecycle_tick, now=timezone.now())
+    assert VirtualCluster.objects.filter(reservation=reservation).exists()  # provisioning did begin
+    assert [name for name, _ in captured].count("reservation.starting_soon") == 0
+
+
 def test_a_window_missed_entirely_fails_with_a_reason(world, t0):
     reservation = book(world, "alpha-lead", t0, hours=1)
     services.lifecycle_tick(now=t0 + timedelta(hours=2))
