@@ -475,6 +475,10 @@ def reservation_update(
         _can_change(actor=actor, reservation=reservation)
         if reservation.status in FINAL_STATUSES:
             raise InvalidState(f"Reservation #{reservation.pk} is {reservation.status}; it can no longer change.")
+        if reservation.status == ReservationStatus.ENDING and (start is not None or end is not None):
+            # Its cluster is being torn down: a longer window would hold nodes nothing runs on.
+            raise InvalidState(f"Reservation #{reservation.pk} is ending (its cluster is being torn down); "
+                               "its window can no longer change. Book again instead.")
         before = _snapshot(reservation)
         now = timezone.now()
         pool = reservation.pool
@@ -556,6 +560,9 @@ def reservation_cancel(*, actor: Any, reservation: Reservation) -> Reservation:
         _can_change(actor=actor, reservation=reservation)
         if reservation.status in FINAL_STATUSES:
             raise InvalidState(f"Reservation #{reservation.pk} is already {reservation.status}.")
+        if reservation.status == ReservationStatus.ENDING and reservation.period.upper <= timezone.now():
+            # Its window is over and its teardown runs: it completes, it is not cancelled after the fact.
+            raise InvalidState(f"Reservation #{reservation.pk} has ended; its cluster is being torn down.")
         before = _snapshot(reservation)
         reservation.status = ReservationStatus.CANCELLED
         reservation.save(update_fields=["status", "updated_at"])

@@ -178,6 +178,24 @@ def test_changing_a_cancelled_reservation_is_invalid_state(world, t0):
     assert Reservation.objects.get(pk=rid).period.upper == t0 + timedelta(hours=4)
 
 
+def test_an_ending_reservation_keeps_its_window_and_cannot_be_cancelled_after_it(world, t0):
+    """Ending (its cluster is being torn down): extending would hold nodes nothing runs on, and cancelling
+    after the window would turn a completed booking into a cancelled one; renaming is still fine."""
+    rid = book(world, "alpha-lead", t0).json()["id"]
+    client = world.client("alpha-lead")
+    Reservation.objects.filter(pk=rid).update(status="ending")  # torn down early, window still ahead
+    r = client.patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=8))}, format="json")
+    assert r.status_code == 409 and r.json()["code"] == "invalid_state" and "ending" in r.json()["detail"]
+    assert client.patch(f"/api/v1/reservations/{rid}/", {"name": "done early"}, format="json").status_code == 200
+    # Past its end, with the teardown running: no cancel after the fact.
+    past = (t0 - timedelta(days=3), t0 - timedelta(days=2))
+    Reservation.objects.filter(pk=rid).update(period=past)
+    r = client.post(f"/api/v1/reservations/{rid}/cancel/")
+    assert r.status_code == 409 and r.json()["code"] == "invalid_state"
+    reservation = Reservation.objects.get(pk=rid)
+    assert reservation.status == "ending" and reservation.allocations.filter(active=True).exists()
+
+
 def test_member_changes_only_own_reservation(world, t0):
     leads = book(world, "alpha-lead", t0).json()["id"]
     own = book(world, "alpha-member", t0, offset=5).json()["id"]
