@@ -877,6 +877,9 @@ def cluster_retry(*, actor: Any, cluster: VirtualCluster, source: str = Transiti
 # --- bookings held in the backend, node changes ------------------------------------------
 
 
+SYNC_CLUSTER_LOCK_WAIT_S = 10.0
+
+
 def reservation_sync(*, reservation_id: int, repair: bool = True) -> str:
     """Make the backend's copy of a booking match the database (create, update or delete it).
 
@@ -888,33 +891,43 @@ def reservation_sync(*, reservation_id: int, repair: bool = True) -> str:
     if cluster is None:
         return "no cluster"
     holds = holds_bookings(cluster.backend)
+    # The booking's lock, then the cluster's (as provisioning and teardown hold it): a sync never runs
+    # beside a teardown, which it would undo (booking again what the teardown released), nor beside a
+    # provisioning run writing the same backend booking.
     with advisory_lock(LOCK_BOOKING, reservation_id, wait=30) as held:
         if not held:
             raise RetryLater(5, "booking busy")
-        cluster.refresh_from_db()
-        reservation = Reservation.objects.get(pk=reservation_id)
-        now = timezone.now()
-        holding = reservation.status in HOLDING_STATUSES and reservation.period.upper > now
-        if not holds and cluster.status not in LIVE_STATUSES:
-            return "nothing to sync"
-        with _backend(cluster.backend) as backend:
-            ctx = build_context(cluster.pk)
-            try:
-                if holding and cluster.status in LIVE_STATUSES:
-                    backend.update_window(ctx)
-                    return "updated"
-                if holding and holds and cluster.status in PROVISIONING_STATUSES:
-                    _book(backend, ctx, repair=repair)
-                    return "booked"
-                if (not holding and holds and cluster.status in
-                        (ClusterStatus.PENDING, ClusterStatus.DELETED, ClusterStatus.FAILED)):
-                    backend.release_booking(ctx)
-                    return "released"
-            except BackendError as exc:
-                if not exc.transient:
-                    logger.error("booking %s cannot be synced: %s", reservation_id, exc.message)
-                    return "refused"
-                raise RetryLater(_backoff(1), exc.message)
+        with advisory_lock(LOCK_CLUSTER, cluster.pk, wait=SYNC_CLUSTER_LOCK_WAIT_S) as cluster_held:
+            if not cluster_held:
+                raise RetryLater(5, "cluster busy (provisioning or teardown running)")
+            return _reservation_sync_locked(cluster, reservation_id, holds=holds, repair=repair)
+
+
+def _reservation_sync_locked(cluster: VirtualCluster, reservation_id: int, *, holds: bool, repair: bool) -> str:
+    cluster.refresh_from_db()
+    reservation = Reservation.objects.get(pk=reservation_id)
+    now = timezone.now()
+    holding = reservation.status in HOLDING_STATUSES and reservation.period.upper > now
+    if not holds and cluster.status not in LIVE_STATUSES:
+        return "nothing to sync"
+    with _backend(cluster.backend) as backend:
+        ctx = build_context(cluster.pk)
+        try:
+            if holding and cluster.status in LIVE_STATUSES:
+                backend.update_window(ctx)
+                return "updated"
+            if holding and holds and cluster.status in PROVISIONING_STATUSES:
+                _book(backend, ctx, repair=repair)
+                return "booked"
+            if (not holding and holds and cluster.status in
+                    (ClusterStatus.PENDING, ClusterStatus.DELETED, ClusterStatus.FAILED)):
+                backend.release_booking(ctx)
+                return "released"
+        except BackendError as exc:
+            if not exc.transient:
+                logger.error("booking %s cannot be synced: %s", reservation_id, exc.message)
+                return "refused"
+            raise RetryLater(_backoff(1), exc.message)
     return "nothing to sync"
 
 

@@ -53,14 +53,15 @@ def teardown_cluster(self, cluster_id: int) -> str:
     return result
 
 
-@shared_task(bind=True, name="provisioning.sync_reservation", ignore_result=True, max_retries=8)
+@shared_task(bind=True, name="provisioning.sync_reservation", ignore_result=True, max_retries=60)
 def sync_reservation(self, reservation_id: int) -> str:
     from . import services
 
     try:
         return services.reservation_sync(reservation_id=reservation_id)
     except services.RetryLater as exc:
-        # Past max_retries the booking stays as it is; `manage.py reconcile` repairs it.
+        # Waiting out a provisioning run can take minutes; past max_retries the booking stays as it
+        # is and `manage.py reconcile` repairs it.
         raise self.retry(countdown=exc.countdown)
 
 

@@ -285,3 +285,41 @@ def test_a_window_change_reaches_the_backend_through_the_outbox(world, t0, setti
     with django_capture_on_commit_callbacks(execute=True):
         assert events.outbox_dispatch(row.pk) == "done"  # the worker's side: the sync task goes out
     assert ("sync_reservation", (reservation.pk,)) in sent
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_booking_sync_waits_while_the_cluster_is_provisioned_or_torn_down(world, monkeypatch):
+    """reservation_sync holds the cluster's lock too: it can no longer book again in the backend what a
+    teardown running beside it has just released."""
+    import threading
+
+    from django.db import connection
+
+    from portal.core.locks import advisory_lock
+    from provisioning.constants import LOCK_CLUSTER
+
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=2)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    monkeypatch.setattr(services, "SYNC_CLUSTER_LOCK_WAIT_S", 0.3)
+    holding, release = threading.Event(), threading.Event()
+
+    def teardown_elsewhere():
+        try:
+            with advisory_lock(LOCK_CLUSTER, cluster.pk) as held:
+                assert held
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=teardown_elsewhere)
+    worker.start()
+    assert holding.wait(10)
+    try:
+        with pytest.raises(services.RetryLater, match="cluster busy"):
+            services.reservation_sync(reservation_id=reservation.pk)
+    finally:
+        release.set()
+        worker.join(30)
+    assert services.reservation_sync(reservation_id=reservation.pk) in ("nothing to sync", "booked", "updated")
