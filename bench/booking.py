@@ -189,6 +189,10 @@ SQL_PICK = """
 """
 
 
+class NodeTaken(Exception):
+    """A picked node left the available state before its lock was taken: pick again (inner savepoint)."""
+
+
 def sql_phase(db_url: str, jobs, clients: int, t0: datetime):
     kwargs = psycopg_kwargs(db_url)
     with psycopg.connect(**kwargs) as conn:
@@ -215,25 +219,33 @@ def sql_phase(db_url: str, jobs, clients: int, t0: datetime):
                             ids = sorted(r[0] for r in conn.execute(SQL_PICK, p).fetchall())
                             if len(ids) < n:
                                 return "capacity_unavailable"
-                            rid = conn.execute(
+                            # The same decisions as the service: the node locks in id order, then
+                            # (a statement of its own, so a snapshot taken after them) the writes,
+                            # only if every node is still available — a node drained meanwhile
+                            # sends the booking back to pick again.
+                            conn.execute(
+                                "SELECT count(pg_advisory_xact_lock(72002, (node_id %% 2147483648)::int)) FROM"
+                                " (SELECT node_id FROM unnest(%(ids)s::bigint[]) AS node_id ORDER BY node_id) o",
+                                {"ids": ids})
+                            row = conn.execute(
                                 "INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name,"
                                 " status, status_reason, missing_nodes, billing, orchestrator, cuda_version,"
                                 " created_at, updated_at)"
-                                " VALUES (%(t)s, %(p)s, %(n)s, tstzrange(%(s)s, %(e)s), '', 'confirmed', '', 0,"
-                                " 'committed', 'slurm', '12.8', now(), now()) RETURNING id", p).fetchone()[0]
-                            # One statement for all the nodes (as the service does): the node
-                            # locks in id order, then the allocations; the availability-summary
-                            # trigger then runs once per booking.
+                                " SELECT %(t)s, %(p)s, %(n)s, tstzrange(%(s)s, %(e)s), '', 'confirmed', '', 0,"
+                                " 'committed', 'slurm', '12.8', now(), now() WHERE (SELECT count(*) FROM"
+                                " reservations_node WHERE id = ANY(%(ids)s::bigint[]) AND state = 'available')"
+                                " = cardinality(%(ids)s::bigint[]) RETURNING id", {**p, "ids": ids}).fetchone()
+                            if row is None:
+                                raise NodeTaken
+                            # One statement for all the nodes (as the service does); the
+                            # availability-summary trigger then runs once per booking.
                             conn.execute(
-                                "WITH locks AS (SELECT count(pg_advisory_xact_lock(72002,"
-                                " (node_id %% 2147483648)::int)) AS n FROM (SELECT node_id FROM"
-                                " unnest(%(ids)s::bigint[]) AS node_id ORDER BY node_id) AS ordered)"
-                                " INSERT INTO reservations_allocation (reservation_id, node_id, period, kind,"
+                                "INSERT INTO reservations_allocation (reservation_id, node_id, period, kind,"
                                 " active, note, created_at) SELECT %(r)s, node_id, tstzrange(%(s)s, %(e)s),"
-                                " 'reservation', true, '', now() FROM locks, unnest(%(ids)s::bigint[]) AS node_id"
-                                " ORDER BY node_id", {**p, "r": rid, "ids": ids})
+                                " 'reservation', true, '', now() FROM unnest(%(ids)s::bigint[]) AS node_id"
+                                " ORDER BY node_id", {**p, "r": row[0], "ids": ids})
                             return "created"
-                    except (psycopg.errors.ExclusionViolation, psycopg.errors.DeadlockDetected):
+                    except (psycopg.errors.ExclusionViolation, psycopg.errors.DeadlockDetected, NodeTaken):
                         continue
                 return "capacity_unavailable"
         return book
