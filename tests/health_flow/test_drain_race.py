@@ -13,25 +13,26 @@ from reservations.models import Allocation, Node
 from reservations.services import node_replace_allocations, node_update, reservation_create
 
 
+def drain_in_other_session(node_id: int, out: dict) -> None:
+    """What a health failure does, from another worker: drain the node, then move its bookings off it."""
+    try:
+        node = node_update(actor=None, node=Node.objects.get(pk=node_id), state="draining", reason="xid 79")
+        out["done_at"] = time.monotonic()
+        out["moved"] = node_replace_allocations(node=node, reason="xid 79")
+    finally:
+        connection.close()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_drain_committed_between_choice_and_insert_sends_the_booking_elsewhere(fleet, tomorrow, eager, monkeypatch):
     real = selectors.free_nodes
     victim = {}
 
-    def drain_in_other_session(node_id):
-        try:
-            node = Node.objects.get(pk=node_id)
-            # What health _take_out_of_service does: drain, then move the node's bookings.
-            node = node_update(actor=None, node=node, state="draining", reason="health check failed")
-            victim["moved"] = node_replace_allocations(node=node, reason="health check failed")
-        finally:
-            connection.close()
-
     def free_nodes_then_drain(**kw):
         rows = real(**kw)
         if not victim:
             victim["id"] = rows[0][0]
-            t = threading.Thread(target=drain_in_other_session, args=(rows[0][0],))
+            t = threading.Thread(target=drain_in_other_session, args=(rows[0][0], victim))
             t.start()
             t.join(30)
         return rows
@@ -54,20 +55,12 @@ def test_a_drain_during_the_booking_waits_for_it_then_moves_it_off(fleet, tomorr
     real_audit = services.audit_record
     drain = {}
 
-    def drain_in_other_session(node_id):
-        try:
-            node = node_update(actor=None, node=Node.objects.get(pk=node_id), state="draining", reason="xid 79")
-            drain["done_at"] = time.monotonic()
-            drain["moved"] = node_replace_allocations(node=node, reason="xid 79")
-        finally:
-            connection.close()
-
     def audit_then_drain(**kw):
         # The booking has inserted its allocation and holds its node's lock, uncommitted.
         if kw["action"] == "reservation.create" and not drain:
             node_id = Allocation.objects.get(reservation_id=kw["obj"].pk).node_id
             drain["node"] = node_id
-            drain["thread"] = threading.Thread(target=drain_in_other_session, args=(node_id,))
+            drain["thread"] = threading.Thread(target=drain_in_other_session, args=(node_id, drain))
             drain["thread"].start()
             time.sleep(0.5)
             assert "done_at" not in drain  # the state change waits for the booking

@@ -1,11 +1,15 @@
 """Interleavings of provisioning, teardown, staff retry and node swaps on the real database (found in a
 review of the background side; each test failed on the code before its fix)."""
 
+import threading
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 
 from portal.core import events
+from portal.core.locks import advisory_lock
 from provisioning import services
 from provisioning.backends.base import BackendError
 from provisioning.backends.simulated import SimulatedBackend
@@ -17,6 +21,30 @@ from reservations.services import node_update, reservation_cancel
 from tests.provisioning.conftest import book, now_slot
 
 pytestmark = pytest.mark.django_db
+
+
+@contextmanager
+def held_elsewhere(namespace: int, key: int):
+    """Hold an advisory lock from another thread (another worker's connection) for the block."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        try:
+            with advisory_lock(namespace, key) as held:
+                assert held
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=hold)
+    worker.start()
+    assert holding.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        worker.join(30)
 
 
 @pytest.fixture
@@ -76,10 +104,6 @@ def test_staff_retry_with_no_spare_for_a_drained_node_changes_nothing(world, t0,
 def test_a_node_swap_never_rebuilds_a_cluster_torn_down_meanwhile(world, monkeypatch):
     """The swap (a worker) and the teardown (another worker) of one cluster never overlap: the teardown
     that starts while the swap is in the backend finds the cluster busy, and runs after it."""
-    import threading
-
-    from django.db import connection
-
     start = now_slot(world)
     reservation = book(world, "alpha-lead", start, hours=4, nodes=2)
     services.lifecycle_tick()
@@ -118,37 +142,17 @@ def test_a_node_swap_never_rebuilds_a_cluster_torn_down_meanwhile(world, monkeyp
 
 @pytest.mark.django_db(transaction=True)
 def test_a_node_swap_waits_for_a_running_provisioning_then_asks_again(world, monkeypatch):
-    import threading
 
-    from django.db import connection
 
-    from portal.core.locks import advisory_lock
     from provisioning.constants import LOCK_CLUSTER
 
     reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=2)
     services.lifecycle_tick()
     cluster = VirtualCluster.objects.get(reservation=reservation)
     monkeypatch.setattr(services, "NODES_CHANGED_LOCK_WAIT_S", 0.3)
-    holding, release = threading.Event(), threading.Event()
-
-    def provisioning_elsewhere():
-        try:
-            with advisory_lock(LOCK_CLUSTER, cluster.pk) as held:
-                assert held
-                holding.set()
-                release.wait(30)
-        finally:
-            connection.close()
-
-    worker = threading.Thread(target=provisioning_elsewhere)
-    worker.start()
-    assert holding.wait(10)
-    try:
+    with held_elsewhere(LOCK_CLUSTER, cluster.pk):  # provisioning elsewhere
         with pytest.raises(services.RetryLater):
             services.cluster_nodes_changed(reservation_id=reservation.pk, failed="h100-001", spare="h100-004")
-    finally:
-        release.set()
-        worker.join(30)
     assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed="h100-001", spare="h100-004") \
         in ("replaced", "degraded")
 
@@ -232,35 +236,15 @@ def test_the_tick_leaves_a_cluster_waiting_on_its_gate_to_its_own_retry(world, s
 def test_two_syncs_of_one_node_never_overlap(world, monkeypatch):
     """node_sync reads the node's state and drives the backends under the node's lock: a second sync (the
     node came back meanwhile) waits for the first and then acts on the latest state."""
-    import threading
 
-    from django.db import connection
 
-    from portal.core.locks import advisory_lock
     from provisioning.constants import LOCK_NODE_SYNC
 
     node = world.nodes[0]
     monkeypatch.setattr(services, "NODE_SYNC_LOCK_WAIT_S", 0.3)
-    holding, release = threading.Event(), threading.Event()
-
-    def first_sync_elsewhere():
-        try:
-            with advisory_lock(LOCK_NODE_SYNC, node.pk) as held:
-                assert held
-                holding.set()
-                release.wait(30)
-        finally:
-            connection.close()
-
-    worker = threading.Thread(target=first_sync_elsewhere)
-    worker.start()
-    assert holding.wait(10)
-    try:
+    with held_elsewhere(LOCK_NODE_SYNC, node.pk):  # first sync elsewhere
         with pytest.raises(services.RetryLater):
             services.node_sync(node_id=node.pk)
-    finally:
-        release.set()
-        worker.join(30)
     assert services.node_sync(node_id=node.pk) == {}  # available: resumed, nothing to move
 
 
@@ -291,35 +275,15 @@ def test_a_window_change_reaches_the_backend_through_the_outbox(world, t0, setti
 def test_a_booking_sync_waits_while_the_cluster_is_provisioned_or_torn_down(world, monkeypatch):
     """reservation_sync holds the cluster's lock too: it can no longer book again in the backend what a
     teardown running beside it has just released."""
-    import threading
 
-    from django.db import connection
 
-    from portal.core.locks import advisory_lock
     from provisioning.constants import LOCK_CLUSTER
 
     reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=2)
     services.lifecycle_tick()
     cluster = VirtualCluster.objects.get(reservation=reservation)
     monkeypatch.setattr(services, "SYNC_CLUSTER_LOCK_WAIT_S", 0.3)
-    holding, release = threading.Event(), threading.Event()
-
-    def teardown_elsewhere():
-        try:
-            with advisory_lock(LOCK_CLUSTER, cluster.pk) as held:
-                assert held
-                holding.set()
-                release.wait(30)
-        finally:
-            connection.close()
-
-    worker = threading.Thread(target=teardown_elsewhere)
-    worker.start()
-    assert holding.wait(10)
-    try:
+    with held_elsewhere(LOCK_CLUSTER, cluster.pk):  # teardown elsewhere
         with pytest.raises(services.RetryLater, match="cluster busy"):
             services.reservation_sync(reservation_id=reservation.pk)
-    finally:
-        release.set()
-        worker.join(30)
     assert services.reservation_sync(reservation_id=reservation.pk) in ("nothing to sync", "booked", "updated")
