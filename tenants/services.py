@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -11,7 +12,7 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
-from portal.core.exceptions import InvalidInput
+from portal.core.exceptions import InvalidInput, InvalidState
 from portal.core.services import audit_record
 
 from .choices import Role
@@ -29,6 +30,17 @@ __all__ = [
 ]
 
 TENANT_FIELDS = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
+
+# Higher apps name a tenant's things elsewhere after its slug (Slurm reservations and accounts,
+# Kubernetes namespaces and taints); each registers here why the slug must not change now
+# (a function of the tenant returning a reason, or None). tenant_update asks them all.
+SlugGuard = Callable[[Tenant], "str | None"]
+_slug_guards: list[SlugGuard] = []
+
+
+def slug_guard_register(guard: SlugGuard) -> None:
+    if guard not in _slug_guards:
+        _slug_guards.append(guard)
 QUOTA_FIELDS = ("max_nodes", "burst_nodes", "max_duration_hours")
 
 
@@ -82,6 +94,11 @@ def tenant_create(*, actor, slug: str, name: str, burst_enabled: bool = False, *
 def tenant_update(*, actor, tenant: Tenant, **changes: Any) -> Tenant:
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
     before = _snapshot(tenant, TENANT_FIELDS)
+    if "slug" in changes and changes["slug"] != tenant.slug:
+        for guard in _slug_guards:
+            reason = guard(tenant)
+            if reason:
+                raise InvalidState(f"slug: {reason}; it can no longer change (rename the tenant's name instead).")
     for key, value in changes.items():
         if key == "cidr":
             value = _validate_network(value)

@@ -311,3 +311,21 @@ def test_role_annotation_answers_only_for_the_user_it_was_read_for(world):
     assert role_of(user=outsider, tenant=tenant) is None  # not the annotated user: asks the database
     as_outsider = Tenant.objects.with_role_of(outsider).get(slug="alpha")
     assert as_outsider.role_of_user is None and role_of(user=outsider, tenant=as_outsider) is None
+
+
+def test_a_tenant_that_has_booked_keeps_its_slug(world, t0):
+    """The backends know a tenant's bookings by its slug (Slurm reservation names and accounts, Kubernetes
+    namespaces and taints): once it has booked, a rename would strand them or hand them to a new tenant
+    taking the old slug. Its name still changes; a tenant that never booked may still be renamed."""
+    from tenants.models import Tenant
+
+    staff = world.client("staff")
+    assert book(world, "alpha-lead", t0).status_code == 201
+    r = staff.patch("/api/v1/tenants/alpha/", {"slug": "acme"}, format="json")
+    assert r.status_code == 409 and r.json()["code"] == "invalid_state" and "slug" in r.json()["detail"]
+    assert Tenant.objects.filter(slug="alpha").exists() and not Tenant.objects.filter(slug="acme").exists()
+    assert staff.patch("/api/v1/tenants/alpha/", {"slug": "alpha", "name": "Alpha Team"},
+                       format="json").status_code == 200  # the same slug is no change
+    assert Tenant.objects.get(slug="alpha").name == "Alpha Team"
+    r = staff.patch("/api/v1/tenants/beta/", {"slug": "beta-two"}, format="json")
+    assert r.status_code == 200 and r.json()["slug"] == "beta-two"  # beta never booked
