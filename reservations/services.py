@@ -160,11 +160,35 @@ _QUOTA_LOCK_SQL = (
     "SELECT max_nodes, burst_nodes, max_duration_hours FROM tenants_quota"
     " WHERE tenant_id = %s AND pool_id = %s FOR NO KEY UPDATE"
 )
+# Read after the quota lock, so on a snapshot taken after any wait for it: the tenant's burst flag
+# and the actor's role as they are now. The membership row is share-locked: a removal or downgrade
+# either waits for this booking's commit or is seen here (the membership services never take the
+# quota lock, so they cannot deadlock with a booker).
+_RIGHTS_SQL = (
+    "SELECT t.burst_enabled, m.role FROM tenants_tenant t JOIN tenants_membership m"
+    " ON m.tenant_id = t.id AND m.user_id = %s WHERE t.id = %s FOR SHARE OF m"
+)
+_BURST_SQL = "SELECT burst_enabled FROM tenants_tenant WHERE id = %s"
+
+
+def _rights_now(*, actor: Any, tenant: Tenant, owner_id: int | None) -> bool:
+    """Check the actor may still book (or change owner_id's booking) for tenant; return its burst flag."""
+    with connection.cursor() as cur:
+        if actor is None or getattr(actor, "is_staff", False):
+            cur.execute(_BURST_SQL, [tenant.pk])
+            return bool(cur.fetchone()[0])
+        cur.execute(_RIGHTS_SQL, [actor.pk, tenant.pk])
+        row = cur.fetchone()
+    if row is None or row[1] not in BOOKING_ROLES:
+        raise PermissionDenied("Your role in this tenant does not allow that.")
+    if owner_id is not None and row[1] == Role.MEMBER and owner_id != actor.pk:
+        raise PermissionDenied("Members can change only their own reservations; ask a lead.")
+    return bool(row[0])
 
 
 def _classify_billing(
-    *, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime,
-    exclude_reservation_id: int | None = None,
+    *, actor: Any, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime,
+    exclude_reservation_id: int | None = None, owner_id: int | None = None,
 ) -> str:
     """Lock the quota row and decide committed vs burst, or refuse.
 
@@ -180,6 +204,7 @@ def _classify_billing(
     if row is None:
         raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.")
     max_nodes, burst_nodes, max_duration_hours = row
+    burst_enabled = _rights_now(actor=actor, tenant=tenant, owner_id=owner_id)
     hours = (end - start).total_seconds() / 3600
     if max_duration_hours is not None and hours > max_duration_hours:
         raise QuotaExceeded(f"{hours:g} h is longer than the {max_duration_hours} h allowed in {pool.name}.")
@@ -188,13 +213,13 @@ def _classify_billing(
     )
     if peak + node_count <= max_nodes:
         return Billing.COMMITTED
-    limit = max_nodes + (burst_nodes if tenant.burst_enabled else 0)
+    limit = max_nodes + (burst_nodes if burst_enabled else 0)
     if peak + node_count <= limit:
         return Billing.BURST
     raise QuotaExceeded(
         f"{tenant.slug} already holds up to {peak} {pool.name} nodes in that window; "
         f"{node_count} more exceeds the limit of {limit}"
-        + (f" ({max_nodes} guaranteed + {burst_nodes} burst)." if tenant.burst_enabled else ".")
+        + (f" ({max_nodes} guaranteed + {burst_nodes} burst)." if burst_enabled else ".")
     )
 
 
@@ -403,7 +428,8 @@ def _book_once(
             replay = _claim_idempotency_key(user=actor, key=idempotency_key, request_hash=request_hash)
             if replay is not None:
                 return replay
-        billing = _classify_billing(tenant=tenant, pool=pool, node_count=node_count, start=start, end=end)
+        billing = _classify_billing(actor=actor, tenant=tenant, pool=pool, node_count=node_count, start=start,
+                                    end=end)
         period = DateTimeTZRange(start, end, "[)")
         nodes = selectors.free_nodes(pool_id=pool.pk, start=start, end=end, limit=node_count)
         if len(nodes) < node_count:
@@ -496,10 +522,14 @@ def reservation_update(
             reservation.name = _validate_name(name)
 
         if (new_start, new_end) != (old_start, old_end):
-            reservation.billing = _classify_billing(
-                tenant=reservation.tenant, pool=pool, node_count=reservation.node_count, start=new_start,
-                end=new_end, exclude_reservation_id=reservation.pk,
-            )
+            if not (old_start <= new_start and new_end <= old_end):
+                reservation.billing = _classify_billing(
+                    actor=actor, tenant=reservation.tenant, pool=pool, node_count=reservation.node_count,
+                    start=new_start, end=new_end, exclude_reservation_id=reservation.pk,
+                    owner_id=reservation.created_by_id,
+                )
+            # else: a window inside the old one only gives nodes back; it needs no quota (one lowered or
+            # removed since must not stop a tenant from returning capacity early) and keeps its billing.
             period = DateTimeTZRange(new_start, new_end, "[)")
             _repoint_allocations(reservation=reservation, period=period, started=started, now=now, actor=actor)
             reservation.period = period
