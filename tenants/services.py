@@ -90,10 +90,22 @@ def tenant_create(*, actor, slug: str, name: str, burst_enabled: bool = False, *
     return tenant
 
 
-@transaction.atomic(durable=True)
 def tenant_update(*, actor, tenant: Tenant, **changes: Any) -> Tenant:
+    # The Slack URL is checked as tenant_slack_webhook_set checks it (before the transaction: it resolves
+    # the host name) and audited masked, as there.
+    if "slack_webhook_url" in changes:
+        changes["slack_webhook_url"] = _clean_slack_url(changes["slack_webhook_url"])
+    return _tenant_update(actor=actor, tenant=tenant, changes=changes)
+
+
+@transaction.atomic(durable=True)
+def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
+    from portal.core.crypto import mask
+
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
     before = _snapshot(tenant, TENANT_FIELDS)
+    if "slack_webhook_url" in changes:
+        before["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
     if "slug" in changes and changes["slug"] != tenant.slug:
         for guard in _slug_guards:
             reason = guard(tenant)
@@ -105,8 +117,10 @@ def tenant_update(*, actor, tenant: Tenant, **changes: Any) -> Tenant:
         if key in TENANT_FIELDS or key == "slack_webhook_url":
             setattr(tenant, key, value)
     _save_checked(tenant, integrity_fields={"slug": "slug", "vlan": "vlan_id", "cidr": "cidr"})
-    audit_record(actor=actor, action="tenant.update", obj=tenant, tenant_id=tenant.pk,
-                 before=before, after=_snapshot(tenant, TENANT_FIELDS))
+    after = _snapshot(tenant, TENANT_FIELDS)
+    if "slack_webhook_url" in changes:
+        after["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
+    audit_record(actor=actor, action="tenant.update", obj=tenant, tenant_id=tenant.pk, before=before, after=after)
     return tenant
 
 
@@ -242,15 +256,13 @@ def membership_delete(*, actor, membership: Membership) -> None:
     membership.delete()
 
 
-@transaction.atomic(durable=True)
-def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
-    """Set (or clear, with "") the tenant's Slack incoming-webhook URL; audited masked, never in full."""
+def _clean_slack_url(url: Any) -> str:
+    """The Slack URL as stored: "" (none), or an absolute http(s) URL of a public address."""
     from urllib.parse import urlsplit
 
-    from portal.core.crypto import mask
     from portal.core.egress import destination_problem
 
-    url = (url or "").strip()
+    url = str(url or "").strip()
     if url:
         try:
             parts = urlsplit(url)
@@ -264,6 +276,18 @@ def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
         if problem:
             raise InvalidInput(f"slack_webhook_url: the portal posts only to public addresses ({problem}).",
                                fields={"slack_webhook_url": "Give the incoming-webhook URL Slack showed you."})
+    return url
+
+
+def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
+    """Set (or clear, with "") the tenant's Slack incoming-webhook URL; audited masked, never in full."""
+    return _slack_webhook_store(actor=actor, tenant=tenant, url=_clean_slack_url(url))  # checked outside: DNS
+
+
+@transaction.atomic(durable=True)
+def _slack_webhook_store(*, actor, tenant: Tenant, url: str) -> Tenant:
+    from portal.core.crypto import mask
+
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
     before = {"slack_webhook_url": mask(tenant.slack_webhook_url, keep=6)}
     tenant.slack_webhook_url = url

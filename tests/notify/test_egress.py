@@ -112,3 +112,18 @@ def test_the_platforms_own_slack_webhook_is_the_operators_and_not_checked(world,
     notify_settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
     assert services.delivery_send(delivery_id=delivery.pk).status == DeliveryStatus.DELIVERED
     assert len(receiver.requests) == 1
+
+
+def test_staff_patching_the_tenants_slack_url_through_the_api_meet_the_same_checks(world, public_only):
+    from portal.core.models import AuditLog
+
+    staff = world.client("staff")
+    r = staff.patch("/api/v1/tenants/alpha/", {"slack_webhook_url": "http://169.254.169.254/latest/"}, format="json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid" and "slack_webhook_url" in r.json()["fields"]
+    assert Tenant.objects.get(slug="alpha").slack_webhook_url == ""
+    url = "https://93.184.216.34/services/T0/B0/secret-part"
+    assert staff.patch("/api/v1/tenants/alpha/", {"slack_webhook_url": url}, format="json").status_code == 200
+    assert Tenant.objects.get(slug="alpha").slack_webhook_url == url
+    entry = AuditLog.objects.filter(action="tenant.update").latest("id")
+    assert entry.before["slack_webhook_url"] != entry.after["slack_webhook_url"]  # the change is on record …
+    assert "secret-part" not in str(entry.after)  # … masked, never in full
