@@ -1251,11 +1251,12 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
     )
     out: list[dict[str, Any]] = []
     node_states = dict(Node.objects.values_list("hostname", "state"))
+    tenants = set(Tenant.objects.values_list("slug", flat=True))
     for name in names:
         ids = VirtualCluster.objects.filter(wanted_q, backend=name).values_list("id", flat=True)
         wanted = [build_context(cluster_id) for cluster_id in ids]
         with _backend(name) as backend:
-            drifts = backend.reconcile(wanted, fix=fix) + backend.reconcile_nodes(node_states, fix=fix)
+            drifts = backend.reconcile(wanted, fix=fix, tenants=tenants) + backend.reconcile_nodes(node_states, fix=fix)
         for drift in drifts:
             out.append({"backend": name, "kind": drift.kind, "name": drift.name, "detail": drift.detail,
                         "repaired": drift.repaired})

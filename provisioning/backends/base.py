@@ -9,7 +9,7 @@ never call a backend inside a database transaction.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -170,12 +170,15 @@ class ProvisioningBackend(abc.ABC):
         """Return a node drained by the portal to service."""
 
     @abc.abstractmethod
-    def reconcile(self, wanted: list[ClusterContext], *, fix: bool) -> list[Drift]:
+    def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
+                  tenants: Collection[str] | None = None) -> list[Drift]:
         """Compare the backend with what the portal wants; repair if fix.
 
         ``wanted`` holds every cluster whose artefacts may exist (being built, live, or a
         held booking); anything of ours the backend has beyond them is an orphan. Only
-        clusters whose ``status`` is ready/degraded must be complete.
+        clusters whose ``status`` is ready/degraded must be complete. ``tenants`` (the slugs the
+        portal knows), when given, narrows "ours": an object named for another name is an
+        operator's, never reported or deleted.
         """
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:

@@ -88,8 +88,8 @@ MIN_TOKEN_SECONDS = 600
 
 DNS_LABEL_MAX = 63
 DNS_SUBDOMAIN_MAX = 253
-_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")  # \Z, not $: no trailing newline
+_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?\Z")
 _MIG_PROFILE_RE = re.compile(r"^[1-7]g\.[1-9][0-9]*gb$")
 _POD_SECURITY_LEVELS = ("privileged", "baseline", "restricted")
 

@@ -11,6 +11,7 @@ kubeconfig. See ``k8s_apply`` for what was and was not tried against a live API 
 from __future__ import annotations
 
 import base64
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,8 @@ class KubernetesBackend(ProvisioningBackend):
         return BackendStatus(exists=exists, nodes=spec.node_hostnames if exists else (), end=ctx.end,
                              detail=spec.namespace)
 
-    def reconcile(self, wanted: list[ClusterContext], *, fix: bool) -> list[Drift]:
+    def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
+                  tenants: Collection[str] | None = None) -> list[Drift]:
         if self.render_only:
             return []
         drifts: list[Drift] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Collection
 from dataclasses import asdict
 from datetime import datetime
 from typing import Any
@@ -138,7 +139,8 @@ class SimulatedBackend(ProvisioningBackend):
             detail=state.get("phase", ""),
         )
 
-    def reconcile(self, wanted: list[ClusterContext], *, fix: bool) -> list[Drift]:
+    def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
+                  tenants: Collection[str] | None = None) -> list[Drift]:
         drifts: list[Drift] = []
         live = [ctx for ctx in wanted if ctx.status in ("ready", "degraded")]
         wanted_ids = {ctx.cluster_id for ctx in wanted}

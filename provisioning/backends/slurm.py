@@ -19,6 +19,7 @@ without slurmdbd, where ``Accounts=`` is not checked.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from datetime import UTC, datetime
 
 from ..conf import setting, setting_float
@@ -179,10 +180,13 @@ class SlurmBackend(ProvisioningBackend):
         return BackendStatus(exists=True, nodes=res.nodes, start=res.start, end=res.end, detail=res.state)
 
     def drain_node(self, hostname: str, reason: str) -> None:
+        # Slurm takes one line of text: a reason with line breaks or tabs (an agent's multi-line
+        # message, a staff note) is folded onto one line, not refused (the node must still drain).
+        line = " ".join("".join(c if ord(c) >= 32 and ord(c) != 127 else " " for c in reason).split()) or "-"
         try:
             info = self.client.show_node(hostname)
             if not info.drained:
-                self.client.drain_node(hostname, f"{DRAIN_REASON_PREFIX} {reason}"[:200])
+                self.client.drain_node(hostname, f"{DRAIN_REASON_PREFIX} {line}"[:200])
         except NodeNotFound:
             return
         except SlurmError as exc:
@@ -200,7 +204,8 @@ class SlurmBackend(ProvisioningBackend):
 
     # --- drift ---
 
-    def reconcile(self, wanted: list[ClusterContext], *, fix: bool) -> list[Drift]:
+    def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
+                  tenants: Collection[str] | None = None) -> list[Drift]:
         drifts: list[Drift] = []
         try:
             existing = self.client.show_reservations()
@@ -211,9 +216,12 @@ class SlurmBackend(ProvisioningBackend):
         # Slurm → portal: our reservations the database no longer wants.
         for name, res in sorted(existing.items()):
             parsed = parse_reservation_name(name)
-            # Ours only if named <slug>-<id> and held for that very account: a reservation an
-            # operator made by hand is reported by nobody and never deleted.
+            # Ours only if named <slug>-<id>, held for that very account, and the slug a tenant's: a
+            # reservation an operator made by hand ("maint-2026" for account maint) is reported by
+            # nobody and never deleted.
             if name in by_name or parsed is None or res.accounts != {parsed[0]}:
+                continue
+            if tenants is not None and parsed[0] not in tenants:
                 continue
             if fix:
                 self.client.delete_reservation(name, missing_ok=True)

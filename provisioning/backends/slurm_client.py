@@ -48,7 +48,7 @@ __all__ = [
 _TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"
 # Slurm names (reservations, accounts, users, nodes) are passed as ``Key=value`` argv items;
 # a space, ``=`` or ``,`` inside one would be read by scontrol as a different argument.
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")  # \Z: "$" would take a trailing newline
 _FLAG = re.compile(r"^[A-Z_]+(=[0-9:-]+)?$")
 # In ``--oneliner`` output a new field starts with ``Key=``; a token without one continues
 # the previous value (free text such as a node's Reason may contain spaces).

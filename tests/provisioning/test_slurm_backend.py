@@ -200,3 +200,23 @@ def test_reconcile_finds_and_repairs_drift_both_ways(fleet, t0, slurm_backend, c
     assert slurm_backend.show_node(free[2]).drained and not slurm_backend.show_node(free[3]).drained
     call_command("reconcile")
     assert "0 drift(s)" in capsys.readouterr().out
+
+
+def test_a_multi_line_drain_reason_still_drains_the_node_and_moves_its_booking(fleet, slurm_backend):
+    """Slurm takes one line of reason; an agent's or a staff member's line breaks used to crash the sync
+    (ValueError), leaving the node undrained in Slurm and the booking on it (found in a backend review)."""
+    reservation = booked(fleet, "alpha-lead", now_slot(fleet), hours=3, nodes=2)
+    host = hosts(reservation)[0]
+    bad = Node.objects.get(hostname=host)
+    node_update(actor=fleet.users["staff"], node=bad, state=NodeState.FAILED, reason="XID 79 on GPU 3\nRMA\topened")
+    assert services.node_sync(node_id=bad.pk) == {"replaced": 1}
+    info = slurm_backend.show_node(host)
+    assert info.drained and "XID 79 on GPU 3 RMA opened" in info.reason
+
+
+def test_reconcile_leaves_an_operators_own_reservation_alone(fleet, t0, slurm_backend):
+    """Named like ours (<word>-<number> for account <word>) but <word> is no tenant: the operator's."""
+    slurm_backend.create_reservation("maint-2026", ["h100-006"], t0, t0 + timedelta(hours=4), accounts=["maint"])
+    drifts = services.reconcile(fix=True, backend_name="slurm")
+    assert "maint-2026" in slurm_backend.show_reservations(), drifts
+    assert not [d for d in drifts if d["name"] == "maint-2026"]
