@@ -25,7 +25,7 @@ from portal.core.crypto import mask
 from portal.core.exceptions import DomainError
 
 from . import services
-from .models import Membership, Quota, Tenant
+from .models import ApiToken, Membership, Quota, Tenant
 
 QUOTA_FIELDS = services.QUOTA_FIELDS
 CONFIRM_FIELD = "_confirm_lowering"
@@ -368,3 +368,37 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
             "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
         }
         return TemplateResponse(request, "admin/tenants/quota/bulk_change.html", context)
+
+
+# --- API tokens -----------------------------------------------------------------------------------
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(ServiceAdminMixin, admin.ModelAdmin):
+    """Who holds which token, when each was last used, and revoking them. Tokens are issued with
+    ``manage.py issue_token`` (the key is printed once and only its hash stored), so there is no add here."""
+
+    list_display = ("prefix", "user", "name", "created_at", "last_used_at", "expires_at", "revoked")
+    list_filter = ("revoked",)
+    search_fields = ("prefix", "name", "user__username")
+    readonly_fields = ("user", "name", "prefix", "created_at", "last_used_at", "expires_at", "revoked")
+    fields = readonly_fields
+    actions = ["revoke"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # revoked, not deleted: the record of who held it stays
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    @admin.action(description="Revoke selected tokens")
+    def revoke(self, request, queryset) -> None:
+        done = sum(1 for token in queryset.filter(revoked=False)
+                   if self.run_service(request, services.token_revoke, actor=request.user, token=token) is not None)
+        self.message_user(request, f"Revoked {done} token(s); requests presenting them are refused from now on.",
+                          messages.SUCCESS if done else messages.WARNING)

@@ -26,6 +26,7 @@ __all__ = [
     "quota_create",
     "quota_update",
     "token_issue",
+    "token_revoke",
     "tenant_rotate_ical_token",
 ]
 
@@ -174,11 +175,43 @@ def quota_update(*, actor, quota: Quota, **changes: Any) -> Quota:
     return quota
 
 
-def token_issue(*, user: Any, name: str = "") -> tuple[ApiToken, str]:
-    """Create a token and return it with its plaintext, which is never stored."""
+MAX_TOKEN_DAYS = 3650
+
+
+def token_issue(*, user: Any, name: str = "", expires_in_days: int | None = None,
+                actor: Any = None) -> tuple[ApiToken, str]:
+    """Create a token (valid for expires_in_days, else until revoked) and return it with its plaintext,
+    which is never stored. Audited (prefix, owner, expiry), never the key."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    if expires_in_days is not None and not (isinstance(expires_in_days, int) and 1 <= expires_in_days
+                                            <= MAX_TOKEN_DAYS):
+        raise InvalidInput(f"expires_in_days: a whole number of days from 1 to {MAX_TOKEN_DAYS}.",
+                           fields={"expires_in_days": f"From 1 to {MAX_TOKEN_DAYS}."})
     key = "gpp_" + secrets.token_urlsafe(32)
-    token = ApiToken.objects.create(user=user, name=name, prefix=key[:12], key_hash=ApiToken.hash_key(key))
+    expires_at = timezone.now() + timedelta(days=expires_in_days) if expires_in_days else None
+    with transaction.atomic():
+        token = ApiToken.objects.create(user=user, name=(name or "")[:100], prefix=key[:12],
+                                        key_hash=ApiToken.hash_key(key), expires_at=expires_at)
+        audit_record(actor=actor, action="token.issue", obj=token,
+                     after={"user": user.get_username(), "name": token.name, "prefix": token.prefix,
+                            "expires_at": expires_at.isoformat() if expires_at else None})
     return token, key
+
+
+@transaction.atomic(durable=True)
+def token_revoke(*, actor: Any, token: ApiToken) -> ApiToken:
+    """Revoke a token: every request presenting it from now on is refused (401). Idempotent; audited."""
+    token = ApiToken.objects.select_for_update().select_related("user").get(pk=token.pk)
+    if token.revoked:
+        return token
+    token.revoked = True
+    token.save(update_fields=["revoked"])
+    audit_record(actor=actor, action="token.revoke", obj=token, before={"revoked": False},
+                 after={"revoked": True, "user": token.user.get_username(), "prefix": token.prefix})
+    return token
 
 
 # --- admin and notification settings (appended) -------------------------------------------

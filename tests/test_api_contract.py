@@ -112,6 +112,54 @@ def test_revoked_token_is_refused(world):
     assert r.status_code == 401
 
 
+def test_tokens_are_revoked_with_the_command_or_the_admin_and_can_expire(world):
+    """A leaked token is stopped without touching the database by hand: revoke_token (by prefix or by
+    user) or the admin's action; issue_token --expires-in-days gives one that lapses. All audited."""
+    from datetime import timedelta
+
+    from django.core.management.base import CommandError
+    from django.test import Client
+    from django.utils import timezone
+
+    from portal.core.models import AuditLog
+
+    def issue(*args):
+        out = io.StringIO()
+        call_command("issue_token", "alpha-lead", *args, stdout=out, stderr=io.StringIO())
+        return out.getvalue().strip().splitlines()[-1]
+
+    def status(key):
+        c = APIClient()
+        c.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+        return c.get("/api/v1/pools/").status_code
+
+    first, second, third = issue("--name", "laptop"), issue(), issue("--expires-in-days", "30")
+    assert status(first) == status(second) == status(third) == 200
+    out = io.StringIO()
+    call_command("revoke_token", first[:12], stdout=out)
+    assert "revoked" in out.getvalue() and status(first) == 401 and status(second) == 200
+    with pytest.raises(CommandError):
+        call_command("revoke_token", first[:12], stdout=io.StringIO())  # no live token by that prefix any more
+    expiring = ApiToken.objects.get(key_hash=ApiToken.hash_key(third))
+    assert timedelta(days=29) < expiring.expires_at - timezone.now() <= timedelta(days=30)
+    ApiToken.objects.filter(pk=expiring.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert status(third) == 401
+    with pytest.raises(CommandError):
+        issue("--expires-in-days", "0")
+    # The admin lists tokens (never keys) and revokes the selected ones.
+    admin = Client()
+    admin.force_login(world.users["staff"].__class__.objects.create_superuser("root2", password="pw-Long-enough-1"))
+    page = admin.get("/admin/tenants/apitoken/").content.decode()
+    assert second[:12] in page and second not in page
+    live = ApiToken.objects.get(key_hash=ApiToken.hash_key(second))
+    r = admin.post("/admin/tenants/apitoken/", {"action": "revoke", "_selected_action": [live.pk]}, follow=True)
+    assert r.status_code == 200 and status(second) == 401
+    assert admin.get("/admin/tenants/apitoken/add/").status_code == 403
+    actions = list(AuditLog.objects.filter(object_type="tenants.apitoken").values_list("action", flat=True))
+    assert actions.count("token.issue") >= 3 and actions.count("token.revoke") == 2
+    assert not any(key in str(AuditLog.objects.values_list("before", "after")) for key in (first, second, third))
+
+
 def test_session_auth_needs_csrf_for_writes(world, t0):
     c = APIClient(enforce_csrf_checks=True)
     c.force_login(world.users["alpha-lead"])

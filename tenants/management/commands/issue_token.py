@@ -1,6 +1,7 @@
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from portal.core.exceptions import DomainError
 from tenants.services import token_issue
 
 
@@ -10,12 +11,18 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("username")
         parser.add_argument("--name", default="cli")
+        parser.add_argument("--expires-in-days", type=int, default=None,
+                            help="valid for this many days (default: until revoked with revoke_token)")
 
-    def handle(self, *args, username, name, **options):
+    def handle(self, *args, username, name, expires_in_days, **options):
         try:
             user = get_user_model().objects.get(username=username)
         except get_user_model().DoesNotExist:
             raise CommandError(f"No user named {username!r}.")
-        token, key = token_issue(user=user, name=name)
-        self.stderr.write(f"Token {token.prefix}… for {username} (stored hashed; shown once):")
+        try:
+            token, key = token_issue(user=user, name=name, expires_in_days=expires_in_days)
+        except DomainError as exc:
+            raise CommandError(exc.detail)
+        until = f", valid until {token.expires_at:%Y-%m-%d %H:%M}Z" if token.expires_at else ""
+        self.stderr.write(f"Token {token.prefix}… for {username}{until} (stored hashed; shown once):")
         self.stdout.write(key)
