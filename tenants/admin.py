@@ -22,7 +22,7 @@ from simple_history.admin import SimpleHistoryAdmin
 
 from portal.core.admin import ServiceAdminMixin, StaffAdminMixin, admin_hooks
 from portal.core.crypto import mask
-from portal.core.exceptions import DomainError
+from portal.core.exceptions import DomainError, InvalidInput
 
 from . import services
 from .models import ApiToken, Membership, Quota, Tenant
@@ -203,6 +203,10 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def save_formset(self, request, form, formset, change):
         tenant = form.instance
         actor = request.user
+        for sub in formset.forms:  # before any write: a membership's user is not changed in place
+            if isinstance(sub.instance, Membership) and sub.instance.pk and "user" in getattr(sub, "changed_data", ()):
+                raise InvalidInput("To give a membership to another user, delete its row and add a new one.",
+                                   fields={"user": "Cannot change on an existing membership."})
         for sub in formset.forms:
             if not hasattr(sub, "cleaned_data") or not sub.cleaned_data:
                 continue

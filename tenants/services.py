@@ -268,11 +268,24 @@ def quota_delete(*, actor, quota: Quota) -> None:
     quota.delete()
 
 
+def _keep_a_lead(membership: Membership) -> None:
+    """Refuse to take away a tenant's last lead (nobody could then manage its members, quotas' use,
+    notifications). The tenant's lead rows are locked, so two concurrent demotions cannot both pass."""
+    if membership.role != Role.LEAD:
+        return
+    leads = list(Membership.objects.select_for_update(of=("self",)).filter(tenant_id=membership.tenant_id,
+                                                                          role=Role.LEAD).values_list("pk", flat=True))
+    if leads == [membership.pk]:
+        raise InvalidState(f"{membership.user.username} is the tenant's last lead; make another member lead first.")
+
+
 @transaction.atomic(durable=True)
 def membership_update(*, actor, membership: Membership, role: str) -> Membership:
     membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
     if role not in Role.values:
         raise InvalidInput("role: unknown role.", fields={"role": f"One of {', '.join(Role.values)}."})
+    if role != Role.LEAD:
+        _keep_a_lead(membership)
     before = {"user": membership.user.username, "role": membership.role}
     membership.role = role
     membership.save(update_fields=["role"])
@@ -284,6 +297,7 @@ def membership_update(*, actor, membership: Membership, role: str) -> Membership
 @transaction.atomic(durable=True)
 def membership_delete(*, actor, membership: Membership) -> None:
     membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
+    _keep_a_lead(membership)
     audit_record(actor=actor, action="membership.delete", obj=membership, tenant_id=membership.tenant_id,
                  before={"user": membership.user.username, "role": membership.role})
     membership.delete()

@@ -144,3 +144,52 @@ def test_staff_only_writes(world):
     r = staff.post("/api/v1/users/", {"username": "newbie", "email": "n@example.com",
                                       "password": "Long-enough-pw-1"}, format="json")
     assert r.status_code == 201 and set(r.json()) == {"id", "username"}
+
+
+def test_a_tenant_keeps_at_least_one_lead(world):
+    """Demoting or removing the last lead is refused (nobody could manage the tenant's members or
+    notifications any more); with a second lead it goes through. Staff included."""
+    from portal.core.exceptions import InvalidState
+    from tenants import services as tsvc
+    from tenants.models import Membership
+
+    staff = world.users["staff"]
+    lead = Membership.objects.get(tenant__slug="alpha", user__username="alpha-lead")
+    with pytest.raises(InvalidState, match="last lead"):
+        tsvc.membership_update(actor=staff, membership=lead, role="member")
+    with pytest.raises(InvalidState, match="last lead"):
+        tsvc.membership_delete(actor=staff, membership=lead)
+    assert Membership.objects.filter(pk=lead.pk, role="lead").exists()
+    member = Membership.objects.get(tenant__slug="alpha", user__username="alpha-member")
+    tsvc.membership_update(actor=staff, membership=member, role="lead")
+    tsvc.membership_update(actor=staff, membership=lead, role="viewer")  # another lead remains
+    assert Membership.objects.get(pk=lead.pk).role == "viewer"
+
+
+def test_the_admin_does_not_silently_ignore_a_memberships_changed_user(world):
+    from django.test import Client
+
+    from tenants.models import Membership, Tenant
+
+    admin = Client()
+    admin.force_login(world.users["staff"].__class__.objects.create_superuser("root3", password="pw-Long-enough-1"))
+    tenant = Tenant.objects.get(slug="alpha")
+    page = admin.get(f"/admin/tenants/tenant/{tenant.pk}/change/")
+    assert page.status_code == 200
+    form = page.context["adminform"].form
+    data = {k: ("" if v is None else v) for k, v in form.initial.items() if not isinstance(v, list | dict)}
+    for formset in page.context["inline_admin_formsets"]:
+        fs = formset.formset
+        data.update({f"{fs.prefix}-TOTAL_FORMS": str(len(fs.forms)),
+                     f"{fs.prefix}-INITIAL_FORMS": str(fs.initial_form_count()),
+                     f"{fs.prefix}-MIN_NUM_FORMS": "0", f"{fs.prefix}-MAX_NUM_FORMS": "1000"})
+        for sub in fs.forms:
+            for name, field in sub.fields.items():
+                value = sub.initial.get(name, field.initial)
+                data[f"{sub.prefix}-{name}"] = getattr(value, "pk", value) if value is not None else ""
+    member = Membership.objects.get(tenant=tenant, user__username="alpha-member")
+    key = next(k for k, v in data.items() if k.endswith("-id") and v == member.pk)
+    data[key.replace("-id", "-user")] = world.users["beta-lead"].pk
+    r = admin.post(f"/admin/tenants/tenant/{tenant.pk}/change/", data, follow=True)
+    assert "To give a membership to another user" in r.content.decode()
+    assert Membership.objects.get(pk=member.pk).user.username == "alpha-member"
