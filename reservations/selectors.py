@@ -6,12 +6,13 @@ import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import F, Func, OuterRef, Subquery
 
 from .choices import HOLDING_STATUSES, NodeState
 from .models import Node, Pool, Reservation
-from .timeutil import EPOCH
+from .timeutil import EPOCH, slot_ceil, slot_floor
 
 __all__ = [
     "Slot",
@@ -505,23 +506,30 @@ def fleet_timeline(*, user, start: datetime, end: datetime, pool: Pool | None = 
     return nodes, by_node
 
 
-def heatmap_step(pool: Pool) -> timedelta:
-    """Return the smallest multiple of the pool's slot that is at least an hour."""
-    minutes = pool.slot_minutes * max(1, -(-60 // pool.slot_minutes))
-    return timedelta(minutes=minutes)
-
-
 def pool_heatmap(*, start: datetime, end: datetime) -> list[tuple[Pool, int, list[Slot]]]:
-    """Return (pool, available nodes, hourly free-node slots) for every pool: one query per pool."""
+    """Return (pool, available nodes, free-node slots covering [start, end)) for every pool: one query per pool.
+
+    The slots are the pool's own, on its grid (availability_on_grid).
+    """
     from django.db.models import Count, Q
 
     pools = Pool.objects.annotate(
         available_nodes=Count("nodes", filter=Q(nodes__state=NodeState.AVAILABLE))
     ).order_by("name")
-    return [
-        (pool, pool.available_nodes, availability(pool=pool, start=start, end=end, step=heatmap_step(pool)))
-        for pool in pools
-    ]
+    return [(pool, pool.available_nodes, availability_on_grid(pool=pool, start=start, end=end)) for pool in pools]
+
+
+def availability_on_grid(*, pool: Pool, start: datetime, end: datetime) -> list[Slot]:
+    """Free nodes per slot of the pool's own grid (from the UTC epoch), widened to whole slots around
+    [start, end): for pages whose window starts at a local midnight that may lie off that grid (+05:30,
+    or any zone for a daily pool), which would otherwise cut slots in two and show each half with the
+    other's bookings. Over PORTAL_AVAILABILITY_MAX_SLOTS slots, whole multiples of the slot."""
+    step = timedelta(minutes=pool.slot_minutes)
+    lo, hi = slot_floor(start, pool.slot_minutes), slot_ceil(end, pool.slot_minutes)
+    while (hi - lo) / step > settings.PORTAL_AVAILABILITY_MAX_SLOTS:
+        step *= 2
+        lo, hi = lo - (lo - EPOCH) % step, hi + (-(hi - EPOCH)) % step
+    return availability(pool=pool, start=lo, end=hi, step=step)
 
 
 def feed_reservations(*, tenant, since: datetime):
@@ -550,7 +558,7 @@ __all__ += [
     "reservation_history",
     "tenant_recent_activity",
     "fleet_timeline",
-    "heatmap_step",
+    "availability_on_grid",
     "pool_heatmap",
     "feed_reservations",
 ]

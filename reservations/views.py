@@ -7,11 +7,11 @@ Every read goes through the tenant scope (`for_user`, or `for_tenant` behind the
 
 from __future__ import annotations
 
+import bisect
 import hmac
 import zlib
 from datetime import UTC, date, datetime, timedelta
 
-from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import Prefetch
@@ -231,23 +231,24 @@ def calendar_availability(request):
         return _envelope("invalid", "pool: This field is required.", {"pool": "This field is required."})
     total = pool.nodes.filter(state=NodeState.AVAILABLE).count()
     start, end = data["start"], data["end"]
+    # The pool's own slots (its grid from the UTC epoch), whatever local midnight the calendar starts at.
+    slots = selectors.availability_on_grid(pool=pool, start=start, end=end)
     if data.get("granularity") == "day":
-        step = selectors.heatmap_step(pool)
         tz = timezone.get_current_timezone()
+        first, last = timezone.localdate(start, tz), timezone.localdate(end - timedelta(microseconds=1), tz)
         per_day: dict[date, int] = {}
-        for slot in selectors.availability(pool=pool, start=start, end=end, step=step):
-            day = slot.start.astimezone(tz).date()
-            per_day[day] = min(per_day.get(day, total), slot.free_nodes)
+        for slot in slots:  # every local day a slot touches (a daily slot spans two outside UTC)
+            day = max(timezone.localdate(slot.start, tz), first)
+            while day <= min(timezone.localdate(slot.end - timedelta(microseconds=1), tz), last):
+                per_day[day] = min(per_day.get(day, total), slot.free_nodes)
+                day += timedelta(days=1)
         events = [_background(day, day + timedelta(days=1), free, total, all_day=True)
                   for day, free in sorted(per_day.items())]
         return JsonResponse(events, safe=False)
-    step = timedelta(minutes=pool.slot_minutes)
-    while (end - start) / step > settings.PORTAL_AVAILABILITY_MAX_SLOTS:
-        step *= 2
     events: list[dict] = []
     run_start = run_end = None
     run_free = None
-    for slot in selectors.availability(pool=pool, start=start, end=end, step=step):
+    for slot in slots:
         if slot.free_nodes == run_free and slot.start == run_end:
             run_end = slot.end
             continue
@@ -271,9 +272,10 @@ def _suggestions(raw: list[dict]) -> list[dict]:
 
 
 def _default_window(pool: Pool | None) -> tuple[datetime, datetime]:
+    """About four hours from the next slot on, on the pool's grid (whole slots of any length)."""
     minutes = pool.slot_minutes if pool else 60
     start = slot_ceil(timezone.now(), minutes) + timedelta(minutes=minutes)
-    return start, start + timedelta(hours=4)
+    return start, start + timedelta(minutes=minutes * max(1, round(240 / minutes)))
 
 
 @require_http_methods(["GET", "POST"])
@@ -441,24 +443,47 @@ def reservation_cancel(request, pk: int):
 def heatmap_rows(*, slots, tz, first_day: date, days: int, now: datetime, total: int) -> list[dict]:
     """Lay slots out as one row per local day and one cell per local hour.
 
-    A day on which the clocks change repeats an hour (both slots fold into one cell showing the
-    lower count, flagged `twice`) or skips one (that cell is None): nothing is ever misplaced.
+    A cell is the local hour's own span of time (60 minutes, or 30/90 around a half-hour DST
+    shift) and shows the least free count of the slots it overlaps — slots of any length (15, 90,
+    1440 minutes), on a grid that local hours need not share (+05:30, +05:45). A day on which the
+    clocks change repeats an hour (both spans fold into one cell showing the lower count, flagged
+    `twice`) or skips one (that cell is None): nothing is ever misplaced.
     """
+    slots = sorted(slots, key=lambda s: s.start)
+    starts = [s.start for s in slots]
+    first = datetime.combine(first_day, datetime.min.time(), tzinfo=tz).astimezone(UTC) - timedelta(hours=3)
+    last = datetime.combine(first_day + timedelta(days=days), datetime.min.time(), tzinfo=tz).astimezone(UTC) \
+        + timedelta(hours=3)
+    # Where each local hour begins: every quarter hour of UTC time is a candidate (zone offsets and
+    # their shifts are multiples of 15 minutes); a local minute of 0 starts an hour cell.
+    quarter = timedelta(minutes=15)
+    bounds: list[tuple[datetime, tuple[date, int]]] = []
+    t = first
+    while t <= last:
+        local = t.astimezone(tz)
+        if local.minute == 0:
+            bounds.append((t, (local.date(), local.hour)))
+        t += quarter
     cells: dict[tuple[date, int], dict] = {}
-    for slot in slots:
-        t = slot.start
-        while t < slot.end:
-            local = t.astimezone(tz)
-            key = (local.date(), local.hour)
-            cell = cells.get(key)
-            if cell is None:
-                cells[key] = {"free": slot.free_nodes, "start": t, "past": slot.end <= now, "twice": False,
-                              "level": _level(slot.free_nodes, total)}
-            else:
-                cell["twice"] = True
-                cell["free"] = min(cell["free"], slot.free_nodes)
-                cell["level"] = _level(cell["free"], total)
-            t += timedelta(hours=1)
+    for (a, key), (b, _) in zip(bounds, bounds[1:], strict=False):
+        if not first_day <= key[0] < first_day + timedelta(days=days):
+            continue
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        free = None
+        while i < len(slots) and slots[i].start < b:
+            if slots[i].end > a:
+                free = slots[i].free_nodes if free is None else min(free, slots[i].free_nodes)
+            i += 1
+        if free is None:
+            continue
+        cell = cells.get(key)
+        if cell is None:
+            cells[key] = {"free": free, "start": a, "past": b <= now, "twice": False, "level": _level(free, total)}
+        else:  # the same wall-clock hour again: the clocks went back
+            cell["twice"] = True
+            cell["free"] = min(cell["free"], free)
+            cell["past"] = cell["past"] and b <= now
+            cell["level"] = _level(cell["free"], total)
     rows = []
     for i in range(days):
         day = first_day + timedelta(days=i)
