@@ -38,7 +38,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from portal.core import egress
-from portal.core.crypto import mask
+from portal.core.crypto import UnreadableSecret, mask
 from portal.core.exceptions import InvalidInput, InvalidState
 from portal.core.services import audit_record
 from reservations.models import Reservation
@@ -571,7 +571,7 @@ def _secrets_for(channel: Channel, now: datetime) -> list[str]:
     secrets = [channel.secret]
     if channel.previous_secret and channel.previous_secret_expires_at and channel.previous_secret_expires_at > now:
         secrets.append(channel.previous_secret)
-    return secrets
+    return [s for s in secrets if s and not isinstance(s, UnreadableSecret)]
 
 
 def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
@@ -579,6 +579,8 @@ def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
         return "channel_deleted"
     if not channel.target_url():
         return "no_url"
+    if channel.kind == ChannelKind.WEBHOOK and isinstance(channel.secret, UnreadableSecret):
+        return "secret_unreadable"  # never sign with nothing: the key it was stored with is gone
     if delivery.event == Event.TEST:
         return ""
     if not channel.enabled:

@@ -1206,7 +1206,11 @@ def credential_download(*, actor: Any, cluster: VirtualCluster, kind: str) -> tu
     credential = ClusterCredential.objects.current().filter(cluster=cluster, kind=kind).first()
     if credential is None:
         raise NotFound("This cluster has no such credential (yet).")
-    plaintext = crypto.decrypt(credential.ciphertext)
+    try:
+        plaintext = crypto.decrypt(credential.ciphertext)
+    except crypto.SecretUnreadable:
+        raise InvalidState("This credential cannot be decrypted with the portal's current keys; ask platform "
+                           "staff to restore the key it was stored with (PORTAL_FERNET_KEYS).") from None
     with transaction.atomic(durable=True):
         audit_record(actor=actor, action="cluster.credential_download", obj=credential, tenant_id=cluster.tenant_id,
                      after={"kind": kind, "fingerprint": credential.fingerprint})

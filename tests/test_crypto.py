@@ -57,3 +57,18 @@ def test_rotate_command_re_encrypts_webhook_urls_under_the_new_key():
         assert "1 other secret" in out.getvalue()
     with override_settings(PORTAL_FERNET_KEYS=[new_key]):  # the old key is gone: still readable
         assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == url
+
+
+def test_a_secret_no_key_decrypts_reads_as_empty_and_survives_a_save(caplog):
+    """A key dropped too early must not make every load of the row fail (the tenant's pages, feed and
+    bookings answered 500), nor may saving the row destroy the ciphertext: with the key back, it reads again."""
+    url = "https://hooks.slack.com/services/T000/B000/keep-me"
+    tenant = Tenant.objects.create(slug="lost", name="Lost", slack_webhook_url=url)
+    with override_settings(PORTAL_FERNET_KEYS=[Fernet.generate_key().decode()]):
+        loaded = Tenant.objects.get(pk=tenant.pk)
+        assert loaded.slack_webhook_url == "" and isinstance(loaded.slack_webhook_url, crypto.UnreadableSecret)
+        assert "cannot be decrypted" in caplog.text
+        loaded.name = "Lost and found"
+        loaded.save()  # a full save writes every column, the unreadable one included
+    again = Tenant.objects.get(pk=tenant.pk)
+    assert again.name == "Lost and found" and again.slack_webhook_url == url

@@ -8,6 +8,7 @@ rotate_credentials``), then drop the old key.
 from __future__ import annotations
 
 import functools
+import logging
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from django.conf import settings
@@ -18,6 +19,8 @@ __all__ = [
     "encrypt", "decrypt", "decrypt_bytes", "rotate", "mask", "EncryptedTextField", "InvalidToken", "SecretUnreadable",
     "rotate_encrypted_columns",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class SecretUnreadable(InvalidToken):
@@ -71,15 +74,37 @@ def mask(secret: str, keep: int = 4) -> str:
     return "•" * 8 + secret[-keep:]
 
 
+class UnreadableSecret(str):
+    """What an EncryptedTextField holds when no configured key decrypts its column: an empty string to
+    whoever reads it (a Slack URL that is "not set"), while saving the row writes the ciphertext back
+    unchanged. One secret whose key was dropped too early (or a rotation stopped halfway) must not make
+    every load of its row fail — the tenant's pages, feed and bookings — nor be destroyed by a save."""
+
+    ciphertext: str
+
+    def __new__(cls, ciphertext: str) -> UnreadableSecret:
+        obj = super().__new__(cls, "")
+        obj.ciphertext = ciphertext
+        return obj
+
+
 class EncryptedTextField(models.TextField):
     """A text column holding Fernet ciphertext; Python sees the plaintext. Empty stays empty."""
 
     def from_db_value(self, value, expression, connection):
         if not value:
             return value
-        return decrypt(value)
+        try:
+            return decrypt(value)
+        except SecretUnreadable:
+            logger.error("%s.%s of a row cannot be decrypted with PORTAL_FERNET_KEYS; it reads as empty and is kept "
+                         "as stored (put the key it was written with back in the list)", self.model.__name__,
+                         self.name)
+            return UnreadableSecret(value)
 
     def get_prep_value(self, value):
+        if isinstance(value, UnreadableSecret):
+            return value.ciphertext
         value = super().get_prep_value(value)
         if not value:
             return value

@@ -103,13 +103,16 @@ def check_celery() -> CheckResult:
         if not replies:
             raise TimeoutError(f"no Celery worker answered within {timeout:g} s")
 
-    # A broker that accepts the connection but never answers must not hold the probe longer.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    # A broker that accepts the connection but never answers must not hold the probe longer: the
+    # pool is left without waiting for its thread (a `with` block would join it, hang and all).
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
         future = pool.submit(_timed, "celery", probe)
-        try:
-            return future.result(timeout=_timeout() * 3)
-        except concurrent.futures.TimeoutError:
-            return CheckResult(False, _timeout() * 3, "TimeoutError")
+        return future.result(timeout=_timeout() * 3)
+    except concurrent.futures.TimeoutError:
+        return CheckResult(False, _timeout() * 3, "TimeoutError")
+    finally:
+        pool.shutdown(wait=False)
 
 
 _probe_apps: dict[str, object] = {}

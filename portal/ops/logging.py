@@ -79,11 +79,33 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+# URL parameters that are secrets (the calendar feed's token): logged as "…", never in full.
+SECRET_URL_KWARGS = ("token",)
+
+
+def loggable_path(request) -> str:
+    """request.path with any secret URL parameter blanked out (no query string)."""
+    path = request.path
+    match = getattr(request, "resolver_match", None)
+    kwargs = match.kwargs if match is not None else {}
+    for name in SECRET_URL_KWARGS:
+        value = kwargs.get(name)
+        if value:
+            path = path.replace(str(value), "…")
+    return path
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; timestamps in UTC with milliseconds."""
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
+        request = getattr(record, "request", None)
+        if request is not None and hasattr(request, "path"):
+            # django.request's lines name the request and its path: both without secrets or the query.
+            safe = loggable_path(request)
+            message = message.replace(request.path, safe)
+            record = logging.makeLogRecord({**vars(record), "request": f"{request.method} {safe}"})
         entry: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds").replace(
                 "+00:00", "Z"),
@@ -134,15 +156,16 @@ class RequestIdMiddleware:
             return  # probes and scrapes every few seconds would drown the log
         user = getattr(request, "user", None)
         level = logging.ERROR if status >= 500 else logging.WARNING if status >= 400 else logging.INFO
+        path = loggable_path(request)
         access_logger.log(
             level,
             "%s %s %s",
             request.method,
-            request.path,
+            path,
             status,
             extra={
                 "http_method": request.method,
-                "http_path": request.path,
+                "http_path": path,
                 "http_status": status,
                 "duration_ms": round(seconds * 1000, 2),
                 "view": match.view_name if match is not None else None,

@@ -1,5 +1,6 @@
 """Settings shared by every environment; everything that varies comes from the environment."""
 
+import os
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -15,9 +16,10 @@ BASE_DIR = Path(__file__).resolve().parent.parent.parent
 
 env = environ.Env()
 # A developer's var/dev.env (written by bin/devservices.py) fills in DATABASE_URL/REDIS_URL
-# for the embedded services; real environment variables always win.
+# for the embedded services; real environment variables always win. Never under the production
+# settings: on a host where `make services` once ran, production must not quietly use those.
 _dev_env = BASE_DIR / "var" / "dev.env"
-if _dev_env.exists():
+if _dev_env.exists() and not os.environ.get("DJANGO_SETTINGS_MODULE", "").endswith(".production"):
     environ.Env.read_env(str(_dev_env), overwrite=False)
 
 SECRET_KEY = env("SECRET_KEY", default="")
@@ -224,7 +226,7 @@ PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT = env.int("PORTAL_NOTIFY_QUOTA_THRESHOLD_P
 PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
 PORTAL_METRICS_ALLOWED_NETWORKS = env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=["127.0.0.0/8", "::1/128"])
 PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
-PORTAL_CELERY_QUEUES = ["default", "provisioning", "health", "notifications"]
+PORTAL_CELERY_QUEUES = ["default", "provisioning", "health", "fleet", "notifications"]
 # Background event subscribers (cluster creation, notification fan-out) run in a worker: the event
 # is written to the outbox with the change and one core.dispatch_event message carries its id;
 # True runs them in the emitting process after commit instead (portal/core/events.py).

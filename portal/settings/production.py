@@ -7,6 +7,7 @@ Behind a TLS-terminating proxy that sets X-Forwarded-Proto. HSTS, secure cookies
 
 from pathlib import Path
 
+from cryptography.fernet import Fernet
 from csp.constants import NONCE, NONE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
@@ -21,6 +22,16 @@ if not SECRET_KEY:
 PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=[])
 if not PORTAL_FERNET_KEYS:
     raise ImproperlyConfigured("PORTAL_FERNET_KEYS must be set in production (comma-separated Fernet keys)")
+for _key in PORTAL_FERNET_KEYS:  # refuse to start, rather than fail at the first secret written
+    try:
+        Fernet(_key)
+    except (ValueError, TypeError):
+        raise ImproperlyConfigured(
+            "PORTAL_FERNET_KEYS holds a value that is not a Fernet key (32 url-safe base64 bytes; make one with "
+            "python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())')"
+        ) from None
+if SECRET_KEY.startswith("change-me"):
+    raise ImproperlyConfigured("SECRET_KEY is still the .env.example placeholder")
 # base.py's default (localhost only) stays; a real deployment names its hosts in ALLOWED_HOSTS.
 
 # --- operations (portal.ops) -------------------------------------------------------------
@@ -32,7 +43,12 @@ MIDDLEWARE = [m for m in _ops_middleware if m not in MIDDLEWARE] + list(MIDDLEWA
 PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
 _token_file = env("PORTAL_METRICS_TOKEN_FILE", default="")
 if _token_file and not PORTAL_METRICS_TOKEN:
-    PORTAL_METRICS_TOKEN = Path(_token_file).read_text().strip()
+    try:
+        PORTAL_METRICS_TOKEN = Path(_token_file).read_text().strip()
+    except FileNotFoundError:
+        raise ImproperlyConfigured(
+            f"PORTAL_METRICS_TOKEN_FILE={_token_file} does not exist (mount the metrics_token secret, or unset it)"
+        ) from None
 # No network is trusted by default here: behind a reverse proxy on the same host every request
 # arrives from loopback, so "allow loopback" would publish /metrics. List networks explicitly.
 PORTAL_METRICS_ALLOWED_NETWORKS = [n for n in env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=[]) if n]

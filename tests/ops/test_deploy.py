@@ -47,6 +47,7 @@ PROJECT_SOURCES = [p for d in ("portal", "tenants", "reservations", "provisionin
 EXTERNAL_ENV = {
     "DJANGO_SETTINGS_MODULE": "Django",
     "PROMETHEUS_MULTIPROC_DIR": "prometheus_client (multiprocess mode)",
+    "WEB_BIND": "docker compose (the address web's port is published on)",
 }
 IMAGE_ENV_PREFIXES = {"postgres": ("POSTGRES_",), "grafana": ("GF_",)}
 
@@ -101,8 +102,13 @@ def test_the_stack_has_every_service_the_design_names():
 
 
 def test_every_celery_queue_has_a_worker_and_every_worker_queue_exists():
+    from provisioning.health import conf as health_conf
+
     known = {django_settings.CELERY_TASK_DEFAULT_QUEUE} | {
         route["queue"] for route in django_settings.CELERY_TASK_ROUTES.values()}
+    # Health checks are sent with an explicit queue: the simulated fleet's, with .env.example's mode.
+    assert env_example().get("PORTAL_HEALTH_AGENT_QUEUE", "fleet") == "fleet" == health_conf.agent_queue_mode()
+    known.add(health_conf.fleet_queue())
     served = set()
     for name, service in PORTAL_SERVICES.items():
         command = service["command"]
