@@ -131,6 +131,12 @@ def _pick_pool(request, pools: list[Pool]) -> Pool | None:
     return pools[0] if pools else None
 
 
+def _utc_offset_minutes(tz, day: str | None) -> int:
+    on = date.fromisoformat(day) if day else timezone.localdate(timezone.now(), tz)
+    noon = datetime.combine(on, datetime.min.time(), tzinfo=tz).replace(hour=12)
+    return int(noon.utcoffset().total_seconds() // 60)
+
+
 @portal_view
 def calendar(request):
     portal = request.portal
@@ -146,6 +152,9 @@ def calendar(request):
         "pool": pool.name if pool else None,
         "slotMinutes": pool.slot_minutes if pool else 60,
         "poolSlots": {p.name: p.slot_minutes for p in pools},
+        # The zone's UTC offset on the shown day: the calendar lays its slots on the pool's grid, which
+        # runs from the UTC epoch (in +05:30 an hourly pool's slots start at :30 local time).
+        "utcOffsetMinutes": _utc_offset_minutes(portal.tz, initial_date),
         "canBook": portal.can_book,
         "tenant": portal.tenant.slug if portal.tenant else None,
         "initialView": view,

@@ -119,6 +119,16 @@
   var browserTz = "";
   try { browserTz = Intl.DateTimeFormat().resolvedOptions().timeZone; } catch (e) { browserTz = ""; }
 
+  // Where the day's first slot starts: the pool's slots run from the UTC epoch, so in a zone whose
+  // offset is not a whole number of slots (+05:30 with hourly slots) they start off local midnight,
+  // and selections must snap to them, not to local hours. Daily and longer slots: the whole day.
+  function gridStart(minutes) {
+    if (!minutes || minutes >= 1440) { return "00:00:00"; }
+    var shift = (((cfg.utcOffsetMinutes || 0) % minutes) + minutes) % minutes;
+    var pad = function (n) { return (n < 10 ? "0" : "") + n; };
+    return pad(Math.floor(shift / 60)) + ":" + pad(shift % 60) + ":00";
+  }
+
   cal = new FullCalendar.Calendar(el, {
     timeZone: cfg.tz === browserTz ? "local" : cfg.tz,
     initialView: cfg.initialView || (narrow ? "timeGridDay" : "timeGridWeek"),
@@ -139,6 +149,7 @@
     scrollTime: "07:00:00",
     slotDuration: { minutes: cfg.slotMinutes },
     snapDuration: { minutes: cfg.slotMinutes },
+    slotMinTime: gridStart(cfg.slotMinutes),
     slotLabelFormat: { hour: "2-digit", minute: "2-digit", hour12: false },
     eventTimeFormat: { hour: "2-digit", minute: "2-digit", hour12: false },
     dayMaxEvents: false,  // the month view is compacted before rendering (compactMonth)
@@ -203,6 +214,7 @@
       var slot = { minutes: cfg.poolSlots[cfg.pool] || 60 };
       cal.setOption("slotDuration", slot);
       cal.setOption("snapDuration", slot);
+      cal.setOption("slotMinTime", gridStart(slot.minutes));
       var url = new URL(window.location.href);
       url.searchParams.set("pool", cfg.pool);
       window.history.replaceState(null, "", url);

@@ -209,3 +209,28 @@ def test_keyboard_only_booking_and_event_details(world, live_server, new_page, s
     event.focus()  # events are links: reachable with Tab
     page.keyboard.press("Enter")
     expect(page.locator("#side-panel h2")).to_contain_text("typed run")
+
+
+def test_a_half_hour_zone_books_on_the_pools_grid_by_dragging(world, live_server, new_page, sign_in, day):
+    """In Asia/Kolkata (+05:30) an hourly pool's slots start at :30 local time: the calendar's slots and
+    snapping follow the pool's grid, so a dragged selection books (it was refused as off the grid)."""
+    import zoneinfo
+
+    kolkata = zoneinfo.ZoneInfo("Asia/Kolkata")
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/account/")
+    page.locator("select#id_tz").select_option("Asia/Kolkata")
+    page.get_by_role("button", name="Save").click()
+    open_day(page, live_server, day)
+    expect(page.locator("td.fc-timegrid-slot-lane[data-time='10:30:00']")).to_have_count(1)
+    expect(page.locator("td.fc-timegrid-slot-lane[data-time='10:00:00']")).to_have_count(0)
+    drag(page, day, "10:30", "11:30")
+    expect(page.get_by_label(re.compile("^Start"))).to_have_value(f"{day.isoformat()}T10:30")
+    expect(page.get_by_label(re.compile("^End"))).to_have_value(f"{day.isoformat()}T12:30")
+    page.get_by_label("Name").fill("ist-run")
+    page.get_by_role("button", name="Book", exact=True).click()
+    expect(page.locator("#side-panel [data-reservation-id]")).to_contain_text("Booked #")
+    booked = Reservation.objects.get(name="ist-run")
+    start = at(day, 10, tz=kolkata).replace(minute=30)
+    assert (booked.period.lower, booked.period.upper) == (start, start + timedelta(hours=2))
+    assert page.errors == []
