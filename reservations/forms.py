@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from django import forms
 from django.utils import timezone
+from django.utils.html import format_html
 
 from portal.core.fields import DATETIME_MAX, DATETIME_MIN, RANGE_MESSAGE, in_supported_range
 from tenants.models import Quota, Tenant
@@ -37,13 +38,35 @@ def _shifts(naive: datetime, tz: zoneinfo.ZoneInfo) -> bool:
     return early.utcoffset() != late.utcoffset()
 
 
+# A form's datetime-local field cannot hold an offset, so a wall-clock time the clocks repeat (the
+# hour after a fall-back change) travels with one hidden beside it: "<local>|<offset>".
+FOLD_SEP = "|"
+
+
+def _repeated_with(naive: datetime, tz: zoneinfo.ZoneInfo, offset: str) -> datetime | None:
+    """naive in tz at the UTC offset given (e.g. "-05:00"), if naive is a time the clocks repeat there."""
+    try:
+        wanted = datetime.fromisoformat(f"2000-01-01T00:00{offset.strip()}").utcoffset()
+    except ValueError:
+        return None
+    for fold in (0, 1):
+        candidate = naive.replace(tzinfo=tz, fold=fold)
+        real = candidate.astimezone(UTC).astimezone(tz).replace(tzinfo=None) == naive  # not in a skipped gap
+        if real and candidate.utcoffset() == wanted:
+            return candidate
+    return None
+
+
 def parse_zoned(value: str, tz: zoneinfo.ZoneInfo) -> datetime:
     """Parse ISO 8601: with an offset it is exact; without one it is wall-clock time in tz.
 
-    A wall-clock time that a DST change skips or repeats is refused rather than guessed.
-    Raises ValueError with a message for the user.
+    A wall-clock time that a DST change skips or repeats is refused rather than guessed — unless a
+    repeated one comes with the offset that says which of the two it is ("<local>|-05:00", what the
+    booking form sends back for a calendar selection in that hour). Raises ValueError with a message
+    for the user.
     """
-    text = (value or "").strip()
+    text, _, fold_offset = (value or "").partition(FOLD_SEP)
+    text = text.strip()
     try:
         parsed = datetime.fromisoformat(text)
     except ValueError:
@@ -51,12 +74,16 @@ def parse_zoned(value: str, tz: zoneinfo.ZoneInfo) -> datetime:
     if parsed.tzinfo is None or parsed.utcoffset() is None:
         if not DATETIME_MIN.year <= parsed.year < DATETIME_MAX.year:
             raise ValueError(RANGE_MESSAGE)
-        if _shifts(parsed, tz):
+        chosen = _repeated_with(parsed, tz, fold_offset) if fold_offset and _shifts(parsed, tz) else None
+        if chosen is not None:
+            parsed = chosen
+        elif _shifts(parsed, tz):
             raise ValueError(
                 f"{parsed:%Y-%m-%d %H:%M} is skipped or repeated in {tz.key} (a daylight-saving change); "
                 "pick another time."
             )
-        parsed = parsed.replace(tzinfo=tz)
+        else:
+            parsed = parsed.replace(tzinfo=tz)
     utc = in_supported_range(parsed)
     if utc is None:
         raise ValueError(RANGE_MESSAGE)
@@ -64,19 +91,45 @@ def parse_zoned(value: str, tz: zoneinfo.ZoneInfo) -> datetime:
 
 
 class ZonedDateTimeInput(forms.DateTimeInput):
+    """datetime-local in the user's zone; for a time the clocks repeat, a hidden <name>_offset beside it
+    says which of the two it is (FOLD_SEP), so a calendar selection in that hour books what was picked."""
+
     input_type = "datetime-local"
 
-    def format_value(self, value):
+    @staticmethod
+    def _aware(value) -> datetime | None:
         if isinstance(value, datetime):
-            if timezone.is_aware(value):
-                value = timezone.localtime(value)
-            return value.strftime("%Y-%m-%dT%H:%M")
+            return timezone.localtime(value) if timezone.is_aware(value) else None
         if isinstance(value, str) and value:
             try:
-                return self.format_value(parse_zoned(value, timezone.get_current_timezone()))
+                return timezone.localtime(parse_zoned(value, timezone.get_current_timezone()))
             except ValueError:
-                return value
+                return None
+        return None
+
+    def format_value(self, value):
+        local = self._aware(value)
+        if local is not None:
+            return local.strftime("%Y-%m-%dT%H:%M")
+        if isinstance(value, datetime):
+            return value.strftime("%Y-%m-%dT%H:%M")
+        if isinstance(value, str):
+            return value.partition(FOLD_SEP)[0]
         return value
+
+    def render(self, name, value, attrs=None, renderer=None):
+        html = super().render(name, value, attrs, renderer)
+        local = self._aware(value)
+        if local is None or not _shifts(local.replace(tzinfo=None), local.tzinfo):
+            return html
+        offset = local.strftime("%z")
+        return html + format_html('<input type="hidden" name="{}_offset" value="{}">', name,
+                                  f"{offset[:3]}:{offset[3:]}")
+
+    def value_from_datadict(self, data, files, name):
+        value = super().value_from_datadict(data, files, name)
+        offset = data.get(f"{name}_offset")
+        return f"{value}{FOLD_SEP}{offset}" if value and offset and FOLD_SEP not in str(value) else value
 
 
 class ZonedDateTimeField(forms.Field):

@@ -20,6 +20,7 @@ from tests.conftest import iso
 pytestmark = pytest.mark.django_db
 HTMX = {"HTTP_HX_REQUEST": "true"}
 KOLKATA = zoneinfo.ZoneInfo("Asia/Kolkata")
+NY = zoneinfo.ZoneInfo("America/New_York")
 
 
 def _pool(world, name, slot):
@@ -95,3 +96,38 @@ def test_daily_pool_heatmap_in_new_york_shows_one_full_day_for_one_booked_day(wo
     page = client.get("/availability/").content.decode()
     section = page.split('data-pool="d1440"')[1].split("data-pool=")[0]
     assert section.count('data-free="0"') == 24  # one UTC day = 24 hours; was 48
+
+
+def _next_fall_back(tz) -> date:
+    """The next day (two or more days ahead, within the booking horizon) on which tz's clocks go back."""
+    from django.utils import timezone
+
+    day = timezone.now().date() + timedelta(days=2)
+    for _ in range(366):
+        if datetime.combine(day, datetime.min.time(), tzinfo=tz).utcoffset() > \
+                datetime.combine(day, datetime.min.time(), tzinfo=tz).replace(hour=12).utcoffset():
+            return day
+        day += timedelta(days=1)
+    raise AssertionError(f"{tz} has no fall-back day in the next year")
+
+
+def test_calendar_selection_in_the_repeated_hour_can_be_booked(world, web, settings):
+    settings.PORTAL_BOOKING_HORIZON_DAYS = 400  # the next fall-back day may be a year and a few days away
+    day = _next_fall_back(NY)  # New York's next fall-back day: 01:00-02:00 happens twice
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "America/New_York"})
+    start, end = f"{day}T01:00:00-05:00", f"{day}T02:00:00-05:00"  # the second 01:00, as FullCalendar sends
+    page = client.get("/reservations/new/", {"pool": "h100", "start": start, "end": end}, **HTMX).content.decode()
+    shown = {m.group(1): m.group(2) for m in re.finditer(r'name="(start|end|start_offset|end_offset)" value="([^"]+)"',
+                                                         page)}
+    assert shown["start"] == f"{day}T01:00" and shown["start_offset"] == "-05:00"
+    r = client.post("/reservations/new/", {"tenant": "alpha", "pool": "h100", "node_count": 1, **shown,
+                                           "orchestrator": "slurm", "cuda_version": "12.8", "name": "fold"}, **HTMX)
+    booked = Reservation.objects.get(name="fold")  # the second 01:00 (EST), as the calendar sent it
+    assert booked.period.lower == datetime(day.year, day.month, day.day, 6, tzinfo=UTC)
+    assert booked.period.upper == datetime(day.year, day.month, day.day, 7, tzinfo=UTC)
+    # Typed by hand, without the calendar's offset, the repeated hour is still refused, not guessed.
+    r = client.post("/reservations/new/", {"tenant": "alpha", "pool": "h100", "node_count": 1,
+                                           "start": f"{day}T01:00", "end": f"{day}T01:30",
+                                           "orchestrator": "slurm", "cuda_version": "12.8", "name": "typed"}, **HTMX)
+    assert "skipped or repeated" in r.content.decode() and not Reservation.objects.filter(name="typed").exists()
