@@ -23,6 +23,8 @@ The network call happens outside any transaction; the outcome is written in a sh
 
 from __future__ import annotations
 
+import hashlib
+import html
 import json
 import logging
 import random
@@ -402,7 +404,8 @@ def channel_clear_broken(*, actor: Any, channel: Channel) -> Channel:
 def _build_body(channel_kind: str, event: str, payload: dict[str, Any], message_id: str) -> tuple[str, str]:
     """Return (body to POST, one-line summary). Raise ValueError for a payload the builders reject."""
     message = slack.build_message(event, payload, settings.PORTAL_BASE_URL)
-    summary = message["text"]
+    # The log's one line is plain text (the page escapes it); the message's own text is Slack-escaped.
+    summary = html.unescape(message["text"])
     if channel_kind == ChannelKind.SLACK:
         return slack.to_body(message).decode("utf-8"), summary
     envelope = {
@@ -416,7 +419,11 @@ def _build_body(channel_kind: str, event: str, payload: dict[str, Any], message_
 
 def _delivery_for(notice: Notice, channel: Channel) -> tuple[Delivery, bool]:
     """get_or_create the delivery of notice to channel; True when this call created it."""
-    key = f"{notice.key}|c{channel.pk}"[:255]
+    key = f"{notice.key}|c{channel.pk}"
+    if len(key) > 255:
+        # Long keys (two long hostnames) keep what tells channels apart: cutting the "|c<channel>" off
+        # gave every channel the same key, and all but the first were silently skipped.
+        key = f"{key[:190]}#{hashlib.sha256(key.encode()).hexdigest()}"
     existing = Delivery.objects.filter(key=key).first()
     if existing is not None:
         return existing, False
