@@ -237,16 +237,22 @@ def _header(text: str) -> dict[str, Any]:
     return {"type": "header", "text": {"type": "plain_text", "text": fit(text, MAX_HEADER_TEXT), "emoji": True}}
 
 
+def _mrkdwn(text: str, limit: int) -> dict[str, Any]:
+    # verbatim: Slack leaves bare URLs and names in tenant text (an agent's failure line, a reservation
+    # name) as typed instead of turning them into links; the portal's own links are explicit <url|label>.
+    return {"type": "mrkdwn", "text": fit(text, limit), "verbatim": True}
+
+
 def _section(text: str, fields: Iterable[str] = ()) -> dict[str, Any]:
-    block: dict[str, Any] = {"type": "section", "text": {"type": "mrkdwn", "text": fit(text, MAX_SECTION_TEXT)}}
-    field_list = [{"type": "mrkdwn", "text": fit(f, MAX_FIELD_TEXT)} for f in fields][:MAX_FIELDS]
+    block: dict[str, Any] = {"type": "section", "text": _mrkdwn(text, MAX_SECTION_TEXT)}
+    field_list = [_mrkdwn(f, MAX_FIELD_TEXT) for f in fields][:MAX_FIELDS]
     if field_list:
         block["fields"] = field_list
     return block
 
 
 def _context(*parts: str) -> dict[str, Any]:
-    elements = [{"type": "mrkdwn", "text": fit(p, MAX_SECTION_TEXT)} for p in parts if p]
+    elements = [_mrkdwn(p, MAX_SECTION_TEXT) for p in parts if p]
     return {"type": "context", "elements": elements[:MAX_CONTEXT_ELEMENTS]}
 
 

@@ -283,3 +283,23 @@ def test_to_body_is_compact_utf8_json() -> None:
     assert isinstance(body, bytes)
     assert json.loads(body.decode("utf-8")) == message
     assert "ünï → ok".encode() in body
+
+
+@pytest.mark.parametrize("event", list(Event))
+def test_every_mrkdwn_text_is_verbatim_so_tenant_text_is_not_linkified(event: Event) -> None:
+    """Slack turns bare URLs and #names in mrkdwn into links unless the text object is verbatim: a failure
+    line or a name with https://… in it stays text; the portal's own links are explicit <url|label>."""
+    message = build_message(event, SAMPLES[event], BASE)
+
+    def objects(node: Any):
+        if isinstance(node, dict):
+            if node.get("type") == "mrkdwn":
+                yield node
+            for value in node.values():
+                yield from objects(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from objects(value)
+
+    found = list(objects(message["blocks"]))
+    assert found and all(o.get("verbatim") is True for o in found)
