@@ -354,6 +354,21 @@ def validate_spec(*, cluster: VirtualCluster, spec: dict[str, Any]) -> dict[str,
     return errors
 
 
+def _storage_left_for(cluster: VirtualCluster) -> int:
+    """GiB of the tenant's storage quota that the tenant's other clusters leave to this one while its
+    booking runs: their volumes (or the volumes they will take) if their bookings overlap its window.
+    Takes the tenant row lock that volume allocation takes (_ensure_volume), so two changes at once
+    cannot both count the same room. A storage change accepted here can no longer make another
+    cluster of the tenant fail for lack of storage when it is provisioned."""
+    tenant = Tenant.objects.select_for_update(no_key=True).get(pk=cluster.tenant_id)
+    period = cluster.reservation.period
+    others = (VirtualCluster.objects.filter(tenant=tenant).exclude(pk=cluster.pk)
+              .exclude(status__in=(ClusterStatus.DELETED, ClusterStatus.FAILED, ClusterStatus.TEARING_DOWN))
+              .filter(reservation__status__in=HOLDING_STATUSES, reservation__period__overlap=period)
+              .aggregate(total=Sum("shared_storage_gib"))["total"] or 0)
+    return max(0, tenant.storage_quota_tib * 1024 - others)
+
+
 def cluster_configure(*, actor: Any, cluster: VirtualCluster, **changes: Any) -> VirtualCluster:
     """Choose the cluster's spec à la carte, before provisioning starts (lead, or the booking member)."""
     allowed = ("orchestrator_version", "cuda_version", "mig_profile", "default_memory_per_gpu_gib",
@@ -369,6 +384,9 @@ def cluster_configure(*, actor: Any, cluster: VirtualCluster, **changes: Any) ->
             raise PermissionDenied("Only the tenant's lead or the member who booked it can change the cluster.")
         if cluster.status != ClusterStatus.PENDING:
             raise InvalidState(f"Cluster #{cluster.pk} is {cluster.status}; its spec can change only while pending.")
+        if cluster.reservation.status not in HOLDING_STATUSES:
+            raise InvalidState(f"Reservation #{cluster.reservation_id} is {cluster.reservation.status}; "
+                               "its cluster can no longer change.")
         before = _spec_snapshot(cluster)
         sent = {k: v for k, v in changes.items() if v is not None}
         spec = {**before, **sent}
@@ -377,6 +395,12 @@ def cluster_configure(*, actor: Any, cluster: VirtualCluster, **changes: Any) ->
         # tenant's storage quota was lowered since) must not block changing another field. The
         # storage itself is checked again, under a lock, when it is allocated.
         errors = {k: v for k, v in validate_spec(cluster=cluster, spec=spec).items() if k in sent}
+        if "shared_storage_gib" in sent and "shared_storage_gib" not in errors:
+            left = _storage_left_for(cluster)
+            if spec["shared_storage_gib"] > left:
+                errors["shared_storage_gib"] = (
+                    f"The tenant's other clusters in this window hold its storage quota but {left} GiB; "
+                    f"at most {left} GiB.")
         if errors:
             first = next(iter(errors))
             raise InvalidInput(f"{first}: {errors[first]}", fields=errors)

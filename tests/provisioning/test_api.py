@@ -233,3 +233,30 @@ def test_admin_lists_clusters_with_phases_and_never_a_secret(world, clusters):
     response = client.post("/admin/provisioning/virtualcluster/", {
         "action": "retry_clusters", "_selected_action": [cluster.pk]}, follow=True)
     assert "only a failed cluster can be retried" in response.content.decode()
+
+
+def test_a_storage_change_leaves_room_for_the_tenants_overlapping_clusters(world, t0):
+    """A member's volume within the quota on its own could take the room of a lead's overlapping cluster,
+    which then failed (and its booking with it) when provisioned (found in a review). The change is judged
+    against what the tenant's other clusters in that window hold; a booking that does not overlap does not
+    count; a cancelled booking's cluster can no longer change."""
+    from reservations.services import reservation_cancel
+
+    mine = book(world, "alpha-member", t0)
+    lead = book(world, "alpha-lead", t0)
+    later = book(world, "alpha-lead", t0 + timedelta(days=3))
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    services.cluster_create_for_reservation(reservation_id=later.pk)  # pending, three days later
+    mine_c, lead_c = (VirtualCluster.objects.get(reservation=r) for r in (mine, lead))
+    quota = world.tenants["alpha"].storage_quota_tib * 1024
+    assert lead_c.shared_storage_gib > 0
+    member = world.client("alpha-member")
+    r = member.patch(f"/api/v1/clusters/{mine_c.pk}/", {"shared_storage_gib": quota}, format="json")
+    assert r.status_code == 400 and set(r.json()["fields"]) == {"shared_storage_gib"}, r.json()
+    left = quota - lead_c.shared_storage_gib  # the later booking's cluster does not overlap: not counted
+    assert f"at most {left} GiB" in r.json()["fields"]["shared_storage_gib"]
+    assert member.patch(f"/api/v1/clusters/{mine_c.pk}/", {"shared_storage_gib": left},
+                        format="json").status_code == 200
+    reservation_cancel(actor=world.users["alpha-member"], reservation=mine)
+    r = member.patch(f"/api/v1/clusters/{mine_c.pk}/", {"cuda_version": "12.6"}, format="json")
+    assert r.status_code == 409 and r.json()["code"] == "invalid_state"
