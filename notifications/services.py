@@ -32,7 +32,6 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -83,7 +82,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MAX_URL_LENGTH = 2000
 # Celery countdowns stay well below the broker's visibility timeout (an ETA beyond it would be
 # re-delivered in a loop); a longer wait simply wakes up, finds it is early, and sleeps again.
 MAX_COUNTDOWN_S = 600.0
@@ -149,24 +147,7 @@ def _enqueue(delivery_ids: list[int], *, countdown: float | None = None) -> None
 
 
 def _validate_url(url: str, field: str = "url") -> str:
-    url = (url or "").strip()
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname
-    except ValueError:
-        host = None
-        parts = None
-    if not url or parts is None or parts.scheme not in ("http", "https") or not host:
-        raise InvalidInput(f"{field}: an absolute http(s) URL is required.", fields={field: "Give an http(s) URL."})
-    if len(url) > MAX_URL_LENGTH:
-        raise InvalidInput(f"{field}: at most {MAX_URL_LENGTH} characters.", fields={field: "Too long."})
-    if any(ord(c) < 32 or ord(c) == 127 for c in url):
-        raise InvalidInput(f"{field}: control characters are not allowed.", fields={field: "Remove them."})
-    problem = egress.destination_problem(url)
-    if problem:
-        raise InvalidInput(f"{field}: the portal posts only to public addresses ({problem}).",
-                           fields={field: "Give a public http(s) URL."})
-    return url
+    return egress.checked_url(url, field=field, hint="Give a public http(s) URL.")
 
 
 def _validate_channel_name(name: Any) -> str:

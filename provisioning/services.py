@@ -450,6 +450,20 @@ def cluster_provision(*, cluster_id: int) -> str:
             raise
 
 
+# How long a task waits for a lock another worker holds (a cluster's, a node's) before it asks again later.
+LOCK_WAIT_S = 10.0
+_CLUSTER_BUSY = "cluster busy (provisioning or teardown running)"
+
+
+@contextlib.contextmanager
+def _held_or_retry(namespace: int, key: int, *, busy: str, wait: float | None = None):
+    """Hold an advisory lock for the block, waiting up to wait (LOCK_WAIT_S); RetryLater if it stays taken."""
+    with advisory_lock(namespace, key, wait=LOCK_WAIT_S if wait is None else wait) as held:
+        if not held:
+            raise RetryLater(5, busy)
+        yield
+
+
 def _expect_retry(cluster_id: int, exc: RetryLater) -> None:
     """Say when this cluster's own task comes back (a backoff, the acceptance gate's checks still
     running, a teardown in progress): the lifecycle tick resends work only once that time has passed
@@ -901,9 +915,6 @@ def cluster_retry(*, actor: Any, cluster: VirtualCluster, source: str = Transiti
 # --- bookings held in the backend, node changes ------------------------------------------
 
 
-SYNC_CLUSTER_LOCK_WAIT_S = 10.0
-
-
 def reservation_sync(*, reservation_id: int, repair: bool = True) -> str:
     """Make the backend's copy of a booking match the database (create, update or delete it).
 
@@ -918,13 +929,9 @@ def reservation_sync(*, reservation_id: int, repair: bool = True) -> str:
     # The booking's lock, then the cluster's (as provisioning and teardown hold it): a sync never runs
     # beside a teardown, which it would undo (booking again what the teardown released), nor beside a
     # provisioning run writing the same backend booking.
-    with advisory_lock(LOCK_BOOKING, reservation_id, wait=30) as held:
-        if not held:
-            raise RetryLater(5, "booking busy")
-        with advisory_lock(LOCK_CLUSTER, cluster.pk, wait=SYNC_CLUSTER_LOCK_WAIT_S) as cluster_held:
-            if not cluster_held:
-                raise RetryLater(5, "cluster busy (provisioning or teardown running)")
-            return _reservation_sync_locked(cluster, reservation_id, holds=holds, repair=repair)
+    with (_held_or_retry(LOCK_BOOKING, reservation_id, wait=30, busy="booking busy"),
+          _held_or_retry(LOCK_CLUSTER, cluster.pk, busy=_CLUSTER_BUSY)):
+        return _reservation_sync_locked(cluster, reservation_id, holds=holds, repair=repair)
 
 
 def _reservation_sync_locked(cluster: VirtualCluster, reservation_id: int, *, holds: bool, repair: bool) -> str:
@@ -965,9 +972,6 @@ def _book(backend: ProvisioningBackend, ctx: ClusterContext, *, repair: bool) ->
         backend.book(ctx)
 
 
-NODE_SYNC_LOCK_WAIT_S = 30.0
-
-
 def node_sync(*, node_id: int) -> dict[str, int]:
     """Follow a node's state: drain or resume it in the backends; move its bookings off it if out of service.
 
@@ -978,9 +982,7 @@ def node_sync(*, node_id: int) -> dict[str, int]:
     """
     # One sync of a node at a time, reading the state under the lock: two tasks (drain, then resume)
     # can no longer reach the backend in the other order and leave it drained beside an available node.
-    with advisory_lock(LOCK_NODE_SYNC, node_id, wait=NODE_SYNC_LOCK_WAIT_S) as held:
-        if not held:
-            raise RetryLater(5, "node sync busy")
+    with _held_or_retry(LOCK_NODE_SYNC, node_id, wait=3 * LOCK_WAIT_S, busy="node sync busy"):
         return _node_sync_locked(node_id)
 
 
@@ -1007,10 +1009,6 @@ def _node_sync_locked(node_id: int) -> dict[str, int]:
     return dict(Counter(outcome["result"] for outcome in outcomes))
 
 
-# How long a node swap waits for the cluster's lock before its task tries again later.
-NODES_CHANGED_LOCK_WAIT_S = 10.0
-
-
 def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None) -> str:
     """Bring a cluster along after its reservation lost node failed (to spare, or to nothing: degraded).
 
@@ -1022,9 +1020,7 @@ def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None
     cluster_id = VirtualCluster.objects.filter(reservation_id=reservation_id).values_list("pk", flat=True).first()
     if cluster_id is None:
         return "nothing to do"
-    with advisory_lock(LOCK_CLUSTER, cluster_id, wait=NODES_CHANGED_LOCK_WAIT_S) as held:
-        if not held:
-            raise RetryLater(5, "cluster busy (provisioning or teardown running)")
+    with _held_or_retry(LOCK_CLUSTER, cluster_id, busy=_CLUSTER_BUSY):
         return _cluster_nodes_changed_locked(cluster_id, reservation_id=reservation_id, failed=failed, spare=spare)
 
 

@@ -134,19 +134,27 @@ def _bookable_node_count(pool: Pool) -> int:
     return annotated if annotated is not None else pool.nodes.exclude(state=NodeState.RETIRED).count()
 
 
+def _judge_role(role: str | None, *, roles: frozenset[str], actor: Any = None, owner_id: int | None = None) -> None:
+    """Refuse a role outside roles, and a member acting on a booking owner_id made by someone else."""
+    if role is None or role not in roles:
+        raise PermissionDenied("Your role in this tenant does not allow that.")
+    if owner_id is not None and role == Role.MEMBER and owner_id != actor.pk:
+        raise PermissionDenied("Members can change only their own reservations; ask a lead.")
+
+
 def _require_role(*, actor: Any, tenant: Tenant, roles: frozenset[str]) -> str:
     if getattr(actor, "is_staff", False):
         return "staff"
     role = role_of(user=actor, tenant=tenant)
-    if role is None or role not in roles:
-        raise PermissionDenied("Your role in this tenant does not allow that.")
+    _judge_role(role, roles=roles)
     return role
 
 
 def _can_change(*, actor: Any, reservation: Reservation) -> None:
-    role = _require_role(actor=actor, tenant=reservation.tenant, roles=BOOKING_ROLES)
-    if role == Role.MEMBER and reservation.created_by_id != actor.pk:
-        raise PermissionDenied("Members can change only their own reservations; ask a lead.")
+    if getattr(actor, "is_staff", False):
+        return
+    _judge_role(role_of(user=actor, tenant=reservation.tenant), roles=BOOKING_ROLES, actor=actor,
+                owner_id=reservation.created_by_id)
 
 
 def request_fingerprint(payload: dict[str, Any]) -> str:
@@ -179,10 +187,7 @@ def _rights_now(*, actor: Any, tenant: Tenant, owner_id: int | None) -> bool:
             return bool(cur.fetchone()[0])
         cur.execute(_RIGHTS_SQL, [actor.pk, tenant.pk])
         row = cur.fetchone()
-    if row is None or row[1] not in BOOKING_ROLES:
-        raise PermissionDenied("Your role in this tenant does not allow that.")
-    if owner_id is not None and row[1] == Role.MEMBER and owner_id != actor.pk:
-        raise PermissionDenied("Members can change only their own reservations; ask a lead.")
+    _judge_role(row and row[1], roles=BOOKING_ROLES, actor=actor, owner_id=owner_id)
     return bool(row[0])
 
 

@@ -304,26 +304,12 @@ def membership_delete(*, actor, membership: Membership) -> None:
 
 
 def _clean_slack_url(url: Any) -> str:
-    """The Slack URL as stored: "" (none), or an absolute http(s) URL of a public address."""
-    from urllib.parse import urlsplit
+    """The Slack URL as stored: "" (none), or what portal.core.egress.checked_url accepts."""
+    from portal.core.egress import checked_url
 
-    from portal.core.egress import destination_problem
-
-    url = str(url or "").strip()
-    if url:
-        try:
-            parts = urlsplit(url)
-            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-        except ValueError:
-            ok = False
-        if not ok or len(url) > 2000 or any(ord(c) < 32 or ord(c) == 127 for c in url):
-            raise InvalidInput("slack_webhook_url: an absolute http(s) URL is required.",
-                               fields={"slack_webhook_url": "Give the incoming-webhook URL Slack showed you."})
-        problem = destination_problem(url)
-        if problem:
-            raise InvalidInput(f"slack_webhook_url: the portal posts only to public addresses ({problem}).",
-                               fields={"slack_webhook_url": "Give the incoming-webhook URL Slack showed you."})
-    return url
+    if not str(url or "").strip():
+        return ""
+    return checked_url(url, field="slack_webhook_url", hint="Give the incoming-webhook URL Slack showed you.")
 
 
 def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import Any
 from urllib.parse import urlsplit
 
 from .conf import setting_bool
 
-__all__ = ["destination_problem"]
+__all__ = ["MAX_URL_LENGTH", "checked_url", "destination_problem"]
+
+MAX_URL_LENGTH = 2000
 
 _LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 
@@ -66,3 +69,27 @@ def destination_problem(url: str, *, resolve: bool = True) -> str | None:
     if private:
         return f"{host} resolves to {', '.join(private)}, not a public address"
     return None
+
+
+def checked_url(url: Any, *, field: str, hint: str) -> str:
+    """url, stripped, if it is an absolute http(s) URL of at most MAX_URL_LENGTH characters, without
+    control characters, whose host is a public address; else InvalidInput naming field (hint: what
+    to give instead). The one check for every URL a tenant gives the notifier (webhooks, Slack)."""
+    from .exceptions import InvalidInput
+
+    url = str(url or "").strip()
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InvalidInput(f"{field}: an absolute http(s) URL is required.", fields={field: hint})
+    if len(url) > MAX_URL_LENGTH:
+        raise InvalidInput(f"{field}: at most {MAX_URL_LENGTH} characters.", fields={field: "Too long."})
+    if any(ord(c) < 32 or ord(c) == 127 for c in url):
+        raise InvalidInput(f"{field}: control characters are not allowed.", fields={field: "Remove them."})
+    problem = destination_problem(url)
+    if problem:
+        raise InvalidInput(f"{field}: the portal posts only to public addresses ({problem}).", fields={field: hint})
+    return url

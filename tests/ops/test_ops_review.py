@@ -125,7 +125,7 @@ def test_ical_feed_token_never_reaches_the_access_log(world):
 def test_unreadable_slack_url_does_not_take_down_the_tenants_calendar_feed(world, settings):
     alpha = world.tenants["alpha"]
     alpha.ical_token = "alpha-feed-secret-0123456789"
-    alpha.slack_webhook_url = "https://hooks.slack.com/services/T000/B000/XXXX"
+    alpha.slack_webhook_url = "https://hooks.slack.com/services/T000/B000/alpha-hook-secret"
     alpha.save()
     settings.PORTAL_FERNET_KEYS = [Fernet.generate_key().decode()]  # old key dropped too early
     client = Client(raise_request_exception=False)

@@ -149,7 +149,7 @@ def test_a_node_swap_waits_for_a_running_provisioning_then_asks_again(world, mon
     reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=2)
     services.lifecycle_tick()
     cluster = VirtualCluster.objects.get(reservation=reservation)
-    monkeypatch.setattr(services, "NODES_CHANGED_LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(services, "LOCK_WAIT_S", 0.3)
     with held_elsewhere(LOCK_CLUSTER, cluster.pk):  # provisioning elsewhere
         with pytest.raises(services.RetryLater):
             services.cluster_nodes_changed(reservation_id=reservation.pk, failed="h100-001", spare="h100-004")
@@ -241,7 +241,7 @@ def test_two_syncs_of_one_node_never_overlap(world, monkeypatch):
     from provisioning.constants import LOCK_NODE_SYNC
 
     node = world.nodes[0]
-    monkeypatch.setattr(services, "NODE_SYNC_LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(services, "LOCK_WAIT_S", 0.3)
     with held_elsewhere(LOCK_NODE_SYNC, node.pk):  # first sync elsewhere
         with pytest.raises(services.RetryLater):
             services.node_sync(node_id=node.pk)
@@ -282,7 +282,7 @@ def test_a_booking_sync_waits_while_the_cluster_is_provisioned_or_torn_down(worl
     reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=2)
     services.lifecycle_tick()
     cluster = VirtualCluster.objects.get(reservation=reservation)
-    monkeypatch.setattr(services, "SYNC_CLUSTER_LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(services, "LOCK_WAIT_S", 0.3)
     with held_elsewhere(LOCK_CLUSTER, cluster.pk):  # teardown elsewhere
         with pytest.raises(services.RetryLater, match="cluster busy"):
             services.reservation_sync(reservation_id=reservation.pk)
