@@ -524,12 +524,12 @@ def availability_on_grid(*, pool: Pool, start: datetime, end: datetime) -> list[
     [start, end): for pages whose window starts at a local midnight that may lie off that grid (+05:30,
     or any zone for a daily pool), which would otherwise cut slots in two and show each half with the
     other's bookings. Over PORTAL_AVAILABILITY_MAX_SLOTS slots, whole multiples of the slot."""
-    step = timedelta(minutes=pool.slot_minutes)
-    lo, hi = slot_floor(start, pool.slot_minutes), slot_ceil(end, pool.slot_minutes)
-    while (hi - lo) / step > settings.PORTAL_AVAILABILITY_MAX_SLOTS:
-        step *= 2
-        lo, hi = lo - (lo - EPOCH) % step, hi + (-(hi - EPOCH)) % step
-    return availability(pool=pool, start=lo, end=hi, step=step)
+    minutes = pool.slot_minutes
+    while (slot_ceil(end, minutes) - slot_floor(start, minutes)) / timedelta(minutes=minutes) \
+            > settings.PORTAL_AVAILABILITY_MAX_SLOTS:
+        minutes *= 2
+    return availability(pool=pool, start=slot_floor(start, minutes), end=slot_ceil(end, minutes),
+                        step=timedelta(minutes=minutes))
 
 
 def feed_reservations(*, tenant, since: datetime):

@@ -511,10 +511,7 @@ def _fail_consequences(check: HealthCheck) -> None:
     elif repair is not None and repair.triggering_check_id == check.pk:
         # This check opened the repair in a run that died before it finished (moving the bookings,
         # announcing): finish it now. Moving again finds only what is left to move.
-        outcomes = _move_bookings(node=node, actor=None, reason=reason)
-        if outcomes:
-            repair.outcomes = [*repair.outcomes, *outcomes]
-            Repair.objects.filter(pk=repair.pk).update(outcomes=repair.outcomes)
+        _move_bookings_of(repair, node=node, actor=None, reason=reason)
         took_out = True
     if took_out:
         events.emit(
@@ -540,11 +537,16 @@ def _take_out_of_service(*, node: Node, actor: Any, reason: str, check: HealthCh
     if node.state == NodeState.AVAILABLE:
         node = node_update(actor=actor, node=node, state=NodeState.DRAINING, reason=reason[:255])
     repair = _repair_create(node=node, actor=actor, reason=reason, check=check)
+    _move_bookings_of(repair, node=node, actor=actor, reason=reason)
+    return repair
+
+
+def _move_bookings_of(repair: Repair, *, node: Node, actor: Any, reason: str) -> None:
+    """Move the node's bookings off it and add what happened to each to the repair's outcomes."""
     outcomes = _move_bookings(node=node, actor=actor, reason=reason)
     if outcomes:
-        Repair.objects.filter(pk=repair.pk).update(outcomes=outcomes)
-        repair.outcomes = outcomes
-    return repair
+        repair.outcomes = [*repair.outcomes, *outcomes]
+        Repair.objects.filter(pk=repair.pk).update(outcomes=repair.outcomes)
 
 
 def _move_bookings(*, node: Node, actor: Any, reason: str) -> list[dict[str, Any]]:
