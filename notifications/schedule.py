@@ -6,4 +6,6 @@ BEAT: dict = {
     # "Starts in 1 h", "ends in 24 h / 1 h"; the delivery key makes a repeat (or the lifecycle
     # tick announcing the same reminder) a no-op.
     "notifications-reminders": {"task": "notifications.reminders", "schedule": 60.0},
+    # The delivery log is kept PORTAL_NOTIFY_RETENTION_DAYS (90) after a delivery finished.
+    "notifications-prune": {"task": "notifications.prune", "schedule": 3600.0, "options": {"expires": 3000}},
 }

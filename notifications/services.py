@@ -78,6 +78,7 @@ __all__ = [
     "delivery_send",
     "delivery_requeue",
     "deliveries_requeue_stuck",
+    "deliveries_prune",
 ]
 
 logger = logging.getLogger(__name__)
@@ -748,7 +749,9 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
 def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:
     """Send a failed or skipped delivery again (an admin's or lead's "retry now")."""
     with transaction.atomic(durable=True):
-        delivery = Delivery.objects.select_for_update().get(pk=delivery.pk)
+        delivery = Delivery.objects.select_for_update().filter(pk=delivery.pk).first()
+        if delivery is None:  # pruned meanwhile (deliveries_prune)
+            raise InvalidState("This delivery is no longer kept; nothing to retry.")
         if delivery.status not in (DeliveryStatus.FAILED, DeliveryStatus.SKIPPED, DeliveryStatus.RETRYING):
             raise InvalidState(f"Delivery #{delivery.pk} is {delivery.status}; nothing to retry.")
         if not delivery.body:
@@ -777,3 +780,27 @@ def deliveries_requeue_stuck(*, now: datetime | None = None, grace_s: float = 60
         logger.warning("requeueing %d stuck deliveries", len(ids))
         _enqueue(ids)
     return ids
+
+
+def deliveries_prune(*, now: datetime | None = None, batch: int = 10_000) -> int:
+    """Delete finished deliveries (and their attempt logs) untouched for PORTAL_NOTIFY_RETENTION_DAYS (beat).
+
+    Only delivered, failed and skipped ones: nothing more happens to them unless someone requeues
+    one, which touches it (updated_at) and so keeps it another retention period; the rows are
+    locked while they go, so a requeue racing the prune either wins (and the row stays) or finds
+    the row gone. Open deliveries are never pruned, however old. One batch per call.
+    """
+    days = int(_setting("PORTAL_NOTIFY_RETENTION_DAYS", 90))
+    cutoff = (now or timezone.now()) - timedelta(days=days)
+    with transaction.atomic():
+        ids = list(
+            Delivery.objects.select_for_update(skip_locked=True)
+            .filter(status__in=TERMINAL_STATUSES, created_at__lt=cutoff, updated_at__lt=cutoff)
+            .order_by("id").values_list("id", flat=True)[:batch]
+        )
+        if not ids:
+            return 0
+        _, by_model = Delivery.objects.filter(pk__in=ids).delete()
+    pruned = by_model.get(Delivery._meta.label, 0)
+    logger.info("pruned %d deliveries finished more than %d days ago", pruned, days)
+    return pruned

@@ -9,7 +9,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.db import DatabaseError
 
-__all__ = ["fanout_task", "deliver_task", "sweep_task", "reminders_task"]
+__all__ = ["fanout_task", "deliver_task", "sweep_task", "reminders_task", "prune_task"]
 
 
 @shared_task(
@@ -52,3 +52,11 @@ def reminders_task() -> int:
     from .services import reminders_emit
 
     return len(reminders_emit())
+
+
+@shared_task(name="notifications.prune", ignore_result=True)
+def prune_task() -> int:
+    """Delete finished deliveries older than the retention period (hourly; one batch a run)."""
+    from .services import deliveries_prune
+
+    return deliveries_prune()

@@ -8,4 +8,10 @@ BEAT: dict = {
         "schedule": 10.0,
         "options": {"expires": 9},
     },
+    # Idempotency-Keys replay their booking for PORTAL_IDEMPOTENCY_KEY_TTL_HOURS (24); then they go.
+    "reservations-idempotency-keys-prune": {
+        "task": "reservations.idempotency_keys_prune",
+        "schedule": 3600.0,
+        "options": {"expires": 3000},
+    },
 }

@@ -54,6 +54,7 @@ __all__ = [
     "node_replace_allocations",
     "slot_usage_compact",
     "slot_usage_rebuild",
+    "idempotency_keys_prune",
 ]
 
 logger = logging.getLogger(__name__)
@@ -462,15 +463,21 @@ def _claim_idempotency_key(*, user: Any, key: str, request_hash: str) -> Reserva
     """
     if len(key) > 255:
         raise InvalidInput("Idempotency-Key: at most 255 characters.", fields={"Idempotency-Key": "Too long."})
-    with connection.cursor() as cur:
-        cur.execute(
-            "INSERT INTO reservations_idempotencykey (user_id, key, request_hash, created_at) "
-            "VALUES (%s, %s, %s, now()) ON CONFLICT (user_id, key) DO NOTHING RETURNING id",
-            [user.pk, key, request_hash],
-        )
-        if cur.fetchone() is not None:
-            return None
-    existing = IdempotencyKey.objects.select_related("reservation").get(user=user, key=key)
+    while True:
+        with connection.cursor() as cur:
+            cur.execute(
+                "INSERT INTO reservations_idempotencykey (user_id, key, request_hash, created_at) "
+                "VALUES (%s, %s, %s, now()) ON CONFLICT (user_id, key) DO NOTHING RETURNING id",
+                [user.pk, key, request_hash],
+            )
+            if cur.fetchone() is not None:
+                return None
+        existing = IdempotencyKey.objects.select_related("reservation").filter(user=user, key=key).first()
+        if existing is not None:
+            break
+        # The key was there and is gone: pruned (idempotency_keys_prune) between the two
+        # statements. It had expired, so this request claims it afresh. At most once more: a key
+        # a concurrent twin claims now is young, and the prune takes only expired ones.
     if existing.request_hash != request_hash:
         raise InvalidInput(
             "Idempotency-Key was already used with a different request.",
@@ -910,3 +917,22 @@ def slot_usage_rebuild(*, pool_id: int | None = None) -> dict[int, int]:
             cur.execute("SELECT reservations_slot_usage_rebuild(%s)", [pk])
             written[pk] = cur.fetchone()[0]
     return written
+
+
+def idempotency_keys_prune(*, now: datetime | None = None, batch: int = 10_000) -> int:
+    """Forget Idempotency-Keys older than PORTAL_IDEMPOTENCY_KEY_TTL_HOURS (beat, hourly; one batch a call).
+
+    A key replays its booking for at least that long; a client that retries later than that
+    with the same key books again. A key whose twin request is still running is never taken
+    (its row is locked until that booking commits or rolls back).
+    """
+    hours = settings.PORTAL_IDEMPOTENCY_KEY_TTL_HOURS
+    cutoff = (now or timezone.now()) - timedelta(hours=hours)
+    with connection.cursor() as cur:
+        cur.execute(
+            "DELETE FROM reservations_idempotencykey WHERE id IN (SELECT id FROM reservations_idempotencykey"
+            " WHERE created_at < %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)", [cutoff, batch])
+        pruned = cur.rowcount
+    if pruned:
+        logger.info("pruned %d idempotency keys older than %d h", pruned, hours)
+    return pruned

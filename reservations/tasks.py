@@ -13,7 +13,7 @@ from celery import shared_task
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["slot_usage_compact_task"]
+__all__ = ["slot_usage_compact_task", "idempotency_keys_prune_task"]
 
 
 @shared_task(name="reservations.slot_usage_compact", ignore_result=True)
@@ -25,3 +25,11 @@ def slot_usage_compact_task() -> int:
     if moved:
         logger.debug("slot usage compaction moved %d deltas", moved)
     return moved
+
+
+@shared_task(name="reservations.idempotency_keys_prune", ignore_result=True)
+def idempotency_keys_prune_task() -> int:
+    """Hourly (beat): forget Idempotency-Keys past their replay period."""
+    from .services import idempotency_keys_prune
+
+    return idempotency_keys_prune()

@@ -204,6 +204,8 @@ CELERY_BEAT_SCHEDULE = {**_core_beat, **_reservations_beat, **_provisioning_beat
 PORTAL_BOOKING_HORIZON_DAYS = env.int("PORTAL_BOOKING_HORIZON_DAYS", default=365)
 PORTAL_BOOKING_MAX_ATTEMPTS = env.int("PORTAL_BOOKING_MAX_ATTEMPTS", default=12)
 PORTAL_SUGGESTION_SEARCH_DAYS = env.int("PORTAL_SUGGESTION_SEARCH_DAYS", default=60)
+# An Idempotency-Key replays its booking for at least this long; older keys are pruned hourly.
+PORTAL_IDEMPOTENCY_KEY_TTL_HOURS = env.int("PORTAL_IDEMPOTENCY_KEY_TTL_HOURS", default=24)
 PORTAL_AVAILABILITY_MAX_SLOTS = 2000
 PORTAL_PROVISIONING_BACKEND = env("PORTAL_PROVISIONING_BACKEND", default="simulated")
 PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=[])
@@ -221,6 +223,8 @@ PORTAL_DEMO_WEBHOOK_SECRET = env("PORTAL_DEMO_WEBHOOK_SECRET", default="")
 PORTAL_NOTIFY_HTTP_TIMEOUT = env.float("PORTAL_NOTIFY_HTTP_TIMEOUT", default=10.0)
 PORTAL_NOTIFY_MAX_ATTEMPTS = env.int("PORTAL_NOTIFY_MAX_ATTEMPTS", default=12)
 PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT = env.int("PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT", default=80)
+# Finished deliveries (delivered, failed, skipped) leave the delivery log this long after their last change.
+PORTAL_NOTIFY_RETENTION_DAYS = env.int("PORTAL_NOTIFY_RETENTION_DAYS", default=90)
 
 # Operations (portal/ops): /metrics access, /readyz, queues watched.
 PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")

@@ -1,0 +1,159 @@
+"""Idempotency-Keys replay their booking for PORTAL_IDEMPOTENCY_KEY_TTL_HOURS, then the beat forgets them.
+
+The table would otherwise grow by one row per keyed POST for ever. The prune and a client
+retrying with the same key race on the real database: the retry either replays (the key was
+still there) or books afresh (the key had expired and was pruned) — never a 500.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from reservations.models import IdempotencyKey, Reservation
+from reservations.services import idempotency_keys_prune, reservation_create
+
+from .conftest import iso, make_world
+
+
+def _post(world, t0, key: str, node_count: int = 1):
+    body = {"pool": "h100", "node_count": node_count, "start": iso(t0), "end": iso(t0 + timedelta(hours=1))}
+    return world.client("alpha-lead").post("/api/v1/reservations/", body, format="json", HTTP_IDEMPOTENCY_KEY=key)
+
+
+def _age(key: str, hours: float) -> None:
+    IdempotencyKey.objects.filter(key=key).update(created_at=timezone.now() - timedelta(hours=hours))
+
+
+@pytest.mark.django_db
+def test_keys_past_the_ttl_are_pruned_and_then_book_afresh(world, t0, settings):
+    settings.PORTAL_IDEMPOTENCY_KEY_TTL_HOURS = 24
+    first = _post(world, t0, "old")
+    assert first.status_code == 201
+    assert _post(world, t0, "young").status_code == 201
+    _age("old", 25)
+    _age("young", 23)
+
+    assert idempotency_keys_prune() == 1
+    assert set(IdempotencyKey.objects.values_list("key", flat=True)) == {"young"}
+    assert idempotency_keys_prune() == 0  # nothing more to do
+
+    # The young key still replays; the expired one is free again, even with another body.
+    assert _post(world, t0, "young").json()["id"] != first.json()["id"]
+    assert Reservation.objects.count() == 2
+    again = _post(world, t0, "old", node_count=2)
+    assert again.status_code == 201, again.json()
+    assert again.json()["id"] != first.json()["id"] and again.json()["node_count"] == 2
+    assert Reservation.objects.count() == 3
+
+
+@pytest.mark.django_db
+def test_prune_takes_one_batch_per_call(world, t0):
+    for i in range(5):
+        assert _post(world, t0 + timedelta(hours=i), f"k{i}").status_code == 201
+    IdempotencyKey.objects.update(created_at=timezone.now() - timedelta(days=3))
+    assert idempotency_keys_prune(batch=3) == 3
+    assert idempotency_keys_prune(batch=3) == 2
+    assert not IdempotencyKey.objects.exists()
+    assert Reservation.objects.count() == 5  # only the keys go, never the bookings
+
+
+def _book(world, t0, key: str, result: dict) -> None:
+    try:
+        result["value"] = reservation_create(
+            actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool, node_count=1,
+            start=t0, end=t0 + timedelta(hours=1), idempotency_key=key, request_hash="other-body")
+    except BaseException as exc:  # noqa: BLE001 - asserted by the test
+        result["value"] = exc
+    finally:
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_waiting_on_a_prune_in_flight_books_afresh(t0):
+    """The prune has deleted the expired key but not committed; the retry's claim waits, then books."""
+    world = make_world()
+    first = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                               node_count=1, start=t0, end=t0 + timedelta(hours=1), idempotency_key="k",
+                               request_hash="body")
+    _age("k", 48)
+    pruning, release = threading.Event(), threading.Event()
+
+    def prune() -> None:
+        try:
+            with transaction.atomic():
+                assert idempotency_keys_prune() == 1
+                pruning.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    pruner = threading.Thread(target=prune)
+    pruner.start()
+    assert pruning.wait(30)
+    result: dict = {}
+    retry = threading.Thread(target=_book, args=(world, t0, "k", result))
+    retry.start()
+    _wait_for_lock_waiter("reservations_idempotencykey")
+    release.set()
+    pruner.join(30)
+    retry.join(30)
+    assert isinstance(result["value"], Reservation), result
+    assert result["value"].pk != first.pk
+    assert IdempotencyKey.objects.get(key="k").reservation_id == result["value"].pk
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_pruned_between_the_claim_and_its_read_is_claimed_afresh(t0):
+    """The retry's INSERT met the old key; the prune committed before the retry read it back."""
+    world = make_world()
+    first = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                               node_count=1, start=t0, end=t0 + timedelta(hours=1), idempotency_key="k",
+                               request_hash="body")
+    _age("k", 48)
+    pruned: list[int] = []
+
+    def prune_after_the_claim(execute, sql, params, many, context):
+        outcome = execute(sql, params, many, context)
+        if sql.startswith("INSERT INTO reservations_idempotencykey") and not pruned:
+            thread = threading.Thread(target=_prune_in_another_session, args=(pruned,))
+            thread.start()
+            thread.join(30)
+        return outcome
+
+    result: dict = {}
+    with connection.execute_wrapper(prune_after_the_claim):
+        try:
+            result["value"] = reservation_create(
+                actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool, node_count=1,
+                start=t0, end=t0 + timedelta(hours=1), idempotency_key="k", request_hash="other-body")
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            result["value"] = exc
+    assert pruned == [1]
+    assert isinstance(result["value"], Reservation), result
+    assert result["value"].pk != first.pk
+    assert IdempotencyKey.objects.get(key="k").reservation_id == result["value"].pk
+
+
+def _prune_in_another_session(pruned: list[int]) -> None:
+    try:
+        pruned.append(idempotency_keys_prune())
+    finally:
+        connection.close()
+
+
+def _wait_for_lock_waiter(table: str, timeout: float = 10) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND query ILIKE %s AND pid <> pg_backend_pid()", [f"%{table}%"])
+            if cur.fetchone()[0]:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"nothing queued on a lock of {table}")
