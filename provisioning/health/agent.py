@@ -316,15 +316,30 @@ def run_checks(
             node_checks.append(CheckResult("xid_events", Status.UNKNOWN, None, None, event_problem, Action.INVESTIGATE))
         else:
             parts_ran.append("xid_events")
-            node_checks.append(
-                CheckResult(
-                    "xid_events",
-                    Status.PASS,
-                    {"registered_gpus": sorted(watcher.registered), "events": len(live)},
-                    None,
-                    f"listened for XID events on {len(watcher.registered)} GPU(s)",
+            orphans = [e for e in live if e.gpu_index is None]
+            if orphans:
+                # An event whose GPU could not be named (e.g. it fell off the bus) is still a finding.
+                judged = xid_check(orphans, [])
+                node_checks.append(
+                    CheckResult(
+                        "xid_events",
+                        judged.status,
+                        {"registered_gpus": sorted(watcher.registered), "events": len(live), "unmapped": judged.value},
+                        judged.threshold,
+                        "XID events from a GPU NVML could not name: " + judged.message,
+                        judged.action,
+                    )
                 )
-            )
+            else:
+                node_checks.append(
+                    CheckResult(
+                        "xid_events",
+                        Status.PASS,
+                        {"registered_gpus": sorted(watcher.registered), "events": len(live)},
+                        None,
+                        f"listened for XID events on {len(watcher.registered)} GPU(s)",
+                    )
+                )
     else:
         profile = requested or GENERIC
 
@@ -447,6 +462,15 @@ def _active_parts(
     if busy:
         # Active tests consume the GPUs (DD) and would disturb, and be disturbed by, those processes.
         return [tools.skipped(p, f"not run: processes on GPU(s) {busy}") for p in parts]
+    # Only a process list read empty proves a GPU idle; unreadable (NoPermission under MIG, an old
+    # driver) or never reached (hung or lost GPU) is not "no processes".
+    unproven = [
+        g.index
+        for g in gpus
+        if not any(c.name == "compute_processes" and c.status is Status.PASS and not c.value for c in g.checks)
+    ]
+    if unproven:
+        return [tools.skipped(p, f"not run: GPU(s) {unproven} not known to be idle") for p in parts]
     results = [
         tools.dcgm_diag(3 if level == "full" else 2, timeouts["dcgm_diag"], runner),
         tools.nvbandwidth(profile, timeouts["nvbandwidth"], runner),

@@ -129,8 +129,19 @@ def is_gpu_lost(result: CheckResult) -> bool:
     return result.status is Status.FAIL and GPU_LOST in result.message
 
 
+# NVML return codes that are findings about the hardware itself, not a reading we could not take
+# (nvmlReturn_t: "external power cables are not properly attached", "interrupt issue with a GPU",
+# "infoROM is corrupted", "the GPU requires a reset before it can be used again").
+HARDWARE_NVML_ERRORS: dict[str, tuple[str, Action]] = {
+    "NVMLError_InsufficientPower": ("external power cables not properly attached", Action.RESEAT),
+    "NVMLError_IrqIssue": ("the kernel driver detected an interrupt issue with the GPU", Action.REBOOT),
+    "NVMLError_CorruptedInforom": ("the GPU's infoROM is corrupted", Action.REPLACE_GPU),
+    "NVMLError_ResetRequired": ("the GPU requires a reset before it can be used again", Action.DRAIN_AND_RESET),
+}
+
+
 def nvml_error_result(name: str, exc: BaseException, call: str, threshold: Any = None) -> CheckResult:
-    """Turn an NVML error into a result: a lost GPU fails, anything else is unknown."""
+    """Turn an NVML error into a result: a lost or faulty GPU fails, anything else is unknown."""
     if isinstance(exc, pynvml.NVMLError_GpuIsLost):
         return CheckResult(
             name,
@@ -138,6 +149,12 @@ def nvml_error_result(name: str, exc: BaseException, call: str, threshold: Any =
             threshold=threshold,
             message=f"{call}: {GPU_LOST} (fallen off the bus or stopped responding)",
             action=Action.RESEAT,
+        )
+    hardware = HARDWARE_NVML_ERRORS.get(type(exc).__name__)
+    if hardware is not None:
+        meaning, action = hardware
+        return CheckResult(
+            name, Status.FAIL, threshold=threshold, message=f"{call}: {meaning} ({describe_error(exc)})", action=action
         )
     return CheckResult(
         name,
@@ -848,6 +865,9 @@ class XidEventWatcher:
         self.nvml = nvml
         self.event_set: Any = None
         self.registered: dict[int, str] = {}
+        # Registered handles by index: an event's device is matched by handle, since a GPU that
+        # just raised XID 79 may no longer answer nvmlDeviceGetUUID.
+        self.handles: dict[int, Any] = {}
         self.errors: dict[int, str] = {}
         self.wait_error: str | None = None
         self.create_error: str | None = None
@@ -879,6 +899,7 @@ class XidEventWatcher:
             self.errors[index] = f"nvmlDeviceRegisterEvents failed: {describe_error(exc)}"
             return
         self.registered[index] = uuid
+        self.handles[index] = handle
 
     def drain(self, wait_ms: int, max_events: int = 1000) -> list[LiveXid]:
         """Collect the events that arrived, waiting at most wait_ms in total for more."""
@@ -898,10 +919,15 @@ class XidEventWatcher:
                 # The k8s device plugin marks every GPU unhealthy here (KDP); we can only say unknown.
                 self.wait_error = f"nvmlEventSetWait failed: {describe_error(exc)}"
                 break
-            try:
-                index = by_uuid.get(_text(nvml.nvmlDeviceGetUUID(data.device)))
-            except NVML_ERRORS:
-                index = None
+            key = _handle_key(data.device)
+            index = next(
+                (i for i, handle in self.handles.items() if key is not None and _handle_key(handle) == key), None
+            )
+            if index is None:
+                try:
+                    index = by_uuid.get(_text(nvml.nvmlDeviceGetUUID(data.device)))
+                except NVML_ERRORS:
+                    index = None  # kept with no GPU: the node-level xid_events check judges it
             if data.eventType == nvml.nvmlEventTypeDoubleBitEccError:
                 xid = 48  # a DBE event is the same finding as XID 48
             elif data.eventType == nvml.nvmlEventTypeXidCriticalError:
@@ -927,6 +953,14 @@ class XidEventWatcher:
             except NVML_ERRORS:
                 pass
             self.event_set = None
+
+
+def _handle_key(handle: Any) -> Any:
+    """Return a comparable identity of a device handle (pynvml's is a ctypes pointer)."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return handle  # FakeNvml's handles compare by value
 
 
 def _instance_id(value: Any) -> int | None:

@@ -662,14 +662,18 @@ class FakeNvml:
             raise AttributeError(f"FakeNvml does not implement {name}")
         return value
 
-    def _enter(self, call: str, handle: FakeHandle | None = None) -> FakeGpu | None:
-        """Apply the fault table to one call: init state, hangs, lost GPUs, injected errors."""
+    def _enter(self, call: str, handle: FakeHandle | None = None, gpu_index: int | None = None) -> FakeGpu | None:
+        """Apply the fault table to one call: init state, hangs, lost GPUs, injected errors.
+
+        ``gpu_index`` names the GPU of a call that takes no handle (nvmlDeviceGetHandleByIndex),
+        so per-GPU faults on it apply.
+        """
         with self._lock:
             self.call_counts[call] += 1
         if self._init_count <= 0:
             raise _error("Uninitialized")
         gpu = self.gpus[handle.physical_index] if handle is not None else None
-        key_gpu = gpu.index if gpu is not None else None
+        key_gpu = gpu.index if gpu is not None else gpu_index
         delay = self._slow.get((call, key_gpu), self._slow.get((call, None)))
         if delay:
             time.sleep(delay)
@@ -728,9 +732,10 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
         """Return the handle of an enumerated GPU."""
-        self._enter("nvmlDeviceGetHandleByIndex")
         visible = self._visible()
-        if not 0 <= index < len(visible):
+        in_range = 0 <= index < len(visible)
+        self._enter("nvmlDeviceGetHandleByIndex", gpu_index=visible[index].index if in_range else None)
+        if not in_range:
             raise _error("InvalidArgument")
         gpu = visible[index]
         if gpu.handle_lost:
