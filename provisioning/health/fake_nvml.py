@@ -89,6 +89,13 @@ FAULT_KINDS: dict[str, str] = {
 }
 
 
+# NVML calls that take no device handle (nor, like nvmlDeviceGetHandleByIndex, a GPU index).
+NODE_CALLS = frozenset({
+    "nvmlInit", "nvmlShutdown", "nvmlSystemGetDriverVersion", "nvmlSystemGetCudaDriverVersion", "nvmlDeviceGetCount",
+    "nvmlEventSetCreate", "nvmlEventSetWait", "nvmlEventSetFree",
+})
+
+
 class Fault:
     """One injected fault: a kind from FAULT_KINDS, an optional GPU index and parameters."""
 
@@ -97,6 +104,10 @@ class Fault:
     def __init__(self, kind: str, gpu: int | None = None, **params: Any) -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; known: {sorted(FAULT_KINDS)}")
+        if gpu is not None and params.get("call") in NODE_CALLS:
+            # These calls name no GPU: a per-GPU fault on one would never fire and a test using it
+            # would pass without testing anything.
+            raise ValueError(f"{params['call']} takes no GPU; drop gpu= to make every call of it fail")
         self.kind = kind
         self.gpu = gpu
         self.params = dict(params)

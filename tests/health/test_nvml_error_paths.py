@@ -101,3 +101,13 @@ def test_fake_applies_per_gpu_faults_to_get_handle_by_index() -> None:
     report = _run("quick", FakeNvml(seed=4, faults=[Fault("nvml_error", gpu=2, call="nvmlDeviceGetHandleByIndex",
                                                           error="Unknown")]), kernel_log=lambda: [])
     assert check(report, "gpu_accessible", gpu=2)["status"] == "unknown"
+
+
+def test_a_per_gpu_fault_on_a_call_that_names_no_gpu_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="takes no GPU"):
+        Fault("nvml_error", gpu=1, call="nvmlDeviceGetCount", error="Unknown")
+    with pytest.raises(ValueError, match="takes no GPU"):
+        Fault.from_dict({"kind": "hang", "gpu": 0, "call": "nvmlEventSetWait", "seconds": 1})
+    Fault("nvml_error", call="nvmlDeviceGetCount", error="Unknown")  # every call of it: fine
