@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from django.contrib import admin, messages
 
+from portal.core.admin import ReadOnlyAdminMixin, StaffAdminMixin
 from portal.core.exceptions import DomainError
 
 from . import services
 from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
 
 
-class TransitionInline(admin.TabularInline):
+class TransitionInline(ReadOnlyAdminMixin, admin.TabularInline):
     model = ClusterTransition
     extra = 0
     can_delete = False
@@ -21,7 +22,7 @@ class TransitionInline(admin.TabularInline):
         return False
 
 
-class CredentialInline(admin.TabularInline):
+class CredentialInline(ReadOnlyAdminMixin, admin.TabularInline):
     model = ClusterCredential
     extra = 0
     can_delete = False
@@ -34,7 +35,7 @@ class CredentialInline(admin.TabularInline):
 
 
 @admin.register(VirtualCluster)
-class VirtualClusterAdmin(admin.ModelAdmin):
+class VirtualClusterAdmin(StaffAdminMixin, admin.ModelAdmin):
     list_display = ["id", "tenant", "reservation", "backend", "orchestrator", "status", "phase_started_at", "attempts"]
     list_filter = ["status", "backend", "orchestrator"]
     search_fields = ["tenant__slug", "reservation__name", "status_reason"]
@@ -80,7 +81,7 @@ class VirtualClusterAdmin(admin.ModelAdmin):
 
 
 @admin.register(StorageVolume)
-class StorageVolumeAdmin(admin.ModelAdmin):
+class StorageVolumeAdmin(StaffAdminMixin, admin.ModelAdmin):
     list_display = ["name", "tenant", "size_gib", "status", "created_at", "released_at"]
     list_filter = ["status"]
     readonly_fields = ["tenant", "cluster", "name", "size_gib", "status", "mount_path", "created_at", "released_at"]
@@ -93,5 +94,5 @@ class StorageVolumeAdmin(admin.ModelAdmin):
 
 
 @admin.register(PoolCapability)
-class PoolCapabilityAdmin(admin.ModelAdmin):
+class PoolCapabilityAdmin(StaffAdminMixin, admin.ModelAdmin):
     list_display = ["pool", "cuda_versions", "mig_profiles", "max_memory_per_gpu_gib"]

@@ -19,7 +19,6 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, admin_hooks
-from portal.core.exceptions import DomainError
 
 from . import selectors, services
 from .choices import HOLDING_STATUSES, AllocationKind, NodeState
@@ -191,17 +190,11 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
             if form.is_valid():
                 start = form.cleaned_data["start"].astimezone(UTC)
                 end = form.cleaned_data["end"].astimezone(UTC)
-                done = []
-                for node in nodes:
-                    try:
-                        services.maintenance_window_create(actor=request.user, node=node, start=start, end=end,
-                                                           note=form.cleaned_data["note"])
-                        done.append(node.hostname)
-                    except DomainError as exc:
-                        self.message_user(request, f"{node.hostname}: {exc.detail}", messages.ERROR)
-                if done:
-                    self.message_user(request, f"Maintenance window scheduled on {', '.join(done)}.",
-                                      messages.SUCCESS)
+                windows = self.run_service(request, services.maintenance_windows_create, actor=request.user,
+                                           nodes=nodes, start=start, end=end, note=form.cleaned_data["note"])
+                if windows:
+                    self.message_user(request, "Maintenance window scheduled on "
+                                      f"{', '.join(n.hostname for n in nodes)}.", messages.SUCCESS)
                 return None
         else:
             form = MaintenanceWindowForm()

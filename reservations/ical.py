@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-from icalendar import Calendar, Event
+from icalendar import Calendar, Event, vText
 
 from .choices import ReservationStatus
 from .models import Reservation
@@ -26,19 +26,23 @@ def event_uid(reservation: Reservation) -> str:
 
 
 def _sequence(reservation: Reservation) -> int:
-    # Grows with every change (seconds from creation to the last update) and never goes back,
-    # which is all RFC 5545 asks of SEQUENCE; clients then replace their copy.
-    return max(0, int((reservation.updated_at - reservation.created_at).total_seconds()))
+    # Grows with every change and never goes back, as RFC 5545 asks of SEQUENCE: the seconds from
+    # creation to the last update (what earlier feeds sent, so no subscriber sees it drop) plus the
+    # number of audited changes, so two changes within one second still raise it.
+    seconds = max(0, int((reservation.updated_at - reservation.created_at).total_seconds()))
+    return seconds + max(0, getattr(reservation, "audited_changes", 1) - 1)
 
 
 def build_feed(*, tenant, reservations: Iterable[Reservation], base_url: str, now: datetime) -> bytes:
     """Serialise reservations (with `active_allocations` prefetched) into one VCALENDAR."""
-    cal = Calendar.new(
-        prodid=PRODID,
-        uid=f"tenant-{tenant.slug}@{DOMAIN}",
-        name=f"{tenant.name} GPU reservations",
-        description=f"GPU node reservations of {tenant.name}.",
-    )
+    cal = Calendar.new(prodid=PRODID, uid=f"tenant-{tenant.slug}@{DOMAIN}")
+    # icalendar types NAME / X-WR-* as unknown and writes them raw: a tenant-controlled comma,
+    # semicolon or backslash would go out unescaped and a newline would break serialisation.
+    description = f"GPU node reservations of {tenant.name}."
+    cal.add("DESCRIPTION", description)
+    title = f"{tenant.name} GPU reservations"
+    for prop, value in (("NAME", title), ("X-WR-CALNAME", title), ("X-WR-CALDESC", description)):
+        cal.add(prop, vText(value))
     cal.add("X-PUBLISHED-TTL", "PT15M")
     base = base_url.rstrip("/")
     for r in reservations:

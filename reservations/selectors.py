@@ -534,15 +534,24 @@ def availability_on_grid(*, pool: Pool, start: datetime, end: datetime) -> list[
 
 def feed_reservations(*, tenant, since: datetime):
     """Return the tenant's reservations ending after since, with their active nodes, for the feed."""
-    from django.db.models import Prefetch
+    from django.db.models import CharField, Count, Prefetch
+    from django.db.models.functions import Cast, Coalesce
+
+    from portal.core.models import AuditLog
 
     from .models import Allocation
 
     active = Prefetch("allocations", queryset=Allocation.objects.filter(active=True).select_related("node"),
                       to_attr="active_allocations")
+    changes = (
+        AuditLog.objects.filter(object_type=Reservation._meta.label_lower,
+                                object_id=Cast(OuterRef("pk"), output_field=CharField()))
+        .order_by().values("object_type").annotate(n=Count("id")).values("n")
+    )
     return (
         Reservation.objects.for_tenant(tenant)
         .filter(period__endswith__gt=since)
+        .annotate(audited_changes=Coalesce(Subquery(changes), 0))
         .select_related("pool")
         .prefetch_related(active)
         .order_by("period", "id")

@@ -46,6 +46,7 @@ __all__ = [
     "node_create",
     "node_update",
     "maintenance_window_create",
+    "maintenance_windows_create",
     "reservation_create",
     "reservation_update",
     "reservation_cancel",
@@ -693,24 +694,48 @@ def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str
 
 def maintenance_window_create(*, actor: Any, node: Node, start: datetime, end: datetime, note: str = "") -> Allocation:
     """Block node for [start, end); refused if a reservation already holds it then."""
+    return maintenance_windows_create(actor=actor, nodes=[node], start=start, end=end, note=note)[0]
+
+
+def maintenance_windows_create(*, actor: Any, nodes: list[Node], start: datetime, end: datetime,
+                               note: str = "") -> list[Allocation]:
+    """Block every node for [start, end) in one transaction: all windows or none.
+
+    Refused (CapacityUnavailable, naming each booked node and the reservations holding it) if
+    any reservation holds one of the nodes then; bookings are never moved by maintenance.
+    """
     now = timezone.now()
-    _raise_if(_validate_window(pool=node.pool, start=start, end=end, now=now))
+    for node in nodes:
+        _raise_if(_validate_window(pool=node.pool, start=start, end=end, now=now))
     period = DateTimeTZRange(start, end, "[)")
-    try:
-        with transaction.atomic(durable=True):
-            _lock_nodes([node.pk])  # queue behind a booker of this node rather than deadlock with it
-            allocation = Allocation.objects.create(
-                node=node, period=period, kind=AllocationKind.MAINTENANCE, note=note[:255],
-                created_by=actor if getattr(actor, "pk", None) else None,
-            )
-            audit_record(actor=actor, action="node.maintenance", obj=allocation,
-                         after={"node": node.hostname, "start": format_utc(start), "end": format_utc(end),
-                                "note": note})
-    except IntegrityError as exc:
-        if _sqlstate(exc) != EXCLUSION_VIOLATION:
-            raise
-        raise CapacityUnavailable(f"{node.hostname} is booked during that window.", suggestions=[])
-    return allocation
+    created: list[Allocation] = []
+    with transaction.atomic(durable=True):
+        _lock_nodes([n.pk for n in nodes])  # queue behind a booker of these nodes rather than deadlock with it
+        busy = (Allocation.objects.filter(node__in=nodes, active=True, period__overlap=period)
+                .select_related("node").order_by("node__hostname", "period"))
+        if busy:
+            held = {}
+            for a in busy:
+                held.setdefault(a.node.hostname, []).append(
+                    f"reservation #{a.reservation_id}" if a.reservation_id else "a maintenance window")
+            raise CapacityUnavailable(
+                "; ".join(f"{host} is booked during that window ({', '.join(who)})" for host, who in held.items())
+                + ". Nothing was scheduled.", suggestions=[])
+        try:
+            for node in sorted(nodes, key=lambda n: n.pk):
+                allocation = Allocation.objects.create(
+                    node=node, period=period, kind=AllocationKind.MAINTENANCE, note=note[:255],
+                    created_by=actor if getattr(actor, "pk", None) else None,
+                )
+                audit_record(actor=actor, action="node.maintenance", obj=allocation,
+                             after={"node": node.hostname, "start": format_utc(start), "end": format_utc(end),
+                                    "note": note})
+                created.append(allocation)
+        except IntegrityError as exc:
+            if _sqlstate(exc) != EXCLUSION_VIOLATION:
+                raise
+            raise CapacityUnavailable("A node is booked during that window. Nothing was scheduled.", suggestions=[])
+    return created
 
 
 # --- failed nodes -----------------------------------------------------------------------

@@ -20,7 +20,7 @@ from django.shortcuts import get_object_or_404
 from django.template.loader import select_template
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_GET, require_http_methods, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST, require_safe
 from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
@@ -594,7 +594,7 @@ def fleet(request):
 # --- iCalendar feed ---------------------------------------------------------------------------
 
 
-@require_GET
+@require_safe
 def ical_feed(request, slug: str, token: str):
     """The tenant's reservations as text/calendar. The secret token in the URL is the credential."""
     tenant = Tenant.objects.filter(slug=slug).exclude(ical_token="").first()

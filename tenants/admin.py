@@ -22,9 +22,10 @@ from simple_history.admin import SimpleHistoryAdmin
 
 from portal.core.admin import ServiceAdminMixin, StaffAdminMixin, admin_hooks
 from portal.core.crypto import mask
-from portal.core.exceptions import DomainError, InvalidInput
+from portal.core.exceptions import DomainError, InvalidInput, InvalidState
 
 from . import services
+from .choices import Role
 from .models import ApiToken, Membership, Quota, Tenant
 
 QUOTA_FIELDS = services.QUOTA_FIELDS
@@ -161,10 +162,46 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
 
     def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
         if request.method == "POST" and object_id:
+            try:
+                # The services commit one by one (durable), so the page cannot be one transaction:
+                # refuse what a service would refuse before the first write, not half-way through.
+                self._check_memberships(request, object_id)
+            except DomainError as exc:
+                self.message_user(request, exc.detail, messages.ERROR)
+                return HttpResponseRedirect(request.get_full_path())
             review = self._review_inline_quotas(request, object_id)
             if review is not None:
                 return review
         return super().changeform_view(request, object_id, form_url, extra_context)
+
+    def _check_memberships(self, request, object_id) -> None:
+        obj = self.get_object(request, object_id)
+        if obj is None:
+            return
+        for inline in self.get_inline_instances(request, obj):
+            if not isinstance(inline, MembershipInline):
+                continue
+            FormSet = inline.get_formset(request, obj)
+            formset = FormSet(request.POST, request.FILES, instance=obj, prefix=FormSet.get_default_prefix())
+            if not formset.is_valid():
+                return  # the normal view shows the errors
+            leads = set(Membership.objects.filter(tenant=obj, role=Role.LEAD).values_list("pk", flat=True))
+            had_lead, new_leads = bool(leads), 0
+            for form in formset.forms:
+                if not getattr(form, "cleaned_data", None):
+                    continue
+                pk, deleting = form.instance.pk, formset._should_delete_form(form)
+                if pk and "user" in form.changed_data:
+                    raise InvalidInput("To give a membership to another user, delete its row and add a new one.",
+                                       fields={"user": "Cannot change on an existing membership."})
+                is_lead = not deleting and form.cleaned_data.get("role") == Role.LEAD
+                if pk:
+                    (leads.add if is_lead else leads.discard)(pk)
+                elif is_lead:
+                    new_leads += 1
+            if had_lead and not leads and not new_leads:
+                raise InvalidState("This change would take away the tenant's last lead; make another member "
+                                   "lead first. Nothing was saved.")
 
     def _review_inline_quotas(self, request, object_id):
         obj = self.get_object(request, object_id)
@@ -207,7 +244,11 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
             if isinstance(sub.instance, Membership) and sub.instance.pk and "user" in getattr(sub, "changed_data", ()):
                 raise InvalidInput("To give a membership to another user, delete its row and add a new one.",
                                    fields={"user": "Cannot change on an existing membership."})
-        for sub in formset.forms:
+        def lead_first(sub) -> int:  # new or promoted leads before demotions, so a lead always remains
+            data = getattr(sub, "cleaned_data", None) or {}
+            return 0 if data.get("role") == Role.LEAD and not formset._should_delete_form(sub) else 1
+
+        for sub in sorted(formset.forms, key=lead_first):
             if not hasattr(sub, "cleaned_data") or not sub.cleaned_data:
                 continue
             instance = sub.instance

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from django.contrib import admin, messages
 
+from portal.core.admin import ReadOnlyAdminMixin
 from portal.core.exceptions import DomainError
 
 from . import services
@@ -15,15 +16,8 @@ from .choices import RepairState
 from .models import HealthCheck, Repair
 
 
-class _ReadOnly(admin.ModelAdmin):
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
+class _ReadOnly(ReadOnlyAdminMixin, admin.ModelAdmin):
+    """Staff (the platform admins, DESIGN §3) read these; nobody edits a row here."""
 
 
 @admin.register(HealthCheck)

@@ -1,0 +1,73 @@
+"""The iCalendar feed as real clients read it: escaping of tenant-controlled text, SEQUENCE on every change, HEAD."""
+
+from datetime import timedelta
+
+import pytest
+from icalendar import Calendar
+
+from reservations import services
+
+pytestmark = pytest.mark.django_db
+
+
+def _feed(client, tenant):
+    return client.get(f"/ical/{tenant.slug}/{tenant.ical_token}.ics")
+
+
+def _unfold(body: bytes) -> list[str]:
+    return body.decode().replace("\r\n ", "").split("\r\n")
+
+
+def test_tenant_name_with_a_newline_does_not_break_the_feed(world, client, book, t0):
+    # Staff can set any name through the API (CharField) or a hand-made admin POST.
+    alpha = world.tenants["alpha"]
+    alpha.name, alpha.ical_token = "Team Alpha\nResearch", "alpha-feed-secret-0123456789"
+    alpha.save()
+    book("alpha-lead", t0)
+    response = _feed(client, alpha)
+    assert response.status_code == 200  # was: 500 (AssertionError in icalendar's Contentline)
+    cal = Calendar.from_ical(response.content)
+    assert len(cal.walk("VEVENT")) == 1
+
+
+def test_calendar_name_and_description_are_escaped_as_text(world, client, book, t0):
+    # RFC 5545 §3.3.11 / RFC 7986 NAME: TEXT escapes backslash, comma and semicolon. Clients unescape
+    # X-WR-CALNAME too, so "R\nD" would be shown on two lines and "a,b" may be read as a list.
+    alpha = world.tenants["alpha"]
+    alpha.name, alpha.ical_token = r"Alpha, R\nD; GPUs", "alpha-feed-secret-0123456789"
+    alpha.save()
+    lines = _unfold(_feed(client, alpha).content)
+    for prop in ("NAME", "X-WR-CALNAME"):
+        (line,) = [x for x in lines if x.startswith(prop + ":")]
+        assert line == prop + r":Alpha\, R\\nD\; GPUs GPU reservations", line
+    (desc,) = [x for x in lines if x.startswith("X-WR-CALDESC:")]
+    assert desc == r"X-WR-CALDESC:GPU node reservations of Alpha\, R\\nD\; GPUs.", desc
+
+
+def test_every_change_raises_sequence(world, client, book, t0):
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-feed-secret-0123456789"
+    alpha.save()
+    r = book("alpha-lead", t0)
+
+    def seq():
+        (ev,) = [e for e in Calendar.from_ical(_feed(client, alpha).content).walk("VEVENT")]
+        return int(ev["SEQUENCE"])
+
+    s0 = seq()
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=r, end=t0 + timedelta(hours=3))
+    s1 = seq()
+    services.reservation_cancel(actor=world.users["alpha-lead"], reservation=r)
+    s2 = seq()
+    # Seconds since creation, truncated: two changes inside one second share a SEQUENCE.
+    assert s0 < s1 < s2, (s0, s1, s2)
+
+
+def test_head_is_answered_like_get(world, client):
+    # Calendar clients and link checkers probe subscriptions with HEAD.
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-feed-secret-0123456789"
+    alpha.save()
+    response = client.head(f"/ical/alpha/{alpha.ical_token}.ics")
+    assert response.status_code == 200  # was: 405 (require_GET)
+    assert response["Content-Type"] == "text/calendar; charset=utf-8"
