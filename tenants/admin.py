@@ -26,7 +26,12 @@ from portal.core.exceptions import DomainError, InvalidInput, InvalidState
 
 from . import services
 from .choices import Role
+from .forms import LockoutAdminAuthenticationForm
 from .models import ApiToken, Membership, Quota, Tenant
+
+# /admin/login/ counts failures and locks like /accounts/login/ (one lock for both): Django's own admin
+# sign-in form would take unlimited guesses at the staff accounts' passwords.
+admin.site.login_form = LockoutAdminAuthenticationForm
 
 QUOTA_FIELDS = services.QUOTA_FIELDS
 CONFIRM_FIELD = "_confirm_lowering"

@@ -10,13 +10,17 @@ from functools import lru_cache
 
 from django import forms
 from django.conf import settings
+from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.cache import cache
+from rest_framework.throttling import BaseThrottle
 
 from .models import Tenant
 
 __all__ = [
     "LockoutAuthenticationForm",
+    "LockoutAdminAuthenticationForm",
+    "client_ip",
     "TenantSwitchForm",
     "TimeZoneForm",
     "login_lock_remaining",
@@ -61,6 +65,16 @@ def _key(kind: str, value: str) -> str:
     return f"login:{kind}:" + hashlib.sha256(value.encode()).hexdigest()[:32]
 
 
+def client_ip(request) -> str:
+    """The client's address as the API throttles tell clients apart (DRF's NUM_PROXIES, from PORTAL_NUM_PROXIES).
+
+    REMOTE_ADDR, or behind that many trusted proxies the address the last of them appended to
+    X-Forwarded-For; never the header as the client sent it, which anyone can fill with a fresh
+    address per request. Behind the TLS proxy REMOTE_ADDR is the proxy's, shared by everyone.
+    """
+    return BaseThrottle().get_ident(request)
+
+
 def _subjects(username: str, ip: str) -> list[tuple[str, str, int]]:
     return [
         ("user", username.strip().lower(), _setting("PORTAL_LOGIN_MAX_FAILURES", LOGIN_MAX_FAILURES)),
@@ -98,13 +112,12 @@ def _clear_failures(username: str) -> None:
     cache.delete(_key("fail-user", username.strip().lower()))
 
 
-class LockoutAuthenticationForm(AuthenticationForm):
-    """Django's sign-in form, refusing a username (or address) for a while after repeated failures.
+class LockoutMixin:
+    """Refuse a username (or address) for a while after repeated failures.
 
     The lock is checked before the password, so a correct guess during the lockout still fails.
+    Shared by the portal's sign-in and the admin's: both count towards, and honour, one lock.
     """
-
-    tz = forms.CharField(required=False, widget=forms.HiddenInput)
 
     error_messages = {
         **AuthenticationForm.error_messages,
@@ -113,7 +126,7 @@ class LockoutAuthenticationForm(AuthenticationForm):
 
     def clean(self):
         username = self.cleaned_data.get("username") or ""
-        ip = self.request.META.get("REMOTE_ADDR", "") if self.request else ""
+        ip = client_ip(self.request) if self.request else ""
         remaining = login_lock_remaining(username, ip)
         if remaining:
             self.locked = True
@@ -132,6 +145,19 @@ class LockoutAuthenticationForm(AuthenticationForm):
     @property
     def is_locked(self) -> bool:
         return getattr(self, "locked", False)
+
+
+class LockoutAuthenticationForm(LockoutMixin, AuthenticationForm):
+    """Django's sign-in form with the lockout, and the browser's time zone."""
+
+    tz = forms.CharField(required=False, widget=forms.HiddenInput)
+
+
+class LockoutAdminAuthenticationForm(LockoutMixin, AdminAuthenticationForm):
+    """The admin's sign-in form (staff only) with the same lockout."""
+
+    error_messages = {**AdminAuthenticationForm.error_messages, **LockoutMixin.error_messages,
+                      "invalid_login": AdminAuthenticationForm.error_messages["invalid_login"]}
 
 
 class TenantSwitchForm(forms.Form):
