@@ -39,7 +39,8 @@ class VirtualClusterAdmin(StaffAdminMixin, admin.ModelAdmin):
     list_display = ["id", "tenant", "reservation", "backend", "orchestrator", "status", "phase_started_at", "attempts"]
     list_filter = ["status", "backend", "orchestrator"]
     search_fields = ["tenant__slug", "reservation__name", "status_reason"]
-    list_select_related = ["tenant", "reservation"]
+    # The reservation column is Reservation.__str__, which names its tenant and pool.
+    list_select_related = ["tenant", "reservation__tenant", "reservation__pool"]
     inlines = [TransitionInline, CredentialInline]
     actions = ["retry_clusters", "teardown_clusters"]
     readonly_fields = [

@@ -71,7 +71,12 @@ class VirtualCluster(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["status"]), models.Index(fields=["tenant", "status"])]
+        indexes = [
+            models.Index(fields=["status"]),
+            models.Index(fields=["tenant", "status"]),
+            # The lists' order (cluster page, API, admin), newest first.
+            models.Index(fields=["-created_at", "-id"], name="cluster_recent"),
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(default_memory_per_gpu_gib__gte=1),

@@ -12,6 +12,7 @@ from tenants.views import portal_view, render_page
 
 from . import selectors, services
 from .choices import LIVE_STATUSES, PROVISION_PHASES, TERMINAL_STATUSES, ClusterStatus, CredentialKind
+from .models import VirtualCluster
 
 _PIPELINE = (ClusterStatus.PENDING, *PROVISION_PHASES, ClusterStatus.READY)
 
@@ -46,7 +47,9 @@ def panel_context(user, cluster) -> dict:
 
 @portal_view
 def cluster_list(request):
-    clusters = selectors.clusters_for_user(user=request.user).order_by("-created_at")[:200]
+    # Only the columns the table shows: no phases, credentials or nodes for 200 rows.
+    clusters = (VirtualCluster.objects.for_user(request.user).select_related("reservation__pool", "tenant")
+                .order_by("-created_at", "-id")[:200])
     return render_page(request, "provisioning/cluster_list.html", {"clusters": clusters})
 
 

@@ -94,7 +94,11 @@ class Reservation(models.Model):
 
     class Meta:
         ordering = ["period", "id"]
-        indexes = [models.Index(fields=["tenant", "pool", "status"])]
+        indexes = [
+            models.Index(fields=["tenant", "pool", "status"]),
+            # The default order (staff API list, admin changelist): a page is read off the index.
+            models.Index(fields=["period", "id"], name="reservation_period_id"),
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(node_count__gte=1),
@@ -163,7 +167,6 @@ class Allocation(models.Model):
                 violation_error_message="Reservation allocations belong to a reservation; maintenance ones do not.",
             ),
         ]
-        indexes = [models.Index(fields=["reservation"])]
 
     def __str__(self) -> str:
         return f"{self.node} {self.period}"

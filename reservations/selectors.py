@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import connection
@@ -19,6 +20,7 @@ __all__ = [
     "availability",
     "availability_rows",
     "tenant_peak_usage",
+    "tenant_peak_usage_by_pool",
     "free_node_ids",
     "free_nodes",
     "suggest_windows",
@@ -184,35 +186,42 @@ def availability_rows(cursor, *, pool_id: int, start: datetime, end: datetime, s
     return [(s, e, int(free)) for s, e, free, _ in rows]
 
 
+# The peak of a sum of intervals is reached at some interval's (clipped) start, so a sweep over
+# those start points is exact; per pool, for one pool ({pool} filters) or every pool of the tenant.
+_PEAK_SQL = """
+    WITH r AS (
+        SELECT pool_id, greatest(lower(period), %(start)s) AS s, least(upper(period), %(end)s) AS e, node_count
+        FROM reservations_reservation
+        WHERE tenant_id = %(tenant)s {pool} AND status = ANY(%(statuses)s)
+          AND period && tstzrange(%(start)s, %(end)s) AND id <> %(exclude)s
+    )
+    SELECT r1.pool_id, max((SELECT sum(r2.node_count) FROM r r2
+                            WHERE r2.pool_id = r1.pool_id AND r2.s <= r1.s AND r2.e > r1.s))
+    FROM r r1 GROUP BY r1.pool_id
+"""
+_PEAK_ONE_POOL_SQL = _PEAK_SQL.format(pool="AND pool_id = %(pool)s")
+_PEAK_ALL_POOLS_SQL = _PEAK_SQL.format(pool="")
+
+
+def _peaks(sql: str, params: dict[str, Any]) -> dict[int, int]:
+    with connection.cursor() as cur:
+        cur.execute(sql, {"statuses": list(HOLDING_STATUSES), "exclude": 0, **params})
+        return {pool_id: int(peak or 0) for pool_id, peak in cur.fetchall()}
+
+
 def tenant_peak_usage(
     *, tenant_id: int, pool_id: int, start: datetime, end: datetime, exclude_reservation_id: int | None = None
 ) -> int:
-    """Return the most nodes the tenant holds in the pool at any instant of [start, end).
+    """Return the most nodes the tenant holds in the pool at any instant of [start, end)."""
+    params = {"tenant": tenant_id, "pool": pool_id, "start": start, "end": end,
+              "exclude": exclude_reservation_id or 0}
+    return _peaks(_PEAK_ONE_POOL_SQL, params).get(pool_id, 0)
 
-    The peak of a sum of intervals is reached at some interval's (clipped) start, so a
-    sweep over those start points is exact.
-    """
-    sql = """
-        WITH r AS (
-            SELECT greatest(lower(period), %(start)s) AS s, least(upper(period), %(end)s) AS e, node_count
-            FROM reservations_reservation
-            WHERE tenant_id = %(tenant)s AND pool_id = %(pool)s AND status = ANY(%(statuses)s)
-              AND period && tstzrange(%(start)s, %(end)s) AND id <> %(exclude)s
-        )
-        SELECT coalesce(max((SELECT sum(r2.node_count) FROM r r2 WHERE r2.s <= r1.s AND r2.e > r1.s)), 0)
-        FROM r r1
-    """
-    params = {
-        "tenant": tenant_id,
-        "pool": pool_id,
-        "start": start,
-        "end": end,
-        "statuses": list(HOLDING_STATUSES),
-        "exclude": exclude_reservation_id or 0,
-    }
-    with connection.cursor() as cur:
-        cur.execute(sql, params)
-        return int(cur.fetchone()[0])
+
+def tenant_peak_usage_by_pool(*, tenant_id: int, start: datetime, end: datetime) -> dict[int, int]:
+    """tenant_peak_usage of every pool at once, {pool id: peak}, pools with nothing held left out:
+    one statement whatever the number of pools (the dashboard's quota card)."""
+    return _peaks(_PEAK_ALL_POOLS_SQL, {"tenant": tenant_id, "start": start, "end": end})
 
 
 def free_node_ids(*, pool_id: int, start: datetime, end: datetime, limit: int) -> list[int]:
@@ -450,15 +459,18 @@ def tenant_quota_usage(*, tenant, now: datetime, days: int = 14) -> list[QuotaUs
     """Return, per pool the tenant has a quota in, its peak nodes now and over the next days."""
     from tenants.models import Quota
 
-    out = []
-    for quota in Quota.objects.for_tenant(tenant).select_related("pool").order_by("pool__name"):
-        peak_now = tenant_peak_usage(tenant_id=tenant.pk, pool_id=quota.pool_id, start=now,
-                                     end=now + timedelta(seconds=1))
-        peak_ahead = tenant_peak_usage(tenant_id=tenant.pk, pool_id=quota.pool_id, start=now,
-                                       end=now + timedelta(days=days))
-        out.append(QuotaUsage(pool=quota.pool, max_nodes=quota.max_nodes, burst_nodes=quota.burst_nodes,
-                              burst_enabled=tenant.burst_enabled, peak_now=peak_now, peak_ahead=peak_ahead))
-    return out
+    quotas = list(Quota.objects.for_tenant(tenant).select_related("pool").order_by("pool__name"))
+    if not quotas:
+        return []
+    # Three queries whatever the number of pools: the quotas, the peaks now, the peaks ahead.
+    now_peaks = tenant_peak_usage_by_pool(tenant_id=tenant.pk, start=now, end=now + timedelta(seconds=1))
+    ahead_peaks = tenant_peak_usage_by_pool(tenant_id=tenant.pk, start=now, end=now + timedelta(days=days))
+    return [
+        QuotaUsage(pool=quota.pool, max_nodes=quota.max_nodes, burst_nodes=quota.burst_nodes,
+                   burst_enabled=tenant.burst_enabled, peak_now=now_peaks.get(quota.pool_id, 0),
+                   peak_ahead=ahead_peaks.get(quota.pool_id, 0))
+        for quota in quotas
+    ]
 
 
 def reservation_history(*, reservation: Reservation):
@@ -481,19 +493,23 @@ def tenant_recent_activity(*, tenant, limit: int = 10):
     ]
 
 
-def fleet_timeline(*, user, start: datetime, end: datetime, pool: Pool | None = None):
+def fleet_nodes(*, pool: Pool | None = None):
+    """The fleet timeline's rows: nodes not retired, by pool and hostname (a queryset, to page)."""
+    nodes = Node.objects.select_related("pool").exclude(state=NodeState.RETIRED).order_by("pool__name", "hostname")
+    return nodes if pool is None else nodes.filter(pool=pool)
+
+
+def fleet_timeline(*, user, start: datetime, end: datetime, pool: Pool | None = None, nodes=None):
     """Return (nodes, allocations overlapping [start, end) grouped by node id): two queries.
 
+    nodes: the rows to show (a page of fleet_nodes); every node of the pool, or of the fleet, if None.
     Meant for staff, who see every tenant's allocations through the same tenant scope.
     """
     from collections import defaultdict
 
-    from .models import Allocation, Node
+    from .models import Allocation
 
-    nodes = Node.objects.select_related("pool").exclude(state=NodeState.RETIRED).order_by("pool__name", "hostname")
-    if pool is not None:
-        nodes = nodes.filter(pool=pool)
-    nodes = list(nodes)
+    nodes = list(fleet_nodes(pool=pool) if nodes is None else nodes)
     allocations = (
         Allocation.objects.for_user(user)
         .filter(active=True, period__overlap=(start, end), node_id__in=[n.pk for n in nodes])
@@ -566,6 +582,7 @@ __all__ += [
     "tenant_quota_usage",
     "reservation_history",
     "tenant_recent_activity",
+    "fleet_nodes",
     "fleet_timeline",
     "availability_on_grid",
     "pool_heatmap",

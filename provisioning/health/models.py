@@ -68,6 +68,8 @@ class HealthCheck(models.Model):
                 name="health_check_unhandled",
             ),
             models.Index(fields=["reservation", "node"], name="health_check_reservation"),
+            # The lists' order (API, admin): a page reads 50 rows off the index instead of sorting them all.
+            models.Index(fields=["-created_at", "-id"], name="health_check_recent"),
         ]
         constraints = [
             # One open check per node, level and booking: a second request reuses the first

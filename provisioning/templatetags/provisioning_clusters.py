@@ -25,6 +25,13 @@ def cluster_panel(context, reservation):
 
 @register.inclusion_tag("provisioning/_cluster_badge_inner.html")
 def cluster_badge(reservation):
-    """A small status badge for a reservation row (one query)."""
-    cluster = VirtualCluster.objects.filter(reservation_id=reservation.pk).only("id", "status").first()
+    """A small status badge for a reservation row: no query when the row was read with its cluster
+    (select_related("cluster"), as the dashboard does), else one."""
+    if type(reservation).cluster.is_cached(reservation):
+        try:
+            cluster = reservation.cluster
+        except VirtualCluster.DoesNotExist:
+            cluster = None
+    else:
+        cluster = VirtualCluster.objects.filter(reservation_id=reservation.pk).only("id", "status").first()
     return {"cluster": cluster, "reservation": reservation}

@@ -1,0 +1,173 @@
+"""Pages, API lists and admin lists: query counts that do not grow with the data; list orders read from an index."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.db import connection, transaction
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+
+from reservations.models import Node
+from tests.conftest import make_world
+from tests.query_world import grow
+
+pytestmark = pytest.mark.django_db
+
+
+def _client(world, who: str, *, superuser: bool = False) -> Client:
+    user = world.users[who]
+    if superuser:
+        user.is_superuser = True
+        user.save()
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def _count(client, url: str) -> int:
+    client.get(url)  # warm the session and per-process caches
+    with CaptureQueriesContext(connection) as ctx:
+        response = client.get(url)
+    assert response.status_code == 200, (url, response.status_code)
+    return len(ctx.captured_queries)
+
+
+# --- 1. N+1 on the cluster admin changelist ---------------------------------------------------------
+
+
+def test_cluster_admin_changelist_runs_the_same_queries_for_3_and_30_clusters():
+    world = make_world()
+    client = _client(world, "staff", superuser=True)
+    grow(world, 3)
+    small = _count(client, "/admin/provisioning/virtualcluster/")
+    grow(world, 27)
+    big = _count(client, "/admin/provisioning/virtualcluster/")
+    assert big == small, f"{small} queries for 3 clusters, {big} for 30 (Reservation.__str__ loads tenant and pool)"
+
+
+# --- 2. N+1 on the dashboard's cluster badges ------------------------------------------------------
+
+
+def test_dashboard_runs_the_same_queries_for_3_and_20_upcoming_reservations():
+    world = make_world()
+    client = _client(world, "alpha-lead")
+    grow(world, 3)
+    small = _count(client, "/")
+    grow(world, 17)
+    big = _count(client, "/")
+    assert big == small, f"{small} queries with 3 upcoming reservations, {big} with 20 (one per cluster badge)"
+
+
+# --- 3-5. list orderings with no index: a sort of the whole table on every page ----------------------
+
+
+def _plan(client, url: str, table: str) -> str:
+    """EXPLAIN (seq scans and sorts priced out) of the page query the URL runs on table."""
+    client.get(url)
+    with CaptureQueriesContext(connection) as ctx:
+        assert client.get(url).status_code == 200
+    sql = next(q["sql"] for q in ctx.captured_queries
+               if q["sql"].startswith("SELECT") and f'FROM "{table}"' in q["sql"]
+               and re.search(r"ORDER BY [^()]*(LIMIT \d+)?$", q["sql"]) and "COUNT(" not in q["sql"])
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL enable_seqscan = off")
+        cur.execute("SET LOCAL enable_sort = off")
+        cur.execute("EXPLAIN " + sql)
+        return "\n".join(r[0] for r in cur.fetchall())
+
+
+@pytest.mark.parametrize("url,table", [
+    ("/api/v1/health-checks/", "health_healthcheck"),
+    ("/admin/health/healthcheck/", "health_healthcheck"),
+    ("/api/v1/reservations/", "reservations_reservation"),
+    ("/admin/reservations/reservation/", "reservations_reservation"),
+    ("/api/v1/clusters/", "provisioning_virtualcluster"),
+    ("/clusters/", "provisioning_virtualcluster"),
+])
+def test_staff_lists_read_their_order_from_an_index(url, table):
+    world = make_world()
+    grow(world, 5)
+    client = _client(world, "staff", superuser=True)
+    plan = _plan(client, url, table)
+    assert "Sort" not in plan and f"Seq Scan on {table}" not in plan, (
+        f"{url} sorts all of {table} for one page:\n{plan}")
+
+
+# --- 6. the fleet timeline renders every node ------------------------------------------------------
+
+
+def test_fleet_timeline_shows_a_bounded_page_of_nodes():
+    world = make_world()
+    Node.objects.bulk_create([Node(hostname=f"bulk-{i:04d}", pool=world.pool) for i in range(150)])
+    client = _client(world, "staff")
+    body = client.get("/fleet/").content.decode()
+    shown = body.count('data-node="')
+    assert shown <= 100, f"/fleet/ rendered {shown} node rows in one response"
+    seen = set(re.findall(r'data-node="([^"]+)"', body))
+    page = 2
+    while len(seen) < 154 and page < 10:
+        seen |= set(re.findall(r'data-node="([^"]+)"', client.get(f"/fleet/?page={page}").content.decode()))
+        page += 1
+    assert len(seen) == 154  # every node is still reachable
+
+
+# --- 7. a duplicate index on the biggest table -----------------------------------------------------
+
+
+def test_allocation_table_has_no_duplicate_indexes():
+    with connection.cursor() as cur:
+        cur.execute("""SELECT regexp_replace(indexdef, 'INDEX \\S+ ON', 'INDEX ON'), array_agg(indexname)
+                       FROM pg_indexes WHERE tablename = 'reservations_allocation' GROUP BY 1 HAVING count(*) > 1""")
+        dupes = cur.fetchall()
+    assert dupes == [], dupes
+
+
+# --- 8. the cluster list loads what it does not show ----------------------------------------------
+
+
+def test_cluster_list_page_loads_no_transitions_credentials_or_nodes():
+    world = make_world()
+    grow(world, 5)
+    client = _client(world, "alpha-lead")
+    client.get("/clusters/")
+    with CaptureQueriesContext(connection) as ctx:
+        client.get("/clusters/")
+    unused = [q["sql"][:120] for q in ctx.captured_queries
+              if re.search(r'FROM "(provisioning_clustertransition|provisioning_clustercredential'
+                           r'|reservations_allocation)"', q["sql"])]
+    assert unused == []
+
+
+# --- 9. the dashboard's quota card: two queries per pool the tenant has a quota in ------------------
+
+
+def test_dashboard_quota_usage_is_not_two_queries_per_pool():
+    from reservations.models import Pool
+    from tenants.models import Quota
+
+    world = make_world()
+    client = _client(world, "alpha-lead")
+    small = _count(client, "/")
+    for i in range(8):
+        pool = Pool.objects.create(name=f"extra-{i}", gpu_model="L40S", gpus_per_node=4)
+        Quota.objects.create(tenant=world.tenants["alpha"], pool=pool, max_nodes=1)
+    big = _count(client, "/")
+    assert big == small, f"{small} queries with 1 quota, {big} with 9 (tenant_peak_usage twice per quota)"
+
+
+def test_the_one_statement_peaks_agree_with_tenant_peak_usage_per_pool():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from reservations import selectors
+
+    world = make_world()
+    grow(world, 6)
+    tenant = world.tenants["alpha"]
+    now = timezone.now()
+    for end in (now + timedelta(seconds=1), now + timedelta(days=14)):
+        got = selectors.tenant_peak_usage_by_pool(tenant_id=tenant.pk, start=now, end=end)
+        want = selectors.tenant_peak_usage(tenant_id=tenant.pk, pool_id=world.pool.pk, start=now, end=end)
+        assert got.get(world.pool.pk, 0) == want == 6
