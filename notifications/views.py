@@ -15,7 +15,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
 from portal.core.crypto import mask
-from portal.core.exceptions import DomainError
+from portal.core.exceptions import DomainError, InvalidInput
 from tenants.choices import Role
 from tenants.services import tenant_slack_webhook_set
 from tenants.views import portal_view, render_page
@@ -187,6 +187,13 @@ def webhook_create(request):
     try:
         channel, secret = services.webhook_create(actor=request.user, tenant=tenant, url=form.cleaned_data["url"],
                                                   name=form.cleaned_data["name"], events=form.cleaned_data["events"])
+    except InvalidInput as exc:
+        # Refused input (a private address, a control character): say why next to what was typed.
+        for field, message in (exc.fields or {}).items():
+            form.add_error(field if field in form.fields else None, message)
+        form.add_error(None, exc.detail)
+        return render_page(request, "notifications/settings.html",
+                           _settings_context(request, tenant, webhook_form=form), status=400)
     except DomainError as exc:
         return _error(request, exc)
     # The secret is shown in this response only; it is stored encrypted and never displayed again.

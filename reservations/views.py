@@ -305,6 +305,7 @@ def booking_form(request):
     portal = request.portal
     _require_booking(request)
     suggestions: list[dict] = []
+    notice = ""
     status = 200
     if request.method == "POST":
         form = BookingForm(request.POST, user=request.user, tenant=portal.tenant)
@@ -348,7 +349,12 @@ def booking_form(request):
             },
             user=request.user, tenant=portal.tenant,
         )
-    context = {"form": form, "suggestions": suggestions}
+        if pool_name and not form.fields["pool"].queryset.filter(name=pool_name).exists():
+            # The calendar shows every pool; booking is only in the tenant's quota pools. Never let the
+            # select quietly show another pool (its first option) for a window picked on this one.
+            form.fields["pool"].empty_label = "— choose a pool —"
+            notice = f"{portal.tenant.name} has no quota in {pool_name}; choose one of its pools."
+    context = {"form": form, "suggestions": suggestions, "notice": notice}
     if _is_partial(request):
         # htmx swaps only 2xx answers; the refusal is in the body.
         return render_page(request, "reservations/_booking_form.html", context)
@@ -376,6 +382,27 @@ def booking_preview(request):
 # --- one reservation --------------------------------------------------------------------------
 
 
+def _instant(value) -> datetime | None:
+    try:
+        return datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def _history(reservation) -> list:
+    """The status timeline; a changed start or end as instants (the audit keeps UTC text), so the page
+    shows them in the user's zone like every other time on it."""
+    entries = list(selectors.reservation_history(reservation=reservation))
+    for h in entries:
+        before, after = h.before or {}, h.after or {}
+        h.changes = [
+            (label, _instant(before.get(key)), _instant(after.get(key)))
+            for key, label in (("start", "start"), ("end", "end"))
+            if before.get(key) and after.get(key) and before[key] != after[key]
+        ]
+    return entries
+
+
 def _detail_context(request, reservation) -> dict:
     portal = request.portal
     pool = reservation.pool
@@ -391,7 +418,7 @@ def _detail_context(request, reservation) -> dict:
     return {
         "reservation": reservation,
         "nodes": sorted(a.node.hostname for a in reservation.active_allocations),
-        "history": list(selectors.reservation_history(reservation=reservation)),
+        "history": _history(reservation),
         "changeable": changeable,
         "extend_form": ExtendForm(initial={"end": reservation.end + slot}),
         "extend_options": extend_options,

@@ -15,7 +15,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
-from django.contrib.auth.decorators import login_required
+from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.db.models import OuterRef, Subquery
 from django.http import HttpResponseRedirect, JsonResponse
@@ -23,6 +23,7 @@ from django.shortcuts import render
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
+from django_htmx.http import HttpResponseClientRedirect
 
 from . import services
 from .choices import BOOKING_ROLES, Role
@@ -110,9 +111,10 @@ def portal_view(view=None, *, staff_only: bool = False):
     """Decorate an HTML view: sign-in required, request.portal set, rendered in the user's zone."""
 
     def decorate(fn):
-        @login_required
         @wraps(fn)
         def wrapper(request, *args, **kwargs):
+            if not request.user.is_authenticated:
+                return _to_sign_in(request)
             request.portal = resolve_portal(request)
             if staff_only and not request.user.is_staff:
                 raise PermissionDenied("Platform staff only.")
@@ -122,6 +124,17 @@ def portal_view(view=None, *, staff_only: bool = False):
         return wrapper
 
     return decorate(view) if view is not None else decorate
+
+
+def _to_sign_in(request):
+    """Send a signed-out user to the sign-in page. An htmx request (a panel, a poll) gets the whole
+    window sent there, back to the page it came from: following the redirect itself would paste the
+    sign-in page into the fragment's target."""
+    htmx = getattr(request, "htmx", False)
+    if htmx:
+        back = htmx.current_url_abs_path or settings.LOGIN_REDIRECT_URL
+        return HttpResponseClientRedirect(redirect_to_login(back)["Location"])
+    return redirect_to_login(request.get_full_path())
 
 
 def portal_json(fn):

@@ -1,19 +1,17 @@
 """The audit log as a page: a tenant's lead sees every change made to their tenant; staff see all.
 
 The core app sits below tenants, so it does not import them: a user's lead roles come through
-the ``memberships`` reverse relation, and staff's tenant names through the app registry.
+the ``memberships`` reverse relation, and staff's tenant names through the app registry. The
+root URLconf wraps the view in ``tenants.views.portal_view`` (sign-in, the page header's portal
+context, the user's time zone), as every portal page is.
 """
 
 from __future__ import annotations
 
-import zoneinfo
-
 from django.apps import apps
-from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.shortcuts import render
-from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from .admin import format_change
@@ -23,14 +21,6 @@ __all__ = ["audit_log"]
 
 PAGE_SIZE = 50
 LEAD = "lead"
-
-
-def _time_zone(request) -> zoneinfo.ZoneInfo:
-    # The zone the portal pages use (chosen on the account page); UTC when unset or unknown.
-    try:
-        return zoneinfo.ZoneInfo(request.session.get("portal_tz") or "UTC")
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-        return zoneinfo.ZoneInfo("UTC")
 
 
 def _visible_tenants(user) -> dict[int, str]:
@@ -43,7 +33,6 @@ def _visible_tenants(user) -> dict[int, str]:
 
 
 @require_GET
-@login_required
 def audit_log(request):
     tenants = _visible_tenants(request.user)
     if not tenants and not request.user.is_staff:
@@ -62,8 +51,7 @@ def audit_log(request):
         {"entry": e, "tenant": tenants.get(e.tenant_id, ""), "change": format_change(e.before or {}, e.after or {})}
         for e in page.object_list
     ]
-    with timezone.override(_time_zone(request)):
-        return render(request, "core/audit_list.html", {
-            "page": page, "rows": rows, "tenants": sorted(tenants.items(), key=lambda t: t[1]),
-            "selected": selected, "action": action,
-        })
+    return render(request, "core/audit_list.html", {
+        "portal": getattr(request, "portal", None), "page": page, "rows": rows,
+        "tenants": sorted(tenants.items(), key=lambda t: t[1]), "selected": selected, "action": action,
+    })

@@ -41,7 +41,51 @@
     }
   }
 
+  // htmx swaps only 2xx answers, so a refused (403: CSRF after signing in again elsewhere), missing or
+  // failed request would leave the user at a button that does nothing. Say so above what they typed.
+  function onHtmxError(event) {
+    var detail = event.detail || {};
+    var status = detail.xhr ? detail.xhr.status : 0;
+    var text;
+    if (status === 403) {
+      text = "The portal refused this: your session has changed (signed out or in again in another tab?). " +
+             "Reload the page, or sign in again, and try once more.";
+    } else if (status === 0) {
+      text = "Could not reach the portal. Check your connection and try again.";
+    } else {
+      text = "Something went wrong (HTTP " + status + "). Try again, or reload the page.";
+    }
+    var target = detail.target;
+    var box = target && target.isConnected ? target : document.getElementById("main");
+    if (!box) { window.alert(text); return; }
+    var old = box.querySelector("[data-htmx-error]");
+    if (old) { old.remove(); }
+    var p = document.createElement("p");
+    p.className = "error";
+    p.setAttribute("role", "alert");
+    p.setAttribute("data-htmx-error", "");
+    p.setAttribute("tabindex", "-1");
+    p.textContent = text;
+    box.insertBefore(p, box.firstChild);
+    // Focus follows only what the user did (a submit, a click), never a poll or the live preview.
+    var cause = detail.requestConfig && detail.requestConfig.triggeringEvent;
+    if (cause && (cause.type === "submit" || cause.type === "click")) { p.focus({ preventScroll: false }); }
+  }
+
+  // Plain forms ask first through data-confirm (on the form or its submit button), never an inline
+  // onsubmit/onclick: the production CSP has no 'unsafe-inline', so the browser ignores those and the
+  // form would post without asking.
+  function onSubmit(event) {
+    var form = event.target;
+    var button = event.submitter;
+    var text = (button && button.getAttribute("data-confirm")) || (form.getAttribute && form.getAttribute("data-confirm"));
+    if (text && !window.confirm(text)) { event.preventDefault(); }
+  }
+
   document.addEventListener("DOMContentLoaded", fillTimeZone);
+  document.addEventListener("submit", onSubmit);
+  document.addEventListener("htmx:responseError", onHtmxError);
+  document.addEventListener("htmx:sendError", onHtmxError);
   document.addEventListener("click", onClick);
   document.addEventListener("htmx:afterSwap", onSwap);
 })();

@@ -1,0 +1,71 @@
+"""Pages (Django test client): no pool silently preselected, local times in the timeline,
+a refused webhook URL keeping what the lead typed, the audit page dressed like the others."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+
+from notifications.models import Channel
+from reservations import services
+from reservations.models import Pool
+
+pytestmark = pytest.mark.django_db
+
+
+def _select(html: str, name: str) -> str:
+    return re.search(rf'<select name="{name}"[^>]*>(.*?)</select>', html, re.S).group(1)
+
+
+def test_booking_form_for_a_pool_without_quota_does_not_silently_book_another(world, web):
+    """The calendar lists every pool; the form only the tenant's quota pools. Dragging across a100's shading
+    opened a form whose pool box quietly showed h100 (the first option), and Book booked h100 nodes."""
+    Pool.objects.create(name="a100", gpu_model="A100", gpus_per_node=8, on_demand_rate="1.5")  # no alpha quota
+    html = web("alpha-lead").get("/reservations/new/", {"pool": "a100"}).content.decode()
+    options = re.findall(r'<option value="([^"]*)"', _select(html, "pool"))
+    assert options[0] == "", options  # nothing preselected: Book asks for a pool instead of booking h100
+    assert re.search(r"no quota in a100", html, re.I), "the form should say why a100 is not offered"
+
+
+def test_status_timeline_shows_a_changed_end_in_the_users_zone(world, web, t0):
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=t0, end=t0 + timedelta(hours=2), name="tz-run")
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=r, end=t0 + timedelta(hours=4))
+    client = web("alpha-lead")
+    session = client.session
+    session["portal_tz"] = "America/New_York"
+    session.save()
+    html = client.get(f"/reservations/{r.pk}/").content.decode()
+    timeline = html[html.index('id="timeline-title"'):]
+    timeline = timeline[:timeline.index("</section>")]
+    assert "Z →" not in timeline and not re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", timeline), timeline
+    from zoneinfo import ZoneInfo
+    local_end = (t0 + timedelta(hours=4)).astimezone(ZoneInfo("America/New_York"))
+    assert f"{local_end:%H:%M}" in timeline
+
+
+def test_a_refused_webhook_url_keeps_what_the_lead_typed(world, web, settings):
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
+    response = web("alpha-lead").post("/notifications/webhooks/", {
+        "name": "ci-hook", "url": "http://10.1.2.3/hooks/gpu", "events": ["reservation.confirmed"],
+    }, follow=True)
+    html = response.content.decode()
+    assert not Channel.objects.filter(name="ci-hook").exists()
+    assert "public addresses" in html  # the reason is shown …
+    assert 'value="ci-hook"' in html and 'value="http://10.1.2.3/hooks/gpu"' in html  # … next to what was typed
+    assert response.redirect_chain == []  # re-rendered, not redirected to an empty form
+
+
+def test_audit_page_keeps_the_portal_header_and_says_which_zone_it_shows(world, web):
+    """The audit page rendered without the portal context: on it a lead's nav lost the Notifications and
+    Audit links, the header lost the tenant and role, and nothing said in which zone its times are."""
+    client = web("alpha-lead")
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    html = client.get("/audit/").content.decode()
+    assert 'href="/notifications/"' in html and 'aria-current="page">Audit</a>' in html
+    assert 'data-role="lead"' in html
+    assert "Times are shown in" in html and "Asia/Tokyo" in html
