@@ -139,7 +139,7 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
     search_fields = ("hostname",)
     list_select_related = ("pool",)
     inlines = [MaintenanceInline]
-    actions = ["drain", "schedule_maintenance", "return_to_service"]
+    actions = ["drain", "schedule_maintenance", "end_maintenance", "return_to_service"]
 
     def get_readonly_fields(self, request, obj=None):
         return ("hostname", "pool", "gpus") if obj is not None else ()
@@ -181,6 +181,20 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
     @admin.action(description="Return selected nodes to service")
     def return_to_service(self, request, queryset):
         self._set_state(request, queryset, NodeState.AVAILABLE, "", "Returned to service")
+
+    @admin.action(description="End or withdraw the maintenance windows of selected nodes")
+    def end_maintenance(self, request, queryset):
+        windows = self.run_service(request, services.maintenance_windows_end, actor=request.user,
+                                   nodes=list(queryset))
+        if windows is None:
+            return
+        if not windows:
+            self.message_user(request, "No current or coming maintenance window to end.", messages.WARNING)
+            return
+        described = [f"{w.node.hostname}: "
+                     + ("withdrawn" if not w.active else f"ends {w.period.upper:%Y-%m-%d %H:%M} UTC")
+                     for w in windows]
+        self.message_user(request, "Maintenance " + "; ".join(described) + ".", messages.SUCCESS)
 
     @admin.action(description="Schedule a maintenance window for selected nodes…")
     def schedule_maintenance(self, request, queryset):

@@ -39,7 +39,7 @@ from .choices import (
     ReservationStatus,
 )
 from .models import Allocation, IdempotencyKey, Node, Pool, Reservation
-from .timeutil import is_aligned, slot_floor
+from .timeutil import is_aligned, slot_ceil, slot_floor
 
 __all__ = [
     "pool_create",
@@ -47,6 +47,7 @@ __all__ = [
     "node_update",
     "maintenance_window_create",
     "maintenance_windows_create",
+    "maintenance_windows_end",
     "reservation_create",
     "reservation_update",
     "reservation_cancel",
@@ -736,6 +737,41 @@ def maintenance_windows_create(*, actor: Any, nodes: list[Node], start: datetime
                 raise
             raise CapacityUnavailable("A node is booked during that window. Nothing was scheduled.", suggestions=[])
     return created
+
+
+def maintenance_windows_end(*, actor: Any, nodes: list[Node], now: datetime | None = None) -> list[Allocation]:
+    """Give the nodes back from their current and coming maintenance windows (a window entered by mistake, work
+    finished early); return the windows changed.
+
+    A window not yet begun is withdrawn (kept, inactive, for the record); one in progress ends at the
+    next slot boundary (the nodes are bookable from there). All the nodes' windows or none, audited.
+    """
+    now = now or timezone.now()
+    changed: list[Allocation] = []
+    with transaction.atomic(durable=True):
+        _lock_nodes([n.pk for n in nodes])  # the same queue as bookings and maintenance scheduling
+        windows = list(
+            Allocation.objects.select_for_update(of=("self",)).select_related("node__pool")
+            .filter(node__in=nodes, kind=AllocationKind.MAINTENANCE, active=True, period__endswith__gt=now)
+            .order_by("node_id", "period")
+        )
+        for window in windows:
+            start, end = window.period.lower, window.period.upper
+            if start >= now:
+                window.active = False
+                action, after = "node.maintenance.withdraw", {"active": False}
+            else:
+                new_end = slot_ceil(now, window.node.pool.slot_minutes)
+                if new_end >= end:
+                    continue  # it ends within this slot anyway
+                window.period = DateTimeTZRange(start, new_end, "[)")
+                action, after = "node.maintenance.end", {"end": format_utc(new_end)}
+            window.save(update_fields=["active", "period"])
+            audit_record(actor=actor, action=action, obj=window,
+                         before={"node": window.node.hostname, "start": format_utc(start), "end": format_utc(end)},
+                         after={"node": window.node.hostname, **after})
+            changed.append(window)
+    return changed
 
 
 # --- failed nodes -----------------------------------------------------------------------

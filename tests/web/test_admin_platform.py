@@ -7,6 +7,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
 
+from portal.core.models import AuditLog
 from reservations.choices import AllocationKind
 from reservations.models import Allocation
 from tenants.models import Membership, Tenant
@@ -95,3 +96,76 @@ def test_maintenance_on_several_nodes_is_all_or_nothing(world, staff, book, t0):
     assert "is booked during that window" in response.content.decode()
     # was: the free node got its window, the booked one not: half a rack in maintenance
     assert not Allocation.objects.filter(kind=AllocationKind.MAINTENANCE).exists()
+
+
+
+def _maintenance(world, nodes, start, end):
+    from reservations.services import maintenance_windows_create
+
+    return maintenance_windows_create(actor=world.users["staff"], nodes=nodes, start=start, end=end, note="mistake")
+
+
+def _end_maintenance(staff, nodes):
+    return staff.post(reverse("admin:reservations_node_changelist"), {
+        "action": "end_maintenance", "_selected_action": [n.pk for n in nodes]}, follow=True)
+
+
+def test_a_coming_maintenance_window_can_be_withdrawn(world, staff, t0):
+    """A window entered by mistake no longer blocks its nodes until someone edits the database."""
+    nodes = world.nodes[:4]
+    _maintenance(world, nodes, t0, t0 + timedelta(hours=4))
+    assert world.client("alpha-lead").post("/api/v1/reservations/", {
+        "pool": "h100", "node_count": 1, "start": t0.isoformat(), "end": (t0 + timedelta(hours=1)).isoformat()},
+        format="json").status_code == 409
+
+    response = _end_maintenance(staff, nodes[:2])
+    assert "withdrawn" in response.content.decode()
+    windows = Allocation.objects.filter(kind=AllocationKind.MAINTENANCE).order_by("node_id")
+    assert [w.active for w in windows] == [False, False, True, True]  # kept, inactive, for the record
+    assert AuditLog.objects.filter(action="node.maintenance.withdraw").count() == 2
+    booked = world.client("alpha-lead").post("/api/v1/reservations/", {
+        "pool": "h100", "node_count": 2, "start": t0.isoformat(), "end": (t0 + timedelta(hours=1)).isoformat()},
+        format="json")
+    assert booked.status_code == 201, booked.json()
+    assert sorted(booked.json()["nodes"]) == sorted(n.hostname for n in nodes[:2])
+    # Nothing left to end on those nodes: said so, nothing changed.
+    assert "No current or coming maintenance window" in _end_maintenance(staff, nodes[:2]).content.decode()
+
+
+def test_a_maintenance_window_in_progress_ends_at_the_next_slot(world, staff):
+    from django.utils import timezone
+
+    from reservations.services import maintenance_windows_end
+    from reservations.timeutil import slot_ceil, slot_floor
+
+    now = timezone.now()
+    start = slot_floor(now, 60) + timedelta(hours=1)
+    node = world.nodes[0]
+    _maintenance(world, [node], start, start + timedelta(hours=6))
+    later = start + timedelta(minutes=90)  # in its second hour
+    (window,) = maintenance_windows_end(actor=world.users["staff"], nodes=[node], now=later)
+    window.refresh_from_db()
+    assert window.active and window.period.lower == start
+    assert window.period.upper == slot_ceil(later, 60) == start + timedelta(hours=2)
+    entry = AuditLog.objects.get(action="node.maintenance.end")
+    assert entry.before["end"].startswith(f"{(start + timedelta(hours=6)):%Y-%m-%dT%H}")
+    # Ending it again within its last slot changes nothing.
+    assert maintenance_windows_end(actor=world.users["staff"], nodes=[node], now=later + timedelta(minutes=1)) == []
+
+
+def test_ending_maintenance_never_touches_bookings_or_past_windows(world, staff, book, t0):
+    from django.utils import timezone
+
+    from reservations.services import maintenance_windows_end
+
+    reservation = book("alpha-lead", t0 + timedelta(hours=8), nodes=1)
+    node = reservation.allocations.get().node
+    _maintenance(world, [node], t0, t0 + timedelta(hours=2))
+    past = Allocation.objects.create(node=node, period=(timezone.now() - timedelta(days=3),
+                                                        timezone.now() - timedelta(days=2)),
+                                     kind=AllocationKind.MAINTENANCE, note="last week")
+    (window,) = maintenance_windows_end(actor=world.users["staff"], nodes=[node])
+    assert window.period.lower == t0 and not window.active
+    past.refresh_from_db()
+    assert past.active
+    assert reservation.allocations.get().active
