@@ -8,7 +8,6 @@ Every read goes through the tenant scope (`for_user`, or `for_tenant` behind the
 from __future__ import annotations
 
 import bisect
-import hmac
 import zlib
 from datetime import UTC, date, datetime, timedelta
 
@@ -26,7 +25,8 @@ from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
 from portal.core.timefmt import format_utc
-from tenants.models import Quota, Tenant
+from tenants.models import Membership, Quota, Tenant
+from tenants.selectors import ical_feed_tenant, ical_feed_token
 from tenants.views import portal_json, portal_view, render_page
 
 from . import selectors, services
@@ -120,9 +120,11 @@ def _with_cluster(qs):
 
 
 def _feed_url(request, tenant: Tenant) -> str | None:
-    if not tenant.ical_token:
-        return None
-    return request.build_absolute_uri(reverse("ical-feed", args=[tenant.slug, tenant.ical_token]))
+    """The viewer's own feed address for the tenant (none for staff who are not members)."""
+    membership_id = (Membership.objects.filter(tenant=tenant, user=request.user).values_list("pk", flat=True)
+                     .first())
+    token = ical_feed_token(tenant=tenant, membership_id=membership_id) if membership_id else None
+    return request.build_absolute_uri(reverse("ical-feed", args=[tenant.slug, token])) if token else None
 
 
 # --- calendar ---------------------------------------------------------------------------------
@@ -640,9 +642,9 @@ def fleet(request):
 
 @require_safe
 def ical_feed(request, slug: str, token: str):
-    """The tenant's reservations as text/calendar. The secret token in the URL is the credential."""
-    tenant = Tenant.objects.filter(slug=slug).exclude(ical_token="").first()
-    if tenant is None or not hmac.compare_digest(tenant.ical_token.encode(), token.encode()):
+    """The tenant's reservations as text/calendar. The member's secret token in the URL is the credential."""
+    tenant = ical_feed_tenant(slug=slug, token=token)
+    if tenant is None:
         raise Http404("No such feed.")
     now = timezone.now()
     body = build_feed(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from .models import Membership, Quota, Tenant
 
-__all__ = ["role_of", "tenants_for_user", "quota_for"]
+__all__ = ["role_of", "tenants_for_user", "quota_for", "ical_feed_token", "ical_feed_tenant"]
 
 
 def role_of(*, user, tenant: Tenant) -> str | None:
@@ -22,3 +25,33 @@ def tenants_for_user(*, user):
 
 def quota_for(*, tenant: Tenant, pool) -> Quota | None:
     return Quota.objects.filter(tenant=tenant, pool=pool).first()
+
+
+# A calendar feed address is personal: "<membership id>-<MAC>", the MAC keyed with the tenant's feed
+# secret (Tenant.ical_token, never shown itself). It works as long as that membership exists and its
+# user is active, so someone who leaves the tenant loses the feed and the others keep theirs; a lead
+# issuing a new secret changes every member's address at once.
+_FEED_MAC_HEX = 32  # 128 bits
+
+
+def ical_feed_token(*, tenant: Tenant, membership_id: int) -> str | None:
+    """Return a member's feed token for the tenant, or None while the tenant has no feed secret."""
+    if not tenant.ical_token:
+        return None
+    mac = hmac.new(tenant.ical_token.encode(), f"ical-member:{membership_id}".encode(), hashlib.sha256)
+    return f"{membership_id}-{mac.hexdigest()[:_FEED_MAC_HEX]}"
+
+
+def ical_feed_tenant(*, slug: str, token: str) -> Tenant | None:
+    """Return the tenant whose feed the token opens: a current, active member's, for that slug; else None."""
+    member_id, _, mac = token.partition("-")
+    if not (member_id.isascii() and member_id.isdigit()) or len(mac) != _FEED_MAC_HEX or len(member_id) > 18:
+        return None
+    membership = (Membership.objects.select_related("tenant")
+                  .filter(pk=int(member_id), tenant__slug=slug, user__is_active=True).first())
+    if membership is None:
+        return None
+    expected = ical_feed_token(tenant=membership.tenant, membership_id=membership.pk)
+    if expected is None or not hmac.compare_digest(expected.encode(), token.encode()):
+        return None
+    return membership.tenant

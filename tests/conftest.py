@@ -95,6 +95,15 @@ def t0():
     return slot_floor(timezone.now(), 60) + timedelta(days=1)
 
 
+def feed_path(tenant, user) -> str:
+    """The user's personal calendar-feed path for the tenant (tenants.selectors.ical_feed_token)."""
+    from tenants.models import Membership
+    from tenants.selectors import ical_feed_token
+
+    membership = Membership.objects.get(tenant=tenant, user=user)
+    return f"/ical/{tenant.slug}/{ical_feed_token(tenant=tenant, membership_id=membership.pk)}.ics"
+
+
 def iso(dt) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%SZ")
 

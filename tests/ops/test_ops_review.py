@@ -17,6 +17,8 @@ import yaml
 from cryptography.fernet import Fernet
 from django.test import Client
 
+from tests.conftest import feed_path
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
@@ -113,11 +115,13 @@ def test_ical_feed_token_never_reaches_the_access_log(world):
     lg.addHandler(handler)
     lg.setLevel(logging.INFO)
     try:
-        assert Client().get(f"/ical/{alpha.slug}/{alpha.ical_token}.ics").status_code == 200
+        path = feed_path(alpha, world.users["alpha-viewer"])
+        assert Client().get(path).status_code == 200
     finally:
         lg.removeHandler(handler)
         lg.setLevel(old)
-    assert "alpha-feed-secret" not in stream.getvalue(), stream.getvalue()
+    assert path.rsplit("/", 1)[1].removesuffix(".ics") not in stream.getvalue(), stream.getvalue()
+    assert "alpha-feed-secret" not in stream.getvalue()
 
 
 # --- F5: one undecryptable Slack URL makes every load of its tenant raise -------------------------
@@ -129,7 +133,7 @@ def test_unreadable_slack_url_does_not_take_down_the_tenants_calendar_feed(world
     alpha.save()
     settings.PORTAL_FERNET_KEYS = [Fernet.generate_key().decode()]  # old key dropped too early
     client = Client(raise_request_exception=False)
-    response = client.get(f"/ical/{alpha.slug}/{alpha.ical_token}.ics")
+    response = client.get(feed_path(alpha, world.users["alpha-viewer"]))
     assert response.status_code == 200, response.status_code
 
 

@@ -95,8 +95,10 @@ def test_fleet_timeline_shows_nodes_reservations_maintenance_and_state(world, we
     assert web("alpha-lead").get("/fleet/").status_code == 403
 
 
-def _feed(client, tenant):
-    return client.get(f"/ical/{tenant.slug}/{tenant.ical_token}.ics")
+def _feed(client, tenant, world=None, who="alpha-viewer"):
+    from tests.conftest import feed_path
+
+    return client.get(feed_path(tenant, tenant.memberships.get(user__username=who).user))
 
 
 def test_ical_feed_parses_has_stable_uids_and_only_the_tenants_events(world, client, book, t0):
@@ -130,22 +132,58 @@ def test_ical_feed_parses_has_stable_uids_and_only_the_tenants_events(world, cli
 
 
 def test_ical_feed_refuses_wrong_or_missing_tokens(world, client, book, t0):
+    from tests.conftest import feed_path
+
     alpha, beta = world.tenants["alpha"], world.tenants["beta"]
-    assert client.get("/ical/alpha/anything.ics").status_code == 404  # no token issued: no feed
+    viewer = world.users["alpha-viewer"]
+    member_id = alpha.memberships.get(user=viewer).pk
+    assert client.get(f"/ical/alpha/{member_id}-{'0' * 32}.ics").status_code == 404  # no secret issued: no feed
     alpha.ical_token, beta.ical_token = "alpha-token-aaaaaaaaaaaa", "beta-token-bbbbbbbbbbbbb"
     alpha.save()
     beta.save()
-    assert client.get("/ical/alpha/alpha-token-aaaaaaaaaaab.ics").status_code == 404
-    assert client.get("/ical/alpha/beta-token-bbbbbbbbbbbbb.ics").status_code == 404  # beta's token, alpha's slug
-    assert client.get("/ical/alpha/alpha-token-aaaaaaaaaaaa.ics").status_code == 200
+    good = feed_path(alpha, viewer)
+    assert client.get(good).status_code == 200
+    token = good.rsplit("/", 1)[1].removesuffix(".ics")
+    tampered = token[:-1] + ("0" if token[-1] != "0" else "1")
+    assert client.get(f"/ical/alpha/{tampered}.ics").status_code == 404
+    assert client.get(f"/ical/beta/{token}.ics").status_code == 404  # alpha's address, beta's slug
+    for junk in ("alpha-token-aaaaaaaaaaaa", "x-" + "0" * 32, f"{member_id}-short", "-" * 40, "９-" + "0" * 32):
+        assert client.get(f"/ical/alpha/{junk}.ics").status_code == 404, junk
+    # Another member's MAC on this member's id opens nothing either.
+    lead_token = feed_path(alpha, world.users["alpha-lead"]).rsplit("/", 1)[1].removesuffix(".ics")
+    assert client.get(f"/ical/alpha/{member_id}-{lead_token.split('-', 1)[1]}.ics").status_code == 404
 
 
-def test_dashboard_offers_the_feed_address(world, web):
+def test_a_member_who_leaves_loses_the_feed_and_the_others_keep_theirs(world, client):
+    """The feed address is personal: it dies with the membership (or the account), not the tenant's."""
+    from tenants.services import membership_delete
+    from tests.conftest import feed_path
+
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-token-aaaaaaaaaaaa"
+    alpha.save()
+    leaving, staying = feed_path(alpha, world.users["alpha-member"]), feed_path(alpha, world.users["alpha-viewer"])
+    assert client.get(leaving).status_code == client.get(staying).status_code == 200
+    membership_delete(actor=world.users["alpha-lead"], membership=alpha.memberships.get(user__username="alpha-member"))
+    assert client.get(leaving).status_code == 404
+    assert client.get(staying).status_code == 200
+    viewer = world.users["alpha-viewer"]
+    viewer.is_active = False
+    viewer.save()
+    assert client.get(staying).status_code == 404
+
+
+def test_dashboard_offers_each_member_their_own_feed_address(world, web):
+    from tests.conftest import feed_path
+
     alpha = world.tenants["alpha"]
     assert b"No calendar feed" in web("alpha-lead").get("/").content
     alpha.ical_token = "alpha-token-aaaaaaaaaaaa"
     alpha.save()
-    assert b"/ical/alpha/alpha-token-aaaaaaaaaaaa.ics" in web("alpha-viewer").get("/").content
+    viewer_page = web("alpha-viewer").get("/").content.decode()
+    assert feed_path(alpha, world.users["alpha-viewer"]) in viewer_page
+    assert feed_path(alpha, world.users["alpha-lead"]) not in viewer_page
+    assert alpha.ical_token not in viewer_page  # the tenant's secret itself is never shown
 
 
 def test_event_times_are_sent_in_utc(world, web, book, t0):

@@ -6,12 +6,13 @@ import pytest
 from icalendar import Calendar
 
 from reservations import services
+from tests.conftest import feed_path
 
 pytestmark = pytest.mark.django_db
 
 
 def _feed(client, tenant):
-    return client.get(f"/ical/{tenant.slug}/{tenant.ical_token}.ics")
+    return client.get(feed_path(tenant, tenant.memberships.get(user__username="alpha-viewer").user))
 
 
 def _unfold(body: bytes) -> list[str]:
@@ -68,6 +69,6 @@ def test_head_is_answered_like_get(world, client):
     alpha = world.tenants["alpha"]
     alpha.ical_token = "alpha-feed-secret-0123456789"
     alpha.save()
-    response = client.head(f"/ical/alpha/{alpha.ical_token}.ics")
+    response = client.head(feed_path(alpha, world.users["alpha-viewer"]))
     assert response.status_code == 200  # was: 405 (require_GET)
     assert response["Content-Type"] == "text/calendar; charset=utf-8"
