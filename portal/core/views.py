@@ -54,4 +54,12 @@ def audit_log(request):
     return render(request, "core/audit_list.html", {
         "portal": getattr(request, "portal", None), "page": page, "rows": rows,
         "tenants": sorted(tenants.items(), key=lambda t: t[1]), "selected": selected, "action": action,
+        "page_query": _page_query(request),
     })
+
+
+def _page_query(request) -> str:
+    """The list's filters (tenant, action, staff's all) for the paging links, encoded, ending in "&"."""
+    query = request.GET.copy()
+    query.pop("page", None)
+    return query.urlencode() + "&" if query else ""

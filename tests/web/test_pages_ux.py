@@ -69,3 +69,21 @@ def test_audit_page_keeps_the_portal_header_and_says_which_zone_it_shows(world, 
     assert 'href="/notifications/"' in html and 'aria-current="page">Audit</a>' in html
     assert 'data-role="lead"' in html
     assert "Times are shown in" in html and "Asia/Tokyo" in html
+
+
+def test_audit_paging_keeps_the_filters_encoded(world, web):
+    from portal.core.models import AuditLog
+    from portal.core.views import PAGE_SIZE
+
+    AuditLog.objects.bulk_create([AuditLog(action="node.maintenance", object_type="x", object_id=str(i))
+                                  for i in range(PAGE_SIZE + 5)])  # fleet changes: no tenant
+    html = web("staff").get("/audit/", {"all": "1", "action": "node.maint"}).content.decode()
+    (older,) = re.findall(r'href="\?([^"]*page=2)"', html)
+    assert "all=1" in older and "action=node.maint" in older
+    second = web("staff").get("/audit/?" + older.replace("&amp;", "&")).content.decode()
+    assert "page 2 of 2" in second
+
+
+def test_the_heatmap_refresh_line_is_not_announced_every_30_seconds(world, web):
+    html = web("alpha-viewer").get("/availability/grid/", {"pool": "h100"}).content.decode()
+    assert "Updated" in html and 'role="status">Updated' not in html
