@@ -76,7 +76,8 @@
     }).then(function (r) { return r.ok ? r.json() : Promise.reject(r); }).then(function (events) {
       success(month && !cfg.showAll ? compactMonth(events) : events);
     }).catch(function (err) {
-      say("Could not load reservations.", "error");
+      say(err && err.status === 401 ? "You are signed out. Reload the page to sign in again."
+        : "Could not load reservations.", "error");
       failure(err);
     });
   }

@@ -57,3 +57,11 @@ def test_a_refused_htmx_post_says_so_and_keeps_the_form(world, live_server, new_
     expect(alert).to_be_focused()
     expect(page.get_by_label("Name")).to_have_value("typed before the 403")
     assert not Reservation.objects.filter(name="typed before the 403").exists()
+
+
+def test_calendar_says_signed_out_when_its_feed_answers_401(world, live_server, new_page, sign_in, day):
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    Session.objects.all().delete()
+    page.get_by_role("button", name="Next day").click()  # the next day's reservations: a fetch without a session
+    expect(page.locator("#calendar-status")).to_contain_text("signed out")
