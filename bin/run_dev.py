@@ -25,6 +25,8 @@ def main() -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.dev")
     # The demo fleet does not exist: its GPU checks run against the fake NVML, five nodes faulty.
     os.environ.setdefault("PORTAL_FAKE_NVML", "@provisioning/health/simulated/demo_fleet.json")
+    # Links in notifications (Slack, reminders) point at the address this portal listens on.
+    os.environ.setdefault("PORTAL_BASE_URL", f"http://{HOST}:{PORT}")
     subprocess.run([PY, "bin/devservices.py", "up"], check=True)
     subprocess.run([PY, "manage.py", "migrate", "--no-input", "-v", "0"], check=True)
     subprocess.run([PY, "manage.py", "seed_demo"], check=True)

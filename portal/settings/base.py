@@ -247,4 +247,7 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": env("LOG_FORMAT", default="plain"),
                              "filters": ["request_id"]}},
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
+    # Django's DEFAULT_LOGGING gives `django` a console handler of its own (DEBUG only) and lets it
+    # propagate too: every django.* record came out twice under `make run`. Root's handler is enough.
+    "loggers": {"django": {"handlers": [], "level": "INFO", "propagate": True}},
 }
