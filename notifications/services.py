@@ -139,7 +139,10 @@ def _enqueue(delivery_ids: list[int], *, countdown: float | None = None) -> None
 
     def send() -> None:
         for pk in delivery_ids:
-            deliver_task.apply_async(args=[pk], countdown=countdown)
+            try:
+                deliver_task.apply_async(args=[pk], countdown=countdown)
+            except Exception:  # noqa: BLE001 - any broker error: the row is committed, the sweeper sends it
+                logger.warning("could not queue delivery %s; the sweeper will", pk, exc_info=True)
 
     transaction.on_commit(send)
 

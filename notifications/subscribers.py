@@ -1,8 +1,12 @@
 """Domain-event subscriber: decide cheaply whether anyone listens, then queue the fan-out.
 
 A background subscriber (portal.core.events): it runs in a Celery worker after the emitting
-transaction committed, so the request that caused the event never waits for it. It must
-never raise (portal.core.events logs and swallows anyway).
+transaction committed, so the request that caused the event never waits for it. It fans the
+event out itself, in that worker, rather than queueing notifications.fanout: the outbox row is
+deleted when this returns, and a fan-out message lost after that (a Redis restart, a flushed
+queue) left nothing behind that any relay or sweeper could find — no outbox row, no Delivery.
+Once the deliveries exist (committed), their rows are the source of truth (the sweeper). A
+failure raises, so the outbox keeps the event and runs it again (fan-out is keyed: idempotent).
 """
 
 from __future__ import annotations
@@ -21,10 +25,9 @@ def on_event(event: str, payload: dict[str, Any]) -> None:
     """Queue notifications.fanout for an event we translate and someone may want."""
     if not selectors.handles(event):
         return  # unknown or uninteresting events are ignored by design
-    from .services import demo_channel_ensure
-    from .tasks import fanout_task
+    from .services import demo_channel_ensure, event_fanout
 
     demo_channel_ensure()
     if not selectors.anyone_listening(event, payload):
         return
-    fanout_task.delay(event, selectors.jsonable(payload))
+    event_fanout(event=event, payload=selectors.jsonable(payload))

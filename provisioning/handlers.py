@@ -21,11 +21,16 @@ def on_reservation_confirmed(event: str, payload: dict[str, Any]) -> None:
 
 
 def on_reservation_changed(event: str, payload: dict[str, Any]) -> None:
-    from .models import VirtualCluster
-    from .services import _enqueue
+    """Converge the backend's copy of the booking here, in the outbox worker (a background subscriber).
 
-    if VirtualCluster.objects.filter(reservation_id=payload["reservation_id"]).exists():
-        _enqueue("sync_reservation", payload["reservation_id"])
+    Not by queueing provisioning.sync_reservation: the outbox row is deleted when this returns, so a
+    sync message lost after that (Redis restarted, the broker refused it and _send logged it) was
+    never sent again — nothing else resends syncs. A failure or a busy cluster (RetryLater) raises,
+    and the outbox runs the event again after its backoff; reservation_sync is level-triggered.
+    """
+    from .services import reservation_sync
+
+    reservation_sync(reservation_id=payload["reservation_id"])
 
 
 def on_reservation_cancelled(event: str, payload: dict[str, Any]) -> None:

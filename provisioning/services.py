@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import transaction
 from django.db.models import F, Q, Sum
 from django.utils import timezone
@@ -506,7 +507,16 @@ def _provision_locked(cluster_id: int) -> str:
         return _record_failure(cluster_id, BackendError(f"acceptance gate: {exc}"), during=FailedDuring.PROVISIONING)
     except BackendError as exc:
         return _record_failure(cluster_id, exc, during=FailedDuring.PROVISIONING)
+    except SoftTimeLimitExceeded:
+        # A phase that outlives the task's time limit counts as a failed attempt; uncounted, the tick
+        # resent it for ever and the cluster sat in that phase until its window ended.
+        return _record_failure(cluster_id, _timed_out(cluster_id), during=FailedDuring.PROVISIONING)
     return _finish_ready(cluster_id, done=done)
+
+
+def _timed_out(cluster_id: int) -> BackendError:
+    phase = VirtualCluster.objects.values_list("status", flat=True).get(pk=cluster_id)
+    return BackendError(f"{phase} did not finish within the task time limit")
 
 
 class _GateFailed(Exception):
@@ -826,6 +836,8 @@ def cluster_teardown(*, cluster_id: int) -> str:
                 done = backend.teardown(build_context(cluster_id))
         except BackendError as exc:
             return _record_failure(cluster_id, exc, during=FailedDuring.TEARDOWN)
+        except SoftTimeLimitExceeded:
+            return _record_failure(cluster_id, _timed_out(cluster_id), during=FailedDuring.TEARDOWN)
         if not done:
             VirtualCluster.objects.filter(pk=cluster_id).update(heartbeat_at=timezone.now())
             poll = RetryLater(setting_float("PORTAL_TEARDOWN_POLL_SECONDS", 5.0), "teardown in progress")

@@ -13,6 +13,7 @@ from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.cache import cache
+from redis.exceptions import RedisError
 from rest_framework.throttling import BaseThrottle
 
 from .models import Tenant
@@ -85,13 +86,26 @@ def _subjects(username: str, ip: str) -> list[tuple[str, str, int]]:
 def login_lock_remaining(username: str, ip: str) -> int:
     """Return the seconds left on a lockout of this username or address (0 when not locked)."""
     now = time.time()
-    until = max(
-        (cache.get(_key(f"lock-{kind}", value)) or 0) for kind, value, _limit in _subjects(username, ip)
-    )
+    try:
+        until = max(
+            (cache.get(_key(f"lock-{kind}", value)) or 0) for kind, value, _limit in _subjects(username, ip)
+        )
+    except RedisError:
+        # As the API throttle does (portal.core.throttle): Redis down lets the request through, logged;
+        # a sign-in page answering 500 to everyone is no protection either (/readyz reports Redis).
+        logger.warning("sign-in lockout not checked: the cache (Redis) is unreachable", exc_info=True)
+        return 0
     return max(0, int(until - now))
 
 
 def _record_failure(username: str, ip: str) -> None:
+    try:
+        _count_failure(username, ip)
+    except RedisError:
+        logger.warning("sign-in failure not counted: the cache (Redis) is unreachable", exc_info=True)
+
+
+def _count_failure(username: str, ip: str) -> None:
     window = _setting("PORTAL_LOGIN_WINDOW_SECONDS", LOGIN_WINDOW_SECONDS)
     lockout = _setting("PORTAL_LOGIN_LOCKOUT_SECONDS", LOGIN_LOCKOUT_SECONDS)
     for kind, value, limit in _subjects(username, ip):
@@ -109,7 +123,10 @@ def _record_failure(username: str, ip: str) -> None:
 
 
 def _clear_failures(username: str) -> None:
-    cache.delete(_key("fail-user", username.strip().lower()))
+    try:
+        cache.delete(_key("fail-user", username.strip().lower()))
+    except RedisError:
+        logger.warning("sign-in failures not cleared: the cache (Redis) is unreachable", exc_info=True)
 
 
 class LockoutMixin:

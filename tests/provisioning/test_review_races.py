@@ -264,11 +264,11 @@ def test_a_window_change_reaches_the_backend_through_the_outbox(world, t0, setti
     from provisioning.handlers import on_reservation_changed
     assert on_reservation_changed in events._handlers(events._background, "reservation.changed")
     assert on_reservation_changed not in events._handlers(events._subscribers, "reservation.changed")
-    sent = []
-    monkeypatch.setattr(services, "_send", lambda name, *args, countdown=None: sent.append((name, args)))
+    synced = []
+    monkeypatch.setattr(services, "reservation_sync", lambda *, reservation_id: synced.append(reservation_id))
     with django_capture_on_commit_callbacks(execute=True):
-        assert events.outbox_dispatch(row.pk) == "done"  # the worker's side: the sync task goes out
-    assert ("sync_reservation", (reservation.pk,)) in sent
+        assert events.outbox_dispatch(row.pk) == "done"  # the worker's side: the sync runs there
+    assert synced == [reservation.pk]
 
 
 @pytest.mark.django_db(transaction=True)
