@@ -130,6 +130,10 @@
     return pad(Math.floor(shift / 60)) + ":" + pad(shift % 60) + ":00";
   }
 
+  function hideIcons() {
+    el.querySelectorAll(".fc-icon[role='img']").forEach(function (icon) { icon.setAttribute("aria-hidden", "true"); });
+  }
+
   cal = new FullCalendar.Calendar(el, {
     timeZone: cfg.tz === browserTz ? "local" : cfg.tz,
     initialView: cfg.initialView || (narrow ? "timeGridDay" : "timeGridWeek"),
@@ -186,6 +190,9 @@
         arg.el.setAttribute("data-reservation-id", arg.event.id);
       }
     },
+    // FullCalendar's prev/next buttons are named by their title; the icon inside is an unnamed role="img"
+    // that screen readers announce as an empty image. Hide it (the toolbar re-renders with each view).
+    datesSet: hideIcons,
     loading: function (isLoading) {
       if (isLoading) { el.setAttribute("data-ready", "0"); return; }
       // Two frames after the last source renders, the events are painted.
@@ -198,6 +205,7 @@
     }
   });
   cal.render();
+  hideIcons();
   window.portalCalendar = cal;
 
   document.body.addEventListener("reservation-changed", function () {
