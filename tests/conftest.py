@@ -104,6 +104,23 @@ def feed_path(tenant, user) -> str:
     return f"/ical/{tenant.slug}/{ical_feed_token(tenant=tenant, membership_id=membership.pk)}.ics"
 
 
+def wait_for_lock_waiter(table: str, timeout: float = 10) -> None:
+    """Wait until another session is queued on a lock while running a statement that names table."""
+    import time
+
+    from django.db import connection
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND query ILIKE %s AND pid <> pg_backend_pid()", [f"%{table}%"])
+            if cur.fetchone()[0]:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"nothing queued on a lock while touching {table}")
+
+
 def iso(dt) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -8,7 +8,6 @@ still there) or books afresh (the key had expired and was pruned) — never a 50
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -18,7 +17,7 @@ from django.utils import timezone
 from reservations.models import IdempotencyKey, Reservation
 from reservations.services import idempotency_keys_prune, reservation_create
 
-from .conftest import iso, make_world
+from .conftest import iso, make_world, wait_for_lock_waiter
 
 
 def _post(world, t0, key: str, node_count: int = 1):
@@ -63,11 +62,15 @@ def test_prune_takes_one_batch_per_call(world, t0):
     assert Reservation.objects.count() == 5  # only the keys go, never the bookings
 
 
+def _book_keyed(world, t0, key: str, request_hash: str) -> Reservation:
+    return reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                              node_count=1, start=t0, end=t0 + timedelta(hours=1), idempotency_key=key,
+                              request_hash=request_hash)
+
+
 def _book(world, t0, key: str, result: dict) -> None:
     try:
-        result["value"] = reservation_create(
-            actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool, node_count=1,
-            start=t0, end=t0 + timedelta(hours=1), idempotency_key=key, request_hash="other-body")
+        result["value"] = _book_keyed(world, t0, key, "other-body")
     except BaseException as exc:  # noqa: BLE001 - asserted by the test
         result["value"] = exc
     finally:
@@ -78,9 +81,7 @@ def _book(world, t0, key: str, result: dict) -> None:
 def test_a_retry_waiting_on_a_prune_in_flight_books_afresh(t0):
     """The prune has deleted the expired key but not committed; the retry's claim waits, then books."""
     world = make_world()
-    first = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
-                               node_count=1, start=t0, end=t0 + timedelta(hours=1), idempotency_key="k",
-                               request_hash="body")
+    first = _book_keyed(world, t0, "k", "body")
     _age("k", 48)
     pruning, release = threading.Event(), threading.Event()
 
@@ -99,7 +100,7 @@ def test_a_retry_waiting_on_a_prune_in_flight_books_afresh(t0):
     result: dict = {}
     retry = threading.Thread(target=_book, args=(world, t0, "k", result))
     retry.start()
-    _wait_for_lock_waiter("reservations_idempotencykey")
+    wait_for_lock_waiter("reservations_idempotencykey")
     release.set()
     pruner.join(30)
     retry.join(30)
@@ -112,9 +113,7 @@ def test_a_retry_waiting_on_a_prune_in_flight_books_afresh(t0):
 def test_a_key_pruned_between_the_claim_and_its_read_is_claimed_afresh(t0):
     """The retry's INSERT met the old key; the prune committed before the retry read it back."""
     world = make_world()
-    first = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
-                               node_count=1, start=t0, end=t0 + timedelta(hours=1), idempotency_key="k",
-                               request_hash="body")
+    first = _book_keyed(world, t0, "k", "body")
     _age("k", 48)
     pruned: list[int] = []
 
@@ -129,9 +128,7 @@ def test_a_key_pruned_between_the_claim_and_its_read_is_claimed_afresh(t0):
     result: dict = {}
     with connection.execute_wrapper(prune_after_the_claim):
         try:
-            result["value"] = reservation_create(
-                actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool, node_count=1,
-                start=t0, end=t0 + timedelta(hours=1), idempotency_key="k", request_hash="other-body")
+            result["value"] = _book_keyed(world, t0, "k", "other-body")
         except BaseException as exc:  # noqa: BLE001 - asserted below
             result["value"] = exc
     assert pruned == [1]
@@ -146,14 +143,3 @@ def _prune_in_another_session(pruned: list[int]) -> None:
     finally:
         connection.close()
 
-
-def _wait_for_lock_waiter(table: str, timeout: float = 10) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with connection.cursor() as cur:
-            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND query ILIKE %s AND pid <> pg_backend_pid()", [f"%{table}%"])
-            if cur.fetchone()[0]:
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"nothing queued on a lock of {table}")

@@ -5,7 +5,6 @@ while it waited). Real threads on the real database."""
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -17,7 +16,7 @@ from reservations.services import reservation_create
 from tenants import services as tsvc
 from tenants.models import Membership, Quota, Tenant
 
-from .conftest import make_world
+from .conftest import make_world, wait_for_lock_waiter
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,16 +32,6 @@ def _hold_quota_lock(tenant, pool, locked: threading.Event, release: threading.E
         connection.close()
 
 
-def _wait_for_lock_waiter(timeout=10):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with connection.cursor() as cur:
-            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND query ILIKE '%%tenants_quota%%' AND pid <> pg_backend_pid()")
-            if cur.fetchone()[0]:
-                return
-        time.sleep(0.02)
-    raise AssertionError("the booking never queued on the quota lock")
 
 
 def _book_in_thread(result: dict, **kwargs):
@@ -65,7 +54,7 @@ def _race(world, t0, who: str, change, node_count=1):
         actor=world.users[who], tenant=tenant, pool=world.pool, node_count=node_count,
         start=t0, end=t0 + timedelta(hours=2)))
     booker.start()
-    _wait_for_lock_waiter()
+    wait_for_lock_waiter("tenants_quota")
     change()  # commits while the booking waits on the quota row
     release.set()
     holder.join(30)
@@ -134,7 +123,7 @@ def test_extension_by_member_removed_while_it_waits_is_refused(t0):
 
     t = threading.Thread(target=extend)
     t.start()
-    _wait_for_lock_waiter()
+    wait_for_lock_waiter("tenants_quota")
     tsvc.membership_delete(actor=staff, membership=membership)
     release.set()
     holder.join(30)

@@ -97,3 +97,34 @@ def drag(page: Page, d: date, start: str, end: str) -> None:
     page.mouse.move(x, (a["y"] + b["y"]) / 2 + a["height"] / 2, steps=4)
     page.mouse.move(x, b["y"] + b["height"] / 2, steps=4)
     page.mouse.up()
+
+
+def seed_pages_demo(feed_secret: str = "demo-feed-secret") -> tuple[date, object]:
+    """The demo fleet (seed_demo) plus every kind of row the pages show: a nearly full a100 day 30 days
+    ahead (15 of 16 nodes taken, so asking for 2 conflicts), a maintenance window tomorrow and a failed
+    node. Returns that far day and research's booking on it."""
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    from reservations import services
+    from reservations.models import Node, Pool
+    from tenants.models import Tenant
+
+    call_command("seed_demo", stdout=open(os.devnull, "w"))  # noqa: SIM115 - devnull
+    Tenant.objects.filter(slug="research").update(ical_token=feed_secret)
+    research, finetune = Tenant.objects.get(slug="research"), Tenant.objects.get(slug="finetune")
+    a100 = Pool.objects.get(name="a100-80gb")
+    far = (timezone.now() + timedelta(days=30)).date()
+    users = {u.username: u for u in get_user_model().objects.all()}
+    services.reservation_create(actor=users["finetune-lead"], tenant=finetune, pool=a100, node_count=12,
+                                start=at(far, 9), end=at(far, 13), name="finetune sweep")
+    mine = services.reservation_create(actor=users["research-lead"], tenant=research, pool=a100, node_count=3,
+                                       start=at(far, 9), end=at(far, 13), name="eval sweep")
+    tomorrow = timezone.now().date() + timedelta(days=1)
+    h100_002 = Node.objects.get(hostname="h100-sxm-002")
+    if not h100_002.allocations.filter(active=True, period__overlap=(at(tomorrow, 2), at(tomorrow, 8))).exists():
+        services.maintenance_window_create(actor=users["admin"], node=h100_002, start=at(tomorrow, 2),
+                                           end=at(tomorrow, 8), note="firmware update")
+    services.node_update(actor=users["admin"], node=Node.objects.get(hostname="a100-80gb-016"), state="failed",
+                         reason="XID 79: GPU fell off the bus")
+    return far, mine

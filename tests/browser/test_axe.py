@@ -4,21 +4,16 @@ with errors, a conflict with its suggestions, the reservation panel. No serious 
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest
 from axe_playwright_python.sync_playwright import Axe
-from django.contrib.auth import get_user_model
-from django.core.management import call_command
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from reservations import services
-from reservations.models import Node, Pool, Reservation
-from tenants.models import Tenant
+from reservations.models import Reservation
 
-from .conftest import DESKTOP, PHONE, at, drag
+from .conftest import DESKTOP, PHONE, drag, seed_pages_demo
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -28,30 +23,8 @@ AXE_OPTIONS = {"runOnly": {"type": "tag", "values": ["wcag2a", "wcag2aa", "wcag2
 BLOCKING = {"serious", "critical"}
 
 
-def _seed():
-    """The demo fleet plus what tests/browser/test_pages.py adds: a nearly full a100 day, maintenance, a failed node."""
-    call_command("seed_demo", stdout=open(os.devnull, "w"))
-    Tenant.objects.filter(slug="research").update(ical_token="demo-feed-token-for-axe")
-    research, finetune = Tenant.objects.get(slug="research"), Tenant.objects.get(slug="finetune")
-    a100 = Pool.objects.get(name="a100-80gb")
-    far = (timezone.now() + timedelta(days=30)).date()
-    users = {u.username: u for u in get_user_model().objects.all()}
-    services.reservation_create(actor=users["finetune-lead"], tenant=finetune, pool=a100, node_count=12,
-                                start=at(far, 9), end=at(far, 13), name="finetune sweep")
-    mine = services.reservation_create(actor=users["research-lead"], tenant=research, pool=a100, node_count=3,
-                                       start=at(far, 9), end=at(far, 13), name="eval sweep")
-    tomorrow = timezone.now().date() + timedelta(days=1)
-    h100_002 = Node.objects.get(hostname="h100-sxm-002")
-    if not h100_002.allocations.filter(active=True, period__overlap=(at(tomorrow, 2), at(tomorrow, 8))).exists():
-        services.maintenance_window_create(actor=users["admin"], node=h100_002, start=at(tomorrow, 2),
-                                           end=at(tomorrow, 8), note="firmware update")
-    services.node_update(actor=users["admin"], node=Node.objects.get(hostname="a100-80gb-016"), state="failed",
-                         reason="XID 79: GPU fell off the bus")
-    return far, mine
-
-
 def test_no_serious_or_critical_axe_violations(live_server, new_page):
-    far, mine = _seed()
+    far, mine = seed_pages_demo("demo-feed-token-for-axe")
     example = Reservation.objects.filter(tenant__slug="research").order_by("period").first()
     soon = (timezone.now() + timedelta(days=10)).date()
     url = live_server.url

@@ -11,15 +11,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from django.core.management import call_command
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from reservations import services
-from reservations.models import Node, Pool, Reservation
-from tenants.models import Tenant
+from reservations.models import Reservation
 
-from .conftest import DESKTOP, PHONE, at, drag
+from .conftest import DESKTOP, PHONE, drag, seed_pages_demo
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -51,28 +48,8 @@ def _check(page, shots: Path, name: str):
 
 
 def test_every_page_renders_on_desktop_and_phone(live_server, new_page, shots):
-    call_command("seed_demo", stdout=open(os.devnull, "w"))
-    Tenant.objects.filter(slug="research").update(ical_token="demo-feed-token-for-screenshots")
-    research, finetune = Tenant.objects.get(slug="research"), Tenant.objects.get(slug="finetune")
-    a100 = Pool.objects.get(name="a100-80gb")
-    far = (timezone.now() + timedelta(days=30)).date()
-    # A nearly full a100 pool on one far day: 15 of 16 nodes taken, so asking for 2 conflicts.
-    from django.contrib.auth import get_user_model
-
-    users = {u.username: u for u in get_user_model().objects.all()}
-    services.reservation_create(actor=users["finetune-lead"], tenant=finetune, pool=a100, node_count=12,
-                                start=at(far, 9), end=at(far, 13), name="finetune sweep")
-    services.reservation_create(actor=users["research-lead"], tenant=research, pool=a100, node_count=3,
-                                start=at(far, 9), end=at(far, 13), name="eval sweep")
-    example = Reservation.objects.filter(tenant=research).order_by("period").first()
-    # Maintenance and a failed node, so the fleet timeline shows every kind of row.
-    tomorrow = timezone.now().date() + timedelta(days=1)
-    h100_002 = Node.objects.get(hostname="h100-sxm-002")
-    if not h100_002.allocations.filter(active=True, period__overlap=(at(tomorrow, 2), at(tomorrow, 8))).exists():
-        services.maintenance_window_create(actor=users["admin"], node=h100_002, start=at(tomorrow, 2),
-                                           end=at(tomorrow, 8), note="firmware update")
-    services.node_update(actor=users["admin"], node=Node.objects.get(hostname="a100-80gb-016"), state="failed",
-                         reason="XID 79: GPU fell off the bus")
+    far, _ = seed_pages_demo("demo-feed-token-for-screenshots")
+    example = Reservation.objects.filter(tenant__slug="research").order_by("period").first()
 
     page = new_page(tz="Europe/Berlin", viewport=DESKTOP)
     page.goto(f"{live_server.url}/accounts/login/")

@@ -3,19 +3,14 @@ no persistence), and real Celery workers started against the test database."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.notify.conftest import book, notify_settings, receiver, webhook_for  # noqa: F401 - fixtures
-from tests.provisioning.conftest import RedisServer, database_url, free_port, wait_for
+from tests.provisioning.conftest import RedisServer, Worker, free_port, wait_for  # noqa: F401 - wait_for for the tests
+from tests.provisioning.conftest import start_worker as start_provisioning_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,47 +36,9 @@ def private_redis(tmp_path) -> Iterator[RedisServer]:
         server.stop()
 
 
-@dataclass
-class Worker:
-    proc: subprocess.Popen
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-
 def start_worker(log_dir: Path, redis_url: str, queues: str, *, settings_module: str = "tests.notify.worker_settings",
                  concurrency: int = 1, cache_redis_url: str | None = None, **env_extra: str) -> Worker:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": settings_module,
-        "DATABASE_URL": database_url(),
-        "REDIS_URL": cache_redis_url or redis_url,
-        "CELERY_BROKER_URL": redis_url,
-        "PYTHONUNBUFFERED": "1",
-        **env_extra,
-    }
-    log = log_dir / f"worker-{uuid.uuid4().hex[:8]}.log"
-    with log.open("wb") as handle:
-        proc = subprocess.Popen(  # noqa: S603 - fixed argv
-            [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queues, "-c", str(concurrency),
-             "-P", "prefork", "-l", "info", "-n", f"chaos-{uuid.uuid4().hex[:6]}@%h",
-             "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    worker = Worker(proc, log)
-    wait_for(lambda: " ready." in worker.output() or proc.poll() is not None, timeout=60, what="worker ready")
-    if proc.poll() is not None:
-        raise RuntimeError(f"worker exited {proc.returncode}:\n{worker.output()[-4000:]}")
-    return worker
+    """A real worker on queues with redis_url as its broker (the private, restartable Redis)."""
+    return start_provisioning_worker(log_dir, redis_url=redis_url, queues=queues, settings_module=settings_module,
+                                     concurrency=concurrency, cache_redis_url=cache_redis_url, name="chaos",
+                                     **env_extra)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from datetime import timedelta
 
@@ -16,6 +15,7 @@ from notifications import services
 from notifications.choices import AttemptVerdict, DeliveryStatus
 from notifications.models import Delivery, DeliveryAttempt
 from portal.core.exceptions import InvalidState
+from tests.conftest import wait_for_lock_waiter
 
 
 def _delivery(world, status: str, *, age_days: float, touched_days: float | None = None, attempts: int = 1) -> Delivery:
@@ -101,21 +101,10 @@ def test_a_requeue_racing_the_prune_answers_invalid_state_not_500(world):
         pruner.execute("DELETE FROM notifications_delivery WHERE id = %s", [delivery.pk])
         thread = threading.Thread(target=requeue)
         thread.start()
-        _wait_for_lock_waiter()
+        wait_for_lock_waiter("notifications_delivery")
         pruner.commit()
     thread.join(30)
     assert isinstance(result["value"], InvalidState), result
     assert "no longer kept" in str(result["value"])
 
-
-def _wait_for_lock_waiter(timeout: float = 10) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with connection.cursor() as cur:
-            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND query ILIKE '%%notifications_delivery%%' AND pid <> pg_backend_pid()")
-            if cur.fetchone()[0]:
-                return
-        time.sleep(0.02)
-    raise AssertionError("the requeue never queued on the delivery's lock")
 

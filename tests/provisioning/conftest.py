@@ -109,13 +109,17 @@ class Worker:
 
 
 def start_worker(log_dir: Path, *, redis_url: str | None = None, concurrency: int = 2, queues: str = "provisioning",
-                 **env_extra: str) -> Worker:
-    """Start `celery -A portal worker` on the provisioning queue (or queues) against the test database."""
+                 settings_module: str = "portal.settings.test", cache_redis_url: str | None = None,
+                 name: str = "prov-test", **env_extra: str) -> Worker:
+    """Start `celery -A portal worker` on the provisioning queue (or queues) against the test database.
+
+    redis_url is its broker (and cache, unless cache_redis_url says otherwise); the suite's by default.
+    """
     env = {
         **os.environ,
-        "DJANGO_SETTINGS_MODULE": "portal.settings.test",
+        "DJANGO_SETTINGS_MODULE": settings_module,
         "DATABASE_URL": database_url(),
-        "REDIS_URL": redis_url or django_settings.REDIS_URL,
+        "REDIS_URL": cache_redis_url or redis_url or django_settings.REDIS_URL,
         "CELERY_BROKER_URL": redis_url or django_settings.CELERY_BROKER_URL,
         "PYTHONUNBUFFERED": "1",
         **FAST,
@@ -125,7 +129,7 @@ def start_worker(log_dir: Path, *, redis_url: str | None = None, concurrency: in
     handle = log.open("wb")
     proc = subprocess.Popen(  # noqa: S603 - fixed argv
         [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queues, "-c", str(concurrency),
-         "-P", "prefork", "-l", "info", "-n", f"prov-test-{uuid.uuid4().hex[:6]}@%h",
+         "-P", "prefork", "-l", "info", "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
          "--without-gossip", "--without-mingle", "--without-heartbeat"],
         cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
     )
