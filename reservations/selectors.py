@@ -192,7 +192,12 @@ _PEAK_SQL = """
     WITH r AS (
         SELECT pool_id, greatest(lower(period), %(start)s) AS s, least(upper(period), %(end)s) AS e, node_count
         FROM reservations_reservation
-        WHERE tenant_id = %(tenant)s {pool} AND status = ANY(%(statuses)s)
+        WHERE tenant_id = %(tenant)s {pool}
+          AND (status = ANY(%(statuses)s)
+               -- Torn down early (ending -> completed): it keeps its nodes to the booked end, so it counts.
+               OR (status = 'completed' AND EXISTS (
+                   SELECT 1 FROM reservations_allocation a WHERE a.reservation_id = reservations_reservation.id
+                     AND a.active AND a.period && tstzrange(%(start)s, %(end)s))))
           AND period && tstzrange(%(start)s, %(end)s) AND id <> %(exclude)s
     )
     SELECT r1.pool_id, max((SELECT sum(r2.node_count) FROM r r2

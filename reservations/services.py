@@ -542,8 +542,11 @@ def reservation_update(
                     start=new_start, end=new_end, exclude_reservation_id=reservation.pk,
                     owner_id=reservation.created_by_id,
                 )
-            # else: a window inside the old one only gives nodes back; it needs no quota (one lowered or
-            # removed since must not stop a tenant from returning capacity early) and keeps its billing.
+            elif reservation.billing == Billing.BURST:
+                # A window inside the old one only gives nodes back: never refused (a quota lowered or
+                # removed since must not stop a tenant from returning capacity early), but classified by
+                # the same rule as a booking (DESIGN §4): committed once it fits the guarantee.
+                reservation.billing = _billing_after_shrink(reservation=reservation, start=new_start, end=new_end)
             period = DateTimeTZRange(new_start, new_end, "[)")
             _repoint_allocations(reservation=reservation, period=period, started=started, now=now, actor=actor)
             reservation.period = period
@@ -554,6 +557,18 @@ def reservation_update(
     return reservation
 
 
+def _billing_after_shrink(*, reservation: Reservation, start: datetime, end: datetime) -> str:
+    """Committed if the shrunk window fits the tenant's guarantee now, else the billing it had."""
+    with connection.cursor() as cur:
+        cur.execute(_QUOTA_LOCK_SQL, [reservation.tenant_id, reservation.pool_id])
+        row = cur.fetchone()
+    if row is None:
+        return reservation.billing
+    peak = selectors.tenant_peak_usage(tenant_id=reservation.tenant_id, pool_id=reservation.pool_id, start=start,
+                                       end=end, exclude_reservation_id=reservation.pk)
+    return Billing.COMMITTED if peak + reservation.node_count <= row[0] else reservation.billing
+
+
 def _repoint_allocations(
     *, reservation: Reservation, period: DateTimeTZRange, started: bool, now: datetime, actor: Any
 ) -> None:
@@ -562,7 +577,13 @@ def _repoint_allocations(
     try:
         with transaction.atomic():
             _lock_nodes(list(allocations.values_list("node_id", flat=True)))  # as bookers of them do
-            allocations.update(period=period)
+            if started:
+                # Its start cannot move; a spare taken after a node swap keeps holding from its cut on.
+                with connection.cursor() as cur:
+                    cur.execute("UPDATE reservations_allocation SET period = tstzrange(lower(period), %s, '[)')"
+                                " WHERE reservation_id = %s AND active", [period.upper, reservation.pk])
+            else:
+                allocations.update(period=period)
             return
     except _COLLISIONS as exc:
         if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
@@ -582,6 +603,7 @@ def _repoint_allocations(
         if len(node_ids) < n:
             raise _capacity_error(pool=pool, node_count=n, start=period.lower, end=period.upper, now=now)
         _allocate(reservation=reservation, node_ids=node_ids, period=period, actor=actor)
+        reservation.missing_nodes = 0  # it holds node_count nodes again (saved by reservation_update)
 
     _with_retry(attempt, on_exhausted=lambda: _capacity_error(
         pool=pool, node_count=n, start=period.lower, end=period.upper, now=now))
