@@ -24,6 +24,9 @@ def test_a_phase_that_exceeds_the_task_time_limit_fails_after_the_attempts(world
     # A message carries its publisher's limits (CELERY_TASK_*TIME_LIMIT): the tick here publishes.
     monkeypatch.setattr(tasks.provision_cluster, "time_limit", 8)
     monkeypatch.setattr(tasks.provision_cluster, "soft_time_limit", 2)
+    # Celery caches a task's options at its first publish (Task._exec_options): an earlier test that
+    # published provision_cluster would otherwise have frozen the limits without them.
+    monkeypatch.setattr(tasks.provision_cluster, "_exec_options", None)
     settings.PORTAL_PROVISIONING_BACKEND = "simulated"
     purge_queue()
     worker = start_worker(tmp_path, concurrency=1, CELERY_TASK_TIME_LIMIT="8", CELERY_TASK_SOFT_TIME_LIMIT="2",
