@@ -192,12 +192,17 @@ _PEAK_SQL = """
     WITH r AS (
         SELECT pool_id, greatest(lower(period), %(start)s) AS s, least(upper(period), %(end)s) AS e, node_count
         FROM reservations_reservation
-        WHERE tenant_id = %(tenant)s {pool}
-          AND (status = ANY(%(statuses)s)
-               -- Torn down early (ending -> completed): it keeps its nodes to the booked end, so it counts.
-               OR (status = 'completed' AND EXISTS (
-                   SELECT 1 FROM reservations_allocation a WHERE a.reservation_id = reservations_reservation.id
-                     AND a.active AND a.period && tstzrange(%(start)s, %(end)s))))
+        WHERE tenant_id = %(tenant)s {pool} AND status = ANY(%(statuses)s)
+          AND period && tstzrange(%(start)s, %(end)s) AND id <> %(exclude)s
+        UNION ALL
+        -- Torn down early (ending -> completed): it keeps its nodes to the booked end, so it counts.
+        -- Found from the active allocations in the window (the GiST index), never by reading the
+        -- tenant's whole history of completed reservations (an OR here cost every booking a seq scan).
+        SELECT pool_id, greatest(lower(period), %(start)s), least(upper(period), %(end)s), node_count
+        FROM reservations_reservation
+        WHERE id IN (SELECT a.reservation_id FROM reservations_allocation a
+                     WHERE a.active AND a.reservation_id IS NOT NULL AND a.period && tstzrange(%(start)s, %(end)s))
+          AND status = 'completed' AND tenant_id = %(tenant)s {pool}
           AND period && tstzrange(%(start)s, %(end)s) AND id <> %(exclude)s
     )
     SELECT r1.pool_id, max((SELECT sum(r2.node_count) FROM r r2

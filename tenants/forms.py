@@ -153,7 +153,9 @@ class LockoutMixin:
         try:
             cleaned = super().clean()
         except forms.ValidationError as exc:
-            if exc.code == "invalid_login":
+            # A wrong password only: the admin's form also says "invalid_login" to a non-staff user whose
+            # password was right (user_cache set), and that is no guess to count against the account.
+            if exc.code == "invalid_login" and getattr(self, "user_cache", None) is None:
                 _record_failure(username, ip)
             raise
         _clear_failures(username)
