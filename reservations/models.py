@@ -5,7 +5,7 @@ from django.contrib.postgres.constraints import ExclusionConstraint
 from django.contrib.postgres.fields import DateTimeRangeField, RangeOperators
 from django.core.validators import MinValueValidator
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Func, Q
 
 from tenants.models import slug_validator
 from tenants.querysets import TenantScopedQuerySet
@@ -98,6 +98,11 @@ class Reservation(models.Model):
             models.Index(fields=["tenant", "pool", "status"]),
             # The default order (staff API list, admin changelist): a page is read off the index.
             models.Index(fields=["period", "id"], name="reservation_period_id"),
+            # The quota peak's completed-early branch (selectors._PEAK_SQL): the tenant's completed
+            # reservations that end after a window starts, not its whole history.
+            models.Index(F("tenant"), F("pool"),
+                         Func(F("period"), function="upper", output_field=models.DateTimeField()),
+                         condition=Q(status="completed"), name="reservation_completed_until"),
         ]
         constraints = [
             models.CheckConstraint(

@@ -195,15 +195,17 @@ _PEAK_SQL = """
         WHERE tenant_id = %(tenant)s {pool} AND status = ANY(%(statuses)s)
           AND period && tstzrange(%(start)s, %(end)s) AND id <> %(exclude)s
         UNION ALL
-        -- Torn down early (ending -> completed): it keeps its nodes to the booked end, so it counts.
-        -- Found from the active allocations in the window (the GiST index), never by reading the
-        -- tenant's whole history of completed reservations (an OR here cost every booking a seq scan).
+        -- Torn down early (ending -> completed): it keeps its nodes to the booked end, so it counts while
+        -- its allocations are active. Found through the partial index reservation_completed_until
+        -- (tenant, pool, upper(period)) WHERE completed: only the tenant's completed reservations that
+        -- end after the window starts, never its whole history (an OR on status here cost every
+        -- booking a scan of it, under the quota lock), nor the fleet's allocations in the window.
         SELECT pool_id, greatest(lower(period), %(start)s), least(upper(period), %(end)s), node_count
-        FROM reservations_reservation
-        WHERE id IN (SELECT a.reservation_id FROM reservations_allocation a
-                     WHERE a.active AND a.reservation_id IS NOT NULL AND a.period && tstzrange(%(start)s, %(end)s))
-          AND status = 'completed' AND tenant_id = %(tenant)s {pool}
+        FROM reservations_reservation r
+        WHERE status = 'completed' AND tenant_id = %(tenant)s {pool} AND upper(period) > %(start)s
           AND period && tstzrange(%(start)s, %(end)s) AND id <> %(exclude)s
+          AND EXISTS (SELECT 1 FROM reservations_allocation a WHERE a.reservation_id = r.id AND a.active
+                      AND a.period && tstzrange(%(start)s, %(end)s))
     )
     SELECT r1.pool_id, max((SELECT sum(r2.node_count) FROM r r2
                             WHERE r2.pool_id = r1.pool_id AND r2.s <= r1.s AND r2.e > r1.s))
