@@ -87,3 +87,10 @@ def test_audit_paging_keeps_the_filters_encoded(world, web):
 def test_the_heatmap_refresh_line_is_not_announced_every_30_seconds(world, web):
     html = web("alpha-viewer").get("/availability/grid/", {"pool": "h100"}).content.decode()
     assert "Updated" in html and 'role="status">Updated' not in html
+
+
+def test_the_calendar_side_panel_is_not_a_live_region(world, web):
+    """Focus moves to the panel's heading after each swap; a live region would also read the whole form out."""
+    html = web("alpha-lead").get("/calendar/").content.decode()
+    (panel,) = re.findall(r'<aside id="side-panel"[^>]*>', html)
+    assert "aria-live" not in panel and 'aria-label="Booking and reservation details"' in panel
