@@ -95,7 +95,9 @@ def cluster_credential(request, pk: int, kind: str):
     except DomainError as exc:
         if exc.status == 404:
             raise Http404 from None
-        return HttpResponse(exc.detail, status=exc.status, content_type="text/plain")
+        # A portal page that says why (not ready yet, a viewer, a secret no key reads), with the way back.
+        return render_page(request, "provisioning/credential_error.html", {"cluster": cluster, "detail": exc.detail},
+                           status=exc.status)
     response = HttpResponse(data, content_type="application/octet-stream")
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     response["Cache-Control"] = "no-store"

@@ -187,7 +187,11 @@ def test_cluster_page_shows_phases_connection_and_downloads_for_members(world, c
     assert "PRIVATE KEY" not in html
     viewer = page_client(world, "alpha-viewer").get(f"/clusters/{cluster.pk}/").content.decode()
     assert "/credentials/ssh_key/" not in viewer and "Tear down now" not in viewer
-    assert page_client(world, "alpha-viewer").get(f"/clusters/{cluster.pk}/credentials/ssh_key/").status_code == 403
+    refused = page_client(world, "alpha-viewer").get(f"/clusters/{cluster.pk}/credentials/ssh_key/")
+    assert refused.status_code == 403 and refused["Content-Type"].startswith("text/html")
+    refused_html = refused.content.decode()
+    assert 'role="alert"' in refused_html and f'href="/clusters/{cluster.pk}/"' in refused_html
+    assert "PRIVATE KEY" not in refused_html
     download = page_client(world, "alpha-member").get(f"/clusters/{cluster.pk}/credentials/ssh_key/")
     assert download.status_code == 200 and download.content.decode() == private_key_of(cluster)
     assert page_client(world, "beta-lead").get(f"/clusters/{cluster.pk}/").status_code == 404
