@@ -511,17 +511,17 @@ def fleet_nodes(*, pool: Pool | None = None):
     return nodes if pool is None else nodes.filter(pool=pool)
 
 
-def fleet_timeline(*, user, start: datetime, end: datetime, pool: Pool | None = None, nodes=None):
-    """Return (nodes, allocations overlapping [start, end) grouped by node id): two queries.
+def fleet_timeline(*, user, start: datetime, end: datetime, nodes):
+    """Return (nodes, allocations overlapping [start, end) grouped by node id) for the rows to show (a page
+    of fleet_nodes).
 
-    nodes: the rows to show (a page of fleet_nodes); every node of the pool, or of the fleet, if None.
     Meant for staff, who see every tenant's allocations through the same tenant scope.
     """
     from collections import defaultdict
 
     from .models import Allocation
 
-    nodes = list(fleet_nodes(pool=pool) if nodes is None else nodes)
+    nodes = list(nodes)
     allocations = (
         Allocation.objects.for_user(user)
         .filter(active=True, period__overlap=(start, end), node_id__in=[n.pk for n in nodes])

@@ -25,6 +25,7 @@ from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
 from portal.core.timefmt import format_utc
+from portal.core.views import page_query
 from tenants.models import Membership, Quota, Tenant
 from tenants.selectors import ical_feed_tenant, ical_feed_token
 from tenants.views import portal_json, portal_view, render_page
@@ -619,12 +620,10 @@ def fleet(request):
         day += timedelta(days=1)
         if datetime.combine(day, datetime.min.time(), tzinfo=tz) >= hi:
             break
-    query = request.GET.copy()
-    query.pop("page", None)
     context = {
         "form": form,
         "page": page,
-        "page_query": query.urlencode(),
+        "page_query": page_query(request),
         "rows": rows,
         "ticks": ticks,
         "lo": lo,

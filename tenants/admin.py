@@ -128,6 +128,13 @@ class TenantForm(forms.ModelForm):
         fields = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
 
 
+def _refuse_changed_user(form) -> None:
+    """Refuse a form that changes an existing membership's user: the services have no such change."""
+    if form.instance.pk and "user" in getattr(form, "changed_data", ()):
+        raise InvalidInput("To give a membership to another user, delete its row and add a new one.",
+                           fields={"user": "Cannot change on an existing membership."})
+
+
 @admin.register(Tenant)
 class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
     form = TenantForm
@@ -196,9 +203,7 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
                 if not getattr(form, "cleaned_data", None):
                     continue
                 pk, deleting = form.instance.pk, formset._should_delete_form(form)
-                if pk and "user" in form.changed_data:
-                    raise InvalidInput("To give a membership to another user, delete its row and add a new one.",
-                                       fields={"user": "Cannot change on an existing membership."})
+                _refuse_changed_user(form)
                 is_lead = not deleting and form.cleaned_data.get("role") == Role.LEAD
                 if pk:
                     (leads.add if is_lead else leads.discard)(pk)
@@ -245,10 +250,9 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def save_formset(self, request, form, formset, change):
         tenant = form.instance
         actor = request.user
-        for sub in formset.forms:  # before any write: a membership's user is not changed in place
-            if isinstance(sub.instance, Membership) and sub.instance.pk and "user" in getattr(sub, "changed_data", ()):
-                raise InvalidInput("To give a membership to another user, delete its row and add a new one.",
-                                   fields={"user": "Cannot change on an existing membership."})
+        for sub in formset.forms:  # before any write (changeform_view checked already; this is the last word)
+            if isinstance(sub.instance, Membership):
+                _refuse_changed_user(sub)
         def lead_first(sub) -> int:  # new or promoted leads before demotions, so a lead always remains
             data = getattr(sub, "cleaned_data", None) or {}
             return 0 if data.get("role") == Role.LEAD and not formset._should_delete_form(sub) else 1

@@ -17,7 +17,7 @@ from django.views.decorators.http import require_GET
 from .admin import format_change
 from .models import AuditLog
 
-__all__ = ["audit_log"]
+__all__ = ["audit_log", "page_query"]
 
 PAGE_SIZE = 50
 LEAD = "lead"
@@ -54,12 +54,13 @@ def audit_log(request):
     return render(request, "core/audit_list.html", {
         "portal": getattr(request, "portal", None), "page": page, "rows": rows,
         "tenants": sorted(tenants.items(), key=lambda t: t[1]), "selected": selected, "action": action,
-        "page_query": _page_query(request),
+        "page_query": page_query(request),
     })
 
 
-def _page_query(request) -> str:
-    """The list's filters (tenant, action, staff's all) for the paging links, encoded, ending in "&"."""
+def page_query(request) -> str:
+    """A paged list's other query parameters (its filters) for its paging links: encoded, ending in "&"
+    when there are any, so a link is "?{{ page_query }}page=N"."""
     query = request.GET.copy()
     query.pop("page", None)
     return query.urlencode() + "&" if query else ""

@@ -7,8 +7,14 @@ module (test_worker.py) runs the same through a real Celery worker process.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
@@ -109,3 +115,25 @@ def book(world):
 
     return _book
 
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_receiver_command(log: Path, **env: str) -> tuple[subprocess.Popen, int]:
+    """Run `manage.py notifications_receiver` on a free port with env on top of ours; wait until it listens.
+
+    Its output goes to log. Returns the process (the caller terminates it) and its port.
+    """
+    port = free_port()
+    full_env = {**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings.test", "PYTHONUNBUFFERED": "1", **env}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(  # noqa: S603 - fixed argv
+            [sys.executable, "manage.py", "notifications_receiver", "--port", str(port)],
+            cwd=Path(__file__).resolve().parents[2], env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while "Listening" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc, port

@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import requests
 from django.conf import settings
@@ -17,9 +11,8 @@ from notifications.choices import ChannelKind
 from notifications.models import Channel
 from portal.core.models import AuditLog
 
+from .conftest import start_receiver_command
 from .test_worker import database_url, wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.django_db
@@ -40,16 +33,9 @@ def test_demo_channel_is_created_from_the_environment(world, t0, book, notify_se
 @pytest.mark.django_db(transaction=True)
 def test_receiver_command_verifies_signed_requests(world, webhook_for, tmp_path):
     channel, secret = webhook_for("alpha", "http://127.0.0.1:1/unused")
-    port = free_port()
-    env = {**os.environ, "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL,
-           "DJANGO_SETTINGS_MODULE": "portal.settings.test", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "receiver.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(  # noqa: S603 - fixed argv
-            [sys.executable, "manage.py", "notifications_receiver", "--port", str(port)], cwd=ROOT, env=env,
-            stdout=out, stderr=subprocess.STDOUT)
+    proc, port = start_receiver_command(log, DATABASE_URL=database_url(), REDIS_URL=settings.REDIS_URL)
     try:
-        wait_for(lambda: "Listening" in log.read_text(), what="receiver", timeout=30)
         body = b'{"id":"msg_1","type":"test","timestamp":"2026-01-01T00:00:00Z","data":{}}'
         good = requests.post(f"http://127.0.0.1:{port}/hook", data=body, timeout=5,
                              headers=signing.sign_headers(secret, body, msg_id="msg_1"))
@@ -63,8 +49,3 @@ def test_receiver_command_verifies_signed_requests(world, webhook_for, tmp_path)
         proc.terminate()
         proc.wait(10)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -7,40 +7,20 @@ while the portal sees a dropped connection.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import requests
 
 from notifications import signing
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from .conftest import start_receiver_command
 
 
 def test_receiver_answers_and_prints_when_its_database_is_unreachable(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings.test", "PYTHONUNBUFFERED": "1",
-           # nothing listens on port 1: as on a fresh clone before `make run` started the embedded PostgreSQL
-           "DATABASE_URL": "postgres://postgres@127.0.0.1:1/portal"}
+    # Nothing listens on port 1: as on a fresh clone before `make run` started the embedded PostgreSQL.
     log = tmp_path / "receiver.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(  # noqa: S603 - fixed argv
-            [sys.executable, "manage.py", "notifications_receiver", "--port", str(port)], cwd=ROOT, env=env,
-            stdout=out, stderr=subprocess.STDOUT)
+    proc, port = start_receiver_command(log, DATABASE_URL="postgres://postgres@127.0.0.1:1/portal")
     try:
-        deadline = time.monotonic() + 30
-        while "Listening" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
         body = b'{"id":"msg_1","type":"test","timestamp":"2026-01-01T00:00:00Z","data":{}}'
         answer = requests.post(f"http://127.0.0.1:{port}/hook", data=body, timeout=10,
                                headers=signing.sign_headers(signing.generate_secret(), body, msg_id="msg_1"))
