@@ -462,24 +462,25 @@ def _claim_idempotency_key(*, user: Any, key: str, request_hash: str) -> Reserva
 
     The unique index makes a concurrent twin wait for our commit; it then sees the row and
     replays our result instead of booking again. If we roll back, the twin books itself.
+    A key past PORTAL_IDEMPOTENCY_KEY_TTL_HOURS is claimed afresh, whether or not the hourly
+    prune has taken it yet: it replays for the TTL, not until the next prune. ON CONFLICT
+    locks the key it meets either way, so the prune (SKIP LOCKED) cannot take it from under
+    the read that follows.
     """
     if len(key) > 255:
         raise InvalidInput("Idempotency-Key: at most 255 characters.", fields={"Idempotency-Key": "Too long."})
-    while True:
-        with connection.cursor() as cur:
-            cur.execute(
-                "INSERT INTO reservations_idempotencykey (user_id, key, request_hash, created_at) "
-                "VALUES (%s, %s, %s, now()) ON CONFLICT (user_id, key) DO NOTHING RETURNING id",
-                [user.pk, key, request_hash],
-            )
-            if cur.fetchone() is not None:
-                return None
-        existing = IdempotencyKey.objects.select_related("reservation").filter(user=user, key=key).first()
-        if existing is not None:
-            break
-        # The key was there and is gone: pruned (idempotency_keys_prune) between the two
-        # statements. It had expired, so this request claims it afresh. At most once more: a key
-        # a concurrent twin claims now is young, and the prune takes only expired ones.
+    ttl = timedelta(hours=settings.PORTAL_IDEMPOTENCY_KEY_TTL_HOURS)
+    with connection.cursor() as cur:
+        cur.execute(
+            "INSERT INTO reservations_idempotencykey (user_id, key, request_hash, created_at) "
+            "VALUES (%s, %s, %s, now()) ON CONFLICT (user_id, key) DO UPDATE"
+            " SET request_hash = EXCLUDED.request_hash, created_at = now(), reservation_id = NULL"
+            " WHERE reservations_idempotencykey.created_at < now() - %s RETURNING id",
+            [user.pk, key, request_hash, ttl],
+        )
+        if cur.fetchone() is not None:
+            return None
+    existing = IdempotencyKey.objects.select_related("reservation").get(user=user, key=key)
     if existing.request_hash != request_hash:
         raise InvalidInput(
             "Idempotency-Key was already used with a different request.",

@@ -110,36 +110,89 @@ def test_a_retry_waiting_on_a_prune_in_flight_books_afresh(t0):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_key_pruned_between_the_claim_and_its_read_is_claimed_afresh(t0):
-    """The retry's INSERT met the old key; the prune committed before the retry read it back."""
+def test_a_prune_between_the_claim_and_its_read_cannot_take_the_key(t0):
+    """The retry's INSERT met a live key; a prune that already counts it as expired runs before the read.
+
+    The claim locked the key it met, so the prune (SKIP LOCKED) passes it over and the retry
+    replays its booking instead of finding the key gone.
+    """
     world = make_world()
     first = _book_keyed(world, t0, "k", "body")
-    _age("k", 48)
+    _age("k", 23)
     pruned: list[int] = []
 
     def prune_after_the_claim(execute, sql, params, many, context):
         outcome = execute(sql, params, many, context)
         if sql.startswith("INSERT INTO reservations_idempotencykey") and not pruned:
-            thread = threading.Thread(target=_prune_in_another_session, args=(pruned,))
+            later = timezone.now() + timedelta(hours=2)  # the key is expired for this prune
+            thread = threading.Thread(target=_prune_in_another_session, args=(pruned, later))
             thread.start()
             thread.join(30)
         return outcome
 
-    result: dict = {}
     with connection.execute_wrapper(prune_after_the_claim):
-        try:
-            result["value"] = _book_keyed(world, t0, "k", "other-body")
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            result["value"] = exc
-    assert pruned == [1]
-    assert isinstance(result["value"], Reservation), result
-    assert result["value"].pk != first.pk
-    assert IdempotencyKey.objects.get(key="k").reservation_id == result["value"].pk
+        replayed = _book_keyed(world, t0, "k", "body")
+    assert pruned == [0]
+    assert replayed.pk == first.pk
+    assert Reservation.objects.count() == 1
+    assert IdempotencyKey.objects.get(key="k").reservation_id == first.pk
 
 
-def _prune_in_another_session(pruned: list[int]) -> None:
+def _prune_in_another_session(pruned: list[int], now=None) -> None:
     try:
-        pruned.append(idempotency_keys_prune())
+        pruned.append(idempotency_keys_prune(now=now))
     finally:
         connection.close()
 
+
+
+@pytest.mark.django_db
+def test_a_key_past_the_ttl_books_afresh_before_the_prune_runs(world, t0, settings):
+    """The TTL is what a client is told; the hourly prune's timing must not stretch it."""
+    settings.PORTAL_IDEMPOTENCY_KEY_TTL_HOURS = 24
+    first = _post(world, t0, "k")
+    assert first.status_code == 201
+    _age("k", 23)
+    assert _post(world, t0, "k").json()["id"] == first.json()["id"]  # still replays
+    _age("k", 25)  # expired, not pruned
+    again = _post(world, t0, "k")
+    assert again.status_code == 201, again.json()
+    assert again.json()["id"] != first.json()["id"]
+    assert _post(world, t0, "k").json()["id"] == again.json()["id"]  # the new claim replays in turn
+    _age("k", 25)
+    other = _post(world, t0, "k", node_count=2)  # an expired key is free for another body too
+    assert other.status_code == 201, other.json()
+    assert other.json()["node_count"] == 2
+    assert Reservation.objects.count() == 3
+    key = IdempotencyKey.objects.get(key="k")
+    assert key.reservation_id == other.json()["id"]
+    assert timezone.now() - key.created_at < timedelta(minutes=1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_retries_of_an_expired_key_book_once(t0):
+    """Both see the expired key; one claims it afresh, the other waits and replays that booking."""
+    world = make_world()
+    _book_keyed(world, t0, "k", "body")
+    _age("k", 48)
+    results: list = []
+    barrier = threading.Barrier(2)
+
+    def retry() -> None:
+        try:
+            barrier.wait(30)
+            results.append(_book_keyed(world, t0, "k", "body"))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            results.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=retry) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(isinstance(r, Reservation) for r in results), results
+    assert results[0].pk == results[1].pk
+    assert Reservation.objects.count() == 2
+    assert IdempotencyKey.objects.get(key="k").reservation_id == results[0].pk
