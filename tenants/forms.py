@@ -98,27 +98,57 @@ def login_lock_remaining(username: str, ip: str) -> int:
     return max(0, int(until - now))
 
 
-def _record_failure(username: str, ip: str) -> None:
-    try:
-        _count_failure(username, ip)
-    except RedisError:
-        logger.warning("sign-in failure not counted: the cache (Redis) is unreachable", exc_info=True)
+def _reserve_attempt(username: str, ip: str) -> list[tuple[str, int, int]] | None:
+    """Count this attempt as a failure before its password is checked; None when it is one too many.
 
-
-def _count_failure(username: str, ip: str) -> None:
+    Counting first makes the limit hold under parallel guesses: with the count taken after the
+    (slow) password check, every request already past the lock check when the limit was reached
+    got its guess. Returns (key, count, limit) per subject for _settle_attempt.
+    """
     window = _setting("PORTAL_LOGIN_WINDOW_SECONDS", LOGIN_WINDOW_SECONDS)
-    lockout = _setting("PORTAL_LOGIN_LOCKOUT_SECONDS", LOGIN_LOCKOUT_SECONDS)
-    for kind, value, limit in _subjects(username, ip):
-        key = _key(f"fail-{kind}", value)
-        cache.add(key, 0, timeout=window)
+    taken: list[tuple[str, int, int]] = []
+    try:
+        for kind, value, limit in _subjects(username, ip):
+            key = _key(f"fail-{kind}", value)
+            cache.add(key, 0, timeout=window)
+            try:
+                count = cache.incr(key)
+            except ValueError:  # expired between add and incr
+                cache.set(key, 1, timeout=window)
+                count = 1
+            taken.append((key, count, limit))
+            if count > limit:  # the limit's worth of guesses are spent or still being checked
+                _release(taken)
+                return None
+    except RedisError:
+        logger.warning("sign-in attempt not counted: the cache (Redis) is unreachable", exc_info=True)
+        _release(taken)
+        return []
+    return taken
+
+
+def _release(taken: list[tuple[str, int, int]]) -> None:
+    """Take back the attempts counted in advance (not a guess after all)."""
+    for key, _count, _limit in taken:
         try:
-            count = cache.incr(key)
-        except ValueError:  # expired between add and incr
-            cache.set(key, 1, timeout=window)
-            count = 1
+            cache.decr(key)
+        except ValueError:  # gone meanwhile: a success cleared it, a lock reset it, or it expired
+            pass
+        except RedisError:
+            logger.warning("sign-in attempt not taken back: the cache (Redis) is unreachable", exc_info=True)
+
+
+def _settle_failure(username: str, ip: str, taken: list[tuple[str, int, int]]) -> None:
+    """A wrong password: the attempt stays counted; the one that reaches the limit locks the subject."""
+    lockout = _setting("PORTAL_LOGIN_LOCKOUT_SECONDS", LOGIN_LOCKOUT_SECONDS)
+    for (kind, value, _limit), (key, count, limit) in zip(_subjects(username, ip), taken, strict=False):
         if count >= limit:
-            cache.set(_key(f"lock-{kind}", value), time.time() + lockout, timeout=lockout)
-            cache.delete(key)
+            try:
+                cache.set(_key(f"lock-{kind}", value), time.time() + lockout, timeout=lockout)
+                cache.delete(key)
+            except RedisError:
+                logger.warning("sign-in lock not set: the cache (Redis) is unreachable", exc_info=True)
+                continue
             logger.warning("sign-in locked for %s %s after %d failures", kind, value, count)
 
 
@@ -145,10 +175,12 @@ class LockoutMixin:
         username = self.cleaned_data.get("username") or ""
         ip = client_ip(self.request) if self.request else ""
         remaining = login_lock_remaining(username, ip)
-        if remaining:
+        taken = None if remaining else _reserve_attempt(username, ip)
+        if taken is None:
             self.locked = True
+            seconds = remaining or _setting("PORTAL_LOGIN_LOCKOUT_SECONDS", LOGIN_LOCKOUT_SECONDS)
             raise forms.ValidationError(
-                self.error_messages["locked"], code="locked", params={"minutes": max(1, -(-remaining // 60))}
+                self.error_messages["locked"], code="locked", params={"minutes": max(1, -(-seconds // 60))}
             )
         try:
             cleaned = super().clean()
@@ -156,8 +188,14 @@ class LockoutMixin:
             # A wrong password only: the admin's form also says "invalid_login" to a non-staff user whose
             # password was right (user_cache set), and that is no guess to count against the account.
             if exc.code == "invalid_login" and getattr(self, "user_cache", None) is None:
-                _record_failure(username, ip)
+                _settle_failure(username, ip, taken)
+            else:
+                _release(taken)
             raise
+        except BaseException:
+            _release(taken)
+            raise
+        _release(taken)
         _clear_failures(username)
         return cleaned
 

@@ -68,3 +68,51 @@ def test_per_address_lockout_behind_the_tls_proxy_locks_only_the_guesser(world):
     # The guesser itself stays locked, whatever username it tries next.
     response = attacker.post("/accounts/login/", {"username": "alpha-member", "password": PASSWORD})
     assert response.status_code == 429
+
+
+@pytest.mark.django_db(transaction=True)
+def test_parallel_guesses_get_no_more_than_the_limit(monkeypatch):
+    """Twenty guesses at once against a limit of five: only five passwords are ever checked.
+
+    The password check is slowed down so every request is in flight before any has failed; a
+    count taken only after the check would let all twenty through the lock check first.
+    """
+    import threading
+    import time
+
+    from django.contrib.auth.backends import ModelBackend
+    from django.db import connection
+
+    checked: list[str] = []
+    lock = threading.Lock()
+
+    def slow_authenticate(self, request, username=None, password=None, **kwargs):
+        with lock:
+            checked.append(password)
+        time.sleep(0.5)
+        return None  # a wrong password
+
+    monkeypatch.setattr(ModelBackend, "authenticate", slow_authenticate)
+    barrier = threading.Barrier(20)
+    statuses: list[int] = []
+
+    def guess(i: int) -> None:
+        try:
+            client = Client(REMOTE_ADDR="203.0.113.9")
+            barrier.wait(30)
+            response = client.post("/accounts/login/", {"username": "probe-1", "password": f"guess-{i}"})
+            with lock:
+                statuses.append(response.status_code)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=guess, args=(i,)) for i in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(statuses) == 20
+    assert len(checked) == tenant_forms.LOGIN_MAX_FAILURES, f"{len(checked)} passwords checked"
+    assert statuses.count(429) == 20 - tenant_forms.LOGIN_MAX_FAILURES
+    # And the username is locked now, the right password included.
+    assert tenant_forms.login_lock_remaining("probe-1", "203.0.113.9") > 0
