@@ -112,7 +112,12 @@ def test_bad_patch_changes_nothing(world, t0):
     for body, field in [({"end": "soon"}, "end"), ({"end": iso(t0 - timedelta(hours=1))}, "end"),
                         ({"end": iso(t0 + timedelta(minutes=150))}, "end"), ({"name": "x\x00"}, "name"), ({}, "end"),
                         ({"end": "9999-12-31T23:59:59-12:00"}, "end"),
-                        ({"start": "0001-01-01T00:00:00+14:00"}, "start")]:
+                        ({"start": "0001-01-01T00:00:00+14:00"}, "start"),
+                        # What a booking fixes is refused by name, not dropped while the rest applies.
+                        ({"end": iso(t0 + timedelta(hours=4)), "node_count": 8}, "node_count"),
+                        ({"name": "renamed", "pool": "other"}, "pool"), ({"status": "cancelled"}, "status"),
+                        ({"end": iso(t0 + timedelta(hours=4)), "tenant": "beta"}, "tenant"),
+                        ({"name": "renamed", "cluster": {"orchestrator": "kubernetes"}}, "cluster")]:
         r = c.patch(f"/api/v1/reservations/{rid}/", body, format="json")
         assert r.status_code == 400 and field in r.json()["fields"], (body, r.json())
     after = Reservation.objects.get(pk=rid)

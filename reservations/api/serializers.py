@@ -87,7 +87,20 @@ class ReservationUpdateSerializer(serializers.Serializer):
     end = AwareDateTimeField(required=False)
     name = serializers.CharField(max_length=200, required=False, allow_blank=True)
 
+    # What a booking fixes once made: a PATCH naming one of these is refused, not half applied
+    # (PATCH {"end": …, "node_count": 8} would otherwise extend and silently keep the count).
+    FIXED = {
+        "node_count": "Cannot be changed; book the extra nodes as another reservation.",
+        "pool": "Cannot be changed; book in the other pool and cancel this one.",
+        "tenant": "Cannot be changed.",
+        "status": "Cannot be set; POST to the reservation's cancel/ to cancel it.",
+        "cluster": "Cannot be changed once booked.",
+    }
+
     def validate(self, attrs):
+        fixed = {name: why for name, why in self.FIXED.items() if name in self.initial_data}
+        if fixed:
+            raise serializers.ValidationError(fixed)
         if not attrs:
             raise serializers.ValidationError({"end": "Give end, start or name to change."})
         return attrs
