@@ -232,3 +232,24 @@ class TimeZoneForm(forms.Form):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["tz"].choices = time_zone_choices()
+
+
+class ApiTokenForm(forms.Form):
+    """A personal API token (the account page): a name to recognise it by, and how long it lives."""
+
+    EXPIRY_CHOICES = [("30", "30 days"), ("90", "90 days"), ("365", "1 year"), ("never", "No expiry (until revoked)")]
+
+    name = forms.CharField(label="Name", max_length=100, required=False,
+                           help_text="What uses it, e.g. “nightly training script”.")
+    expires = forms.ChoiceField(label="Expires after", choices=EXPIRY_CHOICES, initial="90")
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"].strip()
+        if any(ord(ch) < 32 for ch in name):
+            raise forms.ValidationError("No control characters, please.")
+        return name
+
+    @property
+    def expires_in_days(self) -> int | None:
+        value = self.cleaned_data["expires"]
+        return None if value == "never" else int(value)

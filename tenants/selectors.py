@@ -5,9 +5,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from .models import Membership, Quota, Tenant
+from django.db.models import Q
+from django.utils import timezone
 
-__all__ = ["role_of", "tenants_for_user", "quota_for", "ical_feed_token", "ical_feed_tenant"]
+from .models import ApiToken, Membership, Quota, Tenant
+
+__all__ = ["role_of", "tenants_for_user", "quota_for", "ical_feed_token", "ical_feed_tenant", "api_tokens_of",
+           "api_tokens_live"]
 
 
 def role_of(*, user, tenant: Tenant) -> str | None:
@@ -55,3 +59,14 @@ def ical_feed_tenant(*, slug: str, token: str) -> Tenant | None:
     if expected is None or not hmac.compare_digest(expected.encode(), token.encode()):
         return None
     return membership.tenant
+
+
+def api_tokens_of(*, user, limit: int = 100):
+    """The user's own API tokens, newest first (revoked and expired ones too, for the record)."""
+    return ApiToken.objects.filter(user=user).order_by("-created_at", "-pk")[:limit]
+
+
+def api_tokens_live(*, user):
+    """The user's tokens that still authenticate: not revoked, not expired."""
+    return ApiToken.objects.filter(user=user, revoked=False).filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))

@@ -12,7 +12,7 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
-from portal.core.exceptions import InvalidInput, InvalidState
+from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
 from portal.core.services import audit_record
 
 from .choices import Role
@@ -340,3 +340,36 @@ def tenant_rotate_ical_token(*, actor: Any, tenant: Tenant) -> Tenant:
         audit_record(actor=actor, action="tenant.ical_token_rotate", obj=tenant, tenant_id=tenant.pk,
                      before={"feed": "set" if had_feed else "none"}, after={"feed": "set"})
     return tenant
+
+
+# --- self-service API tokens (the account page) -------------------------------------------
+
+__all__ += ["token_issue_own", "token_revoke_own", "MAX_LIVE_TOKENS"]
+
+# Live (unrevoked, unexpired) tokens one user may hold: enough for every script and machine,
+# few enough that a forgotten one is noticed; revoking one frees a place.
+MAX_LIVE_TOKENS = 20
+
+
+@transaction.atomic(durable=True)
+def token_issue_own(*, user: Any, name: str = "", expires_in_days: int | None = None) -> tuple[ApiToken, str]:
+    """Issue a token to its own user (the account page), at most MAX_LIVE_TOKENS live at once.
+
+    The user's row is locked first, so two tabs issuing at once cannot both take the last place.
+    """
+    from .selectors import api_tokens_live
+
+    if not getattr(user, "is_active", False):
+        raise PermissionDenied("This account is disabled.")
+    get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk", flat=True).first()
+    if api_tokens_live(user=user).count() >= MAX_LIVE_TOKENS:
+        raise InvalidState(f"You already have {MAX_LIVE_TOKENS} live API tokens; revoke one you no longer use first.")
+    return token_issue(user=user, name=name, expires_in_days=expires_in_days, actor=user)
+
+
+def token_revoke_own(*, user: Any, token_id: int) -> ApiToken:
+    """Revoke one of the user's own tokens; another user's token reads as unknown (404)."""
+    token = ApiToken.objects.filter(pk=token_id, user=user).first()
+    if token is None:
+        raise NotFound("No such token.")
+    return token_revoke(actor=user, token=token)

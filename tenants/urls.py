@@ -7,6 +7,8 @@ urlpatterns = [
     path("accounts/login/", views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("account/", views.account, name="account"),
+    path("account/tokens/", views.api_token_create, name="api-token-create"),
+    path("account/tokens/<int:pk>/revoke/", views.api_token_revoke, name="api-token-revoke"),
     path("tenant/switch/", views.tenant_switch, name="tenant-switch"),
     path("tenant/calendar-feed/rotate/", views.ical_token_rotate, name="ical-token-rotate"),
 ]

@@ -20,14 +20,18 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import OuterRef, Subquery
 from django.http import HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
-from . import services
+from portal.core.exceptions import DomainError
+
+from . import selectors, services
 from .choices import BOOKING_ROLES, Role
-from .forms import LockoutAuthenticationForm, TenantSwitchForm, TimeZoneForm, valid_time_zone
+from .forms import ApiTokenForm, LockoutAuthenticationForm, TenantSwitchForm, TimeZoneForm, valid_time_zone
 from .models import Membership, Tenant
 
 __all__ = [
@@ -39,6 +43,8 @@ __all__ = [
     "LoginView",
     "tenant_switch",
     "account",
+    "api_token_create",
+    "api_token_revoke",
 ]
 
 SESSION_TENANT = "portal_tenant"
@@ -208,7 +214,50 @@ def account(request):
             return HttpResponseRedirect(request.path)
     else:
         form = TimeZoneForm(initial={"tz": request.portal.tz_name})
-    return render_page(request, "tenants/account.html", {"form": form, "now": timezone.now()})
+    return _account_page(request, form=form)
+
+
+def _account_page(request, *, form=None, token_form=None, new_token=None, status: int = 200):
+    context = {
+        "form": form or TimeZoneForm(initial={"tz": request.portal.tz_name}),
+        "now": timezone.now(),
+        "token_form": token_form or ApiTokenForm(),
+        "tokens": list(selectors.api_tokens_of(user=request.user)),
+        "max_live_tokens": services.MAX_LIVE_TOKENS,
+        "new_token": new_token,
+    }
+    response = render_page(request, "tenants/account.html", context, status=status)
+    if new_token is not None:
+        add_never_cache_headers(response)  # the plaintext is in this page, and only in this page
+    return response
+
+
+@require_POST
+@portal_view
+def api_token_create(request):
+    """Issue the signed-in user a personal API token; its plaintext is in this response only."""
+    form = ApiTokenForm(request.POST)
+    if not form.is_valid():
+        return _account_page(request, token_form=form, status=400)
+    try:
+        token, key = services.token_issue_own(user=request.user, name=form.cleaned_data["name"],
+                                              expires_in_days=form.expires_in_days)
+    except DomainError as exc:
+        form.add_error(None, exc.detail)
+        return _account_page(request, token_form=form, status=exc.status)
+    return _account_page(request, new_token={"token": token, "key": key})
+
+
+@require_POST
+@portal_view
+def api_token_revoke(request, pk: int):
+    try:
+        token = services.token_revoke_own(user=request.user, token_id=pk)
+    except DomainError as exc:
+        messages.error(request, exc.detail)
+        return HttpResponseRedirect(reverse("account"))
+    messages.success(request, f"Token {token.prefix}… revoked: requests presenting it are refused from now on.")
+    return HttpResponseRedirect(reverse("account") + "#api-tokens")
 
 
 @require_POST

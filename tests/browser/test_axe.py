@@ -94,6 +94,10 @@ def test_no_serious_or_critical_axe_violations(live_server, new_page):
             visit(page, f"{tag}/availability", "/availability/")
             visit(page, f"{tag}/account", "/account/")
             if username == "research-lead":
+                page.locator("#api-tokens").get_by_label("Name").fill("laptop")
+                page.get_by_role("button", name="Create token").click()
+                expect(page.locator("[data-new-token]")).to_be_visible()
+                scan(page, f"{tag}/account-new-token")
                 booking_states(page, tag)
             assert page.errors == [], page.errors
 
