@@ -525,10 +525,17 @@ def reservation_update(
         pool = reservation.pool
         old_start, old_end = reservation.period.lower, reservation.period.upper
         started = old_start <= now
+        # Provisioning (ahead of its start): its cluster is being built, or waits built, on its nodes. Like a
+        # running booking it keeps them — moving the start would free them in the gap and re-picking nodes
+        # would leave the cluster on nodes others then book; only its end may change, on the same nodes.
+        keeps_nodes = started or reservation.status == ReservationStatus.PROVISIONING
         new_start = old_start if start is None else start
         new_end = old_end if end is None else end
-        if started and new_start != old_start:
+        if new_start != old_start and started:
             raise InvalidState("The reservation has begun; its start can no longer move.")
+        if new_start != old_start and keeps_nodes:
+            raise InvalidState(f"Reservation #{reservation.pk}'s cluster is being provisioned on its nodes; its "
+                               "start can no longer move. Change its end, or cancel it and book again.")
         errors = _validate_window(pool=pool, start=new_start, end=new_end, now=now, allow_past_start=started)
         if not errors and new_end <= now:
             errors["end"] = "Cannot end in the past; cancel it instead."
@@ -549,7 +556,7 @@ def reservation_update(
                 # the same rule as a booking (DESIGN §4): committed once it fits the guarantee.
                 reservation.billing = _billing_after_shrink(reservation=reservation, start=new_start, end=new_end)
             period = DateTimeTZRange(new_start, new_end, "[)")
-            _repoint_allocations(reservation=reservation, period=period, started=started, now=now, actor=actor)
+            _repoint_allocations(reservation=reservation, period=period, started=keeps_nodes, now=now, actor=actor)
             reservation.period = period
         reservation.save()
         audit_record(actor=actor, action="reservation.update", obj=reservation, tenant_id=reservation.tenant_id,
@@ -573,7 +580,8 @@ def _billing_after_shrink(*, reservation: Reservation, start: datetime, end: dat
 def _repoint_allocations(
     *, reservation: Reservation, period: DateTimeTZRange, started: bool, now: datetime, actor: Any
 ) -> None:
-    """Move the reservation's allocations to period: same nodes if free, else (not yet begun) other nodes."""
+    """Move the reservation's allocations to period: same nodes if free, else (not yet begun, not provisioning:
+    not started) other nodes."""
     allocations = reservation.allocations.filter(active=True)
     try:
         with transaction.atomic():
@@ -594,7 +602,7 @@ def _repoint_allocations(
         busy = _conflicting_nodes(reservation=reservation, period=period)
         raise CapacityUnavailable(
             f"Cannot extend: {', '.join(busy) or 'its nodes'} are booked in the new window; "
-            "a running reservation keeps its nodes.",
+            "a running or provisioning reservation keeps its nodes.",
             suggestions=[],
         )
 

@@ -31,7 +31,7 @@ from tenants.selectors import ical_feed_tenant, ical_feed_token
 from tenants.views import portal_json, portal_view, render_page
 
 from . import selectors, services
-from .choices import FINAL_STATUSES, NodeState
+from .choices import FINAL_STATUSES, NodeState, ReservationStatus
 from .forms import BookingForm, CalendarWindowForm, ExtendForm, FleetWindowForm
 from .ical import build_feed
 from .models import Allocation, Pool
@@ -201,7 +201,8 @@ def _event(row: tuple, *, portal, now: datetime, detail_url: str) -> dict:
     if (portal.can_book and portal.may_change(created_by_id=created_by_id)
             and status not in FINAL_STATUSES and period.upper > now):
         event["editable"] = True
-        event["startEditable"] = period.lower > now  # a running booking can only be extended or shortened
+        # A running (or provisioning) booking can only be extended or shortened.
+        event["startEditable"] = period.lower > now and status == ReservationStatus.CONFIRMED
         event["durationEditable"] = True
     return event
 

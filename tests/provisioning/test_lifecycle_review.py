@@ -1,0 +1,82 @@
+"""Lifecycle defects found in a review of provisioning (reservation ⇄ cluster ⇄ node); each test failed on the
+code before its fix."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from portal.core.exceptions import CapacityUnavailable, InvalidState
+from provisioning import services
+from provisioning.backends import k8s_manifests as m
+from provisioning.models import VirtualCluster
+from reservations.choices import ReservationStatus
+from reservations.models import Allocation
+from reservations.services import maintenance_window_create, reservation_update
+from tests.k8s.conftest import api_server, make_node, make_spec  # noqa: F401 - the loopback fixture
+
+from .conftest import book
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def k8s(api_server, world, tmp_path, settings):  # noqa: F811 - the imported fixture
+    kubeconfig = tmp_path / "portal-kubeconfig"
+    kubeconfig.write_text(m.kubeconfig_yaml(make_spec(api_server_url=api_server.url), "portal-admin-token"))
+    settings.PORTAL_PROVISIONING_BACKEND = "kubernetes"
+    settings.PORTAL_K8S_KUBECONFIG = str(kubeconfig)
+    settings.PORTAL_K8S_STORAGE_CLASS = "cephfs"
+    for node in world.nodes:
+        api_server.nodes[node.hostname] = make_node(node.hostname)
+    return api_server
+
+
+def _claimed_by(k8s, reservation_id: int) -> set[str]:
+    return {host for host, node in k8s.nodes.items()
+            if node["metadata"].get("labels", {}).get(m.RESERVATION_LABEL) == str(reservation_id)}
+
+
+def _held(reservation) -> set[str]:
+    return set(Allocation.objects.filter(reservation=reservation, active=True).values_list("node__hostname",
+                                                                                            flat=True))
+
+
+def test_a_window_change_while_provisioning_never_moves_the_booking_off_the_nodes_its_cluster_claimed(
+        world, t0, k8s):
+    """A reservation whose cluster is being built (or built, waiting for its start) keeps its nodes.
+
+    Before: it was treated like any booking not yet begun — an extension into a window where one of its
+    nodes is busy moved it whole to other nodes, and a later start freed its nodes in the gap. The cluster
+    stayed claimed on the old nodes (the backend only re-applies the new set; teardown releases only the
+    current one), so those nodes, free in the portal, stayed tainted for this tenant for good, and another
+    tenant's cluster booked on them failed.
+    """
+    reservation = book(world, "alpha-lead", t0, hours=2, nodes=1, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    reservation.refresh_from_db()
+    assert reservation.status == ReservationStatus.PROVISIONING  # ready, its window starts tomorrow
+    (host,) = _held(reservation)
+    assert _claimed_by(k8s, reservation.pk) == {host}
+    node = next(n for n in world.nodes if n.hostname == host)
+    maintenance_window_create(actor=world.users["staff"], node=node, start=t0 + timedelta(hours=2),
+                              end=t0 + timedelta(hours=4))
+
+    lead = world.users["alpha-lead"]
+    with pytest.raises(CapacityUnavailable):
+        reservation_update(actor=lead, reservation=reservation, end=t0 + timedelta(hours=4))
+    with pytest.raises(InvalidState):
+        reservation_update(actor=lead, reservation=reservation, start=t0 + timedelta(hours=5),
+                           end=t0 + timedelta(hours=7))
+    assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
+    assert _held(reservation) == {host} == _claimed_by(k8s, reservation.pk)
+    reservation.refresh_from_db()
+    assert (reservation.period.lower, reservation.period.upper) == (t0, t0 + timedelta(hours=2))
+
+    # What still may change: the end, on the same nodes.
+    reservation_update(actor=lead, reservation=reservation, end=t0 + timedelta(hours=1))
+    assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
+    assert _held(reservation) == {host} == _claimed_by(k8s, reservation.pk)
