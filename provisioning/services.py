@@ -84,6 +84,7 @@ __all__ = [
     "cluster_teardown",
     "cluster_request_teardown",
     "cluster_retry",
+    "cluster_cleanup_failed",
     "reservation_sync",
     "node_sync",
     "cluster_nodes_changed",
@@ -657,16 +658,53 @@ def _still_in(cluster: VirtualCluster, during: str) -> bool:
     return cluster.status == ClusterStatus.TEARING_DOWN
 
 
-def _cleanup_failed(cluster_id: int) -> None:
-    """Best effort: remove what a failed provisioning built (it frees the nodes in the backend too)."""
+# backend_state key of a failed cluster whose backend objects are not all gone yet.
+_CLEANUP_PENDING = "cleanup_pending"
+
+
+def cluster_cleanup_failed(*, cluster_id: int) -> str:
+    """Go on removing what a failed provisioning built, until the backend says it is gone (a task's work)."""
+    with advisory_lock(LOCK_CLUSTER, cluster_id) as held:
+        if not held:
+            return "busy"
+        return _cleanup_failed(cluster_id)
+
+
+def _cleanup_failed(cluster_id: int) -> str:
+    """Remove what a failed provisioning built (it frees the nodes in the backend too); hold the cluster's lock.
+
+    The booking's nodes were released with the failure, so another booking may be handed them at
+    once: a backend whose teardown finishes later (a Kubernetes namespace terminating, then the
+    nodes' claim lifted) or that failed is asked again (a cleanup_failed_cluster task, resent by the
+    tick if lost) until it is done, instead of leaving the nodes claimed until the window ends.
+    """
+    cluster = VirtualCluster.objects.filter(pk=cluster_id).first()
+    if cluster is None or cluster.status != ClusterStatus.FAILED or cluster.failed_during != FailedDuring.PROVISIONING:
+        return "not due"
+    done = False
     try:
-        with _backend(VirtualCluster.objects.get(pk=cluster_id).backend) as backend:
-            backend.teardown(build_context(cluster_id))
+        with _backend(cluster.backend) as backend:
+            done = backend.teardown(build_context(cluster_id))
     except BackendError as exc:
-        logger.warning("cleanup of failed cluster %s: %s (reconcile will retry)", cluster_id, exc.message)
+        logger.warning("cleanup of failed cluster %s: %s (retrying)", cluster_id, exc.message)
+    poll = setting_float("PORTAL_TEARDOWN_POLL_SECONDS", 5.0)
     with transaction.atomic():
         cluster = _lock_cluster(cluster_id)
         _release_artefacts(cluster)
+        if cluster.status != ClusterStatus.FAILED:
+            return cluster.status
+        state = dict(cluster.backend_state)
+        if done:
+            state.pop(_CLEANUP_PENDING, None)
+            cluster.next_attempt_at = None
+        else:
+            state[_CLEANUP_PENDING] = True
+            cluster.next_attempt_at = timezone.now() + timedelta(seconds=poll)
+            cluster.dispatched_at = timezone.now()
+            transaction.on_commit(lambda: _send("cleanup_failed_cluster", cluster_id, countdown=poll))
+        cluster.backend_state = state
+        cluster.save(update_fields=["backend_state", "next_attempt_at", "dispatched_at", "updated_at"])
+    return "cleaned up" if done else "cleanup in progress"
 
 
 def _repair_conflicts(exc: BackendConflict, *, own_reservation_id: int) -> None:
@@ -903,6 +941,7 @@ def cluster_retry(*, actor: Any, cluster: VirtualCluster, source: str = Transiti
         cluster.attempts = 0
         cluster.next_attempt_at = None
         cluster.dispatched_at = now
+        cluster.backend_state.pop(_CLEANUP_PENDING, None)  # provisioning again claims what it needs
         if cluster.failed_during == FailedDuring.TEARDOWN:
             _transition(cluster, ClusterStatus.TEARING_DOWN, actor=actor, source=source, detail="teardown retried")
             _enqueue("teardown_cluster", cluster.pk)
@@ -1207,6 +1246,10 @@ def _tick_redispatch(now: datetime) -> int:
     provisioning = VirtualCluster.objects.filter(
         idle, reservation__status=ReservationStatus.PROVISIONING, status__in=PROVISIONING_STATUSES,
     ).values_list("id", flat=True)
+    cleanup = VirtualCluster.objects.filter(
+        idle, status=ClusterStatus.FAILED, failed_during=FailedDuring.PROVISIONING,
+        **{f"backend_state__{_CLEANUP_PENDING}": True},
+    ).values_list("id", flat=True)
     teardown = VirtualCluster.objects.filter(idle).exclude(status=ClusterStatus.DELETED).exclude(
         status=ClusterStatus.FAILED, failed_during=FailedDuring.TEARDOWN,
     ).filter(
@@ -1225,7 +1268,8 @@ def _tick_redispatch(now: datetime) -> int:
         return send
 
     return (_each(provisioning, resend("provision_cluster"), "resending provisioning")
-            + _each(teardown, resend("teardown_cluster"), "resending teardown"))
+            + _each(teardown, resend("teardown_cluster"), "resending teardown")
+            + _each(cleanup, resend("cleanup_failed_cluster"), "resending a failed cluster's cleanup"))
 
 
 # --- credentials ---------------------------------------------------------------------------

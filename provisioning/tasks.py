@@ -53,6 +53,14 @@ def teardown_cluster(self, cluster_id: int) -> str:
     return result
 
 
+@shared_task(name="provisioning.cleanup_failed_cluster", ignore_result=True)
+def cleanup_failed_cluster(cluster_id: int) -> str:
+    """Go on removing a failed cluster's backend objects (the service sends the next poll itself)."""
+    from . import services
+
+    return services.cluster_cleanup_failed(cluster_id=cluster_id)
+
+
 @shared_task(bind=True, name="provisioning.sync_reservation", ignore_result=True, max_retries=60)
 def sync_reservation(self, reservation_id: int) -> str:
     from . import services

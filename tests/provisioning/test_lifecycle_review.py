@@ -6,13 +6,15 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from portal.core.exceptions import CapacityUnavailable, InvalidState
-from provisioning import services
+from provisioning import services, tasks
 from provisioning.backends import k8s_manifests as m
+from provisioning.choices import ClusterStatus
 from provisioning.models import VirtualCluster
-from reservations.choices import ReservationStatus
-from reservations.models import Allocation
+from reservations.choices import NodeState, ReservationStatus
+from reservations.models import Allocation, Node
 from reservations.services import maintenance_window_create, reservation_update
 from tests.k8s.conftest import api_server, make_node, make_spec  # noqa: F401 - the loopback fixture
 
@@ -80,3 +82,46 @@ def test_a_window_change_while_provisioning_never_moves_the_booking_off_the_node
     reservation_update(actor=lead, reservation=reservation, end=t0 + timedelta(hours=1))
     assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
     assert _held(reservation) == {host} == _claimed_by(k8s, reservation.pk)
+
+
+def test_a_failed_kubernetes_cluster_lets_go_of_the_nodes_its_booking_gave_back(
+        world, t0, k8s, settings, monkeypatch, django_capture_on_commit_callbacks):
+    """A failed provisioning releases the booking's nodes at once; the backend must let go of them too.
+
+    Before: the cleanup asked the backend to tear down once and ignored "not finished yet" — a namespace
+    always takes a moment to terminate, and the nodes' claim is lifted only once it is gone — so the
+    namespace's deletion was never followed up and the nodes stayed tainted for the failed tenant until
+    its window ended (the tick tears a failed booking down only then), while the portal gave them to others.
+    """
+    sent: list[tuple[str, tuple]] = []
+    monkeypatch.setattr(services, "_send", lambda name, *args, countdown=None: sent.append((name, args)))
+    settings.PORTAL_PROVISIONING_FAULTS = "attaching_storage=fatal"
+    k8s.terminating_reads = 1  # deleting a namespace takes a moment, as on a real API server
+    reservation = book(world, "alpha-lead", t0, hours=3, nodes=1, orchestrator="kubernetes")
+    (host,) = _held(reservation)
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.cluster_provision(cluster_id=cluster.pk) == "failed"
+    settings.PORTAL_PROVISIONING_FAULTS = ""
+    assert _held(reservation) == set()  # the portal hands the node to the next booking at once
+
+    # The follow-up message is lost: the tick sends it again.
+    sent.clear()
+    services.lifecycle_tick(now=timezone.now() + timedelta(minutes=10))
+    assert sent == [("cleanup_failed_cluster", (cluster.pk,))]
+    tasks.cleanup_failed_cluster(cluster.pk)
+    assert _claimed_by(k8s, reservation.pk) == set()
+    assert f"tenant-alpha-r{reservation.pk}" not in k8s.namespaces
+    sent.clear()
+    services.lifecycle_tick(now=timezone.now() + timedelta(minutes=20))
+    assert sent == []  # done: nothing more to send
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.FAILED  # still failed, for staff to retry
+
+    # Another tenant booked on that node gets a cluster on it.
+    Node.objects.exclude(hostname=host).update(state=NodeState.MAINTENANCE)
+    other = book(world, "beta-lead", t0, hours=2, nodes=1, orchestrator="kubernetes")
+    assert _held(other) == {host}
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    assert services.cluster_provision(cluster_id=VirtualCluster.objects.get(reservation=other).pk) == "ready"
