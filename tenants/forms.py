@@ -16,6 +16,7 @@ from django.core.cache import cache
 from redis.exceptions import RedisError
 from rest_framework.throttling import BaseThrottle
 
+from .choices import Role
 from .models import Tenant
 
 __all__ = [
@@ -253,3 +254,14 @@ class ApiTokenForm(forms.Form):
     def expires_in_days(self) -> int | None:
         value = self.cleaned_data["expires"]
         return None if value == "never" else int(value)
+
+
+class TeamAddForm(forms.Form):
+    """Add an existing user to the current tenant (the team page)."""
+
+    username = forms.CharField(label="Username", max_length=150)
+    role = forms.ChoiceField(label="Role", choices=Role.choices, initial=Role.MEMBER)
+
+
+class TeamRoleForm(forms.Form):
+    role = forms.ChoiceField(label="Role", choices=Role.choices)

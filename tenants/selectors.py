@@ -11,7 +11,7 @@ from django.utils import timezone
 from .models import ApiToken, Membership, Quota, Tenant
 
 __all__ = ["role_of", "tenants_for_user", "quota_for", "ical_feed_token", "ical_feed_tenant", "api_tokens_of",
-           "api_tokens_live"]
+           "api_tokens_live", "team_of"]
 
 
 def role_of(*, user, tenant: Tenant) -> str | None:
@@ -70,3 +70,15 @@ def api_tokens_live(*, user):
     """The user's tokens that still authenticate: not revoked, not expired."""
     return ApiToken.objects.filter(user=user, revoked=False).filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
+
+
+def team_of(*, tenant: Tenant):
+    """The tenant's memberships with their users: leads first, then by username."""
+    from django.db.models import Case, IntegerField, Value, When
+
+    from .choices import Role
+
+    rank = Case(When(role=Role.LEAD, then=Value(0)), When(role=Role.MEMBER, then=Value(1)), default=Value(2),
+                output_field=IntegerField())
+    return (Membership.objects.filter(tenant=tenant).select_related("user")
+            .annotate(rank=rank).order_by("rank", "user__username"))

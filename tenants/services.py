@@ -373,3 +373,85 @@ def token_revoke_own(*, user: Any, token_id: int) -> ApiToken:
     if token is None:
         raise NotFound("No such token.")
     return token_revoke(actor=user, token=token)
+
+
+# --- the team page: a tenant's leads manage its members -----------------------------------
+
+__all__ += ["team_member_add", "team_member_set_role", "team_member_remove"]
+
+
+def _lock_team(*, actor: Any, tenant_id: int) -> None:
+    """Check that actor may manage the tenant's members (staff, or one of its leads), holding the answer.
+
+    The tenant's lead rows are locked (FOR UPDATE, in one order: the lock _keep_a_lead takes), so a
+    lead being demoted or removed concurrently waits for this change, or this change waits and
+    then finds the actor no longer a lead. Two leads demoting each other queue instead of deadlocking.
+    """
+    leads = list(Membership.objects.select_for_update(of=("self",)).filter(tenant_id=tenant_id, role=Role.LEAD)
+                 .order_by("pk").values_list("user_id", flat=True))
+    if getattr(actor, "is_staff", False):
+        return
+    if actor.pk not in leads:
+        raise PermissionDenied("Only the tenant's leads (or platform staff) can change its members.")
+
+
+def _team_membership(*, tenant: Tenant, membership_id: int) -> Membership:
+    membership = (Membership.objects.select_for_update(of=("self",)).select_related("user")
+                  .filter(pk=membership_id, tenant=tenant).first())
+    if membership is None:
+        raise NotFound("No such member of this tenant.")
+    return membership
+
+
+def _check_role(role: str) -> None:
+    if role not in Role.values:
+        raise InvalidInput("role: unknown role.", fields={"role": f"One of {', '.join(Role.values)}."})
+
+
+@transaction.atomic(durable=True)
+def team_member_add(*, actor: Any, tenant: Tenant, username: str, role: str = Role.MEMBER) -> Membership:
+    """Add an existing, active user to the tenant (a lead or staff)."""
+    _lock_team(actor=actor, tenant_id=tenant.pk)
+    _check_role(role)
+    user = get_user_model().objects.filter(username=(username or "").strip(), is_active=True).first()
+    if user is None:
+        raise InvalidInput("username: no active user by that name.",
+                           fields={"username": "No active user by that name; platform staff create accounts."})
+    membership = Membership(tenant=tenant, user=user, role=role)
+    _save_checked(membership, integrity_fields={"unique_user_tenant": "username"})
+    audit_record(actor=actor, action="membership.create", obj=membership, tenant_id=tenant.pk,
+                 after={"user": user.username, "role": role})
+    return membership
+
+
+@transaction.atomic(durable=True)
+def team_member_set_role(*, actor: Any, tenant: Tenant, membership_id: int, role: str) -> Membership:
+    """Change a member's role (a lead or staff); the tenant always keeps a lead."""
+    _lock_team(actor=actor, tenant_id=tenant.pk)
+    _check_role(role)
+    membership = _team_membership(tenant=tenant, membership_id=membership_id)
+    if membership.role == role:
+        return membership
+    if role != Role.LEAD:
+        _keep_a_lead(membership)
+    before = {"user": membership.user.username, "role": membership.role}
+    membership.role = role
+    membership.save(update_fields=["role"])
+    audit_record(actor=actor, action="membership.update", obj=membership, tenant_id=tenant.pk,
+                 before=before, after={"user": membership.user.username, "role": role})
+    return membership
+
+
+@transaction.atomic(durable=True)
+def team_member_remove(*, actor: Any, tenant: Tenant, membership_id: int) -> Membership:
+    """Take a member out of the tenant (a lead or staff); the tenant always keeps a lead.
+
+    Their reservations stay (the tenant's), and their personal calendar feed stops working.
+    """
+    _lock_team(actor=actor, tenant_id=tenant.pk)
+    membership = _team_membership(tenant=tenant, membership_id=membership_id)
+    _keep_a_lead(membership)
+    audit_record(actor=actor, action="membership.delete", obj=membership, tenant_id=tenant.pk,
+                 before={"user": membership.user.username, "role": membership.role})
+    membership.delete()
+    return membership

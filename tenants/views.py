@@ -31,7 +31,15 @@ from portal.core.exceptions import DomainError
 
 from . import selectors, services
 from .choices import BOOKING_ROLES, Role
-from .forms import ApiTokenForm, LockoutAuthenticationForm, TenantSwitchForm, TimeZoneForm, valid_time_zone
+from .forms import (
+    ApiTokenForm,
+    LockoutAuthenticationForm,
+    TeamAddForm,
+    TeamRoleForm,
+    TenantSwitchForm,
+    TimeZoneForm,
+    valid_time_zone,
+)
 from .models import Membership, Tenant
 
 __all__ = [
@@ -45,6 +53,10 @@ __all__ = [
     "account",
     "api_token_create",
     "api_token_revoke",
+    "team",
+    "team_add",
+    "team_set_role",
+    "team_remove",
 ]
 
 SESSION_TENANT = "portal_tenant"
@@ -270,3 +282,88 @@ def ical_token_rotate(request):
     services.tenant_rotate_ical_token(actor=request.user, tenant=portal.tenant)
     messages.success(request, "New calendar feed address issued; the old one no longer works.")
     return HttpResponseRedirect(_safe_next(request, settings.LOGIN_REDIRECT_URL))
+
+
+# --- the team page ----------------------------------------------------------------------------
+
+
+def _team_tenant(request) -> Tenant:
+    tenant = request.portal.tenant
+    if tenant is None:
+        raise PermissionDenied("You are not a member of any tenant yet.")
+    return tenant
+
+
+def _team_page(request, *, add_form=None, status: int = 200):
+    portal = request.portal
+    tenant = _team_tenant(request)
+    members = list(selectors.team_of(tenant=tenant))
+    context = {
+        "tenant": tenant,
+        "members": members,
+        "can_manage": portal.is_lead,
+        "add_form": add_form or TeamAddForm(),
+        "roles": Role.choices,
+        "lead_count": sum(1 for m in members if m.role == Role.LEAD),
+    }
+    return render_page(request, "tenants/team.html", context, status=status)
+
+
+@portal_view
+def team(request):
+    """The current tenant's members and roles; its leads (and staff) add, change and remove them."""
+    return _team_page(request)
+
+
+@require_POST
+@portal_view
+def team_add(request):
+    tenant = _team_tenant(request)
+    form = TeamAddForm(request.POST)
+    if not form.is_valid():
+        return _team_page(request, add_form=form, status=400)
+    try:
+        membership = services.team_member_add(actor=request.user, tenant=tenant,
+                                              username=form.cleaned_data["username"], role=form.cleaned_data["role"])
+    except DomainError as exc:
+        for name, text in (getattr(exc, "fields", None) or {}).items():
+            form.add_error(name if name in form.fields else None, text)
+        if not form.errors:
+            form.add_error(None, exc.detail)
+        return _team_page(request, add_form=form, status=exc.status)
+    messages.success(request, f"{membership.user.username} joined {tenant.name} as {membership.role}.")
+    return HttpResponseRedirect(reverse("team"))
+
+
+@require_POST
+@portal_view
+def team_set_role(request, pk: int):
+    tenant = _team_tenant(request)
+    form = TeamRoleForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Choose lead, member or viewer.")
+        return HttpResponseRedirect(reverse("team"))
+    try:
+        membership = services.team_member_set_role(actor=request.user, tenant=tenant, membership_id=pk,
+                                                   role=form.cleaned_data["role"])
+    except DomainError as exc:
+        messages.error(request, exc.detail)
+        return HttpResponseRedirect(reverse("team"))
+    messages.success(request, f"{membership.user.username} is now {membership.role} of {tenant.name}.")
+    return HttpResponseRedirect(reverse("team"))
+
+
+@require_POST
+@portal_view
+def team_remove(request, pk: int):
+    tenant = _team_tenant(request)
+    try:
+        membership = services.team_member_remove(actor=request.user, tenant=tenant, membership_id=pk)
+    except DomainError as exc:
+        messages.error(request, exc.detail)
+        return HttpResponseRedirect(reverse("team"))
+    if membership.user_id == request.user.pk:
+        messages.success(request, f"You left {tenant.name}.")
+        return HttpResponseRedirect(settings.LOGIN_REDIRECT_URL)
+    messages.success(request, f"{membership.user.username} is no longer a member of {tenant.name}.")
+    return HttpResponseRedirect(reverse("team"))
