@@ -13,8 +13,8 @@ Delivery guarantees, and what gives each one:
 - **Never lost**: the row exists (committed) before any task is queued; tasks are acked late and
   re-queued when a worker dies; ``deliveries_requeue_stuck`` (beat) re-queues any open row
   nobody is working on, whatever happened to its message.
-- **Retries**: 5xx/timeouts back off exponentially with full jitter, 429 waits ``Retry-After``;
-  a permanent error (any other 4xx, Slack's ``channel_not_found`` …) stops at once and flags
+- **Retries**: 5xx/timeouts back off exponentially with full jitter, 429 waits ``Retry-After``
+  (at most the backoff cap); a permanent error (any other 4xx, Slack's ``channel_not_found`` …) stops at once and flags
   the channel broken so its lead sees it; every attempt is recorded.
 - **≤ 1 message per second per webhook URL**, across all workers (``ratelimit``, in Redis).
 

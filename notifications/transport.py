@@ -9,7 +9,7 @@ https://api.slack.com/docs/rate-limits):
 - 2xx: delivered. Slack answers ``200 ok``; any other 2xx body from Slack is not a
   delivery we can vouch for, so it is recorded as permanent rather than retried
   (a retry might post the message twice).
-- 429: retry after the ``Retry-After`` header (seconds or an HTTP-date).
+- 429: retry after the ``Retry-After`` header (seconds or an HTTP-date), at most the backoff cap.
 - 5xx, 408, timeouts, connection errors: transient; retry with ``backoff(attempt)``.
 - 3xx: never followed (a redirect would send the body and signature to a host the
   tenant did not register); permanent.
@@ -182,9 +182,13 @@ def backoff(attempt: int, *, base_s: float = 2.0, cap_s: float = 600.0, rng: ran
 
 
 def retry_delay(outcome: Outcome, attempt: int, *, base_s: float = 2.0, cap_s: float = 600.0) -> float:
-    """Return how long to wait before the next attempt: the server's wish, else backoff."""
+    """Return how long to wait before the next attempt: the server's wish, else backoff; at most cap_s.
+
+    The cap holds for Retry-After too: the answer comes from whatever sits at the tenant's URL, and a
+    day (or an absurd number) would delay every later message, or overflow the next attempt's date.
+    """
     if outcome.retry_after is not None:
-        return outcome.retry_after
+        return min(outcome.retry_after, cap_s)
     return backoff(attempt, base_s=base_s, cap_s=cap_s)
 
 

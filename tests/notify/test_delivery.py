@@ -364,3 +364,25 @@ def test_deleted_channel_skips_its_open_deliveries(world, receiver, webhook_for,
     delivery.refresh_from_db()
     assert delivery.channel is None and delivery.channel_label == "Webhook ci (alpha)"
     assert receiver.requests == []
+
+
+@pytest.mark.parametrize("retry_after", ["86400", "999999999999"])
+def test_a_receivers_retry_after_is_capped_like_the_backoff(receiver, slack_for, confirmed, notify_settings,
+                                                            retry_after):
+    # A proxy in front of a tenant's receiver (or a broken one) may ask for a day, or for ever: the next
+    # attempt still comes within the backoff cap, so a "starts in 1 hour" is not delivered after the start,
+    # and an absurd value does not crash the worker after the POST (date out of range).
+    slack_for("alpha", receiver.url("/services/T0/B0/alpha"))
+    receiver.script(Reply.rate_limited(retry_after), Reply.ok())
+    (delivery,) = confirmed()
+
+    before = timezone.now()
+    result = services.delivery_send(delivery_id=delivery.pk)
+
+    assert result.status == DeliveryStatus.RETRYING
+    assert 0 <= result.retry_in <= notify_settings.PORTAL_NOTIFY_BACKOFF_CAP
+    delivery.refresh_from_db()
+    assert delivery.status == DeliveryStatus.RETRYING and delivery.claim is None
+    assert delivery.next_attempt_at <= before + timedelta(seconds=notify_settings.PORTAL_NOTIFY_BACKOFF_CAP + 1)
+    (attempt,) = delivery.attempt_log.all()
+    assert attempt.verdict == AttemptVerdict.RETRY and attempt.retry_after == float(retry_after)  # what it asked
