@@ -194,6 +194,24 @@ def _reservation_notice(slack_event: str, *, key_suffix: str = "") -> Translator
     return translate
 
 
+def _boundary_moved_at(reservation: Reservation, kind: str) -> datetime | None:
+    """When the reservation's start (kind "starting") or end was last moved; None if never.
+
+    (A booking made after a reminder's moment is left out where reminders are found: reminders_due
+    and the lifecycle tick compare created_at.)
+    """
+    field_name = "start" if kind == "starting" else "end"
+    changes = (
+        AuditLog.objects.filter(object_type="reservations.reservation", object_id=str(reservation.pk),
+                                action="reservation.update")
+        .order_by("-id").values_list("created_at", "before", "after")
+    )
+    for created_at, before, after in changes:
+        if (before or {}).get(field_name) != (after or {}).get(field_name):
+            return created_at
+    return None
+
+
 def _reminder(kind: str) -> Translator:
     """reservation.starting_soon / ending_soon with ``hours``: keyed by the reservation's boundary."""
 
@@ -214,6 +232,12 @@ def _reminder(kind: str) -> Translator:
         else:
             slack_event = {24: Event.RESERVATION_ENDING_24H, 1: Event.RESERVATION_ENDING_1H}.get(as_id(hours) or 0)
         if slack_event is None:
+            return []
+        lead = timedelta(hours=24) if slack_event == Event.RESERVATION_ENDING_24H else timedelta(hours=1)
+        moved_at = _boundary_moved_at(reservation, kind)
+        if moved_at is not None and moved_at > boundary - lead:
+            # Moved there after this reminder's moment (extended 3 h before the end): "ends in about
+            # 24 hours" would be false, and the change was announced anyway — as for a late booking.
             return []
         key = f"{slack_event}:r{reservation.pk}:{format_utc(boundary)}"
         return [Notice(event=slack_event, key=key, payload=reservation_payload(reservation), source_event=name,

@@ -6,12 +6,14 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
 from notifications import selectors, services
 from notifications.choices import DeliveryStatus
 from notifications.models import Channel, Delivery, QuotaAlertState
 from notifications.slack import Event
+from portal.core.timefmt import format_utc
 from reservations import services as booking
 from reservations.models import Node
 from tenants.services import quota_update
@@ -283,3 +285,50 @@ def test_a_late_fan_out_tells_each_event_as_it_was(world, t0, book, slack_for):
     assert changed.payload["status"] == "confirmed" and changed.payload["previous_end"] == confirmed.payload["end"]
     assert changed.payload["end"] == (t0 + timedelta(hours=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
     assert cancelled.payload["status"] == "cancelled"
+
+
+def test_no_ends_in_24_hours_for_an_end_moved_after_that_moment(world, slack_for, notify_settings):
+    # A day-long run, hours from its end: its "ends in 24 h" went out yesterday. The lead extends it by an
+    # hour. The new end is still within the 24 h window the sweep looks at, but "ends in about 24 hours"
+    # for an end 2-3 h away is false (and the change was just announced): only "ends in 1 h" follows.
+    from reservations.models import Allocation, Reservation
+
+    slack_for("alpha", SLACK_URL)
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    r = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                   node_count=1, start=hour + timedelta(hours=1), end=hour + timedelta(hours=26))
+    # Move it a day back: it started 23 h ago, ends at hour + 2 h, and was booked three days ago.
+    shifted = DateTimeTZRange(hour - timedelta(hours=23), hour + timedelta(hours=2), "[)")
+    Reservation.objects.filter(pk=r.pk).update(period=shifted, status="active",
+                                               created_at=now - timedelta(days=3))
+    Allocation.objects.filter(reservation=r).update(period=shifted)
+    first = services.reminders_emit(now=now)
+    assert [(d.event, d.payload["end"]) for d in first] == [(Event.RESERVATION_ENDING_24H, format_utc(shifted.upper))]
+
+    r.refresh_from_db()
+    booking.reservation_update(actor=world.users["alpha-lead"], reservation=r, end=hour + timedelta(hours=3))
+
+    assert services.reminders_emit(now=now) == []
+    assert services.event_fanout(event="reservation.ending_soon",
+                                 payload={"reservation_id": r.pk, "tenant_id": r.tenant_id, "hours": 24}) == []
+    # The new end's own "ends in 1 h" moment comes after the change: that one is sent.
+    last_hour = services.reminders_emit(now=hour + timedelta(hours=2, minutes=30))
+    assert [d.event for d in last_hour] == [Event.RESERVATION_ENDING_1H]
+
+
+def test_no_starts_in_1_hour_for_a_start_moved_within_the_hour(world, slack_for, notify_settings):
+    # Booked yesterday for hour + 3 h, moved now to hour + 1 h: as for a booking made within the hour, the
+    # "starts in 1 h" moment had passed when the start was set; the "changed" message told the team.
+    from reservations.models import Reservation
+
+    slack_for("alpha", SLACK_URL)
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    r = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                   node_count=1, start=hour + timedelta(hours=3), end=hour + timedelta(hours=5))
+    Reservation.objects.filter(pk=r.pk).update(created_at=now - timedelta(days=1))
+    r.refresh_from_db()
+    booking.reservation_update(actor=world.users["alpha-lead"], reservation=r, start=hour + timedelta(hours=1))
+
+    assert services.reminders_emit(now=now) == []
