@@ -46,6 +46,7 @@ __all__ = [
     "as_id",
     "reservation_payload",
     "reminders_due",
+    "reminder_obsolete",
     "deliveries_for_user",
     "channels_for_user",
     "broken_channels_for_user",
@@ -579,6 +580,36 @@ def reminders_due(*, now: datetime) -> list[tuple[str, int, int]]:
     ).values_list("pk", flat=True):
         due.append(("reservation.ending_soon", pk, 1))
     return due
+
+
+# Which boundary each reminder is about (the payload names it as format_utc gives it).
+REMINDER_BOUNDARY = {
+    Event.RESERVATION_STARTING_1H: "start",
+    Event.RESERVATION_ENDING_24H: "end",
+    Event.RESERVATION_ENDING_1H: "end",
+}
+
+
+def reminder_obsolete(delivery: Delivery, *, now: datetime) -> str:
+    """Why a reminder must no longer be sent ('' if it still holds, or is no reminder).
+
+    A reminder can wait for its send (retries while the receiver is down, a long queue) while the
+    booking is cancelled, moved or has reached the boundary: it would then tell something false.
+    """
+    field_name = REMINDER_BOUNDARY.get(delivery.event)
+    if field_name is None:
+        return ""
+    reservation = Reservation.objects.filter(pk=as_id((delivery.payload or {}).get("reservation_id")) or 0).first()
+    if reservation is None:
+        return "reservation_deleted"
+    if reservation.status not in HOLDING_STATUSES:
+        return f"reservation_{reservation.status}"
+    boundary = reservation.period.lower if field_name == "start" else reservation.period.upper
+    if format_utc(boundary) != delivery.payload.get(field_name):
+        return f"reservation_moved: the {field_name} is now {format_utc(boundary)}"
+    if boundary <= now:
+        return f"reservation_{field_name}_passed"
+    return ""
 
 
 # --- the log, the settings page and the alerts ------------------------------------------------

@@ -579,7 +579,7 @@ def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
         return "channel_disabled"
     if channel.is_broken:
         return f"channel_broken: {channel.broken_error}"[:200]
-    return ""
+    return selectors.reminder_obsolete(delivery, now=timezone.now())[:200]
 
 
 def _finish(delivery_id: int, *, status: str, error: str) -> SendResult:

@@ -386,3 +386,34 @@ def test_a_receivers_retry_after_is_capped_like_the_backoff(receiver, slack_for,
     assert delivery.next_attempt_at <= before + timedelta(seconds=notify_settings.PORTAL_NOTIFY_BACKOFF_CAP + 1)
     (attempt,) = delivery.attempt_log.all()
     assert attempt.verdict == AttemptVerdict.RETRY and attempt.retry_after == float(retry_after)  # what it asked
+
+
+@pytest.mark.parametrize("change", ["cancel", "move"])
+def test_a_reminder_still_waiting_to_be_sent_is_dropped_when_its_booking_is_cancelled_or_moved(
+        world, receiver, slack_for, book, t0, notify_settings, change):
+    # Slack was down when "starts in 1 hour" was first tried; meanwhile the lead cancelled the booking (or
+    # moved it). The retry must not tell the team a cancelled run starts soon, or give the old start.
+    from reservations import services as booking
+
+    slack_for("alpha", receiver.url("/services/T0/B0/alpha"), events=[Event.RESERVATION_STARTING_1H])
+    notify_settings.PORTAL_NOTIFY_MIN_INTERVAL = 0.05
+    receiver.script(Reply.server_error(), Reply.ok())
+    reservation = book("alpha", t0)
+    (delivery,) = services.event_fanout(event="reservation.starting_soon",
+                                        payload={"reservation_id": reservation.pk, "hours": 1})
+    assert services.delivery_send(delivery_id=delivery.pk).status == DeliveryStatus.RETRYING
+
+    if change == "cancel":
+        booking.reservation_cancel(actor=world.users["alpha-lead"], reservation=reservation)
+    else:
+        booking.reservation_update(actor=world.users["alpha-lead"], reservation=reservation,
+                                   start=t0 + timedelta(hours=1), end=t0 + timedelta(hours=3))
+    delivery.refresh_from_db()
+    _wait_until(delivery.next_attempt_at)
+    result = services.delivery_send(delivery_id=delivery.pk)
+
+    assert result.status == DeliveryStatus.SKIPPED and not result.posted
+    time.sleep(0.1)
+    assert len(receiver.requests) == 1  # only the failed first try
+    delivery.refresh_from_db()
+    assert delivery.status == DeliveryStatus.SKIPPED and delivery.last_error.startswith("reservation_")
