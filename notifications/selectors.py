@@ -286,6 +286,25 @@ def _transition_ident(cluster_id: Any, payload: dict[str, Any]) -> str:
     return _digest(payload)
 
 
+def _cluster_connection(cluster_id: Any) -> dict[str, Any]:
+    """The cluster's connection details (login host, account, namespace …: nothing secret), or {}."""
+    VirtualCluster = _optional_model("provisioning", "VirtualCluster")
+    pk = as_id(cluster_id)
+    if VirtualCluster is None or pk is None:
+        return {}
+    connection = VirtualCluster.objects.filter(pk=pk).values_list("connection", flat=True).first()
+    return dict(connection) if isinstance(connection, dict) else {}
+
+
+def _access_text(connection: dict[str, Any]) -> str:
+    """How to connect, one line each: the ssh command when there is a login host, then every detail."""
+    lines = []
+    if connection.get("login_host") and connection.get("ssh_user"):
+        lines.append(f"ssh {connection['ssh_user']}@{connection['login_host']}")
+    lines += [f"{key}: {value}" for key, value in connection.items()]
+    return "\n".join(lines)
+
+
 def _cluster_notice(slack_event: str) -> Translator:
     def translate(name: str, payload: dict[str, Any]) -> list[Notice]:
         reservation, extra = _cluster_lookup(payload)
@@ -295,6 +314,13 @@ def _cluster_notice(slack_event: str) -> Translator:
         for key in _CLUSTER_KEYS:
             if payload.get(key) not in (None, ""):
                 data[key] = payload[key]
+        if slack_event == Event.CLUSTER_READY and "access" not in data:
+            # Ready means "go ahead": say how (the cluster's non-secret connection details; the
+            # credentials themselves are only on the cluster page the message links to).
+            connection = _cluster_connection(extra.get("cluster_id"))
+            if connection:
+                data["connection"] = connection
+                data["access"] = _access_text(connection)
         if slack_event == Event.CLUSTER_DEGRADED and (payload.get("nodes") or payload.get("node")):
             data["nodes"] = list(payload.get("nodes") or [payload["node"]])
         if slack_event == Event.CLUSTER_DEGRADED and payload.get("node"):

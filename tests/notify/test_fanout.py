@@ -332,3 +332,32 @@ def test_no_starts_in_1_hour_for_a_start_moved_within_the_hour(world, slack_for,
     booking.reservation_update(actor=world.users["alpha-lead"], reservation=r, start=hour + timedelta(hours=1))
 
     assert services.reminders_emit(now=now) == []
+
+
+def test_cluster_ready_tells_the_team_how_to_connect(world, t0, book, slack_for, webhook_for, settings):
+    # The provisioning app announces cluster.ready with ids only; the message must still say how to get in.
+    from provisioning import services as provisioning
+    from provisioning.choices import ClusterStatus
+    from provisioning.models import VirtualCluster
+
+    settings.PORTAL_PROVISIONING_BACKEND = "simulated"
+    settings.PORTAL_SIMULATED_PHASE_SECONDS = "0"
+    slack_for("alpha", SLACK_URL, events=[Event.CLUSTER_READY])
+    webhook_for("alpha", "https://ci.example.com/hooks/portal", events=[Event.CLUSTER_READY])
+    reservation = book("alpha", t0)
+    provisioning.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert provisioning.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.READY
+    cluster.refresh_from_db()
+
+    created = services.event_fanout(event="cluster.ready", payload={  # as provisioning emits it
+        "cluster_id": cluster.pk, "reservation_id": reservation.pk, "tenant_id": reservation.tenant_id,
+        "status": "ready"})
+
+    by_kind = {d.kind: d for d in created}
+    login = f"ssh {cluster.connection['ssh_user']}@{cluster.connection['login_host']}"
+    slack_text = json.dumps(json.loads(by_kind["slack"].body)["blocks"])
+    assert "*Access*" in slack_text and login in slack_text
+    assert cluster.connection["slurm_reservation"] in slack_text
+    data = json.loads(by_kind["webhook"].body)["data"]
+    assert data["connection"] == cluster.connection and data["access"].startswith(login)
