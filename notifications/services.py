@@ -45,6 +45,7 @@ from portal.core.services import audit_record
 from reservations.models import Reservation
 from reservations.selectors import tenant_peak_usage
 from tenants.models import Quota, Tenant
+from tenants.services import tenant_slack_webhook_set
 
 from . import ratelimit, selectors, signing, slack, transport
 from .choices import (
@@ -361,7 +362,17 @@ def webhook_rotate_secret(*, actor: Any, channel: Channel, overlap_hours: int | 
 
 
 def channel_delete(*, actor: Any, channel: Channel) -> None:
-    """Delete a channel; its deliveries stay in the log (open ones are skipped)."""
+    """Delete a channel; its deliveries stay in the log (open ones are skipped).
+
+    A tenant's Slack channel exists because the tenant has a Slack URL (its row is made again on the
+    next event), so deleting it removes that URL first. The platform channel comes from
+    PORTAL_PLATFORM_SLACK_WEBHOOK the same way: it is disabled, not deleted.
+    """
+    if channel.is_platform:
+        raise InvalidState("The platform channel comes from PORTAL_PLATFORM_SLACK_WEBHOOK and would be made "
+                           "again on the next event: disable it instead (or unset the setting).")
+    if channel.kind == ChannelKind.SLACK and channel.tenant.slack_webhook_url:
+        tenant_slack_webhook_set(actor=actor, tenant=channel.tenant, url="")
     with transaction.atomic(durable=True):
         channel = _lock_channel(channel)
         before = _channel_snapshot(channel)

@@ -10,6 +10,7 @@ from django.urls import reverse
 
 from notifications import services as notify
 from notifications.models import Channel, Delivery
+from notifications.slack import Event
 from portal.core.models import AuditLog
 from reservations.choices import AllocationKind, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
@@ -311,3 +312,29 @@ def test_audit_log_in_the_admin_shows_before_and_after(world, staff):
     quota_update(actor=world.users["staff"], quota=_quota(world, "alpha"), max_nodes=7)
     listing = staff.get(reverse("admin:core_auditlog_changelist") + f"?tenant_id={world.tenants['alpha'].pk}")
     assert "max_nodes: 3 → 7" in listing.content.decode()
+
+
+def test_deleting_a_tenants_slack_channel_in_the_admin_stops_its_messages(world, staff, t0, book, slack_for):
+    # The Slack URL lives on the tenant: deleting only the channel row let the next event make a new one,
+    # subscribed to everything again — staff deleted it and the tenant's Slack kept getting messages.
+    channel = slack_for("alpha", "https://hooks.slack.com/services/T0/B0/x", events=[Event.RESERVATION_CHANGED])
+    staff.post(reverse("admin:notifications_channel_delete", args=[channel.pk]), {"post": "yes"})
+
+    assert not Channel.objects.filter(tenant=world.tenants["alpha"]).exists()
+    reservation = book("alpha", t0)
+    assert notify.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk}) == []
+    assert not Channel.objects.filter(tenant=world.tenants["alpha"]).exists()
+    world.tenants["alpha"].refresh_from_db()
+    assert world.tenants["alpha"].slack_webhook_url == ""
+    assert _audits("tenant.slack_webhook")[-1].actor == world.users["staff"]
+
+
+def test_the_platform_channel_is_disabled_not_deleted(world, staff, settings):
+    # It comes back from PORTAL_PLATFORM_SLACK_WEBHOOK on the next event, with the default events: a delete
+    # would neither stop it nor keep what staff chose. Refused, with the way to stop it.
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    channel = notify.platform_channel_ensure()
+    response = staff.post(reverse("admin:notifications_channel_delete", args=[channel.pk]), {"post": "yes"},
+                          follow=True)
+    assert Channel.objects.filter(pk=channel.pk).exists()
+    assert "disable" in response.content.decode().lower()
