@@ -249,5 +249,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
     # Django's DEFAULT_LOGGING gives `django` a console handler of its own (DEBUG only) and lets it
     # propagate too: every django.* record came out twice under `make run`. Root's handler is enough.
-    "loggers": {"django": {"handlers": [], "level": "INFO", "propagate": True}},
+    # urllib3 logs each request's full path at DEBUG, and a Slack incoming-webhook path is its secret:
+    # LOG_LEVEL=DEBUG must not print tenants' webhook URLs.
+    "loggers": {"django": {"handlers": [], "level": "INFO", "propagate": True},
+                "urllib3": {"level": "INFO", "propagate": True}},
 }

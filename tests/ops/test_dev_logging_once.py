@@ -30,3 +30,34 @@ def test_a_django_warning_is_logged_once_under_make_run_settings():
     out = done.stdout + done.stderr
     assert out.count("once-marker x") == 1, out
     assert out.count("once-marker y") == 1, out
+
+
+LEAK_SCRIPT = """
+import threading, django, requests
+from http.server import BaseHTTPRequestHandler, HTTPServer
+django.setup()
+
+class Ok(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+
+server = HTTPServer(("127.0.0.1", 0), Ok)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+url = f"http://127.0.0.1:{server.server_port}/services/T000/B000/hush-secret-token"
+assert requests.post(url, json={"text": "hi"}, timeout=10).status_code == 200
+import logging
+logging.getLogger("portal.test").debug("debug-is-on")
+"""
+
+
+def test_debug_logging_does_not_print_a_webhook_urls_secret_path():
+    """Slack incoming-webhook URLs carry their secret in the path; urllib3 logs request paths at DEBUG."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "LOG_LEVEL": "DEBUG"}
+    done = subprocess.run([sys.executable, "-c", LEAK_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,  # noqa: S603
+                          timeout=60, check=True)
+    out = done.stdout + done.stderr
+    assert "debug-is-on" in out, out  # DEBUG records do come out
+    assert "hush-secret-token" not in out, out
