@@ -12,6 +12,7 @@ from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponseRedirect
 from django.urls import reverse
+from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_POST
 
 from portal.core.crypto import mask
@@ -197,8 +198,14 @@ def webhook_create(request):
     except DomainError as exc:
         return _error(request, exc)
     # The secret is shown in this response only; it is stored encrypted and never displayed again.
-    return render_page(request, "notifications/settings.html",
-                       _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel))
+    return _secret_page(request, _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel))
+
+
+def _secret_page(request, context):
+    """The settings page carrying a signing secret: no cache (browser, proxy) may keep a copy."""
+    response = render_page(request, "notifications/settings.html", context)
+    add_never_cache_headers(response)
+    return response
 
 
 @require_POST
@@ -229,9 +236,8 @@ def webhook_rotate(request, pk: int):
             actor=request.user, channel=_channel(request, tenant, pk, ChannelKind.WEBHOOK))
     except DomainError as exc:
         return _error(request, exc)
-    return render_page(request, "notifications/settings.html",
-                       _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel,
-                                         rotated=True))
+    return _secret_page(request, _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel,
+                                                   rotated=True))
 
 
 @require_POST

@@ -73,12 +73,14 @@ def test_webhook_secret_is_shown_once_then_masked(world, as_user):
     assert created.status_code == 200
     channel = Channel.objects.get(tenant=world.tenants["alpha"], kind="webhook")
     assert channel.secret.startswith("whsec_") and channel.secret in created.content.decode()
+    assert "no-store" in created["Cache-Control"]  # no browser or proxy cache keeps the secret
     again = lead.get(reverse("notifications:settings")).content.decode()
     assert channel.secret not in again and "ci.alpha.example/hook" not in again
 
     rotated = lead.post(reverse("notifications:webhook-rotate", args=[channel.pk]))
     channel.refresh_from_db()
     assert channel.secret in rotated.content.decode() and channel.previous_secret_expires_at is not None
+    assert "no-store" in rotated["Cache-Control"]
 
     lead.post(reverse("notifications:webhook-edit", args=[channel.pk]),
               {f"w{channel.pk}-name": "ci-2", f"w{channel.pk}-events": [Event.CLUSTER_FAILED]})
