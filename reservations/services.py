@@ -675,6 +675,18 @@ def reservation_set_status(
 # --- fleet (staff) ----------------------------------------------------------------------
 
 
+def _create_unique(model: Any, field: str, **values: Any) -> Any:
+    """model.objects.create(**values); a concurrent create of the same unique field (which the exists()
+    check before it could not see) is the same 400 as a sequential one, not the IntegrityError's 500."""
+    try:
+        with transaction.atomic():
+            return model.objects.create(**values)
+    except IntegrityError as exc:
+        if f"({field})" not in str(exc):
+            raise
+        raise InvalidInput(f"{field}: already in use.", fields={field: "Already in use."}) from exc
+
+
 @transaction.atomic(durable=True)
 def pool_create(*, actor: Any, name: str, gpu_model: str, gpus_per_node: int, slot_minutes: int = 60,
                 on_demand_rate: Any = 0) -> Pool:
@@ -682,8 +694,8 @@ def pool_create(*, actor: Any, name: str, gpu_model: str, gpus_per_node: int, sl
         raise InvalidInput("name: a pool with that name exists.", fields={"name": "Already in use."})
     if 1440 % slot_minutes:
         raise InvalidInput("slot_minutes: must divide a day.", fields={"slot_minutes": "Must divide 1440."})
-    pool = Pool.objects.create(name=name, gpu_model=gpu_model, gpus_per_node=gpus_per_node,
-                               slot_minutes=slot_minutes, on_demand_rate=on_demand_rate)
+    pool = _create_unique(Pool, "name", name=name, gpu_model=gpu_model, gpus_per_node=gpus_per_node,
+                          slot_minutes=slot_minutes, on_demand_rate=on_demand_rate)
     audit_record(actor=actor, action="pool.create", obj=pool,
                  after={"name": name, "gpu_model": gpu_model, "gpus_per_node": gpus_per_node})
     return pool
@@ -694,7 +706,7 @@ def node_create(*, actor: Any, hostname: str, pool: Pool, state: str = NodeState
                 gpus: list[dict[str, Any]] | None = None) -> Node:
     if Node.objects.filter(hostname=hostname).exists():
         raise InvalidInput("hostname: a node with that hostname exists.", fields={"hostname": "Already in use."})
-    node = Node.objects.create(hostname=hostname, pool=pool, state=state, gpus=gpus or [])
+    node = _create_unique(Node, "hostname", hostname=hostname, pool=pool, state=state, gpus=gpus or [])
     audit_record(actor=actor, action="node.create", obj=node, after={"hostname": hostname, "pool": pool.name,
                                                                      "state": state})
     return node
