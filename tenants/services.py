@@ -78,16 +78,27 @@ def _save_checked(obj: Any, *, integrity_fields: dict[str, str]) -> None:
         raise
 
 
-@transaction.atomic(durable=True)
 def tenant_create(*, actor, slug: str, name: str, burst_enabled: bool = False, **extra: Any) -> Tenant:
+    # The Slack URL meets tenant_update's checks (before the transaction: they resolve the host name).
+    if "slack_webhook_url" in extra:
+        extra["slack_webhook_url"] = _clean_slack_url(extra["slack_webhook_url"])
+    return _tenant_create(actor=actor, slug=slug, name=name, burst_enabled=burst_enabled, extra=extra)
+
+
+@transaction.atomic(durable=True)
+def _tenant_create(*, actor, slug: str, name: str, burst_enabled: bool, extra: dict[str, Any]) -> Tenant:
+    from portal.core.crypto import mask
+
     tenant = Tenant(slug=slug, name=name, burst_enabled=burst_enabled, ical_token=secrets.token_urlsafe(24))
-    for key in ("storage_quota_tib", "vlan_id"):
+    for key in ("storage_quota_tib", "vlan_id", "slack_webhook_url"):
         if key in extra:
             setattr(tenant, key, extra[key])
     tenant.cidr = _validate_network(extra.get("cidr"))
     _save_checked(tenant, integrity_fields={"slug": "slug", "vlan": "vlan_id", "cidr": "cidr"})
-    audit_record(actor=actor, action="tenant.create", obj=tenant, tenant_id=tenant.pk,
-                 after=_snapshot(tenant, TENANT_FIELDS))
+    after = _snapshot(tenant, TENANT_FIELDS)
+    if tenant.slack_webhook_url:
+        after["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
+    audit_record(actor=actor, action="tenant.create", obj=tenant, tenant_id=tenant.pk, after=after)
     return tenant
 
 
