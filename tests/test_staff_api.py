@@ -28,3 +28,26 @@ def test_a_tenant_created_with_a_private_slack_url_is_refused_and_not_stored(wor
     assert "slack_webhook_url" in r.json()["fields"]
     assert not Tenant.objects.filter(slug="gamma").exists()
     assert not AuditLog.objects.filter(action="tenant.create").exists()
+
+
+@pytest.mark.parametrize("url", ["/api/v1/tenants/", "/api/v1/memberships/", "/api/v1/pools/", "/api/v1/nodes/",
+                                 "/api/v1/quotas/", "/api/v1/clusters/", "/api/v1/health-checks/"])
+@pytest.mark.parametrize("page", ["abc", "0", "-1", "1.5", ""])
+def test_a_malformed_page_number_is_a_400_naming_page_not_a_404(world, url, page):
+    # 404 says "unknown or another tenant's object" (DESIGN §6) (and, as the schema says, a page past the
+    # end of the list); a page number that is no whole number of 1 or more is malformed input.
+    r = world.client("staff").get(url, {"page": page})
+    assert r.status_code == 400, (r.status_code, r.json())
+    assert r.json()["code"] == "invalid" and "page" in r.json()["fields"], r.json()
+
+
+def test_the_last_page_and_the_first_page_of_an_empty_list_are_fine(world):
+    c = world.client("staff")
+    assert c.get("/api/v1/nodes/", {"page": 1, "page_size": 3}).json()["next"].endswith("page=2&page_size=3")
+    r = c.get("/api/v1/nodes/", {"page": 2, "page_size": 3})
+    assert r.status_code == 200 and len(r.json()["results"]) == 1 and r.json()["next"] is None
+    r = c.get("/api/v1/clusters/", {"page": 1})
+    assert r.status_code == 200 and r.json() == {"count": 0, "next": None, "previous": None, "results": []}
+    assert c.get("/api/v1/nodes/", {"page": "last", "page_size": 3}).json()["results"][0]["hostname"] == "h100-004"
+    r = c.get("/api/v1/nodes/", {"page": 3, "page_size": 3})
+    assert r.status_code == 404 and r.json()["code"] == "not_found"  # past the end, as the schema documents

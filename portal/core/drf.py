@@ -1,6 +1,6 @@
 """DRF plug-ins named in settings (kept apart from views so importing them never cycles)."""
 
-from rest_framework import pagination
+from rest_framework import exceptions, pagination
 
 from .throttle import RedisRateThrottle
 
@@ -10,6 +10,20 @@ __all__ = ["Pagination", "UserThrottle", "AnonThrottle"]
 class Pagination(pagination.PageNumberPagination):
     page_size_query_param = "page_size"
     max_page_size = 500
+
+    def paginate_queryset(self, queryset, request, view=None):
+        # DRF answers a page number that is no number, or below 1, with 404; DESIGN §6 keeps 404 for
+        # unknown objects (and, as the schema says, a page past the end) and answers malformed input
+        # with 400 invalid naming the field.
+        page = request.query_params.get(self.page_query_param)
+        if page is not None and page not in self.last_page_strings:
+            try:
+                number = int(page)
+            except ValueError:
+                number = 0
+            if number < 1:
+                raise exceptions.ValidationError({self.page_query_param: "A whole number, 1 or more."})
+        return super().paginate_queryset(queryset, request, view)
 
 
 class UserThrottle(RedisRateThrottle):
