@@ -140,6 +140,10 @@ def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
 def user_create(*, actor, username: str, email: str = "", password: str) -> Any:
     User = get_user_model()
     user = User(username=username, email=email)
+    # Django's own user-creation form (the admin's) refuses a name that differs from one in use only
+    # in case: "Alice" and "alice" would be two accounts a lead could not tell apart when adding members.
+    if User._default_manager.filter(**{f"{User.USERNAME_FIELD}__iexact": User.normalize_username(username)}).exists():
+        raise InvalidInput("username: already in use.", fields={"username": "Already in use."})
     try:
         validate_password(password, user)
     except ValidationError as exc:

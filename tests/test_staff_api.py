@@ -51,3 +51,14 @@ def test_the_last_page_and_the_first_page_of_an_empty_list_are_fine(world):
     assert c.get("/api/v1/nodes/", {"page": "last", "page_size": 3}).json()["results"][0]["hostname"] == "h100-004"
     r = c.get("/api/v1/nodes/", {"page": 3, "page_size": 3})
     assert r.status_code == 404 and r.json()["code"] == "not_found"  # past the end, as the schema documents
+
+
+def test_a_username_differing_only_in_case_is_refused_as_the_admin_refuses_it(world):
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model().objects.count()
+    r = world.client("staff").post("/api/v1/users/", {"username": "ALPHA-Lead", "password": "A-long-enough-pw-7"},
+                                   format="json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid" and "username" in r.json()["fields"], r.json()
+    assert get_user_model().objects.count() == users
+    assert not AuditLog.objects.filter(action="user.create").exists()
