@@ -328,3 +328,45 @@ def test_utc_output_zero_pads_the_year():
 
     assert AwareDateTimeField().to_representation(datetime(999, 6, 1, tzinfo=UTC)) == "0999-06-01T00:00:00Z"
     assert AwareDateTimeField().to_representation(datetime(2026, 1, 5, 9, tzinfo=UTC)) == "2026-01-05T09:00:00Z"
+
+
+@pytest.mark.parametrize("url,who", [("/api/v1/pools/", "staff"), ("/api/v1/tenants/", "staff"),
+                                     ("/api/v1/memberships/", "alpha-lead"), ("/api/v1/reservations/", "alpha-lead")])
+@pytest.mark.parametrize("depth", [40, 900, 1000, 100_000])
+def test_deeply_nested_json_is_a_400_not_a_500(world, t0, url, who, depth):
+    # Python's JSON decoder (and encoder) recurse: a small body nested deep enough raised RecursionError,
+    # which DRF's parser does not catch (a 500). An unknown field nested just short of the limit got past
+    # the parser and then into the Idempotency-Key's fingerprint (json.dumps), another 500.
+    from django.contrib.auth import get_user_model
+
+    from reservations.models import Node, Pool
+    from tenants.models import Membership, Quota, Tenant
+
+    models = (Pool, Node, Quota, Tenant, Membership, get_user_model(), Reservation)
+    counts = [m.objects.count() for m in models]
+    junk = "[" * depth + "]" * depth
+    body = '{"slug": "deep", "name": "Deep", "gpu_model": "x", "gpus_per_node": 8, "name": "deep", ' \
+           '"tenant": "alpha", "user": "beta-lead", "role": "member", ' \
+           f'"pool": "h100", "node_count": 1, "start": "{iso(t0)}", "end": "{iso(t0 + timedelta(hours=2))}", ' \
+           f'"junk": {junk}}}'
+    client = world.client(who)
+    client.raise_request_exception = False
+    r = client.generic("POST", url, body, content_type="application/json", HTTP_IDEMPOTENCY_KEY="deep-1")
+    assert r.status_code == 400, (r.status_code, r.content[:200])
+    assert r.json()["code"] == "invalid" and "body" in r.json()["fields"], r.json()
+    assert counts == [m.objects.count() for m in models]
+
+
+def test_the_json_depth_limit_is_far_above_any_real_body():
+    import io
+
+    from rest_framework.exceptions import ParseError
+
+    from portal.core.drf import MAX_JSON_DEPTH, JSONParser
+
+    def parse(depth):
+        return JSONParser().parse(io.BytesIO(("[" * depth + "]" * depth).encode()))
+
+    assert parse(MAX_JSON_DEPTH) is not None
+    with pytest.raises(ParseError):
+        parse(MAX_JSON_DEPTH + 1)

@@ -1,10 +1,37 @@
 """DRF plug-ins named in settings (kept apart from views so importing them never cycles)."""
 
-from rest_framework import exceptions, pagination
+from rest_framework import exceptions, pagination, parsers
 
 from .throttle import RedisRateThrottle
 
-__all__ = ["Pagination", "UserThrottle", "AnonThrottle"]
+__all__ = ["JSONParser", "Pagination", "UserThrottle", "AnonThrottle"]
+
+MAX_JSON_DEPTH = 32  # the deepest body the API takes is three levels (a reservation's cluster spec)
+
+
+class JSONParser(parsers.JSONParser):
+    """DRF's JSON parser, refusing bodies nested deeper than MAX_JSON_DEPTH as malformed (a 400).
+
+    Python's JSON decoder and encoder recurse: a body of a few kilobytes of brackets raised
+    RecursionError (a 500) while parsing, and one nested just short of that got through and raised
+    it later, where the body is serialised again (the Idempotency-Key's fingerprint).
+    """
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        try:
+            data = super().parse(stream, media_type, parser_context)
+        except RecursionError as exc:
+            raise exceptions.ParseError(f"JSON parse error - nested deeper than {MAX_JSON_DEPTH} levels") from exc
+        pending = [(data, 1)]
+        while pending:  # iteratively: the check must not recurse either
+            value, depth = pending.pop()
+            children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+            for child in children:
+                if isinstance(child, dict | list):
+                    if depth >= MAX_JSON_DEPTH:
+                        raise exceptions.ParseError(f"JSON parse error - nested deeper than {MAX_JSON_DEPTH} levels")
+                    pending.append((child, depth + 1))
+        return data
 
 
 class Pagination(pagination.PageNumberPagination):
