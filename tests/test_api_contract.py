@@ -198,3 +198,36 @@ def test_unknown_paths_and_methods_use_the_envelope(world):
     assert r.status_code in (404, 405) and r.json()["code"] in ("not_found", "method_not_allowed")
     r = world.client("staff").delete("/api/v1/pools/h100/")
     assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
+
+
+def test_the_schema_documents_the_real_bodies_and_requires_every_field_they_always_carry(world):
+    # Every field of these bodies is always present (null where nullable): a client generated from the
+    # schema must not have to treat a node's state or a quota's burst_nodes as optional.
+    spec = yaml.safe_load(world.client("staff").get("/api/schema/").content)
+    schemas = spec["components"]["schemas"]
+
+    def component(path, method, status):
+        ref = spec["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+        return schemas[ref.rsplit("/", 1)[1]]
+
+    staff = world.client("staff")
+    node, quota = world.nodes[0].pk, world.tenants["alpha"].quotas.get().pk
+    bodies = [
+        ("/api/v1/tenants/{slug}/", "get", "200", staff.get("/api/v1/tenants/alpha/").json()),
+        ("/api/v1/pools/{name}/", "get", "200", staff.get("/api/v1/pools/h100/").json()),
+        ("/api/v1/nodes/{id}/", "get", "200", staff.get(f"/api/v1/nodes/{node}/").json()),
+        ("/api/v1/quotas/{id}/", "get", "200", staff.get(f"/api/v1/quotas/{quota}/").json()),
+        ("/api/v1/memberships/", "post", "201", staff.post(
+            "/api/v1/memberships/", {"tenant": "alpha", "user": "beta-lead", "role": "member"}, format="json").json()),
+        ("/api/v1/users/", "post", "201", staff.post(
+            "/api/v1/users/", {"username": "newbie", "password": "A-long-enough-pw-7"}, format="json").json()),
+    ]
+    for path, method, status, body in bodies:
+        schema = component(path, method, status)
+        assert set(schema["properties"]) == set(body), (path, sorted(schema["properties"]), sorted(body))
+        assert set(schema.get("required", [])) == set(body), (path, sorted(schema.get("required", [])))
+    listing = component("/api/v1/nodes/", "get", "200")
+    assert set(listing["required"]) == {"count", "next", "previous", "results"}
+    # A PATCH changes only what it names: no documented default for a client to fill in.
+    patch = schemas["PatchedTenantInputRequest"]["properties"]
+    assert not [name for name, prop in patch.items() if "default" in prop], patch

@@ -1,5 +1,5 @@
-"""OpenAPI: scoped slug fields typed as their model's slug; non-negative decimals without a "-"; the error
-envelope on every operation."""
+"""OpenAPI: scoped slug fields typed as their model's slug; non-negative decimals without a "-"; every field
+a response always carries required; the error envelope on every operation."""
 
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
@@ -29,6 +29,23 @@ class NonNegativeDecimalFieldExtension(OpenApiSerializerFieldExtension):
         if minimum is not None and minimum >= 0 and schema.get("pattern", "").startswith("^-?"):
             schema["pattern"] = "^" + schema["pattern"][len("^-?"):]
         return schema
+
+
+def require_response_fields(result, generator, request, public):  # noqa: ARG001 - drf-spectacular's hook signature
+    """Mark every property of a response body as required.
+
+    The API's serializers write every field they declare, every time (null where it is nullable), but
+    drf-spectacular leaves a field with a model default out of `required` (a node's state, a quota's
+    burst_nodes, a list page's next), so a client generated from the schema would have to treat it
+    as optional. Request bodies (the *Request components) keep what they declare.
+    """
+    for name, schema in result.get("components", {}).get("schemas", {}).items():
+        if name.endswith("Request") or "properties" not in schema:
+            continue
+        schema["required"] = sorted(
+            field for field, prop in schema["properties"].items() if not prop.get("writeOnly")
+        )
+    return result
 
 
 _ERROR_CODES = ("invalid, not_authenticated, permission_denied, not_found, method_not_allowed, not_acceptable, "

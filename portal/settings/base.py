@@ -173,8 +173,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
-    # The error envelope of DESIGN §6 on every operation, for the statuses it can answer.
+    # Every field a response always carries is required; the error envelope of DESIGN §6 on every
+    # operation, for the statuses it can answer.
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "portal.core.schema.require_response_fields",
                              "portal.core.schema.add_error_responses"],
 }
 
