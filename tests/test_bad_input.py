@@ -1,5 +1,6 @@
 """Every bad input ⇒ the 400 envelope naming the field, and nothing stored (DESIGN §6)."""
 
+import json
 import re
 from datetime import timedelta
 
@@ -370,3 +371,24 @@ def test_the_json_depth_limit_is_far_above_any_real_body():
     assert parse(MAX_JSON_DEPTH) is not None
     with pytest.raises(ParseError):
         parse(MAX_JSON_DEPTH + 1)
+
+
+@pytest.mark.parametrize("url,who", [("/api/v1/tenants/", "staff"), ("/api/v1/reservations/", "alpha-lead")])
+def test_a_body_over_the_size_limit_is_refused_unparsed(world, t0, url, who, settings):
+    """DRF reads the body itself, past Django's DATA_UPLOAD_MAX_MEMORY_SIZE: the parser bounds it."""
+    from tenants.models import Tenant
+
+    settings.PORTAL_API_MAX_BODY_BYTES = 4096
+    counts = (Tenant.objects.count(), Reservation.objects.count())
+    padding = "x" * 5000
+    body = json.dumps({"slug": "big", "name": padding, "pool": "h100", "node_count": 1, "start": iso(t0),
+                       "end": iso(t0 + timedelta(hours=2))})
+    r = world.client(who).generic("POST", url, body, content_type="application/json")
+    assert r.status_code == 400, r.content[:200]
+    assert r.json()["code"] == "invalid" and "larger than 4096 bytes" in r.json()["fields"]["body"]
+    assert counts == (Tenant.objects.count(), Reservation.objects.count())
+    # Just under the limit parses as usual (and is judged on its content).
+    small = json.dumps({"pool": "h100", "node_count": 1, "start": iso(t0), "end": iso(t0 + timedelta(hours=2)),
+                        "name": "y" * 100})
+    assert world.client("alpha-lead").generic("POST", "/api/v1/reservations/", small,
+                                              content_type="application/json").status_code == 201

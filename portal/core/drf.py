@@ -1,5 +1,8 @@
 """DRF plug-ins named in settings (kept apart from views so importing them never cycles)."""
 
+import io
+
+from django.conf import settings
 from rest_framework import exceptions, pagination, parsers
 
 from .throttle import RedisRateThrottle
@@ -18,8 +21,14 @@ class JSONParser(parsers.JSONParser):
     """
 
     def parse(self, stream, media_type=None, parser_context=None):
+        # DRF reads the stream itself, so Django's DATA_UPLOAD_MAX_MEMORY_SIZE never applies to an API
+        # body: without this any signed-in client could make a worker parse (and hold) gigabytes.
+        limit = settings.PORTAL_API_MAX_BODY_BYTES
+        raw = stream.read(limit + 1) if stream is not None else b""
+        if len(raw) > limit:
+            raise exceptions.ParseError(f"JSON parse error - the body is larger than {limit} bytes")
         try:
-            data = super().parse(stream, media_type, parser_context)
+            data = super().parse(io.BytesIO(raw), media_type, parser_context)
         except RecursionError as exc:
             raise exceptions.ParseError(f"JSON parse error - nested deeper than {MAX_JSON_DEPTH} levels") from exc
         pending = [(data, 1)]

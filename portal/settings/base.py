@@ -207,6 +207,8 @@ PORTAL_BOOKING_HORIZON_DAYS = env.int("PORTAL_BOOKING_HORIZON_DAYS", default=365
 PORTAL_BOOKING_MAX_ATTEMPTS = env.int("PORTAL_BOOKING_MAX_ATTEMPTS", default=12)
 PORTAL_SUGGESTION_SEARCH_DAYS = env.int("PORTAL_SUGGESTION_SEARCH_DAYS", default=60)
 # An Idempotency-Key replays its booking for at least this long; older keys are pruned hourly.
+# The largest JSON body the API parses (a booking is ~200 bytes; a bulk of anything stays far below).
+PORTAL_API_MAX_BODY_BYTES = env.int("PORTAL_API_MAX_BODY_BYTES", default=1024 * 1024)
 PORTAL_IDEMPOTENCY_KEY_TTL_HOURS = env.int("PORTAL_IDEMPOTENCY_KEY_TTL_HOURS", default=24)
 PORTAL_AVAILABILITY_MAX_SLOTS = 2000
 PORTAL_PROVISIONING_BACKEND = env("PORTAL_PROVISIONING_BACKEND", default="simulated")
