@@ -48,7 +48,7 @@ from portal.core.locks import advisory_lock, locked_keys
 from portal.core.services import audit_record
 from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
-from reservations.services import node_replace_allocations, reservation_reopen, reservation_set_status
+from reservations.services import node_replace_allocations, node_update, reservation_reopen, reservation_set_status
 from tenants.models import Tenant
 from tenants.services import tenant_update
 
@@ -637,6 +637,9 @@ def _record_failure(cluster_id: int, exc: BackendError, *, during: str) -> str:
             reason = f"{phase}: {exc.message}"[:480] + (f" (after {cluster.attempts} attempts)"
                                                          if cluster.attempts > 1 else "")
             _transition(cluster, ClusterStatus.FAILED, detail=reason, event_extra={"phase": phase})
+            # A teardown that failed for good leaves the tenant's cluster on its nodes (read before the
+            # reservation's failure releases its allocations): they must not go to the next booking.
+            held = _allocated_hostnames(cluster.reservation_id) if during == FailedDuring.TEARDOWN else ()
             expected = ((ReservationStatus.PROVISIONING, ReservationStatus.CONFIRMED)
                         if during == FailedDuring.PROVISIONING else (ReservationStatus.ENDING,))
             reservation_set_status(reservation_id=cluster.reservation_id, status=ReservationStatus.FAILED,
@@ -647,7 +650,32 @@ def _record_failure(cluster_id: int, exc: BackendError, *, during: str) -> str:
     logger.error("cluster %s failed during %s: %s", cluster_id, during, exc.message)
     if during == FailedDuring.PROVISIONING:
         _cleanup_failed(cluster_id)
+    elif during == FailedDuring.TEARDOWN:
+        _hold_nodes_of_failed_teardown(cluster_id, held, exc.message)
     return ClusterStatus.FAILED
+
+
+def _teardown_hold_reason(cluster_id: int) -> str:
+    return f"teardown of cluster #{cluster_id} failed"
+
+
+def _hold_nodes_of_failed_teardown(cluster_id: int, hostnames: tuple[str, ...], error: str) -> None:
+    """Take the nodes a failed teardown left the cluster on out of service (maintenance), as Slurm downs a
+    node whose cleanup failed: the next tenant's booking must not get them with this tenant's cluster,
+    credentials or mounts still there. The state change moves their running and future bookings to
+    spares (node_sync). A staff retry that tears the cluster down gives them back."""
+    reason = f"{_teardown_hold_reason(cluster_id)}: {error}"[:255]
+    for node in Node.objects.filter(hostname__in=hostnames, state=NodeState.AVAILABLE).order_by("pk"):
+        node_update(actor=None, node=node, state=NodeState.MAINTENANCE, reason=reason)
+        logger.error("node %s held in maintenance: %s", node.hostname, reason)
+
+
+def _release_nodes_of_failed_teardown(cluster_id: int) -> None:
+    """Give back the nodes held for the cluster's failed teardown, once a teardown has succeeded (only
+    those still in maintenance for that reason: staff may have moved them on meanwhile)."""
+    prefix = _teardown_hold_reason(cluster_id) + ":"
+    for node in Node.objects.filter(state=NodeState.MAINTENANCE, state_reason__startswith=prefix).order_by("pk"):
+        node_update(actor=None, node=node, state=NodeState.AVAILABLE, reason="")
 
 
 def _still_in(cluster: VirtualCluster, during: str) -> bool:
@@ -897,6 +925,8 @@ def cluster_teardown(*, cluster_id: int) -> str:
             if failed_teardown:
                 reservation_set_status(reservation_id=cluster.reservation_id, status=ReservationStatus.COMPLETED,
                                        expected=(ReservationStatus.FAILED,), reason="teardown retried by staff")
+        if failed_teardown:
+            _release_nodes_of_failed_teardown(cluster_id)
         return ClusterStatus.DELETED
 
 

@@ -527,3 +527,64 @@ def test_a_node_lost_while_building_hands_the_cluster_over_degraded(world, t0):
     assert [t.phase for t in cluster.transitions.all()][-2:] == ["ready", "degraded"]
     assert "1 node(s) missing" in cluster.status_reason
     assert services.build_context(cluster.pk).nodes == (type(victim).objects.get(pk=held[1]).hostname,)
+
+
+def test_a_failed_teardown_keeps_its_nodes_out_of_service_until_a_retry_succeeds(
+        world, settings, django_capture_on_commit_callbacks):
+    """The tenant's cluster is still on its nodes: the next tenant's booking must not get them (Slurm downs a
+    node whose cleanup failed). An early teardown shows it: the booked window is still ahead."""
+    from reservations.models import Node
+    from reservations.services import reservation_create
+
+    start = now_slot(world)
+    reservation = book(world, "alpha-lead", start, hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    services.cluster_provision(cluster_id=cluster.pk)
+    (hostname,) = Allocation.objects.filter(reservation=reservation, active=True).values_list("node__hostname",
+                                                                                              flat=True)
+    free_before = Node.objects.filter(state=NodeState.AVAILABLE).count()
+    services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
+    settings.PORTAL_PROVISIONING_FAULTS = "teardown=fatal"
+    assert committed(django_capture_on_commit_callbacks, services.cluster_teardown,
+                     cluster_id=cluster.pk) == ClusterStatus.FAILED
+    assert statuses(reservation) == ReservationStatus.FAILED
+    node = Node.objects.get(hostname=hostname)
+    assert node.state == NodeState.MAINTENANCE
+    assert node.state_reason.startswith(f"teardown of cluster #{cluster.pk} failed:")
+    assert Node.objects.filter(state=NodeState.AVAILABLE).count() == free_before - 1
+    # beta books the whole pool's free nodes for the rest of the window: the held node is not among them.
+    later = start + timedelta(hours=1)
+    free = Node.objects.filter(pool=world.pool, state=NodeState.AVAILABLE).count()
+    taken = reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                               node_count=free, start=later, end=later + timedelta(hours=2))
+    assert hostname not in set(taken.allocations.values_list("node__hostname", flat=True))
+
+    settings.PORTAL_PROVISIONING_FAULTS = ""
+    services.cluster_retry(actor=world.users["staff"], cluster=cluster)
+    assert committed(django_capture_on_commit_callbacks, services.cluster_teardown,
+                     cluster_id=cluster.pk) == ClusterStatus.DELETED
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == (NodeState.AVAILABLE, "")
+    assert statuses(reservation) == ReservationStatus.COMPLETED
+
+
+def test_releasing_held_nodes_leaves_a_node_staff_moved_on_alone(world, settings, django_capture_on_commit_callbacks):
+    from reservations.models import Node
+
+    start = now_slot(world)
+    reservation = book(world, "alpha-lead", start, hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    services.cluster_provision(cluster_id=cluster.pk)
+    node = Allocation.objects.get(reservation=reservation, active=True).node
+    services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
+    settings.PORTAL_PROVISIONING_FAULTS = "teardown=fatal"
+    services.cluster_teardown(cluster_id=cluster.pk)
+    node_update(actor=world.users["staff"], node=Node.objects.get(pk=node.pk), state=NodeState.FAILED,
+                reason="PSU replaced, awaiting burn-in")
+    settings.PORTAL_PROVISIONING_FAULTS = ""
+    services.cluster_retry(actor=world.users["staff"], cluster=cluster)
+    assert services.cluster_teardown(cluster_id=cluster.pk) == ClusterStatus.DELETED
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == (NodeState.FAILED, "PSU replaced, awaiting burn-in")
