@@ -82,6 +82,8 @@ class Reservation(models.Model):
     # Nodes lost to failures with no spare to replace them; > 0 means the reservation is degraded.
     missing_nodes = models.PositiveIntegerField(default=0)
     billing = models.CharField(max_length=16, choices=Billing.choices, default=Billing.COMMITTED)
+    # When it was cancelled: usage counts a reservation cancelled while running up to this moment.
+    cancelled_at = models.DateTimeField(null=True, blank=True)
     orchestrator = models.CharField(max_length=16, choices=Orchestrator.choices, default=Orchestrator.SLURM)
     cuda_version = models.CharField(max_length=16, default=DEFAULT_CUDA_VERSION)
     created_by = models.ForeignKey(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 from django.db import connection
 from django.db.models import F, Func, OuterRef, Subquery
+from django.utils import timezone
 
 from .choices import HOLDING_STATUSES, NodeState
 from .models import Node, Pool, Reservation
@@ -600,3 +602,96 @@ __all__ += [
     "pool_heatmap",
     "feed_reservations",
 ]
+
+
+# --- usage (GPU-hours per tenant, pool and billing) ---------------------------------------
+
+# Node-hours in [start, end) per tenant, pool and billing, split at `now` into used and booked ahead.
+# What counts is what a tenant held: a reservation's active allocations (so a node swapped for a
+# spare counts once, and the hours a degraded booking went without a node do not count), whether
+# it ran to its end, was torn down early (its nodes stay booked: paid for) or is still ahead. A
+# cancelled one counts from its start to its cancel (its allocations are released whole at the
+# cancel); one cancelled before it began counts nothing. A failed one counts nothing.
+USAGE_SQL = """
+WITH spans AS (
+    SELECT r.tenant_id, r.pool_id, r.billing, a.period AS span, 1 AS nodes
+    FROM reservations_allocation a JOIN reservations_reservation r ON r.id = a.reservation_id
+    WHERE a.active AND a.kind = 'reservation' AND r.status NOT IN ('cancelled', 'failed')
+      AND a.period && tstzrange(%(start)s, %(end)s)
+      AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
+    UNION ALL
+    SELECT r.tenant_id, r.pool_id, r.billing, tstzrange(lower(r.period), least(upper(r.period), r.cancelled_at)),
+           r.node_count
+    FROM reservations_reservation r
+    WHERE r.status = 'cancelled' AND r.cancelled_at > lower(r.period)
+      AND r.period && tstzrange(%(start)s, %(end)s)
+      AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
+), clipped AS (
+    SELECT tenant_id, pool_id, billing, nodes, span * tstzrange(%(start)s, %(end)s) AS span FROM spans
+)
+SELECT tenant_id, pool_id, billing,
+       coalesce(sum(nodes * extract(epoch FROM upper(s) - lower(s))) FILTER (WHERE NOT isempty(s)), 0) / 3600.0,
+       coalesce(sum(nodes * extract(epoch FROM upper(f) - lower(f))) FILTER (WHERE NOT isempty(f)), 0) / 3600.0
+FROM (SELECT tenant_id, pool_id, billing, nodes,
+             span * tstzrange(NULL, %(now)s) AS s, span * tstzrange(%(now)s, NULL) AS f
+      FROM clipped) parts
+GROUP BY tenant_id, pool_id, billing
+"""
+
+
+@dataclass
+class UsageLine:
+    """One tenant's use of one pool over a period, in GPU-hours, split into used and booked ahead."""
+
+    tenant: Any
+    pool: Pool
+    committed_used: Decimal
+    burst_used: Decimal
+    committed_ahead: Decimal
+    burst_ahead: Decimal
+
+    @property
+    def rate(self) -> Decimal:
+        return Decimal(str(self.pool.on_demand_rate))
+
+    @property
+    def burst_cost_used(self) -> Decimal:
+        return (self.burst_used * self.rate).quantize(Decimal("0.01"))
+
+    @property
+    def burst_cost_ahead(self) -> Decimal:
+        return (self.burst_ahead * self.rate).quantize(Decimal("0.01"))
+
+
+def usage_for_period(*, start: datetime, end: datetime, tenant_ids: list[int] | None,
+                     now: datetime | None = None) -> list[UsageLine]:
+    """GPU-hours each tenant (all, or those of tenant_ids) held in each pool in [start, end), one query.
+
+    Committed hours are covered by the quota; burst hours are charged at the pool's on-demand rate
+    (per GPU-hour). Ordered by tenant slug, then pool name.
+    """
+    from tenants.models import Tenant
+
+    now = now or timezone.now()
+    with connection.cursor() as cur:
+        cur.execute(USAGE_SQL, {"start": start, "end": end, "now": now, "tenants": tenant_ids})
+        rows = cur.fetchall()
+    pools = {p.pk: p for p in Pool.objects.filter(pk__in={r[1] for r in rows})}
+    tenants = {t.pk: t for t in Tenant.objects.filter(pk__in={r[0] for r in rows})}
+    lines: dict[tuple[int, int], UsageLine] = {}
+    zero = Decimal("0.00")
+    for tenant_id, pool_id, billing, used, ahead in rows:
+        pool = pools[pool_id]
+        line = lines.setdefault((tenant_id, pool_id), UsageLine(tenants[tenant_id], pool, zero, zero, zero, zero))
+        gpu_used = (Decimal(str(used)) * pool.gpus_per_node).quantize(Decimal("0.01"))
+        gpu_ahead = (Decimal(str(ahead)) * pool.gpus_per_node).quantize(Decimal("0.01"))
+        if billing == "burst":
+            line.burst_used += gpu_used
+            line.burst_ahead += gpu_ahead
+        else:
+            line.committed_used += gpu_used
+            line.committed_ahead += gpu_ahead
+    return sorted(lines.values(), key=lambda line: (line.tenant.slug, line.pool.name))
+
+
+__all__ += ["UsageLine", "usage_for_period"]

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from . import usage, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -16,5 +16,7 @@ urlpatterns = [
     path("availability/", views.heatmap, name="heatmap"),
     path("availability/grid/", views.heatmap_grid, name="heatmap-grid"),
     path("fleet/", views.fleet, name="fleet"),
+    path("usage/", usage.usage_page, name="usage"),
+    path("usage.csv", usage.usage_csv, name="usage-csv"),
     path("ical/<slug:slug>/<str:token>.ics", views.ical_feed, name="ical-feed"),
 ]

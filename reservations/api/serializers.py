@@ -180,3 +180,29 @@ class AvailabilitySerializer(serializers.Serializer):
     pool = serializers.CharField()
     total_nodes = serializers.IntegerField()
     slots = SlotSerializer(many=True)
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    month = serializers.RegexField(r"^\d{4}-\d{2}$", required=False,
+                                   help_text="A UTC calendar month, YYYY-MM; the current one when left out.")
+    tenant = serializers.SlugField(required=False, help_text="Only this tenant (one you lead; staff: any).")
+
+
+class UsageLineSerializer(serializers.Serializer):
+    tenant = serializers.CharField()
+    pool = serializers.CharField()
+    gpus_per_node = serializers.IntegerField()
+    on_demand_rate = serializers.DecimalField(max_digits=10, decimal_places=4, coerce_to_string=True)
+    committed_gpu_hours = serializers.DecimalField(max_digits=14, decimal_places=2, coerce_to_string=True)
+    burst_gpu_hours = serializers.DecimalField(max_digits=14, decimal_places=2, coerce_to_string=True)
+    burst_cost = serializers.DecimalField(max_digits=16, decimal_places=2, coerce_to_string=True)
+    committed_gpu_hours_ahead = serializers.DecimalField(max_digits=14, decimal_places=2, coerce_to_string=True)
+    burst_gpu_hours_ahead = serializers.DecimalField(max_digits=14, decimal_places=2, coerce_to_string=True)
+    burst_cost_ahead = serializers.DecimalField(max_digits=16, decimal_places=2, coerce_to_string=True)
+
+
+class UsageSerializer(serializers.Serializer):
+    month = serializers.CharField()
+    start = AwareDateTimeField()
+    end = AwareDateTimeField()
+    results = UsageLineSerializer(many=True)

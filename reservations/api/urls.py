@@ -8,4 +8,8 @@ router.register("pools", views.PoolViewSet, basename="pool")
 router.register("nodes", views.NodeViewSet, basename="node")
 router.register("reservations", views.ReservationViewSet, basename="reservation")
 
-urlpatterns = [path("availability/", views.AvailabilityApi.as_view(), name="availability"), *router.urls]
+urlpatterns = [
+    path("availability/", views.AvailabilityApi.as_view(), name="availability"),
+    path("usage/", views.UsageApi.as_view(), name="usage-api"),
+    *router.urls,
+]

@@ -14,10 +14,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from portal.core.api import validated
-from portal.core.exceptions import InvalidInput
+from portal.core.exceptions import InvalidInput, PermissionDenied
 from portal.core.fields import AwareDateTimeField
 from portal.core.instrument import timed_booking
 from portal.core.permissions import StaffWritePermission
+from tenants.models import Tenant
 
 from .. import selectors, services
 from ..choices import HOLDING_STATUSES, NodeState
@@ -183,3 +184,46 @@ class AvailabilityApi(APIView):
             last_end, last_text = slot.end, fmt(slot.end)
             body.append({"start": start_text, "end": last_text, "free_nodes": slot.free_nodes})
         return Response({"pool": pool.name, "total_nodes": total, "slots": body})
+
+
+class UsageApi(APIView):
+    """GPU-hours per tenant and pool in a UTC calendar month, committed vs burst, with the burst cost.
+
+    Leads read the tenants they lead, staff every tenant; members and viewers are refused.
+    Hours up to now are "used"; what reservations hold for the rest of the month is "ahead".
+    """
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(parameters=[s.UsageQuerySerializer], responses={200: s.UsageSerializer})
+    def get(self, request):
+        from ..usage import parse_month, usage_tenant_ids
+
+        q = s.UsageQuerySerializer(data=request.query_params.dict())
+        q.is_valid(raise_exception=True)
+        month = parse_month(q.validated_data.get("month"))
+        allowed = usage_tenant_ids(request.user)
+        if allowed == []:
+            raise PermissionDenied("Usage is for the tenant's leads and platform staff.")
+        tenant_ids = allowed
+        if "tenant" in q.validated_data:
+            slug = q.validated_data["tenant"]
+            scope = Tenant.objects.filter(slug=slug)
+            if allowed is not None:
+                scope = scope.filter(pk__in=allowed)
+            tenant = scope.first()
+            if tenant is None:
+                raise InvalidInput(f"tenant: unknown tenant {slug!r}.", fields={"tenant": "Unknown tenant."})
+            tenant_ids = [tenant.pk]
+        lines = selectors.usage_for_period(start=month.start, end=month.end, tenant_ids=tenant_ids)
+        body = {
+            "month": str(month), "start": month.start, "end": month.end,
+            "results": [{
+                "tenant": line.tenant.slug, "pool": line.pool.name, "gpus_per_node": line.pool.gpus_per_node,
+                "on_demand_rate": line.rate, "committed_gpu_hours": line.committed_used,
+                "burst_gpu_hours": line.burst_used, "burst_cost": line.burst_cost_used,
+                "committed_gpu_hours_ahead": line.committed_ahead, "burst_gpu_hours_ahead": line.burst_ahead,
+                "burst_cost_ahead": line.burst_cost_ahead,
+            } for line in lines],
+        }
+        return Response(s.UsageSerializer(body).data)

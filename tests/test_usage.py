@@ -1,0 +1,250 @@
+"""Usage statements: GPU-hours per tenant and pool in a UTC month, against a brute-force oracle; the page,
+its CSV and the REST endpoint, and who may read which tenant's."""
+
+from __future__ import annotations
+
+import csv
+import io
+import random
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+from django.utils import timezone
+
+from reservations.choices import Billing, ReservationStatus
+from reservations.models import Allocation, Node, Pool, Reservation
+from reservations.selectors import usage_for_period
+from reservations.services import reservation_cancel
+from reservations.usage import Month, parse_month
+
+from .conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+NOV = Month(2026, 11)
+HOUR = timedelta(hours=1)
+
+
+@pytest.fixture
+def web(world):
+    from django.test import Client
+
+    def client_for(who: str) -> Client:
+        client = Client()
+        client.force_login(world.users[who])
+        return client
+
+    return client_for
+
+
+def _pool(name="usage", nodes=240, gpus=8, rate="2.5000") -> tuple[Pool, list[Node]]:
+    pool = Pool.objects.create(name=name, gpu_model="H100", gpus_per_node=gpus, on_demand_rate=Decimal(rate))
+    made = Node.objects.bulk_create([Node(hostname=f"{name}-{i:03d}", pool=pool) for i in range(nodes)])
+    return pool, made
+
+
+def _reservation(tenant, pool, nodes: list[Node], start, end, *, status=ReservationStatus.COMPLETED,
+                 billing=Billing.COMMITTED, cancelled_at=None, cut: datetime | None = None,
+                 spare: Node | None = None) -> Reservation:
+    """A reservation written as the services leave it: allocations active unless cancelled or failed; with
+    cut, its first node was swapped at that moment (for spare, or for nothing: degraded)."""
+    reservation = Reservation.objects.create(
+        tenant=tenant, pool=pool, node_count=len(nodes), period=DateTimeTZRange(start, end, "[)"), status=status,
+        billing=billing, cancelled_at=cancelled_at)
+    active = status not in (ReservationStatus.CANCELLED, ReservationStatus.FAILED)
+    for i, node in enumerate(nodes):
+        upper = cut if (cut is not None and i == 0) else end
+        Allocation.objects.create(reservation=reservation, node=node, period=DateTimeTZRange(start, upper, "[)"),
+                                  active=active)
+    if cut is not None and spare is not None:
+        Allocation.objects.create(reservation=reservation, node=spare, period=DateTimeTZRange(cut, end, "[)"),
+                                  active=active)
+    return reservation
+
+
+def _hours(lo, hi, start, end) -> Decimal:
+    lo, hi = max(lo, start), min(hi, end)
+    return Decimal(max(0, (hi - lo).total_seconds())) / 3600
+
+
+def _oracle(specs, start, end, now) -> dict[tuple[str, str], dict[str, Decimal]]:
+    out: dict[tuple[str, str], dict[str, Decimal]] = {}
+    for spec in specs:
+        if spec["status"] == ReservationStatus.FAILED:
+            continue
+        if spec["status"] == ReservationStatus.CANCELLED:
+            if spec["cancelled_at"] <= spec["start"]:
+                continue
+            spans = [(spec["start"], min(spec["end"], spec["cancelled_at"]))] * spec["nodes"]
+        else:
+            spans = [(spec["start"], spec["end"])] * spec["nodes"]
+            if spec["cut"] is not None:
+                spans[0] = (spec["start"], spec["cut"])
+                if spec["spare"]:
+                    spans.append((spec["cut"], spec["end"]))
+        key = (spec["tenant"].slug, spec["pool"].name)
+        line = out.setdefault(key, {k: Decimal(0) for k in ("cu", "bu", "ca", "ba")})
+        gpus = spec["pool"].gpus_per_node
+        burst = spec["billing"] == Billing.BURST
+        for lo, hi in spans:
+            line["bu" if burst else "cu"] += _hours(lo, hi, start, min(end, now)) * gpus
+            line["ba" if burst else "ca"] += _hours(lo, hi, max(start, now), end) * gpus
+    return {k: {n: v.quantize(Decimal("0.01")) for n, v in line.items()} for k, line in out.items()
+            if any(line.values())}
+
+
+def test_usage_matches_a_brute_force_oracle(world):
+    rng = random.Random(7)
+    pools = [_pool("usage-a", gpus=8, rate="2.5000"), _pool("usage-b", gpus=4, rate="0.9000")]
+    free = {pool.pk: list(nodes) for pool, nodes in pools}
+    tenants = [world.tenants["alpha"], world.tenants["beta"]]
+    now = NOV.start + timedelta(days=17, hours=5, minutes=20)
+    specs = []
+    for _ in range(60):
+        pool, _nodes = rng.choice(pools)
+        start = NOV.start + timedelta(minutes=30 * rng.randrange(-20 * 48, 40 * 48))
+        end = start + timedelta(minutes=30 * rng.randrange(1, 4 * 48))
+        status = rng.choice([ReservationStatus.COMPLETED, ReservationStatus.ACTIVE, ReservationStatus.CONFIRMED,
+                             ReservationStatus.ENDING, ReservationStatus.CANCELLED, ReservationStatus.FAILED])
+        count = rng.randrange(1, 4)
+        nodes = [free[pool.pk].pop() for _ in range(count)]
+        cancelled_at = start + (end - start) * rng.uniform(-0.5, 1.5) if status == ReservationStatus.CANCELLED else None
+        cut = spare = None
+        if status != ReservationStatus.CANCELLED and rng.random() < 0.3:
+            cut = start + (end - start) * rng.uniform(0.1, 0.9)
+            spare = free[pool.pk].pop() if rng.random() < 0.6 else None
+        spec = {"tenant": rng.choice(tenants), "pool": pool, "start": start, "end": end, "status": status,
+                "billing": rng.choice([Billing.COMMITTED, Billing.BURST]), "nodes": count,
+                "cancelled_at": cancelled_at, "cut": cut, "spare": spare is not None}
+        _reservation(spec["tenant"], pool, nodes, start, end, status=status, billing=spec["billing"],
+                     cancelled_at=cancelled_at, cut=cut, spare=spare)
+        specs.append(spec)
+
+    got = {(line.tenant.slug, line.pool.name): {"cu": line.committed_used, "bu": line.burst_used,
+                                                "ca": line.committed_ahead, "ba": line.burst_ahead}
+           for line in usage_for_period(start=NOV.start, end=NOV.end, tenant_ids=None, now=now)}
+    want = _oracle(specs, NOV.start, NOV.end, now)
+    assert set(got) == set(want)
+    for key, line in want.items():
+        for name, value in line.items():
+            assert abs(got[key][name] - value) <= Decimal("0.02"), (key, name, got[key][name], value)
+    # One tenant only: the same figures for that tenant, nothing of the other's.
+    alpha = {(line.tenant.slug, line.pool.name) for line in usage_for_period(
+        start=NOV.start, end=NOV.end, tenant_ids=[world.tenants["alpha"].pk], now=now)}
+    assert alpha == {key for key in want if key[0] == "alpha"}
+
+
+def test_the_rules_one_by_one(world):
+    pool, nodes = _pool(gpus=8, rate="3.0000")
+    alpha = world.tenants["alpha"]
+    d = NOV.start + timedelta(days=2)
+    _reservation(alpha, pool, nodes[0:2], d, d + 10 * HOUR)  # 2 nodes x 10 h x 8 = 160 committed
+    _reservation(alpha, pool, nodes[2:3], d, d + 5 * HOUR, billing=Billing.BURST)  # 40 burst, cost 120
+    _reservation(alpha, pool, nodes[3:4], d, d + 5 * HOUR, status=ReservationStatus.FAILED)  # nothing
+    _reservation(alpha, pool, nodes[4:5], d, d + 5 * HOUR, status=ReservationStatus.CANCELLED,
+                 cancelled_at=d - HOUR)  # cancelled before it began: nothing
+    _reservation(alpha, pool, nodes[5:6], d, d + 5 * HOUR, status=ReservationStatus.CANCELLED,
+                 cancelled_at=d + 2 * HOUR)  # ran 2 h: 16
+    _reservation(alpha, pool, nodes[6:7], NOV.start - 3 * HOUR, NOV.start + 2 * HOUR)  # 2 h inside November: 16
+    _reservation(alpha, pool, nodes[7:8], d, d + 4 * HOUR, cut=d + HOUR)  # degraded after 1 h, no spare: 8
+    (line,) = usage_for_period(start=NOV.start, end=NOV.end, tenant_ids=[alpha.pk], now=NOV.end + HOUR)
+    assert line.committed_used == Decimal("200.00")  # 160 + 16 (cancelled after 2 h) + 16 (from Nov 1) + 8
+    assert line.burst_used == Decimal("40.00") and line.burst_cost_used == Decimal("120.00")
+    assert line.committed_ahead == line.burst_ahead == Decimal("0.00")
+
+
+def test_cancelling_records_when(world, t0):
+    from reservations.services import reservation_create
+
+    reservation = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                     node_count=1, start=t0, end=t0 + HOUR)
+    assert reservation.cancelled_at is None
+    before = timezone.now()
+    reservation = reservation_cancel(actor=world.users["alpha-lead"], reservation=reservation)
+    reservation.refresh_from_db()
+    assert before <= reservation.cancelled_at <= timezone.now()
+
+
+def test_parse_month():
+    assert parse_month("2026-11") == NOV and NOV.start == datetime(2026, 11, 1, tzinfo=UTC)
+    assert NOV.end == datetime(2026, 12, 1, tzinfo=UTC) and str(Month(2026, 12).next) == "2027-01"
+    assert str(Month(2027, 1).previous) == "2026-12"
+    for bad in ("2026-13", "2026-00", "26-11", "2026-1", "x", "1999-12", "2026-11-01"):
+        with pytest.raises(Exception) as info:
+            parse_month(bad)
+        assert getattr(info.value, "fields", {}).get("month"), bad
+
+
+def _november(world):
+    pool, nodes = _pool(gpus=8, rate="2.0000")
+    d = NOV.start + timedelta(days=3)
+    _reservation(world.tenants["alpha"], pool, nodes[0:1], d, d + 10 * HOUR, billing=Billing.BURST)  # 80 burst
+    _reservation(world.tenants["beta"], pool, nodes[1:3], d, d + 10 * HOUR)  # 160 committed
+    return pool
+
+
+def test_the_page_for_a_lead_shows_their_tenant_only(web, world):
+    _november(world)
+    response = web("alpha-lead").get("/usage/?month=2026-11")
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert 'data-usage="alpha/usage"' in page and 'data-usage="beta/usage"' not in page
+    assert "80.00" in page and "160.00" in page and "Beta" not in page.split("<main", 1)[1]
+    assert 'href="?month=2026-10"' in page and 'href="?month=2026-12"' in page
+
+
+@pytest.mark.parametrize("who", ["alpha-member", "alpha-viewer"])
+def test_members_and_viewers_are_refused(web, world, who):
+    _november(world)
+    assert web(who).get("/usage/?month=2026-11").status_code == 403
+    assert web(who).get("/usage.csv?month=2026-11").status_code == 403
+    assert world.client(who).get("/api/v1/usage/?month=2026-11").status_code == 403
+    assert "/usage/" not in web(who).get("/").content.decode()  # not in their navigation
+
+
+def test_staff_see_every_tenant_or_one(web, world):
+    _november(world)
+    staff = web("staff")
+    page = staff.get("/usage/?month=2026-11").content.decode()
+    assert 'data-usage="alpha/usage"' in page and 'data-usage="beta/usage"' in page
+    page = staff.get("/usage/?month=2026-11&tenant=beta").content.decode()
+    assert 'data-usage="alpha/usage"' not in page and 'data-usage="beta/usage"' in page
+    assert "No GPU-hours" in staff.get("/usage/?month=2026-11&tenant=no-such").content.decode()
+
+
+def test_a_bad_month_is_a_400_page(web, world):
+    response = web("alpha-lead").get("/usage/?month=2026-13")
+    assert response.status_code == 400 and "YYYY-MM" in response.content.decode()
+    assert web("alpha-lead").get("/usage.csv?month=nope").status_code == 400
+
+
+def test_csv(web, world):
+    _november(world)
+    response = web("staff").get("/usage.csv?month=2026-11")
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
+    assert 'filename="gpu-usage-2026-11.csv"' in response["Content-Disposition"]
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    assert [(r["tenant"], r["burst_gpu_hours"], r["burst_cost"], r["committed_gpu_hours"]) for r in rows] == [
+        ("alpha", "80.00", "160.00", "0.00"), ("beta", "0.00", "0.00", "160.00")]
+    lead_rows = list(csv.DictReader(io.StringIO(web("beta-lead").get("/usage.csv?month=2026-11").content.decode())))
+    assert [r["tenant"] for r in lead_rows] == ["beta"]
+
+
+def test_the_api(world):
+    _november(world)
+    body = world.client("alpha-lead").get("/api/v1/usage/?month=2026-11").json()
+    assert body["month"] == "2026-11" and body["start"] == "2026-11-01T00:00:00Z" and body["end"] == iso(NOV.end)
+    assert [(r["tenant"], r["pool"], r["burst_gpu_hours"], r["burst_cost"]) for r in body["results"]] == [
+        ("alpha", "usage", "80.00", "160.00")]
+    # A tenant the lead does not lead is unknown to them; staff may name any.
+    r = world.client("alpha-lead").get("/api/v1/usage/?month=2026-11&tenant=beta")
+    assert r.status_code == 400 and r.json()["code"] == "invalid" and "tenant" in r.json()["fields"]
+    body = world.client("staff").get("/api/v1/usage/?month=2026-11&tenant=beta").json()
+    assert [r["tenant"] for r in body["results"]] == ["beta"]
+    assert len(world.client("staff").get("/api/v1/usage/?month=2026-11").json()["results"]) == 2
+    r = world.client("alpha-lead").get("/api/v1/usage/?month=2026-1")
+    assert r.status_code == 400 and "month" in r.json()["fields"]
+    r = world.client("alpha-lead").get("/api/v1/usage/?month=2026-13")
+    assert r.status_code == 400 and "month" in r.json()["fields"]
