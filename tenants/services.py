@@ -297,8 +297,14 @@ def _keep_a_lead(membership: Membership) -> None:
 @transaction.atomic(durable=True)
 def membership_update(*, actor, membership: Membership, role: str) -> Membership:
     membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
-    if role not in Role.values:
-        raise InvalidInput("role: unknown role.", fields={"role": f"One of {', '.join(Role.values)}."})
+    return _set_role(actor=actor, membership=membership, role=role)
+
+
+def _set_role(*, actor, membership: Membership, role: str) -> Membership:
+    """Change a locked membership's role, keeping the tenant a lead; audited (the admin's and the team page's)."""
+    _check_role(role)
+    if membership.role == role:
+        return membership
     if role != Role.LEAD:
         _keep_a_lead(membership)
     before = {"user": membership.user.username, "role": membership.role}
@@ -312,10 +318,16 @@ def membership_update(*, actor, membership: Membership, role: str) -> Membership
 @transaction.atomic(durable=True)
 def membership_delete(*, actor, membership: Membership) -> None:
     membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
+    _remove_member(actor=actor, membership=membership)
+
+
+def _remove_member(*, actor, membership: Membership) -> Membership:
+    """Delete a locked membership, keeping the tenant a lead; audited."""
     _keep_a_lead(membership)
     audit_record(actor=actor, action="membership.delete", obj=membership, tenant_id=membership.tenant_id,
                  before={"user": membership.user.username, "role": membership.role})
     membership.delete()
+    return membership
 
 
 def _clean_slack_url(url: Any) -> str:
@@ -444,17 +456,7 @@ def team_member_set_role(*, actor: Any, tenant: Tenant, membership_id: int, role
     """Change a member's role (a lead or staff); the tenant always keeps a lead."""
     _lock_team(actor=actor, tenant_id=tenant.pk)
     _check_role(role)
-    membership = _team_membership(tenant=tenant, membership_id=membership_id)
-    if membership.role == role:
-        return membership
-    if role != Role.LEAD:
-        _keep_a_lead(membership)
-    before = {"user": membership.user.username, "role": membership.role}
-    membership.role = role
-    membership.save(update_fields=["role"])
-    audit_record(actor=actor, action="membership.update", obj=membership, tenant_id=tenant.pk,
-                 before=before, after={"user": membership.user.username, "role": role})
-    return membership
+    return _set_role(actor=actor, membership=_team_membership(tenant=tenant, membership_id=membership_id), role=role)
 
 
 @transaction.atomic(durable=True)
@@ -464,9 +466,4 @@ def team_member_remove(*, actor: Any, tenant: Tenant, membership_id: int) -> Mem
     Their reservations stay (the tenant's), and their personal calendar feed stops working.
     """
     _lock_team(actor=actor, tenant_id=tenant.pk)
-    membership = _team_membership(tenant=tenant, membership_id=membership_id)
-    _keep_a_lead(membership)
-    audit_record(actor=actor, action="membership.delete", obj=membership, tenant_id=tenant.pk,
-                 before={"user": membership.user.username, "role": membership.role})
-    membership.delete()
-    return membership
+    return _remove_member(actor=actor, membership=_team_membership(tenant=tenant, membership_id=membership_id))

@@ -90,6 +90,19 @@ def world(db) -> World:
 
 
 @pytest.fixture
+def web(world):
+    """Return a function that gives a browser-session test client signed in as one of the world's users."""
+    from django.test import Client
+
+    def client_for(who: str, **kwargs) -> Client:
+        client = Client(**kwargs)
+        client.force_login(world.users[who])
+        return client
+
+    return client_for
+
+
+@pytest.fixture
 def t0():
     """A slot-aligned instant a day ahead: the start of most test bookings."""
     return slot_floor(timezone.now(), 60) + timedelta(days=1)

@@ -27,18 +27,6 @@ NOV = Month(2026, 11)
 HOUR = timedelta(hours=1)
 
 
-@pytest.fixture
-def web(world):
-    from django.test import Client
-
-    def client_for(who: str) -> Client:
-        client = Client()
-        client.force_login(world.users[who])
-        return client
-
-    return client_for
-
-
 def _pool(name="usage", nodes=240, gpus=8, rate="2.5000") -> tuple[Pool, list[Node]]:
     pool = Pool.objects.create(name=name, gpu_model="H100", gpus_per_node=gpus, on_demand_rate=Decimal(rate))
     made = Node.objects.bulk_create([Node(hostname=f"{name}-{i:03d}", pool=pool) for i in range(nodes)])

@@ -5,23 +5,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.test import Client
 
 from reservations import services
 from tenants.choices import Role
 from tenants.models import Membership
-
-
-@pytest.fixture
-def web(world):
-    """Return a function that gives a test client signed in as one of the world's users."""
-
-    def client_for(who: str, **kwargs) -> Client:
-        client = Client(**kwargs)
-        client.force_login(world.users[who])
-        return client
-
-    return client_for
 
 
 @pytest.fixture
