@@ -41,7 +41,8 @@ def audit_log(request):
     if request.user.is_staff and request.GET.get("all") == "1":
         qs = AuditLog.objects.select_related("actor")  # including fleet changes with no tenant
     selected = request.GET.get("tenant", "")
-    if selected.isdigit() and int(selected) in tenants:
+    # ASCII digits, and few of them: isdigit() also accepts "²" and 5000 digits, which int() refuses (a 500).
+    if selected.isascii() and selected.isdigit() and len(selected) <= 18 and int(selected) in tenants:
         qs = qs.filter(tenant_id=int(selected))
     action = request.GET.get("action", "").strip()
     if action:
