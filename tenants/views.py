@@ -11,6 +11,7 @@ import zoneinfo
 from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib import messages
@@ -179,6 +180,14 @@ class LoginView(auth_views.LoginView):
     form_class = LockoutAuthenticationForm
     template_name = "registration/login.html"
     redirect_authenticated_user = True
+
+    def get_redirect_url(self):
+        """next, unless it is this sign-in page itself: for a signed-in user Django's LoginView raises
+        ValueError ("Redirection loop") on that (a 500), and after signing in it is a pointless hop."""
+        url = super().get_redirect_url()
+        if url and urlsplit(url).path == self.request.path:
+            return ""
+        return url
 
     def form_valid(self, form):
         response = super().form_valid(form)

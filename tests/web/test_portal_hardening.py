@@ -18,3 +18,19 @@ def test_audit_tenant_filter_that_is_no_tenant_id_is_ignored_not_a_500(world, we
     response = web("alpha-lead", raise_request_exception=False).get("/audit/", {"tenant": value})
     assert response.status_code == 200
     assert 'data-action="quota.update"' in response.content.decode()
+
+
+@pytest.mark.parametrize("next_url", ["/accounts/login/", "http://testserver/accounts/login/"])
+def test_signed_in_user_sent_to_sign_in_with_next_back_to_it_gets_the_dashboard_not_a_500(world, web, next_url):
+    """Django's LoginView (redirect_authenticated_user) raises ValueError("Redirection loop …") when next is
+    the sign-in page itself: a link /accounts/login/?next=/accounts/login/ answered every signed-in user 500."""
+    response = web("alpha-member", raise_request_exception=False).get("/accounts/login/", {"next": next_url})
+    assert response.status_code == 302 and response["Location"] == "/"
+
+
+def test_signing_in_with_next_back_to_the_sign_in_page_lands_on_the_dashboard(world, client):
+    page = client.get("/accounts/login/", {"next": "/accounts/login/"})
+    assert page.status_code == 200
+    response = client.post("/accounts/login/?next=/accounts/login/",
+                           {"username": "alpha-member", "password": "pw-Long-enough-1", "next": "/accounts/login/"})
+    assert response.status_code == 302 and response["Location"] == "/"
