@@ -20,6 +20,7 @@ from django.shortcuts import get_object_or_404
 from django.template.loader import select_template
 from django.urls import reverse
 from django.utils import timezone
+from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST, require_safe
 from django_htmx.http import trigger_client_event
 
@@ -108,7 +109,11 @@ def dashboard(request):
             activity=list(selectors.tenant_recent_activity(tenant=portal.tenant, limit=10)),
             feed_url=_feed_url(request, portal.tenant),
         )
-    return render_page(request, "reservations/dashboard.html", context)
+    response = render_page(request, "reservations/dashboard.html", context)
+    if context.get("feed_url"):
+        # The feed address opens the calendar without signing in: no cache (browser, proxy) keeps a copy.
+        add_never_cache_headers(response)
+    return response
 
 
 def _with_cluster(qs):

@@ -34,3 +34,18 @@ def test_signing_in_with_next_back_to_the_sign_in_page_lands_on_the_dashboard(wo
     response = client.post("/accounts/login/?next=/accounts/login/",
                            {"username": "alpha-member", "password": "pw-Long-enough-1", "next": "/accounts/login/"})
     assert response.status_code == 302 and response["Location"] == "/"
+
+
+def test_the_dashboard_that_shows_a_calendar_feed_address_is_never_cached(world, web):
+    """The feed address is a credential (it opens the tenant's calendar without signing in), yet the dashboard
+    carrying it had no Cache-Control: a browser's disk cache or a proxy could keep it after signing out, where
+    the account page (a new API token) and the notification settings (a signing secret) send no-store."""
+    from tests.conftest import feed_path
+
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-token-aaaaaaaaaaaa"
+    alpha.save()
+    response = web("alpha-viewer").get("/")
+    assert feed_path(alpha, world.users["alpha-viewer"]) in response.content.decode()
+    cache_control = response.get("Cache-Control", "")
+    assert "no-store" in cache_control and "private" in cache_control, cache_control
