@@ -6,6 +6,7 @@ from django.contrib import messages
 from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.views.decorators.http import require_POST
+from django.views.decorators.vary import vary_on_headers
 
 from portal.core.exceptions import DomainError
 from tenants.views import portal_view, render_page
@@ -53,6 +54,7 @@ def cluster_list(request):
     return render_page(request, "provisioning/cluster_list.html", {"clusters": clusters})
 
 
+@vary_on_headers("HX-Request")  # one URL, two answers: a browser must not cache the polled fragment as the page
 @portal_view
 def cluster_detail(request, pk: int):
     cluster = _cluster(request, pk)

@@ -22,6 +22,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST, require_safe
+from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
@@ -308,6 +309,7 @@ def _default_window(pool: Pool | None) -> tuple[datetime, datetime]:
 
 
 @require_http_methods(["GET", "POST"])
+@vary_on_headers("HX-Request")  # the page, or the calendar panel's fragment, at one URL
 @portal_view
 def booking_form(request):
     """GET: the booking form (prefilled from a calendar selection). POST: book through the service."""

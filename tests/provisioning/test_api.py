@@ -202,6 +202,20 @@ def test_cluster_page_shows_phases_connection_and_downloads_for_members(world, c
     assert Client().get(f"/clusters/{cluster.pk}/").status_code == 302
 
 
+def test_the_cluster_page_and_its_polled_fragment_are_cached_apart(world, clusters):
+    """/clusters/<pk>/ answers the whole page, or (HX-Request) the status fragment it polls every 3 s, at one URL.
+    Without Vary: HX-Request a browser keeps one cached copy for both: Back to the page showed the last poll's
+    bare fragment without the portal's layout (htmx's documented caching pitfall)."""
+    from django.utils.cache import cc_delim_re
+
+    cluster = clusters["alpha"]
+    client = page_client(world, "alpha-member")
+    for headers in ({}, {"HTTP_HX_REQUEST": "true"}):
+        response = client.get(f"/clusters/{cluster.pk}/", **headers)
+        assert response.status_code == 200
+        assert "hx-request" in {h.strip().lower() for h in cc_delim_re.split(response.get("Vary", ""))}
+
+
 def test_teardown_button_posts_and_staff_can_retry_from_the_page(world, clusters, settings):
     cluster = clusters["alpha"]
     response = page_client(world, "alpha-member").post(f"/clusters/{cluster.pk}/teardown/")

@@ -170,3 +170,15 @@ def test_ambiguous_local_time_is_a_form_error_not_a_guess(world, web):
         "orchestrator": "slurm", "cuda_version": "12.8"}, **HTMX).content.decode()
     assert "skipped or repeated in America/New_York" in page
     assert Reservation.objects.count() == 0
+
+
+def test_the_booking_form_and_its_panel_fragment_are_cached_apart(world, web, t0):
+    """GET /reservations/new/ is the whole booking page, or (HX-Request) the calendar side panel's fragment:
+    without Vary: HX-Request a browser's cache could hand one for the other."""
+    from django.utils.cache import cc_delim_re
+
+    client = web("alpha-lead")
+    for headers in ({}, HTMX):
+        response = client.get("/reservations/new/", {"pool": "h100"}, **headers)
+        assert response.status_code == 200
+        assert "hx-request" in {h.strip().lower() for h in cc_delim_re.split(response.get("Vary", ""))}
