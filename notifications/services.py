@@ -756,7 +756,13 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
     if delivery.kind == ChannelKind.WEBHOOK:
         # Signed afresh on every attempt (new timestamp), always with the same webhook-id.
         headers = signing.sign_headers(_secrets_for(channel, timezone.now()), body, msg_id=delivery.message_id)
-    outcome = transport.post(url, body, headers, timeout=http_timeout(), slack=delivery.kind == ChannelKind.SLACK)
+    if channel.is_platform:  # the operator's own URL: never checked
+        outcome = transport.post(url, body, headers, timeout=http_timeout(), slack=delivery.kind == ChannelKind.SLACK)
+    else:
+        # Checked again on the connection itself: a name re-pointed since the check above (DNS rebinding).
+        with egress.public_session() as session:
+            outcome = transport.post(url, body, headers, timeout=http_timeout(),
+                                     slack=delivery.kind == ChannelKind.SLACK, session=session)
     return _record(delivery.pk, token=token, attempt=attempt, url=url, outcome=outcome)
 
 

@@ -37,6 +37,8 @@ from urllib.parse import urlsplit
 
 import requests
 
+from portal.core.egress import private_destination_of
+
 __all__ = [
     "Verdict",
     "Outcome",
@@ -273,8 +275,13 @@ def post(
         outcome = Outcome(Verdict.RETRY, None, "timeout", elapsed_s=time.monotonic() - started)
     except requests.exceptions.SSLError:
         outcome = Outcome(Verdict.RETRY, None, "tls_error", elapsed_s=time.monotonic() - started)
-    except requests.ConnectionError:
-        outcome = Outcome(Verdict.RETRY, None, "connection_error", elapsed_s=time.monotonic() - started)
+    except requests.ConnectionError as exc:
+        blocked = private_destination_of(exc)
+        if blocked:  # the name led somewhere private by the time it was called (egress.public_session)
+            outcome = Outcome(Verdict.PERMANENT, None, f"blocked_destination: {blocked}",
+                              elapsed_s=time.monotonic() - started)
+        else:
+            outcome = Outcome(Verdict.RETRY, None, "connection_error", elapsed_s=time.monotonic() - started)
     except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema):
         outcome = Outcome(Verdict.PERMANENT, None, "invalid_url", elapsed_s=time.monotonic() - started)
     except requests.RequestException as exc:

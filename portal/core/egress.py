@@ -12,9 +12,10 @@ every POST (a name can be re-pointed after it was saved).
 receivers live on their own network (and for the local demo receiver). The platform's own Slack
 webhook (``PORTAL_PLATFORM_SLACK_WEBHOOK``) is the operator's and is never checked.
 
-Not covered: a name that resolves to a public address when checked and to a private one a moment
-later, when the HTTP client resolves it again (DNS rebinding with a zero TTL); the check narrows
-that window to the time between two lookups.
+A name that resolves to a public address when checked and to a private one a moment later, when
+the HTTP client resolves it again (DNS rebinding with a zero TTL), is caught where it matters: the
+session ``public_session()`` gives checks the address each connection actually reached, after
+connecting and before a byte is sent, and refuses a private one (``PrivateDestination``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,16 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import NewConnectionError
+
 from .conf import setting_bool
 
-__all__ = ["MAX_URL_LENGTH", "checked_url", "destination_problem"]
+__all__ = ["MAX_URL_LENGTH", "checked_url", "destination_problem", "public_session", "PrivateDestination",
+           "private_destination_of"]
 
 MAX_URL_LENGTH = 2000
 
@@ -93,3 +101,79 @@ def checked_url(url: Any, *, field: str, hint: str) -> str:
     if problem:
         raise InvalidInput(f"{field}: the portal posts only to public addresses ({problem}).", fields={field: hint})
     return url
+
+
+# --- the connection itself: the address it reached ----------------------------------------
+
+
+class PrivateDestination(NewConnectionError):
+    """A connection reached a private address (the name was re-pointed after it was checked)."""
+
+
+class _PublicOnly:
+    def _new_conn(self):  # urllib3: opens the TCP connection; HTTPS wraps TLS around it afterwards
+        sock = super()._new_conn()
+        if setting_bool("PORTAL_WEBHOOK_ALLOW_PRIVATE", False):
+            return sock
+        try:
+            peer = sock.getpeername()[0]
+        except OSError:
+            peer = ""
+        if not peer or _private(peer):
+            sock.close()
+            raise PrivateDestination(self, f"{self.host} connected to {peer or 'an unknown address'}, "
+                                           "not a public address")
+        return sock
+
+
+class _PublicHTTPConnection(_PublicOnly, HTTPConnection):
+    pass
+
+
+class _PublicHTTPSConnection(_PublicOnly, HTTPSConnection):
+    pass
+
+
+class _PublicHTTPPool(HTTPConnectionPool):
+    ConnectionCls = _PublicHTTPConnection
+
+
+class _PublicHTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _PublicHTTPSConnection
+
+
+class _PublicOnlyAdapter(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _PublicHTTPPool, "https": _PublicHTTPSPool}
+
+    def proxy_manager_for(self, *args: Any, **kwargs: Any):  # a proxy's address would be the one checked
+        raise requests.exceptions.InvalidURL("tenant destinations are not reached through a proxy")
+
+
+def public_session() -> requests.Session:
+    """A requests session whose every connection must reach a public address (unless
+    PORTAL_WEBHOOK_ALLOW_PRIVATE): for tenant-supplied URLs. Environment proxies are not used."""
+    session = requests.Session()
+    session.trust_env = False
+    adapter = _PublicOnlyAdapter()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def private_destination_of(exc: BaseException) -> str | None:
+    """The refusal message if a requests error came from PrivateDestination, else None."""
+    seen: set[int] = set()
+    pending: list[Any] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, PrivateDestination):
+            return str(current).split(": ", 1)[-1]
+        if isinstance(current, BaseException):
+            pending.extend([getattr(current, "reason", None), current.__cause__, current.__context__,
+                            *[a for a in current.args if isinstance(a, BaseException)]])
+    return None

@@ -127,3 +127,48 @@ def test_staff_patching_the_tenants_slack_url_through_the_api_meet_the_same_chec
     entry = AuditLog.objects.filter(action="tenant.update").latest("id")
     assert entry.before["slack_webhook_url"] != entry.after["slack_webhook_url"]  # the change is on record …
     assert "secret-part" not in str(entry.after)  # … masked, never in full
+
+
+def test_a_name_rebound_to_a_private_address_after_the_check_is_not_posted_to(world, receiver, webhook_for,
+                                                                                settings, monkeypatch):
+    """DNS rebinding: the name resolves to a public address for the check and to the portal's own network a
+    moment later, when the HTTP client connects. The connection's own address is what gets checked."""
+    import socket
+
+    port = int(receiver.url("/hook").rsplit(":", 1)[1].split("/", 1)[0])
+    url = f"http://rebind.example:{port}/hook"
+    channel, _ = webhook_for("alpha", url)  # saved while private addresses were allowed (notify settings)
+    delivery = services.channel_send_test(actor=world.users["alpha-lead"], channel=channel)
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
+    real = socket.getaddrinfo
+    answers = {"count": 0}
+
+    def rebinding(host, *args, **kwargs):
+        if host == "rebind.example":
+            answers["count"] += 1
+            address = "93.184.216.34" if answers["count"] == 1 else "127.0.0.1"
+            return real(address, *args, **kwargs)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    result = services.delivery_send(delivery_id=delivery.pk)
+    assert answers["count"] >= 2  # checked, then resolved again by the client
+    assert receiver.requests == []  # nothing reached the private address
+    assert result.status == DeliveryStatus.FAILED
+    error = Delivery.objects.get(pk=delivery.pk).last_error
+    assert error.startswith("blocked_destination: rebind.example connected to 127.0.0.1"), error
+
+
+def test_the_public_session_still_posts_where_private_addresses_are_allowed(receiver, settings):
+    from notifications import transport
+    from portal.core.egress import public_session
+
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = True
+    with public_session() as session:
+        outcome = transport.post(receiver.url("/hook"), b"{}", session=session)
+    assert outcome.delivered and len(receiver.requests) == 1
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
+    with public_session() as session:
+        outcome = transport.post(receiver.url("/hook"), b"{}", session=session)
+    assert outcome.verdict == transport.Verdict.PERMANENT and outcome.error.startswith("blocked_destination: ")
+    assert len(receiver.requests) == 1
