@@ -12,7 +12,7 @@ from django.utils.html import format_html
 from portal.core.fields import DATETIME_MAX, DATETIME_MIN, RANGE_MESSAGE, in_supported_range
 from tenants.models import Quota, Tenant
 
-from .choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, Orchestrator
+from .choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, HOLDING_STATUSES, Orchestrator, ReservationStatus
 from .models import Pool
 
 __all__ = [
@@ -242,3 +242,33 @@ class CalendarWindowForm(forms.Form):
             elif end - start > self.MAX_SPAN:
                 self.add_error("end", "At most 62 days at a time.")
         return data
+
+
+class ReservationListForm(forms.Form):
+    """Filters of the reservations list: status, pool, who booked, a name search."""
+
+    STATUS_CHOICES = [("", "Any status"), ("current", "Active and upcoming"),
+                      *[(value, label) for value, label in ReservationStatus.choices]]
+
+    status = forms.ChoiceField(label="Status", choices=STATUS_CHOICES, required=False)
+    pool = forms.ModelChoiceField(queryset=Pool.objects.order_by("name"), to_field_name="name", required=False,
+                                  empty_label="All pools", label="Pool")
+    mine = forms.BooleanField(label="Booked by me", required=False)
+    q = forms.CharField(label="Name contains", max_length=200, required=False)
+
+    def filter(self, qs, *, user, now):
+        """The reservations that pass the valid filters (an invalid one is ignored, and shown as an error)."""
+        self.is_valid()
+        data = getattr(self, "cleaned_data", {})
+        status = data.get("status")
+        if status == "current":
+            qs = qs.filter(status__in=HOLDING_STATUSES, period__endswith__gt=now)
+        elif status:
+            qs = qs.filter(status=status)
+        if data.get("pool"):
+            qs = qs.filter(pool=data["pool"])
+        if data.get("mine"):
+            qs = qs.filter(created_by=user)
+        if data.get("q"):
+            qs = qs.filter(name__icontains=data["q"])
+        return qs

@@ -7,6 +7,7 @@ urlpatterns = [
     path("calendar/", views.calendar, name="calendar"),
     path("calendar/events.json", views.calendar_events, name="calendar-events"),
     path("calendar/availability.json", views.calendar_availability, name="calendar-availability"),
+    path("reservations/", views.reservation_list, name="reservation-list-page"),
     path("reservations/new/", views.booking_form, name="booking-form"),
     path("reservations/preview/", views.booking_preview, name="booking-preview"),
     path("reservations/<int:pk>/", views.reservation_detail, name="reservation-page"),

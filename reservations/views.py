@@ -34,7 +34,7 @@ from tenants.views import portal_json, portal_view, render_page
 
 from . import selectors, services
 from .choices import FINAL_STATUSES, NodeState, ReservationStatus
-from .forms import BookingForm, CalendarWindowForm, ExtendForm, FleetWindowForm
+from .forms import BookingForm, CalendarWindowForm, ExtendForm, FleetWindowForm, ReservationListForm
 from .ical import build_feed
 from .models import Allocation, Pool
 from .timeutil import is_aligned, slot_ceil
@@ -46,6 +46,7 @@ __all__ = [
     "calendar_availability",
     "booking_form",
     "booking_preview",
+    "reservation_list",
     "reservation_detail",
     "reservation_panel",
     "reservation_extend",
@@ -438,6 +439,25 @@ def _detail_context(request, reservation) -> dict:
         "cluster_template": select_template(CLUSTER_TEMPLATES).template.name,
         "now": now,
     }
+
+
+RESERVATION_PAGE_SIZE = 50
+
+
+@require_safe
+@portal_view
+def reservation_list(request):
+    """The current tenant's reservations, newest start first, filtered and a page at a time."""
+    portal = request.portal
+    form = ReservationListForm(request.GET or None)
+    context: dict = {"form": form, "cluster_badge_template": select_template(CLUSTER_BADGE_TEMPLATES).template.name}
+    if portal.tenant is not None:
+        qs = selectors.reservations_for_user(user=request.user).for_tenant(portal.tenant)
+        qs = form.filter(qs, user=request.user, now=timezone.now()) if form.is_bound else qs
+        page = Paginator(_with_cluster(qs.order_by("-period", "-id")), RESERVATION_PAGE_SIZE).get_page(
+            request.GET.get("page"))
+        context.update(page=page, page_query=page_query(request))
+    return render_page(request, "reservations/list.html", context, status=400 if form.is_bound and form.errors else 200)
 
 
 @portal_view

@@ -99,6 +99,7 @@ def test_no_serious_or_critical_axe_violations(live_server, new_page):
                 expect(page.locator("[data-new-token]")).to_be_visible()
                 scan(page, f"{tag}/account-new-token")
             visit(page, f"{tag}/team", "/team/")
+            visit(page, f"{tag}/reservations", "/reservations/")
             if username != "research-viewer":
                 visit(page, f"{tag}/usage", "/usage/")
             if username == "research-lead":
