@@ -46,9 +46,11 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
 from .k8s_manifests import (
+    RESERVATION_LABEL,
     SERVICE_ACCOUNT_NAME,
     Manifest,
     TenantClusterSpec,
+    claim_release_patch,
     kubeconfig_yaml,
     node_claim_patch,
     node_release_patch,
@@ -223,6 +225,28 @@ class TenantClusterApplier:
         """Release every node of the reservation; return the hostnames actually changed."""
         return [h for h in spec.node_hostnames if self.release_node(spec, h)]
 
+    def claimed_nodes(self) -> list[dict[str, Any]]:
+        """Return every node that carries a claim of the portal (a reservation label), as the API sends it."""
+        try:
+            response = self._core.list_node(label_selector=RESERVATION_LABEL, _preload_content=False,
+                                            _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            raise K8sApplyError(f"list claimed nodes failed: {exc.status} {exc.reason}") from exc
+        return list(_json(response).get("items") or [])
+
+    def release_claim(self, hostname: str, reservation_id: str) -> bool:
+        """Lift reservation ``reservation_id``'s claim from a node without its spec (reconcile's orphans).
+
+        Return False if the node no longer carries that claim (or left the cluster).
+        """
+        try:
+            return self._patch_node_until_settled(
+                hostname, lambda node: claim_release_patch(node, reservation_id=reservation_id))
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise K8sApplyError(f"release node {hostname} failed: {exc.status} {exc.reason}") from exc
+
     # --- Whole lifecycle ---
 
     def provision(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> list[str]:
@@ -236,13 +260,35 @@ class TenantClusterApplier:
 
     def namespace_exists(self, spec: TenantClusterSpec) -> bool:
         """Return whether the reservation's Namespace still exists (possibly terminating)."""
+        return self.namespace_named_exists(spec.namespace)
+
+    def namespace_named_exists(self, name: str) -> bool:
+        """Return whether Namespace ``name`` still exists (possibly terminating)."""
         try:
-            self._core.read_namespace(spec.namespace, _preload_content=False, _request_timeout=self.request_timeout)
+            self._core.read_namespace(name, _preload_content=False, _request_timeout=self.request_timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return False
-            raise K8sApplyError(f"read namespace {spec.namespace} failed: {exc.status} {exc.reason}") from exc
+            raise K8sApplyError(f"read namespace {name} failed: {exc.status} {exc.reason}") from exc
         return True
+
+    def list_namespaces(self, label_selector: str) -> list[dict[str, Any]]:
+        """Return the Namespaces matching ``label_selector``, as the API sends them."""
+        try:
+            response = self._core.list_namespace(label_selector=label_selector, _preload_content=False,
+                                                 _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            raise K8sApplyError(f"list namespaces failed: {exc.status} {exc.reason}") from exc
+        return list(_json(response).get("items") or [])
+
+    def delete_namespace(self, name: str) -> None:
+        """Delete Namespace ``name`` (asynchronous: it may stay, terminating, for a while)."""
+        try:
+            self._core.delete_namespace(name, propagation_policy="Background", _preload_content=False,
+                                        _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone, or already terminating
+                raise K8sApplyError(f"delete namespace {name} failed: {exc.status} {exc.reason}") from exc
 
     def teardown(self, spec: TenantClusterSpec) -> bool:
         """Delete the Namespace; once it is gone, release the nodes. Return True when all is done.

@@ -578,18 +578,38 @@ def node_release_patch(spec: TenantClusterSpec, node: Mapping[str, Any]) -> Mani
     Only a node this reservation holds is touched: after a late teardown the node may
     already belong to the next reservation, whose claim must survive.
     """
+    return claim_release_patch(node, reservation_id=str(spec.reservation_id), tenant_label=spec.tenant_label,
+                               reset_mig=bool(spec.mig_profile))
+
+
+def claim_release_patch(node: Mapping[str, Any], *, reservation_id: str, tenant_label: str | None = None,
+                        reset_mig: bool | None = None) -> Manifest | None:
+    """Return the merge patch that lifts reservation ``reservation_id``'s claim from ``node``, or None.
+
+    For a claim whose reservation the caller no longer knows (reconcile: no spec), the
+    tenant and the MIG layout are read from what the claim itself put on the node: the
+    ``dedicated`` taint removed is the one whose value is the node's tenant label (another
+    ``dedicated`` taint is not the portal's and stays), and a MIG layout of the portal's
+    form (``all-<profile>``) is switched off.
+    """
     labels, _annotations, taints, resource_version = _node_parts(node)
-    if labels.get(RESERVATION_LABEL) != str(spec.reservation_id):
+    if labels.get(RESERVATION_LABEL) != reservation_id:
         return None
+    if tenant_label is None:
+        tenant_label = labels.get(TENANT_LABEL)
+    if reset_mig is None:
+        mig = labels.get(MIG_CONFIG_LABEL, "")
+        reset_mig = mig.startswith("all-") and bool(_MIG_PROFILE_RE.match(mig[len("all-"):]))
     removed_labels: dict[str, str | None] = {
         TENANT_LABEL: None,
         RESERVATION_LABEL: None,
         CUDA_VERSION_LABEL: None,
     }
-    if spec.mig_profile:
+    if reset_mig:
         removed_labels[MIG_CONFIG_LABEL] = MIG_DISABLED
     kept_taints = [
-        t for t in taints if not (t.get("key") == TAINT_KEY and t.get("value") == spec.tenant_label)
+        t for t in taints
+        if not (tenant_label is not None and t.get("key") == TAINT_KEY and t.get("value") == tenant_label)
     ]
     return {
         "metadata": _with_resource_version(

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from ..conf import setting
@@ -26,6 +25,7 @@ from .k8s_manifests import (
     MANAGED_BY,
     MANAGED_BY_LABEL,
     RESERVATION_LABEL,
+    TENANT_LABEL,
     NodeClaimConflict,
     TenantClusterSpec,
     tenant_objects,
@@ -197,16 +197,46 @@ class KubernetesBackend(ProvisioningBackend):
                 drifts.append(Drift("missing", spec.namespace, "namespace missing", fix))
         wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
         try:
-            listed = k8s.CoreV1Api(self.applier.api_client).list_namespace(
-                label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}", _request_timeout=30)
-        except ApiException as exc:
-            drifts.append(Drift("unknown", "namespaces", f"cannot list namespaces: {exc.status} {exc.reason}"))
+            listed = self.applier.list_namespaces(f"{MANAGED_BY_LABEL}={MANAGED_BY}")
+        except K8sApplyError as exc:
+            drifts.append(Drift("unknown", "namespaces", f"cannot list namespaces: {exc}"))
             return drifts
-        for ns in listed.items:
-            labels = ns.metadata.labels or {}
-            if labels.get(RESERVATION_LABEL) not in wanted_ids:
+        orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
+        for ns in listed:
+            meta = ns.get("metadata") or {}
+            holder = (meta.get("labels") or {}).get(RESERVATION_LABEL)
+            if holder not in wanted_ids:
+                orphan_namespaces.setdefault(holder or "", []).append(meta["name"])
+                if meta.get("deletionTimestamp") or (ns.get("status") or {}).get("phase") == "Terminating":
+                    continue  # already going
                 if fix:
-                    self._call("delete orphan", k8s.CoreV1Api(self.applier.api_client).delete_namespace,
-                               ns.metadata.name)
-                drifts.append(Drift("orphan", ns.metadata.name, "namespace has no live booking", fix))
+                    self._call("delete orphan", self.applier.delete_namespace, meta["name"])
+                drifts.append(Drift("orphan", meta["name"], "namespace has no live booking", fix))
+        drifts += self._reconcile_claims(wanted_ids, orphan_namespaces, fix=fix)
+        return drifts
+
+    def _reconcile_claims(self, wanted_ids: set[str], orphan_namespaces: dict[str, list[str]], *,
+                          fix: bool) -> list[Drift]:
+        """Lift node claims (labels, window-end annotation, ``dedicated`` taint) of reservations not live.
+
+        Only the portal's claims (a node labelled with a reservation) are looked at, and only the
+        ``dedicated`` taint of the claim's own tenant is removed. As in teardown, a claim is lifted
+        only once its reservation's namespace is gone, so no tenant pod is on a node handed back.
+        """
+        drifts: list[Drift] = []
+        for node in self._call("list claimed nodes", self.applier.claimed_nodes):
+            meta = node.get("metadata") or {}
+            labels = meta.get("labels") or {}
+            holder, hostname = labels.get(RESERVATION_LABEL), meta.get("name", "?")
+            if not holder or holder in wanted_ids:
+                continue
+            detail = f"claimed for reservation {holder} (tenant {labels.get(TENANT_LABEL, '?')}), which is not live"
+            remaining = [name for name in orphan_namespaces.get(holder, [])
+                         if self._call("read namespace", self.applier.namespace_named_exists, name)]
+            if remaining:
+                drifts.append(Drift("orphan", hostname, f"{detail}; released once namespace {remaining[0]} is gone"))
+                continue
+            if fix:
+                self._call("release claim", self.applier.release_claim, hostname, holder)
+            drifts.append(Drift("orphan", hostname, detail, fix))
         return drifts

@@ -131,7 +131,25 @@ class LoopbackApiServer:
             if queued:
                 code = queued.pop(0)
                 return code, _status(code, "Injected", f"injected {code}")
+            if method == "GET" and path in ("/api/v1/nodes", "/api/v1/namespaces"):
+                return self._list(path, (query.get("labelSelector") or [""])[0])
             return self._route(method, path, headers, body)
+
+    def _list(self, path: str, selector: str) -> tuple[int, dict[str, Any]]:
+        """List nodes or namespaces matching an equality/existence label selector (``a=b,c``)."""
+        kind, items = ("NodeList", self.nodes) if path.endswith("nodes") else ("NamespaceList", self.namespaces)
+        terms = [t for t in selector.split(",") if t]
+
+        def matches(obj: dict[str, Any]) -> bool:
+            labels = (obj.get("metadata") or {}).get("labels") or {}
+            for term in terms:
+                key, _, value = term.partition("=")
+                if key not in labels or (value and labels[key] != value):
+                    return False
+            return True
+
+        return 200, {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                     "items": [copy.deepcopy(obj) for obj in items.values() if matches(obj)]}
 
     def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
         content_type = headers.get("content-type", "")

@@ -98,3 +98,110 @@ def test_without_a_kubeconfig_the_backend_renders_only(world, t0, settings):
     cluster.refresh_from_db()
     assert "render-only" in cluster.transitions.get(phase="configuring_network").detail
     assert not ClusterCredential.objects.filter(cluster=cluster, kind="kubeconfig").exists()
+
+
+# --- reconcile ---------------------------------------------------------------------------------
+
+
+def ready_k8s_cluster(world, t0, who: str = "alpha-lead", nodes: int = 2):
+    reservation = book(world, who, t0, hours=4, nodes=nodes, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    return reservation, cluster
+
+
+def held_hosts(reservation) -> list[str]:
+    return sorted(Allocation.objects.filter(reservation=reservation, active=True)
+                  .values_list("node__hostname", flat=True))
+
+
+def claim_by_hand(server, host: str, *, reservation_id: int, tenant: str,
+                  window_end: str = "2099-01-01T00:00:00Z", extra_taints=()) -> None:
+    """Put a claim on a node as node_claim_patch does (what a teardown or swap that died left behind)."""
+    node = server.nodes[host]
+    node["metadata"]["labels"].update({m.TENANT_LABEL: tenant, m.RESERVATION_LABEL: str(reservation_id),
+                                       m.CUDA_VERSION_LABEL: "12.8"})
+    node["metadata"]["annotations"][m.WINDOW_END_ANNOTATION] = window_end
+    node["spec"]["taints"] = [*node["spec"]["taints"], *extra_taints,
+                              {"key": "dedicated", "value": tenant, "effect": "NoSchedule"}]
+
+
+def is_claimed(server, host: str) -> bool:
+    node = server.nodes[host]
+    return (m.RESERVATION_LABEL in node["metadata"]["labels"] or m.WINDOW_END_ANNOTATION in
+            node["metadata"]["annotations"] or any(t["key"] == "dedicated" for t in node["spec"]["taints"]))
+
+
+def test_reconcile_lifts_node_claims_of_reservations_that_are_not_live(world, t0, k8s, capsys):
+    """A claim left behind (a teardown that died after deleting the namespace) kept the node tainted
+    dedicated=<tenant> until its window-end annotation: `reconcile --fix` only deleted orphan namespaces."""
+    from django.core.management import call_command
+
+    reservation, _cluster = ready_k8s_cluster(world, t0)
+    live = held_hosts(reservation)
+    spare = sorted({n.hostname for n in world.nodes} - set(live))
+    # A dead reservation's claim whose namespace is gone; a foreign taint beside it must stay.
+    operator_taint = {"key": "maintenance", "value": "bios", "effect": "NoSchedule"}
+    claim_by_hand(k8s, spare[0], reservation_id=99999, tenant="beta", extra_taints=[operator_taint])
+    # A node an operator dedicated by hand (no portal labels): not ours.
+    foreign = {"key": "dedicated", "value": "ops-team", "effect": "NoSchedule"}
+    k8s.nodes[spare[1]]["spec"]["taints"].append(foreign)
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes")
+    out = capsys.readouterr().out
+    assert f"kubernetes: orphan {spare[0]}: claimed for reservation 99999 (tenant beta)" in out, out
+    assert "1 drift(s), 0 repaired" in out
+    assert is_claimed(k8s, spare[0])  # report only
+
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    released = k8s.nodes[spare[0]]
+    assert not is_claimed(k8s, spare[0])
+    assert operator_taint in released["spec"]["taints"]
+    assert not any(k.startswith("gpuportal.io/") for k in released["metadata"]["labels"])
+    assert foreign in k8s.nodes[spare[1]]["spec"]["taints"]  # a dedicated taint the portal did not set
+    for host in live:  # the live reservation's claims are untouched
+        assert k8s.nodes[host]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
+        assert {"key": "dedicated", "value": "alpha", "effect": "NoSchedule"} in k8s.nodes[host]["spec"]["taints"]
+    call_command("reconcile", "--backend", "kubernetes")
+    assert "0 drift(s)" in capsys.readouterr().out
+
+
+def test_reconcile_lifts_an_orphan_claim_only_once_its_namespace_is_gone(world, t0, k8s, capsys):
+    from django.core.management import call_command
+
+    host = world.nodes[-1].hostname
+    claim_by_hand(k8s, host, reservation_id=99998, tenant="beta")
+    namespace = "tenant-beta-r99998"
+    k8s.namespaces[namespace] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": namespace, "labels": {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.RESERVATION_LABEL: "99998"}}}
+    k8s.terminating_reads = 1  # still terminating on the first read after the delete
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes", "--fix")
+    out = capsys.readouterr().out
+    assert f"orphan {namespace}: namespace has no live booking (repaired)" in out
+    assert f"released once namespace {namespace} is gone (found)" in out
+    assert is_claimed(k8s, host)  # a tenant pod may still be on it
+
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert namespace not in k8s.namespaces and not is_claimed(k8s, host)
+
+
+def test_reconcile_again_while_an_orphan_namespace_terminates_is_not_an_error(world, k8s, capsys):
+    """The registry answers 409 to a second DELETE while the namespace's finalizers run: that aborted
+    the whole reconcile ("backend unreachable")."""
+    from django.core.management import call_command
+
+    namespace = "tenant-beta-r99997"
+    k8s.namespaces[namespace] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": namespace, "labels": {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.RESERVATION_LABEL: "99997"}}}
+    k8s.terminating_reads = 5
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "0 drift(s)" in capsys.readouterr().out  # going already: nothing to do
+    assert [r.path for r in k8s.of("DELETE")] == [f"/api/v1/namespaces/{namespace}"]
