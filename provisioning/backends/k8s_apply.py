@@ -225,14 +225,21 @@ class TenantClusterApplier:
         """Release every node of the reservation; return the hostnames actually changed."""
         return [h for h in spec.node_hostnames if self.release_node(spec, h)]
 
-    def claimed_nodes(self) -> list[dict[str, Any]]:
-        """Return every node that carries a claim of the portal (a reservation label), as the API sends it."""
+    def claimed_nodes(self, reservation_id: int | None = None) -> list[dict[str, Any]]:
+        """Return the nodes that carry a claim of the portal (of one reservation, if given), as the API sends them."""
+        selector = RESERVATION_LABEL if reservation_id is None else f"{RESERVATION_LABEL}={reservation_id}"
         try:
-            response = self._core.list_node(label_selector=RESERVATION_LABEL, _preload_content=False,
+            response = self._core.list_node(label_selector=selector, _preload_content=False,
                                             _request_timeout=self.request_timeout)
         except ApiException as exc:
             raise K8sApplyError(f"list claimed nodes failed: {exc.status} {exc.reason}") from exc
         return list(_json(response).get("items") or [])
+
+    def release_nodes_not_held(self, spec: TenantClusterSpec) -> list[str]:
+        """Lift the reservation's claim from nodes outside its node set (it lost them); return those changed."""
+        stale = [name for node in self.claimed_nodes(spec.reservation_id)
+                 if (name := (node.get("metadata") or {}).get("name")) and name not in spec.node_hostnames]
+        return [h for h in stale if self.release_node(spec, h)]
 
     def release_claim(self, hostname: str, reservation_id: str) -> bool:
         """Lift reservation ``reservation_id``'s claim from a node without its spec (reconcile's orphans).

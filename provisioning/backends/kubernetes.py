@@ -159,6 +159,9 @@ class KubernetesBackend(ProvisioningBackend):
         spec = self.spec(ctx)
         if not self.render_only:
             self._call("re-apply", self.applier.provision, spec)
+            # A node set that shrank (a node lost with no spare): the lost node must not keep the
+            # tenant's label and toleration-matched taint, or the namespace's pods still land on it.
+            self._call("release lost nodes", self.applier.release_nodes_not_held, spec)
         return PhaseResult(detail=f"window end {spec.window_end_rfc3339} applied")
 
     def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:
@@ -187,13 +190,14 @@ class KubernetesBackend(ProvisioningBackend):
         if self.render_only:
             return []
         drifts: list[Drift] = []
-        for ctx in wanted:
-            if ctx.status not in ("ready", "degraded"):
-                continue
-            spec = self.spec(ctx)
+        # Built clusters must be complete: their namespace, and a claim on exactly their nodes.
+        built = {str(ctx.reservation_id): self.spec(ctx) for ctx in wanted if ctx.status in ("ready", "degraded")}
+        rebuilt: set[str] = set()
+        for holder, spec in built.items():
             if not self._call("read namespace", self.applier.namespace_exists, spec):
                 if fix:
                     self._call("re-apply", self.applier.provision, spec)
+                rebuilt.add(holder)  # provision claims the nodes too
                 drifts.append(Drift("missing", spec.namespace, "namespace missing", fix))
         wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
         try:
@@ -212,23 +216,36 @@ class KubernetesBackend(ProvisioningBackend):
                 if fix:
                     self._call("delete orphan", self.applier.delete_namespace, meta["name"])
                 drifts.append(Drift("orphan", meta["name"], "namespace has no live booking", fix))
-        drifts += self._reconcile_claims(wanted_ids, orphan_namespaces, fix=fix)
+        drifts += self._reconcile_claims(wanted_ids, built, rebuilt, orphan_namespaces, fix=fix)
         return drifts
 
-    def _reconcile_claims(self, wanted_ids: set[str], orphan_namespaces: dict[str, list[str]], *,
-                          fix: bool) -> list[Drift]:
-        """Lift node claims (labels, window-end annotation, ``dedicated`` taint) of reservations not live.
+    def _reconcile_claims(self, wanted_ids: set[str], built: dict[str, TenantClusterSpec], rebuilt: set[str],
+                          orphan_namespaces: dict[str, list[str]], *, fix: bool) -> list[Drift]:
+        """Node claims (labels, window-end annotation, ``dedicated`` taint) both ways.
 
-        Only the portal's claims (a node labelled with a reservation) are looked at, and only the
-        ``dedicated`` taint of the claim's own tenant is removed. As in teardown, a claim is lifted
-        only once its reservation's namespace is gone, so no tenant pod is on a node handed back.
+        A claim of a reservation that is not live is lifted, and so is a built cluster's claim on a
+        node it no longer holds (a swap or shrink that failed half-way); a node a built cluster holds
+        but does not claim is claimed. Only the portal's claims (a node labelled with a reservation)
+        are looked at, and only the ``dedicated`` taint of the claim's own tenant is removed. As in
+        teardown, a dead reservation's claim is lifted only once its namespace is gone, so no tenant
+        pod is on a node handed back.
         """
         drifts: list[Drift] = []
+        holder_of: dict[str, str] = {}
         for node in self._call("list claimed nodes", self.applier.claimed_nodes):
             meta = node.get("metadata") or {}
             labels = meta.get("labels") or {}
             holder, hostname = labels.get(RESERVATION_LABEL), meta.get("name", "?")
-            if not holder or holder in wanted_ids:
+            if not holder:
+                continue
+            if holder in built and hostname not in built[holder].node_hostnames:
+                if fix:
+                    self._call("release claim", self.applier.release_claim, hostname, holder)
+                drifts.append(Drift("mismatch", hostname,
+                                    f"claimed for reservation {holder}, which no longer holds it", fix))
+                continue
+            holder_of[hostname] = holder
+            if holder in wanted_ids:
                 continue
             detail = f"claimed for reservation {holder} (tenant {labels.get(TENANT_LABEL, '?')}), which is not live"
             remaining = [name for name in orphan_namespaces.get(holder, [])
@@ -239,4 +256,15 @@ class KubernetesBackend(ProvisioningBackend):
             if fix:
                 self._call("release claim", self.applier.release_claim, hostname, holder)
             drifts.append(Drift("orphan", hostname, detail, fix))
+        for holder, spec in built.items():
+            if holder in rebuilt:
+                continue
+            for hostname in spec.node_hostnames:
+                if holder_of.get(hostname) == holder:
+                    continue
+                other = holder_of.get(hostname)
+                if fix:
+                    self._call("claim node", self.applier.claim_node, spec, hostname)
+                drifts.append(Drift("missing", hostname, f"not claimed for reservation {holder}"
+                                    + (f" (claimed for reservation {other})" if other else ""), fix))
         return drifts

@@ -205,3 +205,60 @@ def test_reconcile_again_while_an_orphan_namespace_terminates_is_not_an_error(wo
     call_command("reconcile", "--backend", "kubernetes", "--fix")
     assert "0 drift(s)" in capsys.readouterr().out  # going already: nothing to do
     assert [r.path for r in k8s.of("DELETE")] == [f"/api/v1/namespaces/{namespace}"]
+
+
+def fail_node(world, host: str) -> dict:
+    from reservations.choices import NodeState
+    from reservations.models import Node
+    from reservations.services import node_update
+
+    node = Node.objects.get(hostname=host)
+    node_update(actor=world.users["staff"], node=node, state=NodeState.FAILED, reason="XID 79")
+    return services.node_sync(node_id=node.pk)
+
+
+def test_a_node_lost_with_no_spare_loses_the_tenants_claim(world, t0, k8s):
+    """The node set shrank (update_window re-applied the rest) but the lost node kept the reservation's label
+    and the tenant's taint: the namespace's node selector still sent the tenant's pods to the failed node."""
+    from reservations.choices import NodeState
+    from reservations.models import Node
+
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    kept, lost = held_hosts(reservation)
+    Node.objects.exclude(hostname__in=(kept, lost)).update(state=NodeState.MAINTENANCE)  # no spare
+    assert fail_node(world, lost) == {"degraded": 1}
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=lost, spare=None) == "degraded"
+
+    assert not is_claimed(k8s, lost)
+    assert k8s.nodes[kept]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
+
+
+def test_reconcile_puts_the_claims_on_the_node_set_a_failed_swap_left_behind(world, t0, k8s, capsys):
+    """A swap that failed half-way (releasing the failed node got a 500) degraded the cluster and left the
+    claim on the failed node and none on the spare; reconcile checked only that the namespace existed."""
+    from django.core.management import call_command
+
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    before = held_hosts(reservation)
+    bad = before[0]
+    assert fail_node(world, bad) == {"replaced": 1}
+    [spare] = set(held_hosts(reservation)) - set(before)
+    k8s.inject[("PATCH", f"/api/v1/nodes/{bad}")] = [500]
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad, spare=spare) == "degraded"
+    assert is_claimed(k8s, bad) and not is_claimed(k8s, spare)
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes")
+    out = capsys.readouterr().out
+    assert f"kubernetes: mismatch {bad}: claimed for reservation {reservation.pk}, which no longer holds it" in out
+    assert f"kubernetes: missing {spare}: not claimed for reservation {reservation.pk}" in out
+    assert "2 drift(s), 0 repaired" in out
+
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "2 drift(s), 2 repaired" in capsys.readouterr().out
+    assert not is_claimed(k8s, bad)
+    for host in held_hosts(reservation):
+        assert k8s.nodes[host]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
+        assert {"key": "dedicated", "value": "alpha", "effect": "NoSchedule"} in k8s.nodes[host]["spec"]["taints"]
+    call_command("reconcile", "--backend", "kubernetes")
+    assert "0 drift(s)" in capsys.readouterr().out
