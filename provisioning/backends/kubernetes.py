@@ -15,6 +15,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+import urllib3
 import yaml
 from kubernetes.client.exceptions import ApiException
 
@@ -106,6 +107,9 @@ class KubernetesBackend(ProvisioningBackend):
             raise BackendError(f"{what}: {exc}")
         except (K8sApplyError, ApiException) as exc:
             raise BackendError(f"{what}: {exc}")
+        except urllib3.exceptions.HTTPError as exc:
+            # Connection refused, a timeout, a reset: the API server is unreachable for now (retry).
+            raise BackendError(f"{what}: Kubernetes API server unreachable: {exc}")
 
     def _connection(self, spec: TenantClusterSpec) -> dict[str, str]:
         return {"api_server": self.api_server_url, "namespace": spec.namespace,
@@ -200,11 +204,7 @@ class KubernetesBackend(ProvisioningBackend):
                 rebuilt.add(holder)  # provision claims the nodes too
                 drifts.append(Drift("missing", spec.namespace, "namespace missing", fix))
         wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
-        try:
-            listed = self.applier.list_namespaces(f"{MANAGED_BY_LABEL}={MANAGED_BY}")
-        except K8sApplyError as exc:
-            drifts.append(Drift("unknown", "namespaces", f"cannot list namespaces: {exc}"))
-            return drifts
+        listed = self._call("list namespaces", self.applier.list_namespaces, f"{MANAGED_BY_LABEL}={MANAGED_BY}")
         orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
         for ns in listed:
             meta = ns.get("metadata") or {}

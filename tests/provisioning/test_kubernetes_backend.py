@@ -262,3 +262,30 @@ def test_reconcile_puts_the_claims_on_the_node_set_a_failed_swap_left_behind(wor
         assert {"key": "dedicated", "value": "alpha", "effect": "NoSchedule"} in k8s.nodes[host]["spec"]["taints"]
     call_command("reconcile", "--backend", "kubernetes")
     assert "0 drift(s)" in capsys.readouterr().out
+
+
+def test_an_unreachable_api_server_is_a_backend_error_not_a_crash(world, t0, k8s, settings, tmp_path, capsys):
+    """Connection refused came out of the kubernetes client as urllib3's MaxRetryError, which the backend
+    did not turn into a BackendError: the provisioning task died with a traceback instead of counting a
+    failed attempt and retrying, and `reconcile` crashed instead of saying the backend is unreachable."""
+    import socket
+
+    from django.core.management import CommandError, call_command
+
+    reservation = book(world, "alpha-lead", t0, hours=4, nodes=1, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    kubeconfig = tmp_path / "unreachable-kubeconfig"
+    kubeconfig.write_text(m.kubeconfig_yaml(make_spec(api_server_url=f"http://127.0.0.1:{port}"), "t"))
+    settings.PORTAL_K8S_KUBECONFIG = str(kubeconfig)
+
+    with pytest.raises(services.RetryLater, match="unreachable"):
+        services.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.attempts == 1 and "unreachable" in cluster.last_error
+
+    with pytest.raises(CommandError, match="backend unreachable: .*unreachable"):
+        call_command("reconcile", "--backend", "kubernetes", "--fix")
