@@ -53,7 +53,7 @@ from tenants.models import Tenant
 from tenants.services import tenant_update
 
 from . import crypto
-from .backends.base import BackendConflict, BackendError, ClusterContext, PhaseResult, ProvisioningBackend
+from .backends.base import BackendConflict, BackendError, ClusterContext, Drift, PhaseResult, ProvisioningBackend
 from .backends.registry import backend_for_orchestrator, configured_backends, get_backend, holds_bookings
 from .choices import (
     CREDENTIAL_FILENAMES,
@@ -1365,8 +1365,15 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
     for name in names:
         ids = VirtualCluster.objects.filter(wanted_q, backend=name).values_list("id", flat=True)
         wanted = [build_context(cluster_id) for cluster_id in ids]
-        with _backend(name) as backend:
-            drifts = backend.reconcile(wanted, fix=fix, tenants=tenants) + backend.reconcile_nodes(node_states, fix=fix)
+        drifts: list[Drift] = []
+        # A backend that cannot be read (or stops answering half-way) is reported beside what was found and
+        # repaired before, and the next backend is still compared.
+        try:
+            with _backend(name) as backend:
+                drifts += backend.reconcile(wanted, fix=fix, tenants=tenants)
+                drifts += backend.reconcile_nodes(node_states, fix=fix)
+        except BackendError as exc:
+            drifts.append(Drift("unreachable", name, f"backend unreachable: {exc.message}"))
         for drift in drifts:
             out.append({"backend": name, "kind": drift.kind, "name": drift.name, "detail": drift.detail,
                         "repaired": drift.repaired})

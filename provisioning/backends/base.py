@@ -9,7 +9,7 @@ never call a backend inside a database transaction.
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -22,6 +22,7 @@ __all__ = [
     "BackendStatus",
     "Drift",
     "ProvisioningBackend",
+    "repaired_drift",
 ]
 
 
@@ -106,6 +107,21 @@ class Drift:
     name: str
     detail: str
     repaired: bool = False
+
+
+def repaired_drift(kind: str, name: str, detail: str, *, fix: bool, repair: Callable[[], object]) -> Drift:
+    """Return the drift, running ``repair`` first when fix; a repair that fails is reported, not raised.
+
+    One repair refused (an overlap, a node the backend does not know) or a backend that stops
+    answering half-way must neither hide the drifts found so far nor the repairs already made.
+    """
+    if not fix:
+        return Drift(kind, name, detail)
+    try:
+        repair()
+    except BackendError as exc:
+        return Drift(kind, name, f"{detail}; repair failed: {exc.message}")
+    return Drift(kind, name, detail, True)
 
 
 class ProvisioningBackend(abc.ABC):

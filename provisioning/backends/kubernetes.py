@@ -20,7 +20,15 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from ..conf import setting
-from .base import BackendError, BackendStatus, ClusterContext, Drift, PhaseResult, ProvisioningBackend
+from .base import (
+    BackendError,
+    BackendStatus,
+    ClusterContext,
+    Drift,
+    PhaseResult,
+    ProvisioningBackend,
+    repaired_drift,
+)
 from .k8s_apply import K8sApplyError, TenantClusterApplier
 from .k8s_manifests import (
     MANAGED_BY,
@@ -195,16 +203,24 @@ class KubernetesBackend(ProvisioningBackend):
             return []
         drifts: list[Drift] = []
         # Built clusters must be complete: their namespace, and a claim on exactly their nodes.
-        built = {str(ctx.reservation_id): self.spec(ctx) for ctx in wanted if ctx.status in ("ready", "degraded")}
-        rebuilt: set[str] = set()
-        for holder, spec in built.items():
-            if not self._call("read namespace", self.applier.namespace_exists, spec):
-                if fix:
-                    self._call("re-apply", self.applier.provision, spec)
-                rebuilt.add(holder)  # provision claims the nodes too
-                drifts.append(Drift("missing", spec.namespace, "namespace missing", fix))
+        built: dict[str, TenantClusterSpec] = {}
+        for ctx in wanted:
+            if ctx.status in ("ready", "degraded"):
+                try:
+                    built[str(ctx.reservation_id)] = self.spec(ctx)
+                except BackendError as exc:
+                    drifts.append(Drift("unknown", f"reservation-{ctx.reservation_id}", exc.message))
         wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
+        # Read everything before changing anything: an API server that does not answer leaves a
+        # report (BackendError), not repairs nobody was told about.
+        missing = {holder for holder, spec in built.items()
+                   if not self._call("read namespace", self.applier.namespace_exists, spec)}
         listed = self._call("list namespaces", self.applier.list_namespaces, f"{MANAGED_BY_LABEL}={MANAGED_BY}")
+        claimed = self._call("list claimed nodes", self.applier.claimed_nodes)
+        for holder in sorted(missing):
+            spec = built[holder]
+            drifts.append(repaired_drift("missing", spec.namespace, "namespace missing", fix=fix,
+                                         repair=lambda spec=spec: self._call("re-apply", self.applier.provision, spec)))
         orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
         for ns in listed:
             meta = ns.get("metadata") or {}
@@ -213,13 +229,20 @@ class KubernetesBackend(ProvisioningBackend):
                 orphan_namespaces.setdefault(holder or "", []).append(meta["name"])
                 if meta.get("deletionTimestamp") or (ns.get("status") or {}).get("phase") == "Terminating":
                     continue  # already going
-                if fix:
-                    self._call("delete orphan", self.applier.delete_namespace, meta["name"])
-                drifts.append(Drift("orphan", meta["name"], "namespace has no live booking", fix))
-        drifts += self._reconcile_claims(wanted_ids, built, rebuilt, orphan_namespaces, fix=fix)
+                drifts.append(repaired_drift(
+                    "orphan", meta["name"], "namespace has no live booking", fix=fix,
+                    repair=lambda name=meta["name"]: self._call("delete orphan", self.applier.delete_namespace, name)))
+        drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, fix=fix)
         return drifts
 
-    def _reconcile_claims(self, wanted_ids: set[str], built: dict[str, TenantClusterSpec], rebuilt: set[str],
+    def _namespace_gone(self, name: str) -> bool:
+        try:
+            return not self._call("read namespace", self.applier.namespace_named_exists, name)
+        except BackendError:
+            return False  # cannot tell: keep the claim
+
+    def _reconcile_claims(self, claimed: list[dict[str, Any]], wanted_ids: set[str],
+                          built: dict[str, TenantClusterSpec], rebuilt: set[str],
                           orphan_namespaces: dict[str, list[str]], *, fix: bool) -> list[Drift]:
         """Node claims (labels, window-end annotation, ``dedicated`` taint) both ways.
 
@@ -232,39 +255,40 @@ class KubernetesBackend(ProvisioningBackend):
         """
         drifts: list[Drift] = []
         holder_of: dict[str, str] = {}
-        for node in self._call("list claimed nodes", self.applier.claimed_nodes):
+
+        def release(hostname: str, holder: str) -> Any:
+            return lambda: self._call("release claim", self.applier.release_claim, hostname, holder)
+
+        for node in claimed:
             meta = node.get("metadata") or {}
             labels = meta.get("labels") or {}
             holder, hostname = labels.get(RESERVATION_LABEL), meta.get("name", "?")
             if not holder:
                 continue
             if holder in built and hostname not in built[holder].node_hostnames:
-                if fix:
-                    self._call("release claim", self.applier.release_claim, hostname, holder)
-                drifts.append(Drift("mismatch", hostname,
-                                    f"claimed for reservation {holder}, which no longer holds it", fix))
+                drifts.append(repaired_drift("mismatch", hostname,
+                                             f"claimed for reservation {holder}, which no longer holds it",
+                                             fix=fix, repair=release(hostname, holder)))
                 continue
             holder_of[hostname] = holder
             if holder in wanted_ids:
                 continue
             detail = f"claimed for reservation {holder} (tenant {labels.get(TENANT_LABEL, '?')}), which is not live"
-            remaining = [name for name in orphan_namespaces.get(holder, [])
-                         if self._call("read namespace", self.applier.namespace_named_exists, name)]
+            remaining = [name for name in orphan_namespaces.get(holder, []) if not self._namespace_gone(name)]
             if remaining:
                 drifts.append(Drift("orphan", hostname, f"{detail}; released once namespace {remaining[0]} is gone"))
                 continue
-            if fix:
-                self._call("release claim", self.applier.release_claim, hostname, holder)
-            drifts.append(Drift("orphan", hostname, detail, fix))
+            drifts.append(repaired_drift("orphan", hostname, detail, fix=fix, repair=release(hostname, holder)))
         for holder, spec in built.items():
             if holder in rebuilt:
-                continue
+                continue  # provision claims its nodes
             for hostname in spec.node_hostnames:
-                if holder_of.get(hostname) == holder:
-                    continue
                 other = holder_of.get(hostname)
-                if fix:
-                    self._call("claim node", self.applier.claim_node, spec, hostname)
-                drifts.append(Drift("missing", hostname, f"not claimed for reservation {holder}"
-                                    + (f" (claimed for reservation {other})" if other else ""), fix))
+                if other == holder:
+                    continue
+                drifts.append(repaired_drift(
+                    "missing", hostname, f"not claimed for reservation {holder}"
+                    + (f" (claimed for reservation {other})" if other else ""), fix=fix,
+                    repair=lambda spec=spec, hostname=hostname: self._call(
+                        "claim node", self.applier.claim_node, spec, hostname)))
         return drifts

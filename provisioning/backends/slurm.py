@@ -23,7 +23,16 @@ from collections.abc import Collection
 from datetime import UTC, datetime
 
 from ..conf import setting, setting_float
-from .base import BackendConflict, BackendError, BackendStatus, ClusterContext, Drift, PhaseResult, ProvisioningBackend
+from .base import (
+    BackendConflict,
+    BackendError,
+    BackendStatus,
+    ClusterContext,
+    Drift,
+    PhaseResult,
+    ProvisioningBackend,
+    repaired_drift,
+)
 from .slurm_client import (
     NodeNotFound,
     ReservationAlreadyStarted,
@@ -204,6 +213,12 @@ class SlurmBackend(ProvisioningBackend):
 
     # --- drift ---
 
+    def _delete(self, name: str) -> None:
+        try:
+            self.client.delete_reservation(name, missing_ok=True)
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
                   tenants: Collection[str] | None = None) -> list[Drift]:
         drifts: list[Drift] = []
@@ -223,10 +238,9 @@ class SlurmBackend(ProvisioningBackend):
                 continue
             if tenants is not None and parsed[0] not in tenants:
                 continue
-            if fix:
-                self.client.delete_reservation(name, missing_ok=True)
-            drifts.append(Drift("orphan", name, f"Slurm reservation on {','.join(res.nodes)} has no live booking",
-                                fix))
+            drifts.append(repaired_drift(
+                "orphan", name, f"Slurm reservation on {','.join(res.nodes)} has no live booking",
+                fix=fix, repair=lambda name=name: self._delete(name)))
         # Portal → Slurm: bookings Slurm lacks or holds differently.
         for name, ctx in sorted(by_name.items()):
             if ctx.end <= now:
@@ -238,29 +252,33 @@ class SlurmBackend(ProvisioningBackend):
                 kind, detail = "mismatch", f"Slurm holds {','.join(res.nodes)} until {res.end}"
             else:
                 continue
-            if fix:
-                self._ensure(ctx)
-            drifts.append(Drift(kind, name, detail, fix))
+            drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._ensure(ctx)))
         return drifts
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
         """Drain in Slurm what the portal took out of service; resume what it put back."""
-        drifts: list[Drift] = []
-        for hostname, state in sorted(states.items()):
+        # Read every node before changing any: a controller that stops answering half-way
+        # leaves a report, not repairs nobody was told about.
+        infos = {}
+        for hostname in sorted(states):
             try:
-                info = self.client.show_node(hostname)
+                infos[hostname] = self.client.show_node(hostname)
             except NodeNotFound:
                 continue
             except SlurmError as exc:
                 raise BackendError(f"Slurm: {exc.message}")
+        drifts: list[Drift] = []
+        for hostname, info in infos.items():
+            state = states[hostname]
             out_of_service = state in ("failed", "draining", "maintenance", "retired")
             if out_of_service and not info.drained:
-                if fix:
-                    self.drain_node(hostname, f"node is {state} in the portal")
-                drifts.append(Drift("node", hostname, f"portal says {state}, Slurm says {info.state}", fix))
+                drifts.append(repaired_drift(
+                    "node", hostname, f"portal says {state}, Slurm says {info.state}", fix=fix,
+                    repair=lambda hostname=hostname, state=state: self.drain_node(
+                        hostname, f"node is {state} in the portal")))
             elif (not out_of_service and info.drained
                   and (info.reason or "").startswith(DRAIN_REASON_PREFIX)):
-                if fix:
-                    self.resume_node(hostname)
-                drifts.append(Drift("node", hostname, f"portal says {state}, Slurm drained it for us", fix))
+                drifts.append(repaired_drift(
+                    "node", hostname, f"portal says {state}, Slurm drained it for us", fix=fix,
+                    repair=lambda hostname=hostname: self.resume_node(hostname)))
         return drifts

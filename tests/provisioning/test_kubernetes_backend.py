@@ -270,7 +270,7 @@ def test_an_unreachable_api_server_is_a_backend_error_not_a_crash(world, t0, k8s
     failed attempt and retrying, and `reconcile` crashed instead of saying the backend is unreachable."""
     import socket
 
-    from django.core.management import CommandError, call_command
+    from django.core.management import call_command
 
     reservation = book(world, "alpha-lead", t0, hours=4, nodes=1, orchestrator="kubernetes")
     services.lifecycle_tick(now=t0 - timedelta(minutes=10))
@@ -287,5 +287,31 @@ def test_an_unreachable_api_server_is_a_backend_error_not_a_crash(world, t0, k8s
     cluster.refresh_from_db()
     assert cluster.attempts == 1 and "unreachable" in cluster.last_error
 
-    with pytest.raises(CommandError, match="backend unreachable: .*unreachable"):
+    with pytest.raises(SystemExit):
         call_command("reconcile", "--backend", "kubernetes", "--fix")
+    out = capsys.readouterr().out
+    assert "kubernetes: unreachable kubernetes: backend unreachable: " in out and "1 drift(s), 0 repaired" in out
+
+
+def test_reconcile_fix_reports_a_refused_claim_and_still_makes_the_other_repairs(world, t0, k8s, capsys):
+    """The spare now carries a dedicated taint the portal did not set: claiming it is refused. That raised
+    out of reconcile ('backend unreachable'), hiding the stale claim it had just lifted."""
+    from django.core.management import call_command
+
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    before = held_hosts(reservation)
+    bad = before[0]
+    assert fail_node(world, bad) == {"replaced": 1}
+    [spare] = set(held_hosts(reservation)) - set(before)
+    k8s.inject[("PATCH", f"/api/v1/nodes/{bad}")] = [500]
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad, spare=spare) == "degraded"
+    foreign = {"key": "dedicated", "value": "ops-team", "effect": "NoSchedule"}
+    k8s.nodes[spare]["spec"]["taints"].append(foreign)
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes", "--fix")
+    out = capsys.readouterr().out
+    assert f"mismatch {bad}: claimed for reservation {reservation.pk}, which no longer holds it (repaired)" in out
+    assert f"missing {spare}: not claimed for reservation {reservation.pk}; repair failed: claim node: " in out
+    assert "2 drift(s), 1 repaired" in out, out
+    assert not is_claimed(k8s, bad) and foreign in k8s.nodes[spare]["spec"]["taints"]

@@ -220,3 +220,55 @@ def test_reconcile_leaves_an_operators_own_reservation_alone(fleet, t0, slurm_ba
     drifts = services.reconcile(fix=True, backend_name="slurm")
     assert "maint-2026" in slurm_backend.show_reservations(), drifts
     assert not [d for d in drifts if d["name"] == "maint-2026"]
+
+
+def test_reconcile_fix_reports_a_refused_repair_and_goes_on(fleet, t0, slurm_backend, capsys):
+    """One repair Slurm refuses (an operator's reservation now stands where a lost booking goes) aborted the
+    whole run as 'backend unreachable': the orphan already deleted went unreported and the node drift after
+    it was never looked at."""
+    lost = booked(fleet, "beta-lead", t0, hours=2, nodes=1)
+    lost_name = f"beta-{lost.pk}"
+    [host] = hosts(lost)
+    free = sorted({n.hostname for n in fleet.nodes} - {host})
+    slurm_backend.delete_reservation(lost_name)
+    slurm_backend.create_reservation("maint-window", [host], t0, t0 + timedelta(hours=1), users=["root"])
+    slurm_backend.create_reservation("alpha-99999", [free[0]], t0, t0 + timedelta(hours=1), accounts=["alpha"])
+    Node.objects.filter(hostname=free[1]).update(state=NodeState.FAILED)
+
+    with pytest.raises(SystemExit) as exit_info:
+        call_command("reconcile", "--fix")
+    assert exit_info.value.code == 1
+    report = capsys.readouterr().out
+    assert f"slurm: missing {lost_name}: Slurm has no reservation for this booking; repair failed: Slurm: " in report
+    assert "overlaps with another reservation" in report
+    assert "slurm: orphan alpha-99999" in report and f"slurm: node {free[1]}" in report
+    assert "3 drift(s), 2 repaired" in report, report
+    assert set(slurm_backend.show_reservations()) == {"maint-window"}
+    assert slurm_backend.show_node(free[1]).drained
+
+
+def test_reconcile_fix_with_a_controller_that_stops_answering_reports_instead_of_crashing(
+        fleet, t0, slurm_backend, prov_slurm, settings, tmp_path, capsys):
+    """slurmctld answered the reads and then went away: the orphan's delete raised a bare SlurmUnavailable
+    (not a BackendError), and `reconcile --fix` died with a traceback."""
+    kept = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    free = sorted({n.hostname for n in fleet.nodes} - set(hosts(kept)))
+    slurm_backend.create_reservation("alpha-99999", [free[0]], t0, t0 + timedelta(hours=1), accounts=["alpha"])
+    wrapper = tmp_path / "scontrol"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" delete "*|*" update "*|*" create "*)\n'
+        '  echo "slurm_delete_reservation error: Unable to contact slurm controller (connect failure)" >&2\n'
+        "  exit 1;;\n"
+        "esac\n"
+        'exec scontrol "$@"\n')
+    wrapper.chmod(0o755)
+    settings.PORTAL_SCONTROL = str(wrapper)
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--fix")
+    report = capsys.readouterr().out
+    assert "slurm: orphan alpha-99999: " in report
+    assert "repair failed: Slurm: slurm_delete_reservation error: Unable to contact slurm controller" in report
+    assert "1 drift(s), 0 repaired" in report, report
+    assert "alpha-99999" in slurm_backend.show_reservations()

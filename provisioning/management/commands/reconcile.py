@@ -2,8 +2,9 @@
 
 Both ways: backend objects of ours the database no longer wants (orphans, deleted with
 --fix) and bookings or clusters the backend lacks or holds differently (re-applied with
---fix); node drain states follow the portal's node states. Exit status 1 when drift was
-found and not repaired, so a cron job or CI can alert on it.
+--fix); node drain states follow the portal's node states. A repair the backend refuses, and a
+backend that cannot be read, are reported as unrepaired drift beside everything else. Exit
+status 1 when drift was found and not repaired, so a cron job or CI can alert on it.
 """
 
 from __future__ import annotations
