@@ -41,6 +41,7 @@ from .slurm_client import (
     SlurmError,
     SlurmUnavailable,
     reservation_name,
+    same_start,
 )
 
 __all__ = ["SlurmBackend", "DRAIN_REASON_PREFIX"]
@@ -248,8 +249,10 @@ class SlurmBackend(ProvisioningBackend):
             res = existing.get(name)
             if res is None:
                 kind, detail = "missing", "Slurm has no reservation for this booking"
-            elif set(res.nodes) != set(ctx.nodes) or res.end != ctx.end.astimezone(UTC).replace(microsecond=0):
-                kind, detail = "mismatch", f"Slurm holds {','.join(res.nodes)} until {res.end}"
+            elif (set(res.nodes) != set(ctx.nodes) or res.end != ctx.end.astimezone(UTC).replace(microsecond=0)
+                  or not same_start(res, ctx.start, now) or res.accounts != {ctx.tenant_slug}):
+                kind, detail = "mismatch", (f"Slurm holds {','.join(res.nodes)} from {res.start} until {res.end} "
+                                            f"for {','.join(sorted(res.accounts)) or 'no account'}")
             else:
                 continue
             drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._ensure(ctx)))

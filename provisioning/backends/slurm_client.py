@@ -43,6 +43,7 @@ __all__ = [
     "SlurmError",
     "SlurmUnavailable",
     "reservation_name",
+    "same_start",
 ]
 
 _TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"
@@ -353,7 +354,7 @@ class SlurmClient:
         changes: dict[str, object] = {}
         if frozenset(current.nodes) != node_set:
             changes["nodes"] = node_set
-        if not _same_start(current, _aware(start, "start"), now):
+        if not same_start(current, _aware(start, "start"), now):
             changes["start"] = start
         if current.end != _truncate(_aware(end, "end")):
             changes["end"] = end
@@ -585,7 +586,8 @@ def _window(start: datetime, end: datetime) -> tuple[str, str]:
     return _time_arg(start), _slurm_time(end)
 
 
-def _same_start(current: Reservation, start: datetime, now: datetime) -> bool:
+def same_start(current: Reservation, start: datetime, now: datetime) -> bool:
+    """Tell whether Slurm's reservation starts as asked (a start not in the future: it has begun)."""
     if start <= now:
         return current.active or (current.start is not None and current.start <= now)
     return current.start == _truncate(start)

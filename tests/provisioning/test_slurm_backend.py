@@ -272,3 +272,29 @@ def test_reconcile_fix_with_a_controller_that_stops_answering_reports_instead_of
     assert "repair failed: Slurm: slurm_delete_reservation error: Unable to contact slurm controller" in report
     assert "1 drift(s), 0 repaired" in report, report
     assert "alpha-99999" in slurm_backend.show_reservations()
+
+
+def test_reconcile_finds_a_slurm_reservation_moved_or_given_to_another_account(fleet, t0, slurm_backend, capsys):
+    """Only the node set and the end were compared: a reservation whose start Slurm holds later than the
+    booking (the tenant's first hours unusable), or held for another account (the tenant's jobs refused),
+    was 'no drift' for ever."""
+    moved = booked(fleet, "alpha-lead", t0, hours=3, nodes=1)
+    taken = booked(fleet, "beta-lead", t0, hours=3, nodes=1)
+    moved_name, taken_name = f"alpha-{moved.pk}", f"beta-{taken.pk}"
+    slurm_backend.update_reservation(moved_name, start=t0 + timedelta(hours=1), end=t0 + timedelta(hours=3))
+    slurm_backend.update_reservation(taken_name, accounts=["alpha"])
+    booked(fleet, "alpha-lead", now_slot(fleet), hours=2, nodes=1)  # began before Slurm's start: no drift
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile")
+    report = capsys.readouterr().out
+    assert f"slurm: mismatch {moved_name}" in report and f"slurm: mismatch {taken_name}" in report, report
+    assert "2 drift(s), 0 repaired" in report
+
+    call_command("reconcile", "--fix")
+    assert "2 drift(s), 2 repaired" in capsys.readouterr().out
+    in_slurm = slurm_backend.show_reservations()
+    assert (in_slurm[moved_name].start, in_slurm[moved_name].end) == (t0, t0 + timedelta(hours=3))
+    assert in_slurm[taken_name].accounts == {"beta"}
+    call_command("reconcile")
+    assert "0 drift(s)" in capsys.readouterr().out
