@@ -284,4 +284,10 @@ class SlurmBackend(ProvisioningBackend):
                 drifts.append(repaired_drift(
                     "node", hostname, f"portal says {state}, Slurm drained it for us", fix=fix,
                     repair=lambda hostname=hostname: self.resume_node(hostname)))
+            elif not out_of_service and info.drained:
+                # Drained by Slurm itself or an operator: the portal still books it, and jobs will not
+                # start there. Not ours to resume: reported until someone decides.
+                drifts.append(Drift("node", hostname, f"portal says {state}, Slurm drained it "
+                                    f"({info.reason or 'no reason'}): set the node's state in the portal "
+                                    "or resume it in Slurm"))
         return drifts

@@ -298,3 +298,18 @@ def test_reconcile_finds_a_slurm_reservation_moved_or_given_to_another_account(f
     assert in_slurm[taken_name].accounts == {"beta"}
     call_command("reconcile")
     assert "0 drift(s)" in capsys.readouterr().out
+
+
+def test_reconcile_reports_a_node_slurm_drained_itself_while_the_portal_books_it(fleet, slurm_backend, capsys):
+    """Slurm (or an operator, or a node health check) drained a node the portal holds available: the portal
+    keeps booking it and the tenant's jobs never start there, yet reconcile said nothing (it only looked at
+    drains with the portal's reason). It is reported, and left alone: not the portal's drain to resume."""
+    host = fleet.nodes[0].hostname
+    slurm_backend.drain_node(host, "Kill task failed")
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--fix")
+    report = capsys.readouterr().out
+    assert f"slurm: node {host}: portal says available, Slurm drained it (Kill task failed)" in report, report
+    assert "1 drift(s), 0 repaired" in report
+    assert slurm_backend.show_node(host).drained
