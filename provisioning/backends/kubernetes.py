@@ -35,6 +35,7 @@ from .k8s_manifests import (
     MANAGED_BY_LABEL,
     RESERVATION_LABEL,
     TENANT_LABEL,
+    WINDOW_END_ANNOTATION,
     NodeClaimConflict,
     TenantClusterSpec,
     tenant_objects,
@@ -271,6 +272,17 @@ class KubernetesBackend(ProvisioningBackend):
                                              fix=fix, repair=release(hostname, holder)))
                 continue
             holder_of[hostname] = holder
+            if holder in built and holder not in rebuilt:
+                # A stale window end (an extension whose sync was lost) lets another claim take the node
+                # over once it passes, while the reservation still holds it.
+                spec = built[holder]
+                ends = (meta.get("annotations") or {}).get(WINDOW_END_ANNOTATION)
+                if ends != spec.window_end_rfc3339:
+                    drifts.append(repaired_drift(
+                        "mismatch", hostname, f"claim for reservation {holder} ends {ends}, "
+                        f"the booking {spec.window_end_rfc3339}", fix=fix,
+                        repair=lambda spec=spec, hostname=hostname: self._call(
+                            "claim node", self.applier.claim_node, spec, hostname)))
             if holder in wanted_ids:
                 continue
             detail = f"claimed for reservation {holder} (tenant {labels.get(TENANT_LABEL, '?')}), which is not live"

@@ -315,3 +315,29 @@ def test_reconcile_fix_reports_a_refused_claim_and_still_makes_the_other_repairs
     assert f"missing {spare}: not claimed for reservation {reservation.pk}; repair failed: claim node: " in out
     assert "2 drift(s), 1 repaired" in out, out
     assert not is_claimed(k8s, bad) and foreign in k8s.nodes[spare]["spec"]["taints"]
+
+
+def test_reconcile_renews_a_claim_whose_window_end_is_stale(world, t0, k8s, capsys):
+    """An extension whose sync was lost left the nodes annotated with the old window end, after which any
+    other reservation's claim takes the nodes over (node_claim_patch treats the claim as lapsed). Reconcile
+    compared nothing but the namespace, so this was no drift."""
+    from django.core.management import call_command
+
+    from reservations.services import reservation_update
+
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=t0 + timedelta(hours=8))
+    new_end = (t0 + timedelta(hours=8)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    hosts = held_hosts(reservation)
+    assert all(k8s.nodes[h]["metadata"]["annotations"][m.WINDOW_END_ANNOTATION] != new_end for h in hosts)
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes")
+    out = capsys.readouterr().out
+    for host in hosts:
+        assert f"kubernetes: mismatch {host}: claim for reservation {reservation.pk} ends " in out, out
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert f"{len(hosts)} drift(s), {len(hosts)} repaired" in capsys.readouterr().out
+    assert all(k8s.nodes[h]["metadata"]["annotations"][m.WINDOW_END_ANNOTATION] == new_end for h in hosts)
+    call_command("reconcile", "--backend", "kubernetes")
+    assert "0 drift(s)" in capsys.readouterr().out
