@@ -1365,12 +1365,20 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
     for name in names:
         ids = VirtualCluster.objects.filter(wanted_q, backend=name).values_list("id", flat=True)
         wanted = [build_context(cluster_id) for cluster_id in ids]
+
+        def live(reservation_id: int, name: str = name) -> bool:
+            """Asked after the backend was read, of what looks orphaned there: booked (and pushed to the
+            backend) since `wanted` was read, so not an orphan (its cluster row may not exist yet)."""
+            holding = Q(status__in=HOLDING_STATUSES, period__endswith__gt=timezone.now())
+            return (VirtualCluster.objects.filter(wanted_q, backend=name, reservation_id=reservation_id).exists()
+                    or Reservation.objects.filter(holding, pk=reservation_id, cluster__isnull=True).exists())
+
         drifts: list[Drift] = []
         # A backend that cannot be read (or stops answering half-way) is reported beside what was found and
         # repaired before, and the next backend is still compared.
         try:
             with _backend(name) as backend:
-                drifts += backend.reconcile(wanted, fix=fix, tenants=tenants)
+                drifts += backend.reconcile(wanted, fix=fix, tenants=tenants, live=live)
                 drifts += backend.reconcile_nodes(node_states, fix=fix)
         except BackendError as exc:
             drifts.append(Drift("unreachable", name, f"backend unreachable: {exc.message}"))

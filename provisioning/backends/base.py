@@ -187,14 +187,17 @@ class ProvisioningBackend(abc.ABC):
 
     @abc.abstractmethod
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
         """Compare the backend with what the portal wants; repair if fix.
 
         ``wanted`` holds every cluster whose artefacts may exist (being built, live, or a
         held booking); anything of ours the backend has beyond them is an orphan. Only
         clusters whose ``status`` is ready/degraded must be complete. ``tenants`` (the slugs the
         portal knows), when given, narrows "ours": an object named for another name is an
-        operator's, never reported or deleted.
+        operator's, never reported or deleted. ``live``, when given, is asked (with the
+        reservation id) about each would-be orphan after the backend was read: ``wanted`` was read
+        before, so a booking made meanwhile is in the backend but not in it, and must not be
+        deleted as an orphan.
         """
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:

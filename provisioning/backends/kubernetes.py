@@ -11,7 +11,7 @@ kubeconfig. See ``k8s_apply`` for what was and was not tried against a live API 
 from __future__ import annotations
 
 import base64
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +199,7 @@ class KubernetesBackend(ProvisioningBackend):
                              detail=spec.namespace)
 
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
         if self.render_only:
             return []
         drifts: list[Drift] = []
@@ -218,6 +218,11 @@ class KubernetesBackend(ProvisioningBackend):
                    if not self._call("read namespace", self.applier.namespace_exists, spec)}
         listed = self._call("list namespaces", self.applier.list_namespaces, f"{MANAGED_BY_LABEL}={MANAGED_BY}")
         claimed = self._call("list claimed nodes", self.applier.claimed_nodes)
+        if live is not None:
+            # Read after `wanted`: a reservation provisioned meanwhile is live, not an orphan.
+            holders = {((ns.get("metadata") or {}).get("labels") or {}).get(RESERVATION_LABEL) for ns in listed}
+            holders |= {((node.get("metadata") or {}).get("labels") or {}).get(RESERVATION_LABEL) for node in claimed}
+            wanted_ids |= {h for h in holders - wanted_ids if h and h.isdigit() and live(int(h))}
         for holder in sorted(missing):
             spec = built[holder]
             drifts.append(repaired_drift("missing", spec.namespace, "namespace missing", fix=fix,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 from datetime import datetime
 from typing import Any
@@ -140,7 +140,7 @@ class SimulatedBackend(ProvisioningBackend):
         )
 
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
         drifts: list[Drift] = []
         live = [ctx for ctx in wanted if ctx.status in ("ready", "degraded")]
         wanted_ids = {ctx.cluster_id for ctx in wanted}

@@ -19,7 +19,7 @@ without slurmdbd, where ``Accounts=`` is not checked.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 
 from ..conf import setting, setting_float
@@ -221,7 +221,7 @@ class SlurmBackend(ProvisioningBackend):
             raise BackendError(f"Slurm: {exc.message}")
 
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
         drifts: list[Drift] = []
         try:
             existing = self.client.show_reservations()
@@ -239,6 +239,8 @@ class SlurmBackend(ProvisioningBackend):
                 continue
             if tenants is not None and parsed[0] not in tenants:
                 continue
+            if live is not None and live(parsed[1]):
+                continue  # booked after `wanted` was read, and synced already: not an orphan
             drifts.append(repaired_drift(
                 "orphan", name, f"Slurm reservation on {','.join(res.nodes)} has no live booking",
                 fix=fix, repair=lambda name=name: self._delete(name)))

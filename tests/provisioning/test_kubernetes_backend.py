@@ -341,3 +341,24 @@ def test_reconcile_renews_a_claim_whose_window_end_is_stale(world, t0, k8s, caps
     assert all(k8s.nodes[h]["metadata"]["annotations"][m.WINDOW_END_ANNOTATION] == new_end for h in hosts)
     call_command("reconcile", "--backend", "kubernetes")
     assert "0 drift(s)" in capsys.readouterr().out
+
+
+def test_reconcile_leaves_a_reservation_booked_after_its_snapshot_alone(world, t0, k8s, settings):
+    """What looks orphaned in the cluster is asked about again (live): a reservation provisioned between the
+    database read and the cluster read has a namespace and claims there but is not in `wanted`."""
+    from provisioning.backends.kubernetes import KubernetesBackend
+
+    host = world.nodes[-1].hostname
+    claim_by_hand(k8s, host, reservation_id=4242, tenant="beta")
+    namespace = "tenant-beta-r4242"
+    k8s.namespaces[namespace] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": namespace, "labels": {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.RESERVATION_LABEL: "4242"}}}
+    backend = KubernetesBackend()
+    try:
+        asked: list[int] = []
+        drifts = backend.reconcile([], fix=True, live=lambda rid: asked.append(rid) or rid == 4242)
+    finally:
+        backend.close()
+    assert 4242 in asked and drifts == []
+    assert namespace in k8s.namespaces and is_claimed(k8s, host)
+    assert not k8s.of("DELETE")

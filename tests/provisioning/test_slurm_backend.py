@@ -313,3 +313,33 @@ def test_reconcile_reports_a_node_slurm_drained_itself_while_the_portal_books_it
     assert f"slurm: node {host}: portal says available, Slurm drained it (Kill task failed)" in report, report
     assert "1 drift(s), 0 repaired" in report
     assert slurm_backend.show_node(host).drained
+
+
+def test_reconcile_fix_never_deletes_a_booking_made_while_it_runs(fleet, t0, slurm_backend, monkeypatch):
+    """reconcile reads the live bookings, then Slurm: one booked (and synced) in between is in Slurm but not in
+    what was read first, and --fix deleted it as an orphan. It is asked about again before it is called one."""
+    from provisioning.backends.slurm_client import SlurmClient
+
+    stale = booked(fleet, "beta-lead", t0, hours=2, nodes=1)
+    reservation_cancel(actor=fleet.users["beta-lead"], reservation=stale)
+    orphan = f"beta-{stale.pk}"  # a cancelled booking's reservation whose delete was lost: a real orphan
+    if orphan not in slurm_backend.show_reservations():
+        slurm_backend.create_reservation(orphan, hosts(stale) or [fleet.nodes[0].hostname], t0 + timedelta(hours=20),
+                                         t0 + timedelta(hours=21), accounts=["beta"])
+    real = SlurmClient.show_reservations
+    made: list[Reservation] = []
+
+    def booked_meanwhile(self):
+        if not made:
+            made.append(None)  # once: booking syncs to Slurm, which reads the reservations too
+            made[0] = booked(fleet, "alpha-lead", t0 + timedelta(hours=5), hours=2, nodes=1)
+        return real(self)
+
+    monkeypatch.setattr(SlurmClient, "show_reservations", booked_meanwhile)
+    drifts = services.reconcile(fix=True, backend_name="slurm")
+    late = made[0]
+    in_slurm = real(slurm_backend)
+    assert f"alpha-{late.pk}" in in_slurm, drifts
+    assert not [d for d in drifts if d["name"] == f"alpha-{late.pk}"]
+    assert orphan not in in_slurm  # the real orphan still goes
+    assert [d["kind"] for d in drifts if d["name"] == orphan] == ["orphan"]
