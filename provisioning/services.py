@@ -593,6 +593,16 @@ def _absorb(cluster: VirtualCluster, phase: str, result: PhaseResult) -> None:
         ).update(detail=result.detail[:500])
 
 
+def _keep_secrets(cluster_id: int, result: PhaseResult) -> None:
+    """Store the credentials a change produced (a kubeconfig valid to a new end), replacing the old ones."""
+    if not result.secrets:
+        return
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        for name, plaintext in result.secrets.items():
+            _store_secret(cluster, _SECRET_KINDS[name], plaintext, replace=True)
+
+
 def _finish_ready(cluster_id: int, *, done: tuple[str, PhaseResult] | None) -> str:
     try:
         cluster = _step(cluster_id, done=done, enter=ClusterStatus.READY)
@@ -1026,7 +1036,7 @@ def _reservation_sync_locked(cluster: VirtualCluster, reservation_id: int, *, ho
         ctx = build_context(cluster.pk)
         try:
             if holding and cluster.status in LIVE_STATUSES:
-                backend.update_window(ctx)
+                _keep_secrets(cluster.pk, backend.update_window(ctx))
                 return "updated"
             if holding and holds and cluster.status in PROVISIONING_STATUSES:
                 _book(backend, ctx, repair=repair)
@@ -1119,7 +1129,7 @@ def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, faile
             if built and spare:
                 backend.swap_node(ctx, failed, spare)
             elif built and ctx.nodes:
-                backend.update_window(ctx)  # the node set shrank
+                _keep_secrets(cluster.pk, backend.update_window(ctx))  # the node set shrank
             elif holds_bookings(cluster.backend) and ctx.nodes:
                 _book(backend, ctx, repair=True)
     except BackendError as exc:

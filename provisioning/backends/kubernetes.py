@@ -175,6 +175,11 @@ class KubernetesBackend(ProvisioningBackend):
             # A node set that shrank (a node lost with no spare): the lost node must not keep the
             # tenant's label and toleration-matched taint, or the namespace's pods still land on it.
             self._call("release lost nodes", self.applier.release_nodes_not_held, spec)
+            # The tenant's token expires with the window it was issued for: an extended booking's
+            # kubeconfig would stop working at the old end. A new one lasts to the new end.
+            kubeconfig = self._call("issue kubeconfig", self.applier.tenant_kubeconfig, spec)
+            return PhaseResult(secrets={"kubeconfig": kubeconfig},
+                               detail=f"window end {spec.window_end_rfc3339} applied; new kubeconfig")
         return PhaseResult(detail=f"window end {spec.window_end_rfc3339} applied")
 
     def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:

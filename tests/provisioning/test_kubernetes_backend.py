@@ -6,10 +6,12 @@ tried): the loopback server records what the client sends and answers like the A
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
 import yaml
+from django.utils import timezone
 
 from provisioning import crypto, services
 from provisioning.backends import k8s_manifests as m
@@ -362,3 +364,25 @@ def test_reconcile_leaves_a_reservation_booked_after_its_snapshot_alone(world, t
     assert 4242 in asked and drifts == []
     assert namespace in k8s.namespaces and is_claimed(k8s, host)
     assert not k8s.of("DELETE")
+
+
+def test_an_extended_bookings_kubeconfig_lasts_to_the_new_end(world, t0, k8s):
+    """The tenant's token was issued to expire with the booked window: after an extension the stored
+    kubeconfig stopped working at the old end. The window change issues one for the new end."""
+    from reservations.services import reservation_update
+
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    first = ClusterCredential.objects.current().get(cluster=cluster, kind="kubeconfig")
+    tokens_before = len([r for r in k8s.of("POST") if r.path.endswith("/token")])
+    reservation_update(actor=world.users["alpha-lead"], reservation=reservation,
+                       end=reservation.period.upper + timedelta(hours=6))
+    assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
+    requests = [r for r in k8s.of("POST") if r.path.endswith("/token")]
+    assert len(requests) == tokens_before + 1
+    asked = json.loads(requests[-1].body)["spec"]["expirationSeconds"]
+    assert asked >= (reservation.period.upper + timedelta(hours=6) - timezone.now()).total_seconds() - 120
+    current = ClusterCredential.objects.current().get(cluster=cluster, kind="kubeconfig")
+    assert current.pk != first.pk
+    first.refresh_from_db()
+    assert first.revoked_at is not None and first.ciphertext == ""
+    assert yaml.safe_load(crypto.decrypt(current.ciphertext))["users"][0]["user"]["token"]
