@@ -86,6 +86,12 @@ def test_every_page_renders_on_desktop_and_phone(live_server, new_page, shots):
     _check(page, shots, "availability-heatmap")
     page.goto(f"{live_server.url}/account/")
     _check(page, shots, "account")
+    page.goto(f"{live_server.url}/reservations/")
+    _check(page, shots, "reservations")
+    page.goto(f"{live_server.url}/team/")
+    _check(page, shots, "team")
+    page.goto(f"{live_server.url}/usage/")
+    _check(page, shots, "usage")
 
     staff = new_page(tz="Europe/Berlin", viewport=DESKTOP)
     _login(staff, live_server, "admin")
@@ -109,3 +115,7 @@ def test_every_page_renders_on_desktop_and_phone(live_server, new_page, shots):
     _check(phone, shots, "phone-reservation")
     phone.goto(f"{live_server.url}/availability/")
     _check(phone, shots, "phone-availability-heatmap")
+    for path, name in (("/reservations/", "phone-reservations"), ("/team/", "phone-team"), ("/usage/", "phone-usage"),
+                       ("/account/", "phone-account")):
+        phone.goto(f"{live_server.url}{path}")
+        _check(phone, shots, name)
