@@ -156,8 +156,13 @@ def user_create(*, actor, username: str, email: str = "", password: str) -> Any:
 
 @transaction.atomic(durable=True)
 def membership_create(*, actor, tenant: Tenant, user: Any, role: str = Role.MEMBER) -> Membership:
+    return _add_member(actor=actor, tenant=tenant, user=user, role=role, field="user")
+
+
+def _add_member(*, actor, tenant: Tenant, user: Any, role: str, field: str) -> Membership:
+    """Insert the membership (a duplicate, even a concurrent one, is `invalid` naming field); audited."""
     membership = Membership(tenant=tenant, user=user, role=role)
-    _save_checked(membership, integrity_fields={"unique_user_tenant": "user"})
+    _save_checked(membership, integrity_fields={"unique_user_tenant": field})
     audit_record(actor=actor, action="membership.create", obj=membership, tenant_id=tenant.pk,
                  after={"user": user.username, "role": role})
     return membership
@@ -444,11 +449,7 @@ def team_member_add(*, actor: Any, tenant: Tenant, username: str, role: str = Ro
     if user is None:
         raise InvalidInput("username: no active user by that name.",
                            fields={"username": "No active user by that name; platform staff create accounts."})
-    membership = Membership(tenant=tenant, user=user, role=role)
-    _save_checked(membership, integrity_fields={"unique_user_tenant": "username"})
-    audit_record(actor=actor, action="membership.create", obj=membership, tenant_id=tenant.pk,
-                 after={"user": user.username, "role": role})
-    return membership
+    return _add_member(actor=actor, tenant=tenant, user=user, role=role, field="username")
 
 
 @transaction.atomic(durable=True)
