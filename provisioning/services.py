@@ -1393,6 +1393,8 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
         except BackendError as exc:
             drifts.append(Drift("unreachable", name, f"backend unreachable: {exc.message}"))
         for drift in drifts:
+            if drift.secrets and drift.cluster_id is not None:
+                _keep_secrets(drift.cluster_id, PhaseResult(secrets=drift.secrets))
             out.append({"backend": name, "kind": drift.kind, "name": drift.name, "detail": drift.detail,
                         "repaired": drift.repaired})
     for drift in out:

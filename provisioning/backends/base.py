@@ -107,21 +107,28 @@ class Drift:
     name: str
     detail: str
     repaired: bool = False
+    # A repair that made new credentials (a re-created ServiceAccount's kubeconfig): the services
+    # store them on this cluster, as they store a phase's. Never logged.
+    cluster_id: int | None = None
+    secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
 
-def repaired_drift(kind: str, name: str, detail: str, *, fix: bool, repair: Callable[[], object]) -> Drift:
+def repaired_drift(kind: str, name: str, detail: str, *, fix: bool, repair: Callable[[], object],
+                   cluster_id: int | None = None) -> Drift:
     """Return the drift, running ``repair`` first when fix; a repair that fails is reported, not raised.
 
     One repair refused (an overlap, a node the backend does not know) or a backend that stops
-    answering half-way must neither hide the drifts found so far nor the repairs already made.
+    answering half-way must neither hide the drifts found so far nor the repairs already made. A
+    repair returning a PhaseResult hands its secrets on (for cluster_id).
     """
     if not fix:
         return Drift(kind, name, detail)
     try:
-        repair()
+        outcome = repair()
     except BackendError as exc:
         return Drift(kind, name, f"{detail}; repair failed: {exc.message}")
-    return Drift(kind, name, detail, True)
+    secrets = dict(outcome.secrets) if isinstance(outcome, PhaseResult) else {}
+    return Drift(kind, name, detail, True, cluster_id=cluster_id, secrets=secrets)
 
 
 class ProvisioningBackend(abc.ABC):

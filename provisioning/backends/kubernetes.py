@@ -210,10 +210,12 @@ class KubernetesBackend(ProvisioningBackend):
         drifts: list[Drift] = []
         # Built clusters must be complete: their namespace, and a claim on exactly their nodes.
         built: dict[str, TenantClusterSpec] = {}
+        cluster_of: dict[str, int] = {}
         for ctx in wanted:
             if ctx.status in ("ready", "degraded"):
                 try:
                     built[str(ctx.reservation_id)] = self.spec(ctx)
+                    cluster_of[str(ctx.reservation_id)] = ctx.cluster_id
                 except BackendError as exc:
                     drifts.append(Drift("unknown", f"reservation-{ctx.reservation_id}", exc.message))
         wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
@@ -231,7 +233,7 @@ class KubernetesBackend(ProvisioningBackend):
         for holder in sorted(missing):
             spec = built[holder]
             drifts.append(repaired_drift("missing", spec.namespace, "namespace missing", fix=fix,
-                                         repair=lambda spec=spec: self._call("re-apply", self.applier.provision, spec)))
+                                         repair=lambda spec=spec: self._rebuild(spec), cluster_id=cluster_of[holder]))
         orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
         for ns in listed:
             meta = ns.get("metadata") or {}
@@ -245,6 +247,12 @@ class KubernetesBackend(ProvisioningBackend):
                     repair=lambda name=meta["name"]: self._call("delete orphan", self.applier.delete_namespace, name)))
         drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, fix=fix)
         return drifts
+
+    def _rebuild(self, spec: TenantClusterSpec) -> PhaseResult:
+        """Apply a lost namespace again. Its ServiceAccount is new, so the stored kubeconfig's token no
+        longer works: hand a new one back with the repair."""
+        self._call("re-apply", self.applier.provision, spec)
+        return PhaseResult(secrets={"kubeconfig": self._call("issue kubeconfig", self.applier.tenant_kubeconfig, spec)})
 
     def _namespace_gone(self, name: str) -> bool:
         try:

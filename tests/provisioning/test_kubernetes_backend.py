@@ -386,3 +386,23 @@ def test_an_extended_bookings_kubeconfig_lasts_to_the_new_end(world, t0, k8s):
     first.refresh_from_db()
     assert first.revoked_at is not None and first.ciphertext == ""
     assert yaml.safe_load(crypto.decrypt(current.ciphertext))["users"][0]["user"]["token"]
+
+
+def test_reconcile_rebuilding_a_lost_namespace_gives_the_tenant_a_working_kubeconfig(world, t0, k8s):
+    """The rebuilt namespace has a new ServiceAccount, so the stored kubeconfig's token was dead while
+    reconcile said "repaired". The repair issues a new one and the cluster page serves it."""
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    old = ClusterCredential.objects.current().get(cluster=cluster, kind="kubeconfig")
+    namespace = f"tenant-alpha-r{reservation.pk}"
+    del k8s.namespaces[namespace]  # lost (deleted by hand, a cluster restored from an old backup)
+    tokens_before = len([r for r in k8s.of("POST") if r.path.endswith("/token")])
+
+    drifts = services.reconcile(fix=True, backend_name="kubernetes")
+    assert [(d["kind"], d["name"], d["repaired"]) for d in drifts] == [("missing", namespace, True)]
+    assert namespace in k8s.namespaces
+    assert len([r for r in k8s.of("POST") if r.path.endswith("/token")]) == tokens_before + 1
+    current = ClusterCredential.objects.current().get(cluster=cluster, kind="kubeconfig")
+    assert current.pk != old.pk
+    old.refresh_from_db()
+    assert old.revoked_at is not None
+    assert "token" not in str(drifts)  # the secret never reaches the report
