@@ -53,7 +53,9 @@ from .k8s_manifests import (
     claim_release_patch,
     kubeconfig_yaml,
     node_claim_patch,
+    node_cordon_patch,
     node_release_patch,
+    node_uncordon_patch,
     tenant_objects,
     token_expiration_seconds,
 )
@@ -224,6 +226,32 @@ class TenantClusterApplier:
     def release_nodes(self, spec: TenantClusterSpec) -> list[str]:
         """Release every node of the reservation; return the hostnames actually changed."""
         return [h for h in spec.node_hostnames if self.release_node(spec, h)]
+
+    def cordon_node(self, hostname: str, reason: str) -> bool:
+        """Mark the node unschedulable for the portal (reason annotated); False if it already was, or is gone."""
+        try:
+            return self._patch_node_until_settled(hostname, lambda node: node_cordon_patch(node, reason))
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise K8sApplyError(f"cordon node {hostname} failed: {exc.status} {exc.reason}") from exc
+
+    def uncordon_node(self, hostname: str) -> bool:
+        """Undo the portal's cordon; an operator's stays. Return whether it changed the node."""
+        try:
+            return self._patch_node_until_settled(hostname, node_uncordon_patch)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise K8sApplyError(f"uncordon node {hostname} failed: {exc.status} {exc.reason}") from exc
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Return every node, as the API sends them."""
+        try:
+            response = self._core.list_node(_preload_content=False, _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            raise K8sApplyError(f"list nodes failed: {exc.status} {exc.reason}") from exc
+        return list(_json(response).get("items") or [])
 
     def claimed_nodes(self, reservation_id: int | None = None) -> list[dict[str, Any]]:
         """Return the nodes that carry a claim of the portal (of one reservation, if given), as the API sends them."""

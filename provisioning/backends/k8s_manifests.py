@@ -53,6 +53,8 @@ TENANT_LABEL = "gpuportal.io/tenant"
 RESERVATION_LABEL = "gpuportal.io/reservation"
 CUDA_VERSION_LABEL = "gpuportal.io/cuda-version"
 WINDOW_END_ANNOTATION = "gpuportal.io/window-end"
+# Set with spec.unschedulable when the portal cordons a node it took out of service; its value is why.
+CORDON_ANNOTATION = "gpuportal.io/cordon-reason"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "gpu-portal"
 
@@ -663,3 +665,29 @@ def kubeconfig_yaml(spec: TenantClusterSpec, token: str) -> str:
 def manifests_yaml(manifests: Sequence[Manifest]) -> str:
     """Render manifests as one multi-document YAML stream (for review or ``kubectl apply -f``)."""
     return yaml.safe_dump_all(list(manifests), sort_keys=False)
+
+
+# --- Cordons (a node out of service in the portal) ---
+
+
+def node_cordon_patch(node: Mapping[str, Any], reason: str) -> Manifest | None:
+    """Return the merge patch that cordons ``node`` for the portal with ``reason``; None if it already is.
+
+    A node an operator cordoned stays theirs: the portal adds its reason, so it may uncordon it later
+    only if it was the portal that cordoned it (the annotation is set only when it was schedulable).
+    """
+    _labels, annotations, _taints, resource_version = _node_parts(node)
+    cordoned = bool((node.get("spec") or {}).get("unschedulable"))
+    if cordoned and (CORDON_ANNOTATION not in annotations or annotations[CORDON_ANNOTATION] == reason):
+        return None
+    return {"metadata": _with_resource_version({"annotations": {CORDON_ANNOTATION: reason}}, resource_version),
+            "spec": {"unschedulable": True}}
+
+
+def node_uncordon_patch(node: Mapping[str, Any]) -> Manifest | None:
+    """Return the merge patch that undoes the portal's cordon; None if the portal did not cordon it."""
+    _labels, annotations, _taints, resource_version = _node_parts(node)
+    if CORDON_ANNOTATION not in annotations:
+        return None
+    return {"metadata": _with_resource_version({"annotations": {CORDON_ANNOTATION: None}}, resource_version),
+            "spec": {"unschedulable": None}}

@@ -31,6 +31,7 @@ from .base import (
 )
 from .k8s_apply import K8sApplyError, TenantClusterApplier
 from .k8s_manifests import (
+    CORDON_ANNOTATION,
     MANAGED_BY,
     MANAGED_BY_LABEL,
     RESERVATION_LABEL,
@@ -246,6 +247,45 @@ class KubernetesBackend(ProvisioningBackend):
                     "orphan", meta["name"], "namespace has no live booking", fix=fix,
                     repair=lambda name=meta["name"]: self._call("delete orphan", self.applier.delete_namespace, name)))
         drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, fix=fix)
+        return drifts
+
+    # --- nodes the portal took out of service ---
+
+    def drain_node(self, hostname: str, reason: str) -> None:
+        """Cordon the node: no new pod is scheduled there (the booking moves to a spare; pods already
+        running stay until they end or the claim on the node is lifted)."""
+        if not self.render_only:
+            self._call("cordon node", self.applier.cordon_node, hostname, " ".join(reason.split())[:250])
+
+    def resume_node(self, hostname: str) -> None:
+        if not self.render_only:
+            self._call("uncordon node", self.applier.uncordon_node, hostname)
+
+    def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
+        """Cordon what the portal took out of service; uncordon what it cordoned and put back."""
+        if self.render_only:
+            return []
+        drifts: list[Drift] = []
+        for node in self._call("list nodes", self.applier.list_nodes):
+            meta = node.get("metadata") or {}
+            hostname = meta.get("name", "?")
+            state = states.get(hostname)
+            if state is None:
+                continue  # not a portal node
+            out_of_service = state in ("failed", "draining", "maintenance", "retired")
+            cordoned = bool((node.get("spec") or {}).get("unschedulable"))
+            ours = CORDON_ANNOTATION in (meta.get("annotations") or {})
+            if out_of_service and not cordoned:
+                drifts.append(repaired_drift(
+                    "node", hostname, f"portal says {state}, the node is schedulable", fix=fix,
+                    repair=lambda hostname=hostname, state=state: self.drain_node(
+                        hostname, f"node is {state} in the portal")))
+            elif not out_of_service and cordoned and ours:
+                drifts.append(repaired_drift("node", hostname, f"portal says {state}, cordoned for us", fix=fix,
+                                             repair=lambda hostname=hostname: self.resume_node(hostname)))
+            elif not out_of_service and cordoned:
+                drifts.append(Drift("node", hostname, f"portal says {state}, cordoned by someone else: set the "
+                                    "node's state in the portal or uncordon it"))
         return drifts
 
     def _rebuild(self, spec: TenantClusterSpec) -> PhaseResult:

@@ -406,3 +406,43 @@ def test_reconcile_rebuilding_a_lost_namespace_gives_the_tenant_a_working_kubeco
     old.refresh_from_db()
     assert old.revoked_at is not None
     assert "token" not in str(drifts)  # the secret never reaches the report
+
+
+def test_a_node_out_of_service_is_cordoned_and_uncordoned_when_back(world, t0, k8s):
+    """The Kubernetes backend had no drain: a failed node stayed schedulable for the tenant's pods."""
+    from reservations.choices import NodeState
+    from reservations.models import Node
+    from reservations.services import node_update
+
+    host = world.nodes[0].hostname
+    fail_node(world, host)
+    node = k8s.nodes[host]
+    assert node["spec"]["unschedulable"] is True
+    assert node["metadata"]["annotations"][m.CORDON_ANNOTATION].startswith("failed: XID 79")
+    node_update(actor=world.users["staff"], node=Node.objects.get(hostname=host), state=NodeState.AVAILABLE,
+                reason="")
+    services.node_sync(node_id=Node.objects.get(hostname=host).pk)
+    node = k8s.nodes[host]
+    assert not node["spec"].get("unschedulable") and m.CORDON_ANNOTATION not in node["metadata"].get("annotations", {})
+
+
+def test_an_operators_cordon_is_left_alone_and_reported(world, k8s, capsys):
+    from django.core.management import call_command
+
+    from reservations.choices import NodeState
+    from reservations.models import Node
+
+    host = world.nodes[1].hostname
+    k8s.nodes[host]["spec"]["unschedulable"] = True  # an operator's kubectl cordon
+    services.node_sync(node_id=Node.objects.get(hostname=host).pk)  # available in the portal: resume
+    assert k8s.nodes[host]["spec"]["unschedulable"] is True
+    # A node failed in the portal whose cordon never reached the cluster (the sync was lost).
+    lost = world.nodes[2].hostname
+    Node.objects.filter(hostname=lost).update(state=NodeState.MAINTENANCE)
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes", "--fix")
+    out = capsys.readouterr().out
+    assert f"node {host}: portal says available, cordoned by someone else" in out
+    assert f"node {lost}: portal says maintenance, the node is schedulable (repaired)" in out
+    assert k8s.nodes[lost]["spec"]["unschedulable"] is True
+    assert k8s.nodes[host]["spec"]["unschedulable"] is True  # still the operator's
