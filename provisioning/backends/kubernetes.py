@@ -236,17 +236,19 @@ class KubernetesBackend(ProvisioningBackend):
             drifts.append(repaired_drift("missing", spec.namespace, "namespace missing", fix=fix,
                                          repair=lambda spec=spec: self._rebuild(spec), cluster_id=cluster_of[holder]))
         orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
+        terminating: set[str] = set()  # namespaces already going when listed (a teardown in progress)
         for ns in listed:
             meta = ns.get("metadata") or {}
             holder = (meta.get("labels") or {}).get(RESERVATION_LABEL)
             if holder not in wanted_ids:
                 orphan_namespaces.setdefault(holder or "", []).append(meta["name"])
                 if meta.get("deletionTimestamp") or (ns.get("status") or {}).get("phase") == "Terminating":
+                    terminating.add(meta["name"])
                     continue  # already going
                 drifts.append(repaired_drift(
                     "orphan", meta["name"], "namespace has no live booking", fix=fix,
                     repair=lambda name=meta["name"]: self._call("delete orphan", self.applier.delete_namespace, name)))
-        drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, fix=fix)
+        drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, terminating, fix=fix)
         return drifts
 
     # --- nodes the portal took out of service ---
@@ -302,7 +304,8 @@ class KubernetesBackend(ProvisioningBackend):
 
     def _reconcile_claims(self, claimed: list[dict[str, Any]], wanted_ids: set[str],
                           built: dict[str, TenantClusterSpec], rebuilt: set[str],
-                          orphan_namespaces: dict[str, list[str]], *, fix: bool) -> list[Drift]:
+                          orphan_namespaces: dict[str, list[str]], terminating: set[str], *,
+                          fix: bool) -> list[Drift]:
         """Node claims (labels, window-end annotation, ``dedicated`` taint) both ways.
 
         A claim of a reservation that is not live is lifted, and so is a built cluster's claim on a
@@ -345,6 +348,8 @@ class KubernetesBackend(ProvisioningBackend):
                 continue
             detail = f"claimed for reservation {holder} (tenant {labels.get(TENANT_LABEL, '?')}), which is not live"
             remaining = [name for name in orphan_namespaces.get(holder, []) if not self._namespace_gone(name)]
+            if remaining and set(remaining) <= terminating:
+                continue  # its namespace was already going: the teardown (or the run that deleted it) lifts it
             if remaining:
                 drifts.append(Drift("orphan", hostname, f"{detail}; released once namespace {remaining[0]} is gone"))
                 continue

@@ -446,3 +446,23 @@ def test_an_operators_cordon_is_left_alone_and_reported(world, k8s, capsys):
     assert f"node {lost}: portal says maintenance, the node is schedulable (repaired)" in out
     assert k8s.nodes[lost]["spec"]["unschedulable"] is True
     assert k8s.nodes[host]["spec"]["unschedulable"] is True  # still the operator's
+
+
+def test_a_teardown_in_progress_is_no_drift(world, t0, k8s, capsys):
+    """While a torn-down cluster's namespace terminates its nodes keep the claim (teardown lifts it once the
+    namespace is gone): reconcile reported that as unrepaired drift (exit 1) every run meanwhile."""
+    from django.core.management import call_command
+
+    host = world.nodes[-1].hostname
+    claim_by_hand(k8s, host, reservation_id=99996, tenant="beta")
+    namespace = "tenant-beta-r99996"
+    k8s.namespaces[namespace] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": namespace, "deletionTimestamp": "2026-12-02T01:00:00Z",
+        "labels": {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.RESERVATION_LABEL: "99996"}}}
+    call_command("reconcile", "--backend", "kubernetes", "--fix")  # exit 0: no SystemExit
+    assert "0 drift(s)" in capsys.readouterr().out
+    assert is_claimed(k8s, host) and not k8s.of("DELETE")
+    del k8s.namespaces[namespace]  # gone: a claim left now is a real orphan
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert not is_claimed(k8s, host)
