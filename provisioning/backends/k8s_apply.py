@@ -214,14 +214,20 @@ class TenantClusterApplier:
         for hostname in spec.node_hostnames:
             self.claim_node(spec, hostname, now=now)
 
+    def _patch_existing_node(
+        self, what: str, hostname: str, make_patch: Callable[[dict[str, Any]], Manifest | None]
+    ) -> bool:
+        """_patch_node_until_settled for a node that may have left the cluster (False: nothing to change)."""
+        try:
+            return self._patch_node_until_settled(hostname, make_patch)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise K8sApplyError(f"{what} node {hostname} failed: {exc.status} {exc.reason}") from exc
+
     def release_node(self, spec: TenantClusterSpec, hostname: str) -> bool:
         """Undo the claim on one node; return False if it was not (or no longer) this reservation's."""
-        try:
-            return self._patch_node_until_settled(hostname, lambda node: node_release_patch(spec, node))
-        except ApiException as exc:
-            if exc.status == 404:  # The node left the cluster: nothing to hand back.
-                return False
-            raise K8sApplyError(f"release node {hostname} failed: {exc.status} {exc.reason}") from exc
+        return self._patch_existing_node("release", hostname, lambda node: node_release_patch(spec, node))
 
     def release_nodes(self, spec: TenantClusterSpec) -> list[str]:
         """Release every node of the reservation; return the hostnames actually changed."""
@@ -229,39 +235,25 @@ class TenantClusterApplier:
 
     def cordon_node(self, hostname: str, reason: str) -> bool:
         """Mark the node unschedulable for the portal (reason annotated); False if it already was, or is gone."""
-        try:
-            return self._patch_node_until_settled(hostname, lambda node: node_cordon_patch(node, reason))
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise K8sApplyError(f"cordon node {hostname} failed: {exc.status} {exc.reason}") from exc
+        return self._patch_existing_node("cordon", hostname, lambda node: node_cordon_patch(node, reason))
 
     def uncordon_node(self, hostname: str) -> bool:
         """Undo the portal's cordon; an operator's stays. Return whether it changed the node."""
-        try:
-            return self._patch_node_until_settled(hostname, node_uncordon_patch)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise K8sApplyError(f"uncordon node {hostname} failed: {exc.status} {exc.reason}") from exc
+        return self._patch_existing_node("uncordon", hostname, node_uncordon_patch)
 
-    def list_nodes(self) -> list[dict[str, Any]]:
-        """Return every node, as the API sends them."""
+    def list_nodes(self, label_selector: str | None = None, *, what: str = "list nodes") -> list[dict[str, Any]]:
+        """Return every node (matching ``label_selector``, if given), as the API sends them."""
         try:
-            response = self._core.list_node(_preload_content=False, _request_timeout=self.request_timeout)
+            response = self._core.list_node(label_selector=label_selector, _preload_content=False,
+                                            _request_timeout=self.request_timeout)
         except ApiException as exc:
-            raise K8sApplyError(f"list nodes failed: {exc.status} {exc.reason}") from exc
+            raise K8sApplyError(f"{what} failed: {exc.status} {exc.reason}") from exc
         return list(_json(response).get("items") or [])
 
     def claimed_nodes(self, reservation_id: int | None = None) -> list[dict[str, Any]]:
         """Return the nodes that carry a claim of the portal (of one reservation, if given), as the API sends them."""
         selector = RESERVATION_LABEL if reservation_id is None else f"{RESERVATION_LABEL}={reservation_id}"
-        try:
-            response = self._core.list_node(label_selector=selector, _preload_content=False,
-                                            _request_timeout=self.request_timeout)
-        except ApiException as exc:
-            raise K8sApplyError(f"list claimed nodes failed: {exc.status} {exc.reason}") from exc
-        return list(_json(response).get("items") or [])
+        return self.list_nodes(selector, what="list claimed nodes")
 
     def release_nodes_not_held(self, spec: TenantClusterSpec) -> list[str]:
         """Lift the reservation's claim from nodes outside its node set (it lost them); return those changed."""
@@ -274,13 +266,8 @@ class TenantClusterApplier:
 
         Return False if the node no longer carries that claim (or left the cluster).
         """
-        try:
-            return self._patch_node_until_settled(
-                hostname, lambda node: claim_release_patch(node, reservation_id=reservation_id))
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise K8sApplyError(f"release node {hostname} failed: {exc.status} {exc.reason}") from exc
+        return self._patch_existing_node(
+            "release", hostname, lambda node: claim_release_patch(node, reservation_id=reservation_id))
 
     # --- Whole lifecycle ---
 
