@@ -248,3 +248,18 @@ def scontrol(cluster: SlurmTestCluster, *args: str) -> str:
     env = {**os.environ, **cluster.env, "TZ": "UTC", "SLURM_TIME_FORMAT": "standard", "LC_ALL": "C"}
     proc = subprocess.run(["scontrol", *args], env=env, capture_output=True, text=True, timeout=30, check=False)
     return proc.stdout + proc.stderr
+
+
+def loopback_k8s(api_server, world, tmp_path, settings, *, backend: str):
+    """Point the portal at the loopback Kubernetes API server (tests.k8s.conftest) with the world's nodes."""
+    from provisioning.backends import k8s_manifests
+    from tests.k8s.conftest import make_node, make_spec
+
+    kubeconfig = tmp_path / "portal-kubeconfig"
+    kubeconfig.write_text(k8s_manifests.kubeconfig_yaml(make_spec(api_server_url=api_server.url), "portal-admin-token"))
+    settings.PORTAL_PROVISIONING_BACKEND = backend
+    settings.PORTAL_K8S_KUBECONFIG = str(kubeconfig)
+    settings.PORTAL_K8S_STORAGE_CLASS = "cephfs"
+    for node in world.nodes:
+        api_server.nodes[node.hostname] = make_node(node.hostname)
+    return api_server

@@ -19,21 +19,14 @@ from provisioning.models import ClusterCredential, VirtualCluster
 from reservations.models import Allocation
 from tests.k8s.conftest import api_server, make_node, make_spec  # noqa: F401 - the loopback fixture
 
-from .conftest import book
+from .conftest import book, loopback_k8s
 
 pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
 def k8s(api_server, world, tmp_path, settings):  # noqa: F811 - the imported fixture
-    kubeconfig = tmp_path / "portal-kubeconfig"
-    kubeconfig.write_text(m.kubeconfig_yaml(make_spec(api_server_url=api_server.url), "portal-admin-token"))
-    settings.PORTAL_PROVISIONING_BACKEND = "slurm,kubernetes"
-    settings.PORTAL_K8S_KUBECONFIG = str(kubeconfig)
-    settings.PORTAL_K8S_STORAGE_CLASS = "cephfs"
-    for node in world.nodes:
-        api_server.nodes[node.hostname] = make_node(node.hostname)
-    return api_server
+    return loopback_k8s(api_server, world, tmp_path, settings, backend="slurm,kubernetes")
 
 
 def test_a_kubernetes_cluster_is_applied_with_a_kubeconfig_and_torn_down(world, t0, k8s):

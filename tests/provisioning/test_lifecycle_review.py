@@ -16,23 +16,16 @@ from provisioning.models import VirtualCluster
 from reservations.choices import NodeState, ReservationStatus
 from reservations.models import Allocation, Node
 from reservations.services import maintenance_window_create, reservation_update
-from tests.k8s.conftest import api_server, make_node, make_spec  # noqa: F401 - the loopback fixture
+from tests.k8s.conftest import api_server  # noqa: F401 - the loopback fixture
 
-from .conftest import book
+from .conftest import book, loopback_k8s
 
 pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
 def k8s(api_server, world, tmp_path, settings):  # noqa: F811 - the imported fixture
-    kubeconfig = tmp_path / "portal-kubeconfig"
-    kubeconfig.write_text(m.kubeconfig_yaml(make_spec(api_server_url=api_server.url), "portal-admin-token"))
-    settings.PORTAL_PROVISIONING_BACKEND = "kubernetes"
-    settings.PORTAL_K8S_KUBECONFIG = str(kubeconfig)
-    settings.PORTAL_K8S_STORAGE_CLASS = "cephfs"
-    for node in world.nodes:
-        api_server.nodes[node.hostname] = make_node(node.hostname)
-    return api_server
+    return loopback_k8s(api_server, world, tmp_path, settings, backend="kubernetes")
 
 
 def _claimed_by(k8s, reservation_id: int) -> set[str]:
