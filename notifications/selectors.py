@@ -150,8 +150,16 @@ Translator = Callable[[str, dict[str, Any]], list[Notice]]
 CHANGE_ACTIONS = ("reservation.update", "reservation.node_replaced", "reservation.replace_node")
 # What an audit snapshot of a reservation says about it at that moment (reservations.services._snapshot).
 SNAPSHOT_KEYS = frozenset({"start", "end", "node_count", "status", "billing", "name"})
-# A reminder arriving this long before its boundary is "in about 1 hour"; further out, "in 24 hours".
-REMINDER_1H_UNTIL = timedelta(hours=6)
+# The lifecycle tick's reminders (reservation.starting_soon / ending_soon, sent
+# PORTAL_REMIND_BEFORE_*_MINUTES ahead) name only the boundary. Each is told as the Slack reminder
+# whose "in about 1 hour" / "in about 24 hours" is true at that moment: within these bounds of
+# the boundary. Further out, or in between, it is left to reminders_due's own on-time reminder
+# (same key, so nothing is sent twice) rather than told with a lead time that is false.
+REMINDER_ABOUT = {1: (timedelta(0), timedelta(minutes=75)), 24: (timedelta(hours=22), timedelta(hours=25))}
+
+
+def _reminder_hours(left: timedelta) -> int | None:
+    return next((hours for hours, (low, high) in REMINDER_ABOUT.items() if low < left <= high), None)
 
 
 def _reservation_notice(slack_event: str, *, key_suffix: str = "") -> Translator:
@@ -227,7 +235,7 @@ def _reminder(kind: str) -> Translator:
         hours = payload.get("hours")
         if hours is None:
             # The lifecycle tick says only which boundary (start=/end=); how far off it is decides.
-            hours = 1 if left <= REMINDER_1H_UNTIL else 24
+            hours = _reminder_hours(left)
         if kind == "starting":
             slack_event = Event.RESERVATION_STARTING_1H if hours == 1 else None
         else:

@@ -15,7 +15,7 @@ from notifications.models import Channel, Delivery, QuotaAlertState
 from notifications.slack import Event
 from portal.core.timefmt import format_utc
 from reservations import services as booking
-from reservations.models import Node
+from reservations.models import Node, Reservation
 from tenants.services import quota_update
 
 pytestmark = pytest.mark.django_db
@@ -227,15 +227,32 @@ def test_lifecycle_tick_reminders_without_hours(world, slack_for):
     hour = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
     r = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
                                    node_count=1, start=hour, end=hour + timedelta(hours=2))
-    start = services.event_fanout(event="reservation.starting_soon", payload={
-        "reservation_id": r.pk, "tenant_id": r.tenant_id, "cluster_id": 3, "start": r.period.lower.isoformat()})
-    end = services.event_fanout(event="reservation.ending_soon", payload={
-        "reservation_id": r.pk, "tenant_id": r.tenant_id, "cluster_id": 3, "end": r.period.upper.isoformat()})
-    assert [d.event for d in start] == [Event.RESERVATION_STARTING_1H]
-    assert [d.event for d in end] == [Event.RESERVATION_ENDING_1H]
+
+    def tick(event, boundary):
+        return services.event_fanout(event=f"reservation.{event}", payload={
+            "reservation_id": r.pk, "tenant_id": r.tenant_id, "cluster_id": 3, boundary: getattr(
+                r.period, "lower" if boundary == "start" else "upper").isoformat()})
+
+    assert [d.event for d in tick("starting_soon", "start")] == [Event.RESERVATION_STARTING_1H]
     # Our own sweep names the same reminders the same way: nothing twice.
     assert services.event_fanout(event="reservation.starting_soon",
                                  payload={"reservation_id": r.pk, "hours": 1}) == []
+    # The end is 2-3 h off (a tick with PORTAL_REMIND_BEFORE_END_MINUTES=180): neither "in about 1 hour" nor
+    # "in about 24 hours" is true, so nothing is told now — and the right reminder is not used up.
+    assert tick("ending_soon", "end") == []
+    Reservation.objects.filter(pk=r.pk).update(period=DateTimeTZRange(now - timedelta(hours=1), hour, "[)"))
+    r.refresh_from_db()
+    assert [d.event for d in tick("ending_soon", "end")] == [Event.RESERVATION_ENDING_1H]
+
+
+def test_lifecycle_tick_reminder_a_day_ahead_is_the_24_hour_one(world, slack_for):
+    slack_for("alpha", SLACK_URL)
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    r = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                   node_count=1, start=hour, end=hour + timedelta(hours=24))
+    (notice,) = services.event_fanout(event="reservation.ending_soon", payload={
+        "reservation_id": r.pk, "tenant_id": r.tenant_id, "cluster_id": 3, "end": r.period.upper.isoformat()})
+    assert notice.event == Event.RESERVATION_ENDING_24H and "in about 24 hours" in notice.body
 
 
 def test_health_checks_failure_payload(world, t0, book, slack_for, settings):
