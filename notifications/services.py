@@ -39,6 +39,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from portal.core import egress
+from portal.core.conf import setting
 from portal.core.crypto import UnreadableSecret, mask
 from portal.core.exceptions import InvalidInput, InvalidState
 from portal.core.services import audit_record
@@ -92,7 +93,8 @@ DUE_TOLERANCE = timedelta(milliseconds=250)
 
 
 def _setting(name: str, default: Any) -> Any:
-    value = getattr(settings, name, None)
+    """settings.NAME, else $NAME, else default (an empty value counts as unset)."""
+    value = setting(name, None)
     return default if value in (None, "") else value
 
 

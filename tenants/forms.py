@@ -9,12 +9,13 @@ import zoneinfo
 from functools import lru_cache
 
 from django import forms
-from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.cache import cache
 from redis.exceptions import RedisError
 from rest_framework.throttling import BaseThrottle
+
+from portal.core.conf import setting_int
 
 from .choices import Role
 from .models import Tenant
@@ -32,7 +33,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Defaults; a deployment may override them in settings (read per request, never at import).
+# Defaults; a deployment overrides them in settings or the environment (read per request, never at import).
 LOGIN_MAX_FAILURES = 5  # per username within the window
 LOGIN_MAX_FAILURES_PER_IP = 30  # one address guessing many usernames
 LOGIN_WINDOW_SECONDS = 15 * 60
@@ -40,7 +41,7 @@ LOGIN_LOCKOUT_SECONDS = 15 * 60
 
 
 def _setting(name: str, default: int) -> int:
-    return int(getattr(settings, name, default))
+    return setting_int(name, default)
 
 
 @lru_cache(maxsize=1)

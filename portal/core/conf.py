@@ -35,6 +35,10 @@ def setting_float(name: str, default: float) -> float:
     return float(setting(name, default, float))
 
 
+# What django-environ's env.bool (the settings modules) counts as true: one reading for every boolean.
+TRUE_STRINGS = frozenset({"true", "on", "ok", "y", "yes", "1"})
+
+
 def setting_bool(name: str, default: bool) -> bool:
-    value = setting(name, default, lambda raw: raw.strip().lower() in {"1", "true", "yes", "on"})
+    value = setting(name, default, lambda raw: raw.strip().lower() in TRUE_STRINGS)
     return bool(value)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from portal.core.conf import setting, setting_float, setting_int  # noqa: F401 - re-exported for this app
+from portal.core.conf import setting, setting_bool, setting_float, setting_int  # noqa: F401 - re-exported for this app
 
 LEVEL_TIMEOUTS_S = {"quick": 300.0, "medium": 3600.0, "full": 14400.0}
 

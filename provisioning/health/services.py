@@ -554,7 +554,7 @@ def _move_bookings(*, node: Node, actor: Any, reason: str) -> list[dict[str, Any
 
     PORTAL_HEALTH_MOVE_BOOKINGS=False leaves that to whoever follows ``node.state_changed``.
     """
-    if not conf.setting("PORTAL_HEALTH_MOVE_BOOKINGS", True, lambda raw: raw.lower() in ("1", "true", "yes")):
+    if not conf.setting_bool("PORTAL_HEALTH_MOVE_BOOKINGS", True):
         return []
     return node_replace_allocations(node=node, actor=actor, reason=reason[:200])
 

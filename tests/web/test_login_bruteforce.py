@@ -116,3 +116,14 @@ def test_parallel_guesses_get_no_more_than_the_limit(monkeypatch):
     assert statuses.count(429) == 20 - tenant_forms.LOGIN_MAX_FAILURES
     # And the username is locked now, the right password included.
     assert tenant_forms.login_lock_remaining("probe-1", "203.0.113.9") > 0
+
+
+def test_the_lockout_limit_set_in_the_environment_is_honoured(world, monkeypatch):
+    """README lists PORTAL_LOGIN_MAX_FAILURES as a setting; settings come from the environment, so an
+    operator's `PORTAL_LOGIN_MAX_FAILURES=2` in .env must lock after two guesses, not the default five."""
+    assert not hasattr(settings, "PORTAL_LOGIN_MAX_FAILURES")
+    monkeypatch.setenv("PORTAL_LOGIN_MAX_FAILURES", "2")
+    client = Client()
+    for _ in range(2):
+        assert client.post("/accounts/login/", {"username": "alpha-lead", "password": "wrong-guess"}).status_code == 200
+    assert client.post("/accounts/login/", {"username": "alpha-lead", "password": PASSWORD}).status_code == 429
