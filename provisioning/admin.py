@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from django import forms
 from django.contrib import admin, messages
 
-from portal.core.admin import ReadOnlyAdminMixin, StaffAdminMixin
+from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, StaffAdminMixin
 from portal.core.exceptions import DomainError
 
 from . import services
@@ -94,6 +95,40 @@ class StorageVolumeAdmin(StaffAdminMixin, admin.ModelAdmin):
         return False
 
 
+class PoolCapabilityForm(forms.ModelForm):
+    class Meta:
+        model = PoolCapability
+        fields = ("pool", *services.CAPABILITY_FIELDS)
+
+    def clean(self):
+        data = super().clean()
+        for field, why in services.pool_capability_errors(
+                {k: data[k] for k in services.CAPABILITY_FIELDS if k in data}).items():
+            self.add_error(field, why)
+        return data
+
+
 @admin.register(PoolCapability)
-class PoolCapabilityAdmin(StaffAdminMixin, admin.ModelAdmin):
+class PoolCapabilityAdmin(ServiceAdminMixin, admin.ModelAdmin):
+    """Checked as the clusters use it (a row they cannot read would fail every cluster of the pool), and
+    saved through the audited service."""
+
+    form = PoolCapabilityForm
     list_display = ["pool", "cuda_versions", "mig_profiles", "max_memory_per_gpu_gib"]
+    list_select_related = ["pool"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return ("pool",) if obj is not None else ()
+
+    def save_model(self, request, obj, form, change):
+        values = {k: form.cleaned_data[k] for k in services.CAPABILITY_FIELDS if k in form.cleaned_data}
+        saved = services.pool_capability_set(actor=request.user, pool=obj.pool, **values)
+        obj.pk = saved.pk
+        obj._state.adding = False
+
+    def delete_model(self, request, obj):
+        services.pool_capability_delete(actor=request.user, capability=obj)
+
+    def delete_queryset(self, request, queryset):
+        for capability in queryset:
+            services.pool_capability_delete(actor=request.user, capability=capability)

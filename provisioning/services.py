@@ -47,7 +47,7 @@ from portal.core.exceptions import InvalidInput, InvalidState, NotFound, Permiss
 from portal.core.locks import advisory_lock, locked_keys
 from portal.core.services import audit_record
 from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
-from reservations.models import Allocation, Node, Reservation
+from reservations.models import Allocation, Node, Pool, Reservation
 from reservations.services import node_replace_allocations, node_update, reservation_reopen, reservation_set_status
 from tenants.models import Tenant
 from tenants.services import tenant_update
@@ -69,7 +69,7 @@ from .choices import (
 )
 from .conf import setting, setting_float, setting_int
 from .constants import LOCK_BOOKING, LOCK_CLUSTER, LOCK_NODE_SYNC, LOCK_TENANT_NETWORK, LOCK_TICK
-from .models import ClusterCredential, ClusterTransition, StorageVolume, VirtualCluster
+from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
 from .selectors import can_download_credentials, can_manage_cluster, pool_capabilities
 
 __all__ = [
@@ -1401,3 +1401,64 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
         logger.warning("reconcile %s: %s %s: %s%s", drift["backend"], drift["kind"], drift["name"], drift["detail"],
                        " (repaired)" if drift["repaired"] else "")
     return out
+
+
+# --- pool capabilities (staff, from the admin) ---------------------------------------------
+
+__all__ += ["CAPABILITY_FIELDS", "pool_capability_errors", "pool_capability_set", "pool_capability_delete"]
+
+CAPABILITY_FIELDS = ("cuda_versions", "slurm_versions", "kubernetes_versions", "mig_profiles",
+                     "max_memory_per_gpu_gib")
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def pool_capability_errors(values: dict[str, Any]) -> dict[str, str]:
+    """Return {field: why} for what pool_capabilities and validate_spec could not use (empty when fine)."""
+    errors: dict[str, str] = {}
+    mig = values.get("mig_profiles")
+    if mig is not None and not (isinstance(mig, dict) and all(
+            isinstance(name, str) and name.strip() and _whole(count, 1) for name, count in mig.items())):
+        errors["mig_profiles"] = ('An object of MIG profile → instances per GPU (a whole number, at least 1), '
+                                  'e.g. {"1g.10gb": 7}; {} for no MIG.')
+    memory = values.get("max_memory_per_gpu_gib")
+    if memory is not None and not _whole(memory, 1):
+        errors["max_memory_per_gpu_gib"] = "At least 1 GiB."
+    return errors
+
+
+def _capability_snapshot(row: PoolCapability) -> dict[str, Any]:
+    return {f: getattr(row, f) for f in CAPABILITY_FIELDS}
+
+
+def pool_capability_set(*, actor: Any, pool: Pool, **values: Any) -> PoolCapability:
+    """Create or change what the pool's nodes support (staff); checked as clusters use it, audited."""
+    errors = pool_capability_errors(values)
+    if errors:
+        raise InvalidInput("; ".join(f"{k}: {v}" for k, v in errors.items()), fields=errors)
+    with transaction.atomic(durable=True):
+        # The pool row serialises writers of its capability row, the first one (a create) included.
+        Pool.objects.select_for_update(no_key=True).filter(pk=pool.pk).values_list("pk", flat=True).first()
+        row = PoolCapability.objects.filter(pool_id=pool.pk).first()
+        before = _capability_snapshot(row) if row is not None else None
+        row = row or PoolCapability(pool_id=pool.pk)
+        for key in CAPABILITY_FIELDS:
+            if key in values:
+                setattr(row, key, values[key])
+        row.save()
+        audit_record(actor=actor, action="pool.capability.update" if before else "pool.capability.create", obj=row,
+                     before=before, after={"pool": pool.name, **_capability_snapshot(row)})
+    return row
+
+
+def pool_capability_delete(*, actor: Any, capability: PoolCapability) -> None:
+    """Remove the pool's capability row: its clusters get the defaults of its GPU model again. Audited."""
+    with transaction.atomic(durable=True):
+        row = PoolCapability.objects.select_for_update().select_related("pool").filter(pk=capability.pk).first()
+        if row is None:
+            return
+        audit_record(actor=actor, action="pool.capability.delete", obj=row,
+                     before={"pool": row.pool.name, **_capability_snapshot(row)})
+        row.delete()

@@ -169,3 +169,52 @@ def test_ending_maintenance_never_touches_bookings_or_past_windows(world, staff,
     past.refresh_from_db()
     assert past.active
     assert reservation.allocations.get().active
+
+
+# --- pool capabilities: checked and audited like every other admin change ---------------------------
+
+
+def _capability_post(world, **overrides):
+    data = {"pool": str(world.pool.pk), "cuda_versions": "12.8", "slurm_versions": "", "kubernetes_versions": "",
+            "mig_profiles": '{"1g.10gb": 7}', "max_memory_per_gpu_gib": "80", "_save": "Save"}
+    data.update(overrides)
+    return data
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mig_profiles", '["1g.10gb"]'),            # a list: every cluster of the pool crashed on .items()
+    ("mig_profiles", '{"1g.10gb": "seven"}'),   # int("seven")
+    ("mig_profiles", '{"1g.10gb": 0}'),         # no instance per GPU
+    ("max_memory_per_gpu_gib", "0"),            # every spec refused: "Between 1 and 0 GiB"
+])
+def test_a_pool_capability_the_clusters_cannot_use_is_a_form_error(world, staff, field, value):
+    from provisioning.models import PoolCapability
+
+    response = staff.post(reverse("admin:provisioning_poolcapability_add"), _capability_post(world, **{field: value}))
+    # was: 302 and the row saved; the next booking's cluster creation raised (AttributeError / ValueError)
+    assert response.status_code == 200 and "errorlist" in response.content.decode()
+    assert not PoolCapability.objects.exists()
+
+
+def test_pool_capability_changes_are_audited_and_used(world, staff, t0, book):
+    from provisioning.models import PoolCapability
+    from provisioning.selectors import pool_capabilities
+    from provisioning.services import cluster_create_for_reservation
+
+    assert staff.post(reverse("admin:provisioning_poolcapability_add"), _capability_post(world)).status_code == 302
+    capability = PoolCapability.objects.get()
+    (created,) = AuditLog.objects.filter(action="pool.capability.create")
+    assert created.actor == world.users["staff"] and created.after["mig_profiles"] == {"1g.10gb": 7}
+    url = reverse("admin:provisioning_poolcapability_change", args=[capability.pk])
+    assert staff.post(url, _capability_post(world, max_memory_per_gpu_gib="120")).status_code == 302
+    (changed,) = AuditLog.objects.filter(action="pool.capability.update")
+    assert (changed.before["max_memory_per_gpu_gib"], changed.after["max_memory_per_gpu_gib"]) == (80, 120)
+    world.pool.refresh_from_db()
+    assert pool_capabilities(world.pool).mig_profiles == {"1g.10gb": 7}
+    reservation = book("alpha-lead", t0)
+    assert cluster_create_for_reservation(reservation_id=reservation.pk).default_memory_per_gpu_gib <= 120
+
+    delete = staff.post(reverse("admin:provisioning_poolcapability_delete", args=[capability.pk]), {"post": "yes"})
+    assert delete.status_code == 302 and not PoolCapability.objects.exists()
+    (deleted,) = AuditLog.objects.filter(action="pool.capability.delete")
+    assert deleted.actor == world.users["staff"] and deleted.before["max_memory_per_gpu_gib"] == 120
