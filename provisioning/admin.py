@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin, messages
 
-from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, StaffAdminMixin
+from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
 from portal.core.exceptions import DomainError
 
 from . import services
@@ -36,7 +36,10 @@ class CredentialInline(ReadOnlyAdminMixin, admin.TabularInline):
 
 
 @admin.register(VirtualCluster)
-class VirtualClusterAdmin(StaffAdminMixin, admin.ModelAdmin):
+class VirtualClusterAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    """Read-only, with retry and teardown as actions (service calls). The lifecycle workers write these rows:
+    a Save here wrote back the whole row as read, undoing a phase change made during the request."""
+
     list_display = ["id", "tenant", "reservation", "backend", "orchestrator", "status", "phase_started_at", "attempts"]
     list_filter = ["status", "backend", "orchestrator"]
     search_fields = ["tenant__slug", "reservation__name", "status_reason"]
@@ -54,12 +57,6 @@ class VirtualClusterAdmin(StaffAdminMixin, admin.ModelAdmin):
 
     def get_queryset(self, request):
         return VirtualCluster.objects.for_user(request.user)
-
-    def has_add_permission(self, request):
-        return False  # a cluster comes from a booking
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
     @admin.action(description="Retry failed clusters")
     def retry_clusters(self, request, queryset):
@@ -83,16 +80,16 @@ class VirtualClusterAdmin(StaffAdminMixin, admin.ModelAdmin):
 
 
 @admin.register(StorageVolume)
-class StorageVolumeAdmin(StaffAdminMixin, admin.ModelAdmin):
+class StorageVolumeAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    """Read-only: a volume is attached and released with its cluster. Deleting the row freed the tenant's
+    storage quota (unaudited) while the backend still held the data."""
+
     list_display = ["name", "tenant", "size_gib", "status", "created_at", "released_at"]
     list_filter = ["status"]
     readonly_fields = ["tenant", "cluster", "name", "size_gib", "status", "mount_path", "created_at", "released_at"]
 
     def get_queryset(self, request):
         return StorageVolume.objects.for_user(request.user)
-
-    def has_add_permission(self, request):
-        return False
 
 
 class PoolCapabilityForm(forms.ModelForm):

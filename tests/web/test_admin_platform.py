@@ -218,3 +218,97 @@ def test_pool_capability_changes_are_audited_and_used(world, staff, t0, book):
     assert delete.status_code == 302 and not PoolCapability.objects.exists()
     (deleted,) = AuditLog.objects.filter(action="pool.capability.delete")
     assert deleted.actor == world.users["staff"] and deleted.before["max_memory_per_gpu_gib"] == 120
+
+
+# --- clusters and volumes: the lifecycle writes them, the admin only reads (and runs its actions) ---------
+
+
+def _cluster(world, t0):
+    from provisioning.services import cluster_create_for_reservation
+    from reservations.services import reservation_create
+
+    reservation = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                     node_count=1, start=t0, end=t0 + timedelta(hours=2))
+    return cluster_create_for_reservation(reservation_id=reservation.pk)
+
+
+def test_a_tenants_storage_volume_cannot_be_deleted_or_rewritten_in_the_admin(world, staff, t0):
+    from provisioning.models import StorageVolume
+
+    cluster = _cluster(world, t0)
+    volume = StorageVolume.objects.create(tenant=world.tenants["alpha"], cluster=cluster, name="alpha-r1",
+                                          size_gib=1024, mount_path="/shared")
+    listing = staff.get(reverse("admin:provisioning_storagevolume_changelist"))
+    assert listing.status_code == 200 and b'value="delete_selected"' not in listing.content
+    # was: 302 and the row gone, unaudited: the tenant's storage quota freed while the backend kept the data
+    assert staff.post(reverse("admin:provisioning_storagevolume_delete", args=[volume.pk]),
+                      {"post": "yes"}).status_code == 403
+    assert staff.post(reverse("admin:provisioning_storagevolume_changelist"),
+                      {"action": "delete_selected", "_selected_action": [volume.pk], "post": "yes"}).status_code in (
+        200, 302)
+    assert StorageVolume.objects.filter(pk=volume.pk, status="active").exists()
+    page = staff.get(reverse("admin:provisioning_storagevolume_change", args=[volume.pk]))
+    assert page.status_code == 200 and b'name="_save"' not in page.content
+    assert staff.post(reverse("admin:provisioning_storagevolume_change", args=[volume.pk]),
+                      {"_save": "Save"}).status_code == 403
+
+
+def _cluster_post(staff, cluster) -> dict:
+    """What the cluster page's Save button posts (its inlines' management forms and rows)."""
+    page = staff.get(reverse("admin:provisioning_virtualcluster_change", args=[cluster.pk]))
+    data = {"_save": "Save"}
+    for inline in page.context["inline_admin_formsets"]:
+        formset = inline.formset
+        data.update({formset.management_form.add_prefix(k): v for k, v in formset.management_form.initial.items()})
+        data[formset.management_form.add_prefix("MIN_NUM_FORMS")] = 0
+        data[formset.management_form.add_prefix("MAX_NUM_FORMS")] = 1000
+        for form in formset.forms:
+            data[form.add_prefix("id")] = form.instance.pk
+            data[form.add_prefix("cluster")] = cluster.pk
+    return data
+
+
+@pytest.mark.django_db(transaction=True)
+def test_saving_a_cluster_page_never_writes_back_what_a_worker_changed_meanwhile(world, staff, t0):
+    import threading
+
+    from django.contrib.admin import ModelAdmin
+    from django.db import connection
+
+    from provisioning.models import VirtualCluster
+
+    cluster = _cluster(world, t0)
+    data = _cluster_post(staff, cluster)
+    read, go, result = threading.Event(), threading.Event(), {}
+    original = ModelAdmin.save_form
+
+    def paused_save_form(self, request, form, change):  # the admin has read the row; its save comes next
+        read.set()
+        go.wait(10)
+        return original(self, request, form, change)
+
+    def post():
+        try:
+            result["status"] = staff.post(reverse("admin:provisioning_virtualcluster_change", args=[cluster.pk]),
+                                          data).status_code
+        finally:
+            connection.close()
+
+    from unittest import mock
+
+    with mock.patch.object(ModelAdmin, "save_form", paused_save_form):
+        thread = threading.Thread(target=post)
+        thread.start()
+        read.wait(5)
+        # A worker moves the cluster on (its own transaction) while the admin request is between read and save.
+        VirtualCluster.objects.filter(pk=cluster.pk).update(status="allocating_nodes", attempts=1)
+        go.set()
+        thread.join(30)
+    # was: 302, and the whole row written back as read: the phase change lost
+    assert result["status"] == 403
+    cluster.refresh_from_db()
+    assert (cluster.status, cluster.attempts) == ("allocating_nodes", 1)
+    # The page is for reading and for its actions, which go through the services.
+    page = staff.get(reverse("admin:provisioning_virtualcluster_change", args=[cluster.pk]))
+    assert page.status_code == 200 and b'name="_save"' not in page.content
+    assert b"teardown_clusters" in staff.get(reverse("admin:provisioning_virtualcluster_changelist")).content
