@@ -128,11 +128,19 @@ class TenantForm(forms.ModelForm):
         fields = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
 
 
-def _refuse_changed_user(form) -> None:
-    """Refuse a form that changes an existing membership's user: the services have no such change."""
-    if form.instance.pk and "user" in getattr(form, "changed_data", ()):
-        raise InvalidInput("To give a membership to another user, delete its row and add a new one.",
-                           fields={"user": "Cannot change on an existing membership."})
+# What names an inline row (a membership's user, a quota's pool): the services change only the rest.
+_ROW_KEYS = {
+    Membership: ("user", "To give a membership to another user, delete its row and add a new one."),
+    Quota: ("pool", "To give the tenant a quota in another pool, delete its row and add a new one."),
+}
+
+
+def _refuse_changed_key(form) -> None:
+    """Refuse an inline form that changes what names an existing row: no service makes that change, so
+    it would be dropped while the page said it was saved."""
+    field, message = _ROW_KEYS[type(form.instance)]
+    if form.instance.pk and field in getattr(form, "changed_data", ()):
+        raise InvalidInput(message, fields={field: f"Cannot change on an existing {form.instance._meta.verbose_name}."})
 
 
 @admin.register(Tenant)
@@ -177,7 +185,7 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
             try:
                 # The services commit one by one (durable), so the page cannot be one transaction:
                 # refuse what a service would refuse before the first write, not half-way through.
-                self._check_memberships(request, object_id)
+                self._check_inlines(request, object_id)
             except DomainError as exc:
                 self.message_user(request, exc.detail, messages.ERROR)
                 return HttpResponseRedirect(request.get_full_path())
@@ -186,24 +194,26 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
                 return review
         return super().changeform_view(request, object_id, form_url, extra_context)
 
-    def _check_memberships(self, request, object_id) -> None:
+    def _check_inlines(self, request, object_id) -> None:
         obj = self.get_object(request, object_id)
         if obj is None:
             return
         for inline in self.get_inline_instances(request, obj):
-            if not isinstance(inline, MembershipInline):
-                continue
             FormSet = inline.get_formset(request, obj)
             formset = FormSet(request.POST, request.FILES, instance=obj, prefix=FormSet.get_default_prefix())
             if not formset.is_valid():
                 return  # the normal view shows the errors
+            for form in formset.forms:
+                if getattr(form, "cleaned_data", None) and not formset._should_delete_form(form):
+                    _refuse_changed_key(form)
+            if not isinstance(inline, MembershipInline):
+                continue
             leads = set(Membership.objects.filter(tenant=obj, role=Role.LEAD).values_list("pk", flat=True))
             had_lead, new_leads = bool(leads), 0
             for form in formset.forms:
                 if not getattr(form, "cleaned_data", None):
                     continue
                 pk, deleting = form.instance.pk, formset._should_delete_form(form)
-                _refuse_changed_user(form)
                 is_lead = not deleting and form.cleaned_data.get("role") == Role.LEAD
                 if pk:
                     (leads.add if is_lead else leads.discard)(pk)
@@ -251,8 +261,8 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
         tenant = form.instance
         actor = request.user
         for sub in formset.forms:  # before any write (changeform_view checked already; this is the last word)
-            if isinstance(sub.instance, Membership):
-                _refuse_changed_user(sub)
+            if getattr(sub, "cleaned_data", None) and not formset._should_delete_form(sub):
+                _refuse_changed_key(sub)
         def lead_first(sub) -> int:  # new or promoted leads before demotions, so a lead always remains
             data = getattr(sub, "cleaned_data", None) or {}
             return 0 if data.get("role") == Role.LEAD and not formset._should_delete_form(sub) else 1

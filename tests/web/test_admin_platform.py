@@ -312,3 +312,22 @@ def test_saving_a_cluster_page_never_writes_back_what_a_worker_changed_meanwhile
     page = staff.get(reverse("admin:provisioning_virtualcluster_change", args=[cluster.pk]))
     assert page.status_code == 200 and b'name="_save"' not in page.content
     assert b"teardown_clusters" in staff.get(reverse("admin:provisioning_virtualcluster_changelist")).content
+
+
+def test_moving_a_quota_to_another_pool_on_the_tenant_page_is_refused_not_ignored(world, staff):
+    from reservations.models import Pool
+    from tenants.models import Quota
+
+    tenant = world.tenants["alpha"]
+    other = Pool.objects.create(name="a100", gpu_model="A100", gpus_per_node=8)
+    quota = Quota.objects.get(tenant=tenant, pool=world.pool)
+    data, _ = _tenant_post(world, tenant, name="Renamed Alpha", **{
+        "quotas-TOTAL_FORMS": "1", "quotas-INITIAL_FORMS": "1", "quotas-0-id": str(quota.pk),
+        "quotas-0-tenant": str(tenant.pk), "quotas-0-pool": str(other.pk), "quotas-0-max_nodes": "3",
+        "quotas-0-burst_nodes": "1", "quotas-0-max_duration_hours": ""})
+    response = staff.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]), data, follow=True)
+    text = response.content.decode()
+    # was: "changed successfully" while the quota stayed on its pool (quota_update takes only the numbers)
+    assert "was changed successfully" not in text and "delete its row and add a new one" in text
+    assert list(Quota.objects.filter(tenant=tenant).values_list("pool__name", flat=True)) == ["h100"]
+    assert Tenant.objects.get(pk=tenant.pk).name == "Team Alpha"  # refused before anything was saved
