@@ -13,6 +13,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.db.models import Count
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
@@ -84,9 +85,12 @@ class PoolAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False  # nodes and bookings point at pools; retire nodes instead
 
-    @admin.display(description="nodes")
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(node_count=Count("nodes"))
+
+    @admin.display(description="nodes", ordering="node_count")
     def node_total(self, obj: Pool) -> int:
-        return obj.nodes.count()
+        return obj.node_count  # counted in the list's own query, not one COUNT per row
 
     def save_model(self, request, obj, form, change):
         data = {f: form.cleaned_data[f] for f in services.POOL_FIELDS if f in form.cleaned_data}

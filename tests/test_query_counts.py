@@ -46,6 +46,25 @@ def test_cluster_admin_changelist_runs_the_same_queries_for_3_and_30_clusters():
     assert big == small, f"{small} queries for 3 clusters, {big} for 30 (Reservation.__str__ loads tenant and pool)"
 
 
+def test_pool_admin_changelist_runs_the_same_queries_for_2_and_12_pools():
+    from reservations.models import Pool
+
+    world = make_world()
+    client = _client(world, "staff")
+
+    def pools(names):
+        for name in names:
+            pool = Pool.objects.create(name=name, gpu_model="A100", gpus_per_node=8)
+            Node.objects.bulk_create([Node(hostname=f"{name}-{i}", pool=pool) for i in range(3)])
+
+    pools(["p1"])
+    small = _count(client, "/admin/reservations/pool/")
+    pools([f"p{i}" for i in range(2, 12)])
+    big = _count(client, "/admin/reservations/pool/")
+    assert big == small, f"{small} queries for 2 pools, {big} for 12 (a COUNT of nodes per pool row)"
+    assert "<td class=\"field-node_total\">3</td>" in client.get("/admin/reservations/pool/").content.decode()
+
+
 # --- 2. N+1 on the dashboard's cluster badges ------------------------------------------------------
 
 
