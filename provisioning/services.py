@@ -53,7 +53,15 @@ from tenants.models import Tenant
 from tenants.services import tenant_update
 
 from . import crypto
-from .backends.base import BackendConflict, BackendError, ClusterContext, Drift, PhaseResult, ProvisioningBackend
+from .backends.base import (
+    BackendConflict,
+    BackendError,
+    ClusterContext,
+    DrainIncomplete,
+    Drift,
+    PhaseResult,
+    ProvisioningBackend,
+)
 from .backends.registry import backend_for_orchestrator, configured_backends, get_backend, holds_bookings
 from .choices import (
     CREDENTIAL_FILENAMES,
@@ -1082,6 +1090,7 @@ def _node_sync_locked(node_id: int) -> dict[str, int]:
     if node is None:
         return {}
     out = node.state in OUT_OF_SERVICE
+    unfinished = []  # drains to try again (a pod whose disruption budget said "not now")
     for name in configured_backends():
         try:
             with _backend(name) as backend:
@@ -1091,12 +1100,18 @@ def _node_sync_locked(node_id: int) -> dict[str, int]:
                     backend.resume_node(node.hostname)
         except BackendError as exc:
             logger.warning("node %s: %s backend: %s (reconcile will repair)", node.hostname, name, exc.message)
+            if out and isinstance(exc, DrainIncomplete):
+                unfinished.append(f"{name}: {exc.message}")
     if not out:
         return {}
     try:
         outcomes = node_replace_allocations(node=node, reason=f"{node.hostname} is {node.state}")
     except InvalidState:  # back in service before we got here: nothing to move
-        return {}
+        outcomes = []
+    if unfinished:
+        # The bookings have moved; the drain itself is tried again (it is idempotent, and a second move
+        # finds nothing left), until the task's retries run out and reconcile takes over.
+        raise RetryLater(_backoff(1), f"drain of {node.hostname} unfinished: {'; '.join(unfinished)}")
     return dict(Counter(outcome["result"] for outcome in outcomes))
 
 

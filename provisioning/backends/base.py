@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "BackendError",
     "BackendConflict",
+    "DrainIncomplete",
     "ClusterContext",
     "PhaseResult",
     "BackendStatus",
@@ -45,6 +46,11 @@ class BackendConflict(BackendError):
     def __init__(self, message: str, *, conflicting: Iterable[str] = ()) -> None:
         super().__init__(message, transient=True)
         self.conflicting = tuple(conflicting)
+
+
+class DrainIncomplete(BackendError):
+    """A drain took the node out of service but could not empty it yet (a pod's disruption budget said
+    "not now"): the caller tries again later."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,9 @@
   pod is still on a node when it is handed back. ``teardown`` returns False until then;
   the caller polls (a Celery retry).
 - Credentials: a TokenRequest for the tenant's ServiceAccount, expiring with the window.
+- Draining a node the portal took out of service: the tenants' pods on it are evicted through
+  the ``pods/eviction`` subresource (policy/v1), which honours PodDisruptionBudgets; a 429 is
+  "not now" and is reported for a later try, never turned into a plain delete.
 
 Responses are read raw (``_preload_content=False``) and parsed as JSON: the pure
 functions in ``k8s_manifests`` work on the API's own camelCase dicts, and this does not
@@ -27,7 +30,8 @@ paths, verbs, content types, ``fieldManager``/``force`` parameters, bodies, bear
 the 404/409 handling and the teardown order. Never tried against a live cluster: that the
 API server accepts these apply bodies and merge patches (the objects are validated
 against the published OpenAPI schemas, not by an API server's admission chain), the
-409 on a stale ``resourceVersion`` in a merge patch, TokenRequest expiry caps
+409 on a stale ``resourceVersion`` in a merge patch, the eviction subresource's answers (modelled
+on the API server's 201/404/429/500, not observed), TokenRequest expiry caps
 (``--service-account-max-token-expiration`` may shorten tokens), namespace finalisation
 timing, and the effect of the admission-plugin annotations, Pod Security labels,
 NetworkPolicies (CNI-dependent) and the GPU operator's MIG label.
@@ -37,7 +41,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from datetime import UTC, datetime
 from typing import Any, Self
 
@@ -63,6 +67,8 @@ from .k8s_manifests import (
 FIELD_MANAGER = "gpu-portal"
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE = "application/merge-patch+json"
+# The kubelet's copy of a static pod: deleting it through the API does nothing.
+MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
 
 
 class K8sApplyError(Exception):
@@ -86,6 +92,31 @@ _APPLY_TABLE: dict[tuple[str, str], tuple[str, str, bool]] = {
 def _json(response: Any) -> dict[str, Any]:
     data = response.data
     return json.loads(data) if data else {}
+
+
+def _evictable(pod: dict[str, Any], namespaces: Collection[str]) -> bool:
+    meta = pod.get("metadata") or {}
+    if meta.get("namespace") not in namespaces or meta.get("deletionTimestamp"):
+        return False
+    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return False
+    if MIRROR_POD_ANNOTATION in (meta.get("annotations") or {}):
+        return False
+    owners = meta.get("ownerReferences") or []
+    return not any(ref.get("kind") == "DaemonSet" and ref.get("controller") for ref in owners)
+
+
+def _refusal(exc: ApiException) -> str:
+    """Say why the API server refused an eviction, with the budget's own words when it gives them."""
+    try:
+        status = json.loads(exc.body or "{}")
+    except ValueError:
+        status = {}
+    causes = [c.get("message") for c in ((status.get("details") or {}).get("causes") or []) if c.get("message")]
+    message = "; ".join(causes) or status.get("message") or exc.reason
+    if exc.status == 429:
+        return f"its PodDisruptionBudget allows no disruption now ({message}); try again later"
+    return f"{exc.status} {message}"
 
 
 def object_ref(manifest: Manifest) -> str:
@@ -268,6 +299,63 @@ class TenantClusterApplier:
         """
         return self._patch_existing_node(
             "release", hostname, lambda node: claim_release_patch(node, reservation_id=reservation_id))
+
+    # --- Pods on a node the portal drains ---
+
+    def pods_on_node(self, hostname: str) -> list[dict[str, Any]]:
+        """Return every pod bound to the node, of any namespace, as the API sends them."""
+        try:
+            response = self._core.list_pod_for_all_namespaces(
+                field_selector=f"spec.nodeName={hostname}", _preload_content=False,
+                _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            raise K8sApplyError(f"list pods on node {hostname} failed: {exc.status} {exc.reason}") from exc
+        return list(_json(response).get("items") or [])
+
+    def tenant_pods_on_node(self, hostname: str, namespaces: Collection[str]) -> list[dict[str, Any]]:
+        """The node's pods a drain evicts: those of ``namespaces`` (the tenants') that still run there.
+
+        Left alone, as ``kubectl drain`` leaves them: DaemonSet pods (their controller ignores the
+        cordon and would put them straight back), static (mirror) pods, pods already terminating
+        and pods that have finished.
+        """
+        return [pod for pod in self.pods_on_node(hostname) if _evictable(pod, namespaces)]
+
+    def evict_pod(self, namespace: str, name: str) -> str | None:
+        """Evict one pod through the Eviction API (policy/v1), which honours its PodDisruptionBudget.
+
+        Return None once the eviction is accepted (or the pod is gone), else why it was refused:
+        a 429 is a budget that allows no disruption now (try again later).
+        """
+        body = k8s.V1Eviction(api_version="policy/v1", kind="Eviction",
+                              metadata=k8s.V1ObjectMeta(name=name, namespace=namespace))
+        try:
+            # This client version ignores _content_type here and would send no Content-Type at all.
+            self._core.create_namespaced_pod_eviction(
+                name, namespace, body, _headers={"Content-Type": "application/json"}, _preload_content=False,
+                _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            return _refusal(exc)
+        return None
+
+    def evict_tenant_pods(self, hostname: str, namespaces: Collection[str]) -> tuple[list[str], list[str]]:
+        """Evict the tenants' pods from the node; return (evicted, refused) as ``ns/name`` (``: why``).
+
+        Every pod is tried, whatever happened to the one before: one budget that says "not now"
+        must not keep the others on a failing node.
+        """
+        evicted, refused = [], []
+        for pod in self.tenant_pods_on_node(hostname, namespaces):
+            meta = pod["metadata"]
+            ref = f"{meta['namespace']}/{meta['name']}"
+            why = self.evict_pod(meta["namespace"], meta["name"])
+            if why is None:
+                evicted.append(ref)
+            else:
+                refused.append(f"{ref}: {why}")
+        return evicted, refused
 
     # --- Whole lifecycle ---
 

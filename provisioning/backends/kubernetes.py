@@ -24,6 +24,7 @@ from .base import (
     BackendError,
     BackendStatus,
     ClusterContext,
+    DrainIncomplete,
     Drift,
     PhaseResult,
     ProvisioningBackend,
@@ -43,6 +44,9 @@ from .k8s_manifests import (
 )
 
 __all__ = ["KubernetesBackend"]
+
+# Node states in which the portal keeps work off a node (reservations.choices.OUT_OF_SERVICE, by value).
+OUT_OF_SERVICE = frozenset({"failed", "draining", "maintenance", "retired"})
 
 _RENDER_ONLY_CA = base64.b64encode(b"render-only: no cluster configured").decode()
 
@@ -254,34 +258,65 @@ class KubernetesBackend(ProvisioningBackend):
     # --- nodes the portal took out of service ---
 
     def drain_node(self, hostname: str, reason: str) -> None:
-        """Cordon the node: no new pod is scheduled there (the booking moves to a spare; pods already
-        running stay until they end or the claim on the node is lifted)."""
+        """Cordon the node (no new pod lands there), then evict the tenants' pods still running on it.
+
+        Evictions go through the Eviction API, which honours each pod's PodDisruptionBudget; the pods'
+        controllers start them again elsewhere (the booking moves to a spare). Pods of other namespaces
+        (the operator's, kube-system) and DaemonSet pods stay. A pod that could not be evicted (a budget
+        that allows no disruption now) is a DrainIncomplete naming it, after every other pod was tried:
+        the caller tries again later, as reconcile does. Safe to repeat.
+        """
         if not self.render_only:
             self._call("cordon node", self.applier.cordon_node, hostname, " ".join(reason.split())[:250])
+            self._evict(hostname, self._tenant_namespaces())
+
+    def _tenant_namespaces(self) -> set[str]:
+        listed = self._call("list namespaces", self.applier.list_namespaces, f"{MANAGED_BY_LABEL}={MANAGED_BY}")
+        return {name for ns in listed if (name := (ns.get("metadata") or {}).get("name"))}
+
+    def _evict(self, hostname: str, namespaces: set[str]) -> None:
+        _evicted, refused = self._call("evict pods", self.applier.evict_tenant_pods, hostname, namespaces)
+        if refused:
+            more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+            raise DrainIncomplete(f"node {hostname}: {len(refused)} tenant pod(s) not evicted: "
+                               f"{'; '.join(refused[:3])}{more}")
 
     def resume_node(self, hostname: str) -> None:
         if not self.render_only:
             self._call("uncordon node", self.applier.uncordon_node, hostname)
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
-        """Cordon what the portal took out of service; uncordon what it cordoned and put back."""
+        """Cordon and empty what the portal took out of service; uncordon what it cordoned and put back."""
         if self.render_only:
             return []
         drifts: list[Drift] = []
-        for node in self._call("list nodes", self.applier.list_nodes):
+        nodes = self._call("list nodes", self.applier.list_nodes)
+        out = sorted(name for node in nodes if states.get(name := (node.get("metadata") or {}).get("name", "?"))
+                     in OUT_OF_SERVICE)
+        # Read every pod before changing anything (as everywhere in reconcile).
+        namespaces = self._tenant_namespaces() if out else set()
+        running = {hostname: [f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in self._call(
+            "list pods", self.applier.tenant_pods_on_node, hostname, namespaces)] for hostname in out}
+        for node in nodes:
             meta = node.get("metadata") or {}
             hostname = meta.get("name", "?")
             state = states.get(hostname)
             if state is None:
                 continue  # not a portal node
-            out_of_service = state in ("failed", "draining", "maintenance", "retired")
+            out_of_service = state in OUT_OF_SERVICE
             cordoned = bool((node.get("spec") or {}).get("unschedulable"))
             ours = CORDON_ANNOTATION in (meta.get("annotations") or {})
+            pods = running.get(hostname) or []
+            still = f"; {len(pods)} tenant pod(s) still on it: {', '.join(pods[:3])}" if pods else ""
             if out_of_service and not cordoned:
                 drifts.append(repaired_drift(
-                    "node", hostname, f"portal says {state}, the node is schedulable", fix=fix,
+                    "node", hostname, f"portal says {state}, the node is schedulable{still}", fix=fix,
                     repair=lambda hostname=hostname, state=state: self.drain_node(
                         hostname, f"node is {state} in the portal")))
+            elif out_of_service and pods:
+                drifts.append(repaired_drift(
+                    "node", hostname, f"portal says {state}, cordoned{still}", fix=fix,
+                    repair=lambda hostname=hostname: self._evict(hostname, namespaces)))
             elif not out_of_service and cordoned and ours:
                 drifts.append(repaired_drift("node", hostname, f"portal says {state}, cordoned for us", fix=fix,
                                              repair=lambda hostname=hostname: self.resume_node(hostname)))

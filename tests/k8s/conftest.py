@@ -102,6 +102,31 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
             "message": message}
 
 
+def make_pod(name: str, namespace: str, node: str, *, labels: dict[str, str] | None = None,
+             owner_kind: str | None = "ReplicaSet", phase: str = "Running",
+             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """Return a Pod bound to ``node`` as the API server would send it (owned by a ReplicaSet by default)."""
+    owners = [{"apiVersion": "apps/v1", "kind": owner_kind, "name": f"{name}-owner", "uid": f"uid-{name}-owner",
+               "controller": True, "blockOwnerDeletion": True}] if owner_kind else []
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{namespace}-{name}", "resourceVersion": "1",
+                     "labels": dict(labels or {}), "annotations": dict(annotations or {}), "ownerReferences": owners},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "cuda:12.8"}]},
+        "status": {"phase": phase},
+    }
+
+
+def make_pdb(name: str, namespace: str, match_labels: dict[str, str], *, disruptions_allowed: int) -> dict[str, Any]:
+    """Return a policy/v1 PodDisruptionBudget whose controller currently allows ``disruptions_allowed``."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"selector": {"matchLabels": dict(match_labels)}, "maxUnavailable": 1},
+            "status": {"disruptionsAllowed": disruptions_allowed, "currentHealthy": 1, "desiredHealthy": 1,
+                       "expectedPods": 1}}
+
+
 @dataclass
 class LoopbackApiServer:
     """State and request log of the loopback server (see module docstring)."""
@@ -114,6 +139,11 @@ class LoopbackApiServer:
     terminating_reads: int = 0
     # (method, path) -> statuses to answer with, one per matching request, before normal handling.
     inject: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    # (namespace, name) -> Pod. An evicted pod stays, terminating (metadata.deletionTimestamp), as it
+    # does while the kubelet stops it; a test deletes it when it wants it gone.
+    pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # (namespace, name) -> PodDisruptionBudget; an eviction spends one of status.disruptionsAllowed.
+    pdbs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # Called with the node name just before a node PATCH is handled (to simulate a racing writer).
     before_node_patch: Callable[[str], None] | None = None
     _pending_deletes: dict[str, int] = field(default_factory=dict)
@@ -133,6 +163,12 @@ class LoopbackApiServer:
                 return code, _status(code, "Injected", f"injected {code}")
             if method == "GET" and path in ("/api/v1/nodes", "/api/v1/namespaces"):
                 return self._list(path, (query.get("labelSelector") or [""])[0])
+            if method == "GET" and (m := re.fullmatch(r"/api/v1(?:/namespaces/([^/]+))?/pods", path)):
+                return self._list_pods(m.group(1), (query.get("fieldSelector") or [""])[0])
+            if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction", path):
+                if method != "POST":
+                    return 405, _status(405, "MethodNotAllowed", f"the server does not allow {method} on eviction")
+                return self._evict(m.group(1), m.group(2), headers, body)
             return self._route(method, path, headers, body)
 
     def _list(self, path: str, selector: str) -> tuple[int, dict[str, Any]]:
@@ -150,6 +186,61 @@ class LoopbackApiServer:
 
         return 200, {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
                      "items": [copy.deepcopy(obj) for obj in items.values() if matches(obj)]}
+
+    def _list_pods(self, namespace: str | None, selector: str) -> tuple[int, dict[str, Any]]:
+        """List pods (of one namespace, or all) matching a field selector of ``spec.nodeName=`` terms."""
+        terms = [t.partition("=") for t in selector.split(",") if t]
+        for key, _, _ in terms:
+            if key not in ("spec.nodeName", "metadata.namespace"):
+                return 400, _status(400, "BadRequest", f'field label not supported: "{key}"')
+
+        def matches(pod: dict[str, Any]) -> bool:
+            values = {"spec.nodeName": pod["spec"].get("nodeName", ""),
+                      "metadata.namespace": pod["metadata"]["namespace"]}
+            return all(values[key] == value for key, _, value in terms)
+
+        items = [copy.deepcopy(p) for (ns, _), p in sorted(self.pods.items())
+                 if (namespace is None or ns == namespace) and matches(p)]
+        return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items}
+
+    def _evict(self, namespace: str, name: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """The pods/eviction subresource as the API server answers it (PodDisruptionBudgets honoured)."""
+        # No Content-Type is read as the first supported one, JSON (as the API server negotiates it).
+        content_type = headers.get("content-type") or "application/json"
+        if not content_type.startswith("application/json"):
+            return 415, _status(415, "UnsupportedMediaType", content_type)
+        eviction = json.loads(body)
+        if eviction.get("kind") != "Eviction" or eviction.get("apiVersion") not in ("policy/v1", "policy/v1beta1"):
+            what = f"{eviction.get('apiVersion')}/{eviction.get('kind')}"
+            return 400, _status(400, "BadRequest", f"not an Eviction: {what}")
+        if (eviction.get("metadata") or {}).get("name") != name:
+            return 400, _status(400, "BadRequest", "name in URL does not match name in Eviction object")
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            return 404, _status(404, "NotFound", f'pods "{name}" not found')
+        ok = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+        if pod["metadata"].get("deletionTimestamp") or pod["status"].get("phase") in ("Succeeded", "Failed"):
+            return 201, ok  # already going, or done: no budget to spend
+        labels = pod["metadata"].get("labels") or {}
+        budgets = [b for (ns, _), b in sorted(self.pdbs.items()) if ns == namespace and all(
+            labels.get(k) == v for k, v in b["spec"]["selector"]["matchLabels"].items())]
+        if len(budgets) > 1:
+            return 500, _status(500, "InternalError", "This pod has more than one PodDisruptionBudget, which the "
+                                "eviction subresource does not support.")
+        if budgets:
+            budget = budgets[0]
+            if budget["status"]["disruptionsAllowed"] <= 0:
+                status = _status(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's "
+                                 "disruption budget.")
+                status["details"] = {"causes": [{"reason": "DisruptionBudget", "message": (
+                    f"The disruption budget {budget['metadata']['name']} needs "
+                    f"{budget['status']['desiredHealthy']} healthy pods and has "
+                    f"{budget['status']['currentHealthy']} currently")}]}
+                return 429, status
+            budget["status"]["disruptionsAllowed"] -= 1
+        pod["metadata"]["deletionTimestamp"] = "2026-03-02T09:00:30Z"
+        pod["metadata"]["deletionGracePeriodSeconds"] = 30
+        return 201, ok
 
     def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
         content_type = headers.get("content-type", "")

@@ -21,7 +21,7 @@ from provisioning.backends.k8s_apply import (
     TenantClusterApplier,
 )
 
-from .conftest import NOW, WINDOW_END, LoopbackApiServer, make_node, make_spec
+from .conftest import NOW, WINDOW_END, LoopbackApiServer, make_node, make_pdb, make_pod, make_spec
 
 NS = "tenant-research-r42"
 EXPECTED_APPLY_PATHS = [
@@ -277,3 +277,61 @@ def test_tenant_kubeconfig_authenticates_as_the_service_account(
     assert read.path == f"/api/v1/namespaces/{NS}"
     assert read.headers["authorization"] == f"Bearer token-for-{NS}-tenant-admin"
     assert yaml.safe_load(tenant_config.read_text())["contexts"][0]["context"]["namespace"] == NS
+
+
+def test_evicting_a_nodes_tenant_pods_uses_the_eviction_api_and_honours_budgets(
+        api_server: LoopbackApiServer, applier: TenantClusterApplier) -> None:
+    """Only the tenants' running pods on that node are evicted, each through pods/eviction (policy/v1), so a
+    PodDisruptionBudget is honoured; one the budget keeps (429) is named, and the others are still evicted."""
+    node, other = "h100-sxm-001", "h100-sxm-002"
+    pods = [
+        make_pod("train-a", NS, node, labels={"app": "train"}),
+        make_pod("serve-a", NS, node, labels={"app": "serve"}),
+        make_pod("serve-b", NS, node, labels={"app": "serve-b"}),
+        make_pod("monitor", NS, node, owner_kind="DaemonSet"),  # its controller would put it straight back
+        make_pod("done", NS, node, phase="Succeeded"),
+        make_pod("static", NS, node, owner_kind=None, annotations={"kubernetes.io/config.mirror": "x"}),
+        make_pod("elsewhere", NS, other),  # the tenant's pod on a healthy node
+        make_pod("dns", "kube-system", node),  # not a tenant's namespace
+    ]
+    for pod in pods:
+        api_server.pods[(pod["metadata"]["namespace"], pod["metadata"]["name"])] = pod
+    api_server.pdbs[(NS, "serve")] = make_pdb("serve", NS, {"app": "serve"}, disruptions_allowed=0)
+    api_server.pdbs[(NS, "serve-b")] = make_pdb("serve-b", NS, {"app": "serve-b"}, disruptions_allowed=1)
+
+    evicted, refused = applier.evict_tenant_pods(node, {NS})
+    assert evicted == [f"{NS}/serve-b", f"{NS}/train-a"]
+    assert len(refused) == 1 and refused[0].startswith(f"{NS}/serve-a: its PodDisruptionBudget allows no disruption")
+    assert "The disruption budget serve needs 1 healthy pods" in refused[0]
+    posts = api_server.of("POST", f"/api/v1/namespaces/{NS}/pods/")
+    assert {r.path for r in posts} == {f"/api/v1/namespaces/{NS}/pods/{n}/eviction" for n in ("train-a", "serve-a",
+                                                                                             "serve-b")}
+    body = posts[0].json()
+    assert posts[0].headers["content-type"] == "application/json"
+    assert body["apiVersion"] == "policy/v1" and body["kind"] == "Eviction"
+    assert body["metadata"] == {"name": posts[0].path.split("/")[-2], "namespace": NS}
+    assert api_server.pods[(NS, "train-a")]["metadata"]["deletionTimestamp"]
+    assert not api_server.pods[(NS, "serve-a")]["metadata"].get("deletionTimestamp")
+    for key in ((NS, "monitor"), (NS, "elsewhere"), ("kube-system", "dns")):
+        assert not api_server.pods[key]["metadata"].get("deletionTimestamp")
+
+    # Again: the pods already going are not evicted twice; the budget still says no.
+    assert applier.evict_tenant_pods(node, {NS})[0] == []
+    assert len(api_server.of("POST", f"/api/v1/namespaces/{NS}/pods/")) == 4
+    api_server.pdbs[(NS, "serve")]["status"]["disruptionsAllowed"] = 1  # the replacement is ready elsewhere
+    assert applier.evict_tenant_pods(node, {NS}) == ([f"{NS}/serve-a"], [])
+    assert applier.tenant_pods_on_node(node, {NS}) == []
+
+
+def test_an_eviction_of_a_pod_gone_meanwhile_is_done_and_a_server_error_is_named(
+        api_server: LoopbackApiServer, applier: TenantClusterApplier) -> None:
+    node = "h100-sxm-001"
+    for name in ("gone", "ambiguous"):
+        api_server.pods[(NS, name)] = make_pod(name, NS, node, labels={"app": name})
+    api_server.pdbs[(NS, "one")] = make_pdb("one", NS, {"app": "ambiguous"}, disruptions_allowed=1)
+    api_server.pdbs[(NS, "two")] = make_pdb("two", NS, {"app": "ambiguous"}, disruptions_allowed=1)
+    api_server.inject[("POST", f"/api/v1/namespaces/{NS}/pods/gone/eviction")] = [404]
+    evicted, refused = applier.evict_tenant_pods(node, {NS})
+    assert evicted == [f"{NS}/gone"]
+    assert refused == [f"{NS}/ambiguous: 500 This pod has more than one PodDisruptionBudget, which the eviction "
+                       "subresource does not support."]

@@ -17,7 +17,7 @@ from provisioning import crypto, services
 from provisioning.backends import k8s_manifests as m
 from provisioning.models import ClusterCredential, VirtualCluster
 from reservations.models import Allocation
-from tests.k8s.conftest import api_server, make_node, make_spec  # noqa: F401 - the loopback fixture
+from tests.k8s.conftest import api_server, make_node, make_pdb, make_pod, make_spec  # noqa: F401 - the loopback fixture
 
 from .conftest import book, loopback_k8s
 
@@ -459,3 +459,73 @@ def test_a_teardown_in_progress_is_no_drift(world, t0, k8s, capsys):
     call_command("reconcile", "--backend", "kubernetes", "--fix")
     assert "1 drift(s), 1 repaired" in capsys.readouterr().out
     assert not is_claimed(k8s, host)
+
+
+def put_pods(server, *pods) -> None:
+    for pod in pods:
+        server.pods[(pod["metadata"]["namespace"], pod["metadata"]["name"])] = pod
+
+
+def terminating(server, namespace: str, name: str) -> bool:
+    return bool(server.pods[(namespace, name)]["metadata"].get("deletionTimestamp"))
+
+
+def test_a_failed_node_is_drained_of_the_tenants_pods(world, t0, k8s):
+    """A drain only cordoned the node: the tenant's pods kept running on the failing GPU. The tenant's pods
+    on that node are evicted through the Eviction API; its DaemonSet pods, its pods on other nodes and
+    everything outside the portal's tenant namespaces stay. A second sync evicts nothing twice."""
+    reservation, _cluster = ready_k8s_cluster(world, t0)
+    bad, good = held_hosts(reservation)
+    namespace = f"tenant-alpha-r{reservation.pk}"
+    put_pods(k8s, make_pod("train-0", namespace, bad), make_pod("train-1", namespace, bad),
+             make_pod("exporter", namespace, bad, owner_kind="DaemonSet"),
+             make_pod("train-2", namespace, good), make_pod("nvidia-driver", "gpu-operator", bad))
+
+    assert fail_node(world, bad) == {"replaced": 1}
+    assert k8s.nodes[bad]["spec"]["unschedulable"] is True
+    evictions = sorted(r.path for r in k8s.of("POST") if r.path.endswith("/eviction"))
+    assert evictions == [f"/api/v1/namespaces/{namespace}/pods/train-{i}/eviction" for i in (0, 1)]
+    assert terminating(k8s, namespace, "train-0") and terminating(k8s, namespace, "train-1")
+    assert not terminating(k8s, namespace, "exporter") and not terminating(k8s, namespace, "train-2")
+    assert not terminating(k8s, "gpu-operator", "nvidia-driver")
+
+    from reservations.models import Node
+    assert services.node_sync(node_id=Node.objects.get(hostname=bad).pk) == {}  # delivered twice
+    assert len([r for r in k8s.of("POST") if r.path.endswith("/eviction")]) == 2
+
+
+def test_a_pod_its_disruption_budget_keeps_is_retried_and_reported_until_evicted(world, t0, k8s, capsys):
+    """A 429 from pods/eviction means "not now": the drain says so (the task tries again), reconcile reports
+    the pod still on the failed node (also once the claim was lifted) and evicts it once the budget allows."""
+    from django.core.management import call_command
+
+    from reservations.models import Node
+
+    reservation, _cluster = ready_k8s_cluster(world, t0)
+    before = held_hosts(reservation)
+    bad = before[0]
+    namespace = f"tenant-alpha-r{reservation.pk}"
+    put_pods(k8s, make_pod("serve-0", namespace, bad, labels={"app": "serve"}), make_pod("train-0", namespace, bad))
+    k8s.pdbs[(namespace, "serve")] = make_pdb("serve", namespace, {"app": "serve"}, disruptions_allowed=0)
+
+    with pytest.raises(services.RetryLater, match=f"{namespace}/serve-0: its PodDisruptionBudget allows no"):
+        fail_node(world, bad)
+    assert terminating(k8s, namespace, "train-0") and not terminating(k8s, namespace, "serve-0")
+    [spare] = set(held_hosts(reservation)) - set(before)  # the booking moved to a spare all the same
+    services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad, spare=spare)
+    assert not is_claimed(k8s, bad)  # the claim is gone; the pod is not
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes", "--fix")
+    out = capsys.readouterr().out
+    assert (f"kubernetes: node {bad}: portal says failed, cordoned; 1 tenant pod(s) still on it: "
+            f"{namespace}/serve-0; repair failed:") in out, out
+    assert "1 drift(s), 0 repaired" in out
+
+    k8s.pdbs[(namespace, "serve")]["status"]["disruptionsAllowed"] = 1  # its replacement is ready elsewhere
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert terminating(k8s, namespace, "serve-0")
+    call_command("reconcile", "--backend", "kubernetes")
+    assert "0 drift(s)" in capsys.readouterr().out
+    assert services.node_sync(node_id=Node.objects.get(hostname=bad).pk) == {}  # the task's retry: done
