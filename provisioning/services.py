@@ -1145,8 +1145,8 @@ def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, faile
                 backend.swap_node(ctx, failed, spare)
             elif built and ctx.nodes:
                 _keep_secrets(cluster.pk, backend.update_window(ctx))  # the node set shrank
-            elif holds_bookings(cluster.backend) and ctx.nodes:
-                _book(backend, ctx, repair=True)
+            elif holds_bookings(cluster.backend):
+                _book(backend, ctx, repair=True)  # with no node left, the backend lets go of the booking
     except BackendError as exc:
         _degrade(cluster.pk, f"could not replace {failed} in the {cluster.backend} backend: {exc.message}", failed)
         return "degraded"

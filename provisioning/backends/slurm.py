@@ -108,6 +108,20 @@ class SlurmBackend(ProvisioningBackend):
             detail=f"Slurm reservation {name} {result.action.value}",
         )
 
+    def _hold(self, ctx: ClusterContext) -> PhaseResult:
+        """_ensure the booking's reservation; a booking left with no node (each failed, no spare free) has none.
+
+        Slurm has no empty reservation, and one left on the failed nodes would start the tenant's jobs
+        there again once they are resumed, while the portal hands them to others. The booking gets a
+        reservation again when it gets nodes (an edit that re-allocates it).
+        """
+        if ctx.nodes:
+            return self._ensure(ctx)
+        name = self.reservation_name(ctx)
+        self._delete(name)
+        return PhaseResult(connection=self._connection(ctx),
+                           detail=f"booking holds no nodes: Slurm reservation {name} removed")
+
     def _overlapping(self, ctx: ClusterContext, *, exclude: str) -> list[str]:
         """Name the Slurm reservations that hold any of ctx's nodes during its window."""
         try:
@@ -129,7 +143,7 @@ class SlurmBackend(ProvisioningBackend):
     # --- booking ---
 
     def book(self, ctx: ClusterContext) -> PhaseResult:
-        return self._ensure(ctx)
+        return self._hold(ctx)
 
     def release_booking(self, ctx: ClusterContext) -> None:
         self.teardown(ctx)
@@ -166,7 +180,7 @@ class SlurmBackend(ProvisioningBackend):
     # --- changes ---
 
     def update_window(self, ctx: ClusterContext) -> PhaseResult:
-        return self._ensure(ctx)
+        return self._hold(ctx)
 
     def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:
         result = self._ensure(ctx)
@@ -249,7 +263,12 @@ class SlurmBackend(ProvisioningBackend):
             if ctx.end <= now:
                 continue  # Slurm purges ended reservations itself
             res = existing.get(name)
-            if res is None:
+            if not ctx.nodes:
+                if res is None:
+                    continue  # holds no node, so no reservation: right as it is
+                kind, detail = "mismatch", (f"the booking holds no nodes (failed, no spare free); Slurm holds "
+                                            f"{','.join(res.nodes)}")
+            elif res is None:
                 kind, detail = "missing", "Slurm has no reservation for this booking"
             elif (set(res.nodes) != set(ctx.nodes) or res.end != ctx.end.astimezone(UTC).replace(microsecond=0)
                   or not same_start(res, ctx.start, now) or res.accounts != {ctx.tenant_slug}):
@@ -257,7 +276,7 @@ class SlurmBackend(ProvisioningBackend):
                                             f"for {','.join(sorted(res.accounts)) or 'no account'}")
             else:
                 continue
-            drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._ensure(ctx)))
+            drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._hold(ctx)))
         return drifts
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:

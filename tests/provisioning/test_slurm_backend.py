@@ -343,3 +343,38 @@ def test_reconcile_fix_never_deletes_a_booking_made_while_it_runs(fleet, t0, slu
     assert not [d for d in drifts if d["name"] == f"alpha-{late.pk}"]
     assert orphan not in in_slurm  # the real orphan still goes
     assert [d["kind"] for d in drifts if d["name"] == orphan] == ["orphan"]
+
+
+def test_a_booking_left_with_no_nodes_lets_go_of_its_slurm_reservation_and_is_no_alert(fleet, slurm_backend, capsys):
+    """Every node of a booking failed with no spare free. Its Slurm reservation stayed on the failed node
+    (whose jobs Slurm would start for the tenant again once the node is resumed, while the portal gives it
+    to others), and reconcile reported it every run as drift whose repair failed ("a reservation needs at
+    least one node"): exit 1, an alert for nothing anyone can fix. Slurm has no empty reservation: a
+    booking that holds no node has none, which is no drift; one left behind is removed by --fix."""
+    start = now_slot(fleet)
+    reservation = booked(fleet, "alpha-lead", start, hours=3, nodes=1)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    name = f"alpha-{reservation.pk}"
+    [host] = hosts(reservation)
+    booked(fleet, "beta-lead", start, hours=3, nodes=5)  # no spare free
+    bad = Node.objects.get(hostname=host)
+    node_update(actor=fleet.users["staff"], node=bad, state=NodeState.FAILED, reason="XID 79")
+    assert services.node_sync(node_id=bad.pk) == {"degraded": 1}
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=host, spare=None) == "degraded"
+    assert name not in slurm_backend.show_reservations()
+    call_command("reconcile")  # exit 0: no SystemExit
+    assert "0 drift(s)" in capsys.readouterr().out
+
+    # One left behind (its sync was lost) is no "repair failed" for ever: --fix lets go of it.
+    slurm_backend.create_reservation(name, [host], start, reservation.period.upper, accounts=["alpha"])
+    with pytest.raises(SystemExit):
+        call_command("reconcile")
+    assert f"slurm: mismatch {name}: the booking holds no nodes (failed, no spare free); Slurm holds {host}" in \
+        capsys.readouterr().out
+    call_command("reconcile", "--fix")
+    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert name not in slurm_backend.show_reservations()
+    call_command("reconcile")
+    assert "0 drift(s)" in capsys.readouterr().out
