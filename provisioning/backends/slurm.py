@@ -35,6 +35,7 @@ from .base import (
 )
 from .slurm_client import (
     NodeNotFound,
+    Partition,
     ReservationAlreadyStarted,
     ReservationOverlap,
     SlurmClient,
@@ -239,6 +240,7 @@ class SlurmBackend(ProvisioningBackend):
         drifts: list[Drift] = []
         try:
             existing = self.client.show_reservations()
+            partitions = self.client.show_partitions()
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
         now = datetime.now(UTC)
@@ -271,13 +273,46 @@ class SlurmBackend(ProvisioningBackend):
             elif res is None:
                 kind, detail = "missing", "Slurm has no reservation for this booking"
             elif (set(res.nodes) != set(ctx.nodes) or res.end != ctx.end.astimezone(UTC).replace(microsecond=0)
-                  or not same_start(res, ctx.start, now) or res.accounts != {ctx.tenant_slug}):
+                  or not same_start(res, ctx.start, now) or res.accounts != {ctx.tenant_slug}
+                  or (self.partition is not None and res.partition != self.partition)):
+                where = f" in partition {res.partition}" if self.partition is not None else ""
                 kind, detail = "mismatch", (f"Slurm holds {','.join(res.nodes)} from {res.start} until {res.end} "
-                                            f"for {','.join(sorted(res.accounts)) or 'no account'}")
+                                            f"for {','.join(sorted(res.accounts)) or 'no account'}{where}")
             else:
                 continue
             drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._hold(ctx)))
+        return drifts + self._reconcile_partition(partitions, wanted, now, fix=fix)
+
+    def _reconcile_partition(self, partitions: dict[str, Partition], wanted: list[ClusterContext], now: datetime,
+                             *, fix: bool) -> list[Drift]:
+        """The partition the tenants' jobs run in (PORTAL_SLURM_PARTITION, else Slurm's default) must be UP and
+        hold every node booked: a node taken out of it or a partition set DOWN by hand leaves the tenants'
+        jobs pending in their reservations for ever."""
+        name = self.partition or next((p.name for p in partitions.values() if p.default), None)
+        if name is None:
+            return []  # no partition named and no default: jobs name their own, nothing to compare
+        partition = partitions.get(name)
+        if partition is None:
+            return [Drift("missing", f"partition {name}", "Slurm has no such partition: the tenants' jobs are "
+                          "refused (set PORTAL_SLURM_PARTITION or create it)")]
+        drifts = []
+        lacking = sorted({node for ctx in wanted if ctx.end > now for node in ctx.nodes} - set(partition.nodes))
+        if lacking:
+            drifts.append(repaired_drift(
+                "mismatch", f"partition {name}", f"lacks booked node(s) {','.join(lacking)}: the tenants' jobs "
+                "never run there", fix=fix,
+                repair=lambda: self._update_partition(name, nodes=[*partition.nodes, *lacking])))
+        if partition.state != "UP":
+            drifts.append(repaired_drift(
+                "mismatch", f"partition {name}", f"is {partition.state}: no tenant job starts", fix=fix,
+                repair=lambda: self._update_partition(name, state="UP")))
         return drifts
+
+    def _update_partition(self, name: str, **changes: object) -> None:
+        try:
+            self.client.update_partition(name, **changes)  # type: ignore[arg-type]
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
         """Drain in Slurm what the portal took out of service; resume what it put back."""

@@ -34,6 +34,7 @@ __all__ = [
     "EnsureResult",
     "NodeInfo",
     "NodeNotFound",
+    "Partition",
     "Reservation",
     "ReservationAlreadyStarted",
     "ReservationExists",
@@ -138,6 +139,20 @@ class NodeInfo:
     def drained(self) -> bool:
         """Tell whether the node is draining or drained (no new jobs go to it)."""
         return "DRAIN" in self.state_flags or self.base_state in {"DRAIN", "DRAINED", "DRAINING"}
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A partition as ``scontrol show partition`` reports it."""
+
+    name: str
+    nodes: tuple[str, ...]
+    state: str
+    default: bool
+    raw: Mapping[str, str] = field(repr=False, compare=False)
+
+
+_PARTITION_STATES = ("UP", "DOWN", "DRAIN", "INACTIVE")
 
 
 class EnsureAction(enum.StrEnum):
@@ -376,6 +391,44 @@ class SlurmClient:
             changes["end"] = end
         updated = self.update_reservation(name, **changes)  # type: ignore[arg-type]
         return EnsureResult(EnsureAction.UPDATED, updated, tuple(sorted(changes)))
+
+    # ------------------------------------------------------------------- partitions
+
+    def show_partitions(self) -> dict[str, Partition]:
+        """Return every partition Slurm knows, by name."""
+        output = self._run(["show", "partition", "--oneliner"])
+        partitions: dict[str, Partition] = {}
+        for line in output.splitlines():
+            if not line.startswith("PartitionName="):
+                continue  # "No partitions in the system"
+            fields = _parse_fields(line.split())
+            partitions[fields["PartitionName"]] = Partition(
+                name=fields["PartitionName"],
+                nodes=tuple(hostlist.expand(_value(fields, "Nodes") or "")),
+                state=fields.get("State", ""),
+                default=fields.get("Default") == "YES",
+                raw=dict(fields),
+            )
+        return partitions
+
+    def update_partition(self, name: str, *, nodes: Iterable[str] | None = None,
+                         state: str | None = None) -> Partition:
+        """Set partition ``name``'s node list and/or state (UP, DOWN, DRAIN, INACTIVE); return it as read back."""
+        _check_name(name, "partition")
+        argv = ["update", f"PartitionName={name}"]
+        if nodes is not None:
+            argv.append(f"Nodes={_node_list(nodes)}")
+        if state is not None:
+            if state not in _PARTITION_STATES:
+                raise ValueError(f"invalid partition state {state!r}")
+            argv.append(f"State={state}")
+        if len(argv) == 2:
+            raise ValueError("update_partition needs at least one field to change")
+        self._run(argv)
+        partition = self.show_partitions().get(name)
+        if partition is None:
+            raise SlurmError(f"Partition {name} not found", command=argv)
+        return partition
 
     # ------------------------------------------------------------------------ nodes
 

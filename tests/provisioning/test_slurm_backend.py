@@ -378,3 +378,52 @@ def test_a_booking_left_with_no_nodes_lets_go_of_its_slurm_reservation_and_is_no
     assert name not in slurm_backend.show_reservations()
     call_command("reconcile")
     assert "0 drift(s)" in capsys.readouterr().out
+
+
+def test_reconcile_finds_and_repairs_a_partition_changed_by_hand(fleet, t0, prov_slurm, slurm_backend, capsys):
+    """Reconcile compared the reservations only: the partition the tenants' jobs run in, set DOWN or stripped
+    of a booked node by hand (its jobs pend in the reservation for ever), was no drift."""
+    from .conftest import SLURM_NODES
+
+    held = booked(fleet, "alpha-lead", t0, hours=2, nodes=2)
+    first, second = hosts(held)
+    try:
+        kept = [n for n in SLURM_NODES if n != second]
+        scontrol(prov_slurm, "update", "PartitionName=gpu", f"Nodes={','.join(kept)}", "State=DOWN")
+        with pytest.raises(SystemExit):
+            call_command("reconcile")
+        report = capsys.readouterr().out
+        assert f"slurm: mismatch partition gpu: lacks booked node(s) {second}" in report, report
+        assert "slurm: mismatch partition gpu: is DOWN: no tenant job starts" in report
+        assert "2 drift(s), 0 repaired" in report
+
+        call_command("reconcile", "--fix")
+        assert "2 drift(s), 2 repaired" in capsys.readouterr().out
+        raw = scontrol(prov_slurm, "show", "partition", "gpu", "--oneliner")
+        assert "State=UP " in raw and "TotalNodes=6 " in raw, raw
+        call_command("reconcile")
+        assert "0 drift(s)" in capsys.readouterr().out
+    finally:
+        scontrol(prov_slurm, "update", "PartitionName=gpu", f"Nodes={','.join(SLURM_NODES)}", "State=UP")
+
+
+def test_reconcile_finds_a_reservation_moved_to_another_partition(fleet, t0, prov_slurm, slurm_backend, settings,
+                                                                   capsys):
+    from .conftest import SLURM_NODES
+
+    settings.PORTAL_SLURM_PARTITION = "gpu"
+    held = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    name = f"alpha-{held.pk}"
+    assert slurm_backend.show_reservation(name).partition == "gpu"
+    try:
+        assert scontrol(prov_slurm, "create", "PartitionName=side", f"Nodes={','.join(SLURM_NODES)}") == ""
+        scontrol(prov_slurm, "update", f"ReservationName={name}", "PartitionName=side")
+        assert slurm_backend.show_reservation(name).partition == "side"
+        with pytest.raises(SystemExit):
+            call_command("reconcile")
+        assert f"slurm: mismatch {name}: " in capsys.readouterr().out
+        call_command("reconcile", "--fix")
+        assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+        assert slurm_backend.show_reservation(name).partition == "gpu"
+    finally:
+        scontrol(prov_slurm, "delete", "PartitionName=side")
