@@ -106,13 +106,19 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
                 qs = qs.filter(period__startswith__lt=data["end"])
         return qs
 
+    def dispatch(self, request, *args, **kwargs):
+        # A booking is timed and counted around the whole dispatch, so the refusals DRF makes before
+        # create() runs (authentication, throttling) and unparsable bodies count under the code sent.
+        if self.action_map.get(request.method.lower()) != "create":
+            return super().dispatch(request, *args, **kwargs)
+        with timed_booking() as booking:
+            response = super().dispatch(request, *args, **kwargs)
+            booking.answered(response)
+        return response
+
     @extend_schema(request=s.ReservationCreateSerializer, responses={201: s.ReservationSerializer},
                    parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)])
     def create(self, request):
-        with timed_booking():
-            return self._create(request)
-
-    def _create(self, request):
         data = validated(s.ReservationCreateSerializer, request)
         cluster = data.get("cluster") or {}
         key = request.headers.get("Idempotency-Key")
