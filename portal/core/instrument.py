@@ -22,10 +22,11 @@ class BookingTiming:
 
     outcome: str = "created"
 
-    def answered(self, response) -> None:
-        """Take the outcome from the answer: "created" for a 2xx, else its error envelope's code."""
+    def answered(self, response, *, replayed: bool = False) -> None:
+        """Take the outcome from the answer: "created" for a 2xx ("replayed" when it answered an
+        Idempotency-Key's earlier booking again, which made nothing), else its error envelope's code."""
         if 200 <= response.status_code < 300:
-            self.outcome = "created"
+            self.outcome = "replayed" if replayed else "created"
             return
         data = getattr(response, "data", None)
         code = data.get("code") if isinstance(data, dict) else None

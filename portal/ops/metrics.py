@@ -52,9 +52,11 @@ __all__ = [
     "RequestMetricsMiddleware",
 ]
 
-# Outcomes of POST /api/v1/reservations/: "created" plus the envelope codes a booking can end with.
+# Outcomes of POST /api/v1/reservations/: "created", "replayed" (an Idempotency-Key's earlier booking
+# answered again: nothing new was booked) and the envelope codes a booking can end with.
 BOOKING_OUTCOMES = (
     "created",
+    "replayed",
     "capacity_unavailable",
     "quota_exceeded",
     "invalid",

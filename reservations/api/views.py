@@ -113,7 +113,7 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
             return super().dispatch(request, *args, **kwargs)
         with timed_booking() as booking:
             response = super().dispatch(request, *args, **kwargs)
-            booking.answered(response)
+            booking.answered(response, replayed=getattr(self, "replayed", False))
         return response
 
     @extend_schema(request=s.ReservationCreateSerializer, responses={201: s.ReservationSerializer},
@@ -137,6 +137,7 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
         )
         if hasattr(reservation, "node_hostnames"):  # just booked: everything needed is in hand
             return Response(self.get_serializer(reservation).data, status=status.HTTP_201_CREATED)
+        self.replayed = True  # an Idempotency-Key's earlier booking, answered again
         return Response(self._out(reservation), status=status.HTTP_201_CREATED)
 
     @extend_schema(request=s.ReservationUpdateSerializer, responses={200: s.ReservationSerializer})

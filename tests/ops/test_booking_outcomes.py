@@ -51,3 +51,14 @@ def test_every_booking_answer_is_counted_under_the_code_the_client_got(ops, worl
         throttled = client.post(URL, body(t0 + timedelta(hours=4)), format="json")
     assert throttled.status_code == 429 and throttled.json()["code"] == "throttled"
     assert delta(before) == {"created": 1, "throttled": 1}
+
+
+def test_an_idempotent_replay_is_not_counted_as_a_second_booking(ops, world, t0):
+    forget_throttle_budgets(world.users["alpha-lead"])
+    client = world.client("alpha-lead")
+    before = counts()
+    first = client.post(URL, body(t0), format="json", HTTP_IDEMPOTENCY_KEY="retry-after-timeout-1")
+    again = client.post(URL, body(t0), format="json", HTTP_IDEMPOTENCY_KEY="retry-after-timeout-1")
+    assert first.status_code == again.status_code == 201 and first.json()["id"] == again.json()["id"]
+    # One reservation was made: "Bookings created" must say 1; the retry is counted apart.
+    assert delta(before) == {"created": 1, "replayed": 1}
