@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.db.models import Model
 from django.utils import timezone
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 __all__ = ["PortalCollector", "DEFAULT_QUEUES", "UTILIZATION_WINDOWS", "FAMILIES"]
 
@@ -54,7 +54,7 @@ STATEMENT_TIMEOUT_MS = 5000
 FAMILIES = {
     "portal_booking_requests": ("counter", "always"),
     "portal_booking_duration_seconds": ("histogram", "always"),
-    "portal_domain_events": ("counter", "after the first event in this process"),
+    "portal_domain_events": ("counter", "redis, after the first event"),
     "portal_http_requests": ("counter", "after the first request"),
     "portal_http_request_duration_seconds": ("histogram", "after the first request"),
     "portal_metrics_source_up": ("gauge", "always"),
@@ -138,6 +138,7 @@ class PortalCollector:
         took = GaugeMetricFamily("portal_metrics_collect_duration_seconds",
                                  "Time spent reading this section of the scrape.", labels=["source"])
         yield from _queue_depths(up, took)
+        yield from _event_counts(up, took)
         now = timezone.now()
         try:
             tables = set(connection.introspection.table_names())
@@ -508,4 +509,35 @@ def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Me
     per_queue = 1 + len(REDIS_PRIORITY_STEPS)
     for i, queue in enumerate(queues):
         family.add_metric([queue], sum(lengths[i * per_queue:(i + 1) * per_queue]))
+    yield family
+
+
+def _event_counts(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Metric]:
+    """Domain events by name, as every process (web, Celery workers) counted them in Redis."""
+    import redis
+
+    from .metrics import domain_events_key
+
+    started = time.perf_counter()
+    timeout = float(_setting("PORTAL_READYZ_TIMEOUT", 2.0))
+    try:
+        client = redis.Redis.from_url(_setting("REDIS_URL", ""), socket_connect_timeout=timeout,
+                                      socket_timeout=timeout)
+        try:
+            counts = client.hgetall(domain_events_key())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        logger.warning("metrics: redis unreachable: %s", exc.__class__.__name__)
+        up.add_metric(["redis"], 0)
+        return
+    finally:
+        took.add_metric(["redis"], time.perf_counter() - started)
+    up.add_metric(["redis"], 1)
+    if not counts:
+        return  # no event yet: the family appears with the first one
+    family = CounterMetricFamily("portal_domain_events", "Domain events emitted, by name (every process).",
+                                 labels=["event"])
+    for event, count in sorted(counts.items()):
+        family.add_metric([event.decode("utf-8", "replace")], int(count))
     yield family

@@ -3,10 +3,14 @@
 Two kinds of metric families:
 
 * **Measured in this process** (counters and histograms below): booking outcomes and
-  latency (``observe_booking``, called by the booking view), HTTP requests
-  (``RequestMetricsMiddleware``) and domain events dispatched here (a ``"*"`` subscriber).
-  Under gunicorn with several workers set ``PROMETHEUS_MULTIPROC_DIR`` (gunicorn.conf.py does)
-  and every worker's values are summed at scrape time.
+  latency (``observe_booking``, called by the booking view) and HTTP requests
+  (``RequestMetricsMiddleware``). Under gunicorn with several workers set
+  ``PROMETHEUS_MULTIPROC_DIR`` (gunicorn.conf.py does) and every worker's values are summed at
+  scrape time.
+* **Counted in Redis by every process**: domain events (a ``"*"`` subscriber, ``count_event``).
+  Most of them are emitted in Celery workers (cluster phases, node failures found by health
+  checks, reminders), which Prometheus never scrapes; the counts live in one Redis hash
+  (REDIS_URL) that the scrape reads.
 * **Read from the database and the broker at scrape time** (``portal.ops.collectors``): fleet,
   GPUs, utilisation, reservations, provisioning, health, notifications, Celery queue depths.
   They are the same whichever process answers the scrape, so nothing is lost when a worker
@@ -24,12 +28,15 @@ taken from the exception's envelope code (``capacity_unavailable``, ``quota_exce
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from django.conf import settings
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -51,6 +58,8 @@ __all__ = [
     "render",
     "RequestMetricsMiddleware",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Outcomes of POST /api/v1/reservations/: "created", "replayed" (an Idempotency-Key's earlier booking
 # answered again: nothing new was booked) and the envelope codes a booking can end with.
@@ -87,12 +96,6 @@ BOOKING_DURATION = Histogram(
     "Time to answer a booking request, by outcome.",
     ["outcome"],
     buckets=BOOKING_BUCKETS,
-    registry=REGISTRY,
-)
-DOMAIN_EVENTS = Counter(
-    "portal_domain_events",
-    "Domain events dispatched (after commit) in the processes that serve /metrics.",
-    ["event"],
     registry=REGISTRY,
 )
 HTTP_REQUESTS = Counter(
@@ -157,9 +160,28 @@ def time_booking() -> Iterator[None]:
         observe_booking(outcome, time.perf_counter() - started)
 
 
+def domain_events_key() -> str:
+    """The Redis hash (on REDIS_URL) holding the count of each domain event: field = event name."""
+    prefix = settings.CACHES.get("default", {}).get("KEY_PREFIX", "")
+    return f"{prefix}:metrics:domain_events" if prefix else "metrics:domain_events"
+
+
+@functools.lru_cache(maxsize=4)
+def _redis(url: str):
+    import redis
+
+    # Short timeouts: a stalled Redis costs the emitting request or task milliseconds, never more.
+    return redis.Redis.from_url(url, socket_connect_timeout=0.25, socket_timeout=0.25)
+
+
 def count_event(event: str, payload: dict[str, Any]) -> None:
-    """Domain-event subscriber: count every event by name."""
-    DOMAIN_EVENTS.labels(event).inc()
+    """Domain-event subscriber: count every event by name, in Redis, whichever process emitted it."""
+    import redis
+
+    try:
+        _redis(settings.REDIS_URL).hincrby(domain_events_key(), event, 1)
+    except (redis.RedisError, OSError) as exc:
+        logger.warning("metrics: could not count event %s: %s", event, exc.__class__.__name__)
 
 
 def install() -> None:
