@@ -73,6 +73,7 @@ FAMILIES = {
     "portal_node_health": ("gauge", "provisioning"),
     "portal_repairs_open": ("gauge", "provisioning"),
     "portal_notification_deliveries": ("gauge", "notifications"),
+    "portal_notification_deliveries_last_hour": ("gauge", "notifications"),
     "portal_outbox_events": ("gauge", "always"),
     "portal_outbox_oldest_age_seconds": ("gauge", "always"),
 }
@@ -404,6 +405,24 @@ class PortalCollector:
         ):
             family.add_metric([str(chan or ""), str(value or "")], count)
         yield family
+        created = _field(delivery, "created_at")
+        if not created:
+            return
+        # New deliveries need a window of their own: a delta() over the gauge above reads a delivery
+        # moving from pending to delivered as -1 pending, and the prune of old ones cancels new ones.
+        recent = GaugeMetricFamily("portal_notification_deliveries_last_hour",
+                                   "Deliveries created in the last hour, by channel kind and the status they have now.",
+                                   labels=["channel", "status"])
+        counts: dict[tuple[str, str], int] = {
+            (c, v): 0 for c in _choices(delivery, channel) for v in _choices(delivery, status)}
+        for chan, value, count in _rows(
+            f"SELECT {channel_sql}, {_q(status)}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
+            f"WHERE {_q(created)} > clock_timestamp() - interval '1 hour' GROUP BY 1, 2"
+        ):
+            counts[(str(chan or ""), str(value or ""))] = count
+        for (chan, value), count in sorted(counts.items()):
+            recent.add_metric([chan, value], count)
+        yield recent
 
     # --- domain events ----------------------------------------------------------------------
 
@@ -428,6 +447,12 @@ class PortalCollector:
         yield GaugeMetricFamily("portal_outbox_oldest_age_seconds",
                                 "Age of the oldest domain event waiting in the outbox, stuck ones aside (0 when none).",
                                 value=float(oldest))
+
+
+def _choices(model: type[Model], column: str | None) -> list[str]:
+    """The values a column's field declares (its choices), so each appears at 0 too; none without any."""
+    field = next((f for f in model._meta.concrete_fields if f.column == column), None)
+    return [str(value) for value, _ in (field.choices or [])] if field is not None else []
 
 
 def _open_repair_states(repair: type[Model], column: str) -> list[str]:
