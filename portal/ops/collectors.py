@@ -368,8 +368,10 @@ class PortalCollector:
         from reservations.models import Node, Pool
 
         order = _field(check, "finished_at", "completed_at", "created_at", "started_at") or "id"
-        # Only checks that reached a verdict; the newest finished one per node wins.
-        family = GaugeMetricFamily("portal_node_health", "Nodes by pool and the verdict of their latest health check.",
+        # Only checks that reached a verdict; the newest finished one per node wins. Retired nodes have
+        # left the fleet (as in portal_gpus): a replaced node's last failure must not count forever.
+        family = GaugeMetricFamily("portal_node_health",
+                                   "Non-retired nodes by pool and the verdict of their latest health check.",
                                    labels=["pool", "verdict"])
         for pool, value, count in _rows(
             f"""
@@ -378,7 +380,7 @@ class PortalCollector:
                 FROM {_q(check._meta.db_table)} WHERE {_q(verdict)} <> ''
                 ORDER BY {_q(node)}, {_q(order)} DESC NULLS LAST, id DESC
             ) latest
-            JOIN {_q(Node._meta.db_table)} n ON n.id = latest.node_id
+            JOIN {_q(Node._meta.db_table)} n ON n.id = latest.node_id AND n.state <> 'retired'
             JOIN {_q(Pool._meta.db_table)} p ON p.id = n.pool_id
             GROUP BY 1, 2
             """  # noqa: S608
