@@ -27,7 +27,7 @@ __all__ = ["PortalCollector", "DEFAULT_QUEUES", "UTILIZATION_WINDOWS", "FAMILIES
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_QUEUES = ("default", "provisioning", "health", "notifications")
+DEFAULT_QUEUES = ("default", "provisioning", "health", "fleet", "notifications")
 # Celery's Redis transport stores priorities 3, 6, 9 of queue Q in the lists "Q\x06\x16<n>".
 REDIS_PRIORITY_SEPARATOR = "\x06\x16"
 REDIS_PRIORITY_STEPS = (3, 6, 9)

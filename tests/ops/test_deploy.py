@@ -121,6 +121,7 @@ def test_every_celery_queue_has_a_worker_and_every_worker_queue_exists():
     from portal.ops.collectors import DEFAULT_QUEUES
 
     assert set(getattr(django_settings, "PORTAL_CELERY_QUEUES", DEFAULT_QUEUES)) == known
+    assert set(DEFAULT_QUEUES) == known, "the collector's fallback misses a queue the workers serve"
 
 
 def test_every_portal_command_exists_in_the_project():
