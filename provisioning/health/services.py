@@ -722,13 +722,22 @@ def _retest_finished(check: HealthCheck) -> None:
 
 
 def repairs_reconcile() -> int:
-    """Bring every node to the state its open (or just closed) repair implies; return how many moved."""
+    """Bring every node to the state its open (or just closed) repair implies; return how many moved.
+
+    An open repair owns its node. A closed one only finishes what its step left undone (the worker
+    died before the node followed): once the node was changed after the repair closed (staff put a
+    failed node back, or sent a rejoined one to maintenance), that change stands.
+    """
     moved = 0
     recent = _now() - timedelta(days=1)
     repairs = Repair.objects.filter(Q(state__in=OPEN_REPAIR_STATES) | Q(closed_at__gte=recent)).order_by("pk")
     for repair in repairs:
         with _node_lock(repair.node_id):
             repair.refresh_from_db()
+            if not repair.is_open and Node.objects.filter(
+                pk=repair.node_id, updated_at__gt=repair.closed_at
+            ).exists():
+                continue
             if _node_follows(repair, actor=None):
                 moved += 1
     return moved

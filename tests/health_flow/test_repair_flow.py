@@ -221,3 +221,41 @@ def test_an_overlong_repair_reason_is_refused_and_nothing_changes(fleet):
     node.refresh_from_db()
     assert node.state == "available" and not Repair.objects.filter(node=node).exists()
     assert repair_open(actor=fleet.users["staff"], node=node, reason="y" * 500).reason == "y" * 500
+
+
+@pytest.mark.django_db
+def test_reconcile_leaves_a_node_staff_changed_after_its_repair_closed(fleet, captured_events,
+                                                                      django_capture_on_commit_callbacks):
+    """Upkeep catches up a node whose repair closed without the node following; it must not undo what
+    staff did to the node afterwards: a failed node put back by hand stayed failed for a day (the beat
+    failed it again every minute and announced node.failed each time), a rejoined node sent to
+    maintenance by hand went back to bookings."""
+    staff = fleet.users["staff"]
+    broken, rejoined = fleet.nodes[0], fleet.nodes[1]
+    repair = repair_open(actor=staff, node=broken, reason="NCCL hangs")
+    repair_advance(actor=staff, repair=repair, to="failed", note="RMA")
+    assert Node.objects.get(pk=broken.pk).state == "failed"
+    # The board came back from RMA: staff put the node in service again.
+    node_update(actor=staff, node=Node.objects.get(pk=broken.pk), state="available", reason="")
+
+    repair = repair_open(actor=staff, node=rejoined, reason="manual")
+    for to in ("accepted", "cordoned", "remediating", "retesting"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    HealthCheck.objects.filter(pk=repair.retest_check_id).update(status="done", verdict="pass")
+    repair_advance(actor=staff, repair=repair, to="rejoined")
+    assert Node.objects.get(pk=rejoined.pk).state == "available"
+    node_update(actor=staff, node=Node.objects.get(pk=rejoined.pk), state="maintenance", reason="PSU swap")
+
+    # A third repair closed as failed by a worker that died before its node followed: still caught up.
+    lost = repair_open(actor=staff, node=fleet.nodes[2], reason="lost step")
+    from django.utils import timezone
+    Repair.objects.filter(pk=lost.pk).update(state="failed", closed_at=timezone.now())
+
+    failed_before = sum(1 for name, _ in captured_events if name == "node.failed")
+    with django_capture_on_commit_callbacks(execute=True):
+        assert repairs_reconcile() == 1
+    assert Node.objects.get(pk=fleet.nodes[2].pk).state == "failed"
+    failed_before += 1
+    assert Node.objects.get(pk=broken.pk).state == "available"
+    assert Node.objects.get(pk=rejoined.pk).state == "maintenance"
+    assert sum(1 for name, _ in captured_events if name == "node.failed") == failed_before
