@@ -406,11 +406,21 @@ def _clean(report: Any) -> tuple[dict[str, Any], str]:
         report["verdict"] = Verdict.UNKNOWN
     if report.get("recommended_action") not in RecommendedAction.values:
         report["recommended_action"] = "investigate" if report["verdict"] != Verdict.PASS else "none"
-    if not isinstance(report.get("problems"), list):
-        report["problems"] = []
-    if not isinstance(report.get("gpus"), list):
-        report["gpus"] = []
+    problems = report.get("problems") if isinstance(report.get("problems"), list) else []
+    report["problems"] = [_clean_problem(p) for p in problems if isinstance(p, Mapping)]
+    gpus = report.get("gpus") if isinstance(report.get("gpus"), list) else []
+    report["gpus"] = [gpu for gpu in gpus if isinstance(gpu, Mapping)]
     return report, error
+
+
+def _clean_problem(problem: Mapping[str, Any]) -> dict[str, Any]:
+    """Return one listed problem with the shape summaries, events and pages read (text fields, GPU index)."""
+    gpu = problem.get("gpu")
+    out: dict[str, Any] = {"gpu": gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None}
+    for key in ("check", "status", "action", "message"):
+        value = problem.get(key)
+        out[key] = value if isinstance(value, str) else ("" if value is None else str(value))
+    return out
 
 
 def _row(check_id: int, report: Any) -> tuple:

@@ -153,3 +153,29 @@ def test_worker_entry_point_serves_the_right_queue(monkeypatch):
     node = build_argv(["node", "--hostname", "h100-sxm-007", "--max-tasks-per-child", "50"])
     assert node[node.index("-Q") + 1] == "node.h100-sxm-007" and node[node.index("-c") + 1] == "1"
     assert node[-2:] == ["--max-tasks-per-child", "50"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("report", [
+    {"verdict": "fail", "problems": ["disk on fire", 7]},
+    {"verdict": "warn", "problems": [{"gpu": [0], "check": {}, "status": ["warn"], "message": None}]},
+    {"verdict": "pass", "gpus": ["x", 3, None]},
+])
+def test_malformed_entries_in_a_report_are_stored_and_shown_without_an_error(report, fleet):
+    """A report whose problems or GPUs are not objects crashed the recording (AttributeError/TypeError:
+    the check stayed running until it expired) or, stored, made every health-check list and the check's
+    page a 500 for staff and the tenant holding the node."""
+    [check] = health_checks_request(nodes=[fleet.nodes[0]], level="quick", trigger="schedule")
+    check = health_check_record(check.pk, report)
+    assert check.status == "done" and check.verdict == report["verdict"]
+    assert all(isinstance(p, dict) for p in check.problems)
+    assert all(isinstance(g, dict) for g in check.gpu_results)
+    api = fleet.client("staff")
+    assert api.get("/api/v1/health-checks/").status_code == 200
+    assert api.get(f"/api/v1/health-checks/{check.pk}/").status_code == 200
+    from django.test import Client
+
+    browser = Client()
+    browser.force_login(fleet.users["staff"])
+    for url in (f"/health/checks/{check.pk}/", f"/health/nodes/{check.node.hostname}/", "/health/"):
+        assert browser.get(url).status_code == 200, url
