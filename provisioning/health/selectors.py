@@ -49,13 +49,25 @@ def visible_node_ids(user) -> QuerySet | None:
 
 
 def checks_for_user(user) -> QuerySet[HealthCheck]:
-    """Return the checks the user may see (newest first), with node and pool loaded."""
+    """Return the checks the user may see (newest first), with node and pool loaded.
+
+    A fleet check (scheduled, staff: no booking) shows only when it ran while one of the user's
+    bookings held the node: one from another tenant's time on it reads that tenant's processes.
+    """
     qs = HealthCheck.objects.select_related("node__pool", "requested_by")
     nodes = visible_node_ids(user)
     if nodes is None:
         return qs
     own = Reservation.objects.for_user(user).values("pk")
-    return qs.filter(node_id__in=nodes).filter(Q(reservation__isnull=True) | Q(reservation_id__in=own))
+    held_then = (
+        Allocation.objects.for_user(user)
+        .filter(kind=AllocationKind.RESERVATION, reservation__status__in=HOLDING_STATUSES)
+        .filter(Q(active=True) | Q(note__startswith="replaced"))
+        .filter(node_id=OuterRef("node_id"), period__contains=OuterRef("created_at"))
+    )
+    return qs.filter(node_id__in=nodes).filter(
+        Q(reservation_id__in=own) | Q(Exists(held_then), reservation__isnull=True)
+    )
 
 
 def latest_checks(node_ids, *, user=None, done_only: bool = True) -> dict[int, HealthCheck]:

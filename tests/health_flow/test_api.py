@@ -152,3 +152,35 @@ def test_list_is_paginated(fleet, settings):
         HealthCheck.objects.filter(pk__in=[c.pk for c in checks]).update(status="error", verdict="unknown")
     body = fleet.client("staff").get("/api/v1/health-checks/", {"page_size": 5}).json()
     assert body["count"] == 12 and len(body["results"]) == 5 and body["next"]
+
+
+@pytest.mark.django_db
+def test_a_tenant_sees_a_nodes_fleet_checks_only_from_while_it_holds_the_node(
+        fleet, now_slot, tomorrow, settings, eager, django_capture_on_commit_callbacks):
+    """A node's fleet checks (scheduled, staff) were shown to every tenant holding the node at any
+    time: beta, booked on alpha's node for tomorrow, read today's check with alpha's processes (pids,
+    memory) in it, and alpha kept reading the node's checks from beta's window."""
+    from provisioning.health.services import node_health_check_request
+
+    fleet.book("alpha", ["gpu-001"], now_slot, now_slot + timedelta(hours=4))
+    fleet.book("beta", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=4), status="confirmed")
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "stray_process", "gpu": 0, "pid": 31337},
+                                                        {"kind": "persistence_off", "gpu": 1}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        today = node_health_check_request(actor=fleet.users["staff"], node=fleet.node("gpu-001"), level="quick")
+    today.refresh_from_db()
+    assert "31337" in str(today.gpu_results)  # alpha's job, read while alpha holds the node
+    later = health_checks_request(nodes=[fleet.node("gpu-001")], level="quick", trigger="schedule")[0]
+    HealthCheck.objects.filter(pk=later.pk).update(created_at=tomorrow + timedelta(hours=1))
+
+    def listed(who):
+        response = fleet.client(who).get("/api/v1/health-checks/", {"node": "gpu-001"})
+        assert response.status_code == 200, response.content
+        return {r["id"] for r in response.json()["results"]}
+
+    assert listed("alpha-lead") == {today.pk}
+    assert listed("beta-lead") == {later.pk}
+    envelope(fleet.client("beta-lead").get(f"/api/v1/health-checks/{today.pk}/"), 404, "not_found")
+    assert fleet.client("alpha-lead").get(f"/api/v1/health-checks/{today.pk}/").status_code == 200
+    envelope(fleet.client("alpha-lead").get(f"/api/v1/health-checks/{later.pk}/"), 404, "not_found")
+    assert listed("staff") == {today.pk, later.pk}
