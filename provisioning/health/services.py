@@ -839,7 +839,8 @@ def acceptance_verdict(
     "detail": str, "nodes": {hostname: verdict or status}, "check_ids": [...]}. Call again
     while ``pending``. A node still serving another booking right now gets a quick check only
     (active tests would disturb that tenant); a failing node is drained and its booking moved
-    to a spare, after which it is no longer among the caller's nodes.
+    to a spare, after which it is no longer among the caller's nodes (until that is done, its
+    failing check reads as still running).
     """
     level = _validate_level(level)
     now = _now()
@@ -875,6 +876,10 @@ def acceptance_verdict(
             states[node.hostname] = CheckStatus.QUEUED
             continue
         check_ids.append(check.pk)
+        if check.verdict == Verdict.FAIL and check.handled_at is None:
+            # Stored, but its consequences (drain, the swap to a spare) are still to run: wait for them.
+            states[node.hostname] = CheckStatus.RUNNING
+            continue
         states[node.hostname] = check.status if check.is_open else check.verdict
     reservation = Reservation.objects.filter(pk=reservation_id).first() if reservation_id else None
     for wanted, ids in to_queue.items():

@@ -116,3 +116,66 @@ def test_gate_waits_while_checks_run_then_answers(fleet, settings, eager, tomorr
     result = health_acceptance_gate(cluster=cluster)
     assert isinstance(result, GateResult) and result.passed
     assert list(result.nodes.values()) == ["pass"] and "gpu-001" not in result.nodes
+
+
+@pytest.mark.django_db(transaction=True)
+def test_gate_waits_for_a_failing_nodes_swap_instead_of_failing_the_cluster(fleet, tomorrow, eager):
+    """The gate read a failing acceptance check as soon as it was stored, before its consequences (drain,
+    swap to a spare) ran: while another worker held the node's health lock the cluster failed its
+    acceptance attempt (counted against PORTAL_PROVISIONING_MAX_ATTEMPTS) for a node about to leave it."""
+    import threading
+    import time
+
+    from django.db import connection
+
+    from provisioning.health.runner import SimulatedFleet
+    from provisioning.health.services import LOCK_NODE_HEALTH, health_check_record
+    from provisioning.models import VirtualCluster
+    from provisioning.services import RetryLater
+
+    booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    cluster = VirtualCluster.objects.create(
+        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )
+    node = fleet.node("gpu-001")
+    check = HealthCheck.objects.create(node=node, level="medium", trigger="acceptance", reservation=booking,
+                                       status="running")
+    report = SimulatedFleet({"nodes": {node.hostname: ECC}}).run(
+        {"id": check.pk, "host": node.hostname, "level": "medium", "model": "H100-SXM", "gpus": 8})
+    assert report["verdict"] == "fail"
+
+    with connection.cursor() as cur:  # another worker busy with this node (a repair step, another check)
+        cur.execute("SELECT pg_advisory_lock(%s, %s)", [LOCK_NODE_HEALTH, node.pk])
+    errors = []
+
+    def record():
+        try:
+            health_check_record(check.pk, report)
+        except Exception as exc:  # noqa: BLE001 - shown by the assertion below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=record)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while HealthCheck.objects.get(pk=check.pk).status != "done":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert HealthCheck.objects.get(pk=check.pk).handled_at is None  # the swap is still to come
+        with pytest.raises(RetryLater):
+            health_acceptance_gate(cluster=cluster)
+    finally:
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_advisory_unlock(%s, %s)", [LOCK_NODE_HEALTH, node.pk])
+        worker.join(30)
+    assert not errors, errors
+    assert fleet.node("gpu-001").state == "draining"
+    assert node.pk not in _node_ids(booking) and len(_node_ids(booking)) == 1
+    # The spare is checked next; the failed node is no longer the gate's business.
+    with pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)
+    assert health_acceptance_gate(cluster=cluster).passed
