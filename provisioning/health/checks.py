@@ -683,12 +683,14 @@ def check_nvlink_errors(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckResult
     new = {name: 0.0 for name in NVLINK_COUNTERS}
     crc_rate = 0.0
     have_baseline = True
+    unread: list[int] = []
     for link in range(t.nvlink_links):
         for name, counter in NVLINK_COUNTERS.items():
             try:
                 count = ctx.call(nvml, "nvmlDeviceGetNvLinkErrorCounter", handle, link, counter)
             except pynvml.NVMLError_InvalidArgument:
-                break  # the link does not exist; nvlink_state reports it
+                unread.append(link)  # NVML says the link does not exist; nvlink_state reports that
+                break
             totals[name] += count
             delta = ctx.counter_delta(f"nvlink.{link}.{name}", count)
             if delta is None:
@@ -711,6 +713,18 @@ def check_nvlink_errors(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckResult
                 "NVLink errors since the last check: " + ", ".join(f"{k}={int(v)}" for k, v in new.items() if v),
                 Action.DRAIN_AND_RESET,
             )
+    if unread:
+        # Counters not read are not "no errors": at most the links that were read are judged.
+        value["unread_links"] = unread
+        return CheckResult(
+            "nvlink_errors",
+            Status.UNKNOWN,
+            value,
+            threshold,
+            f"NVLink error counters unreadable (InvalidArgument) on {len(unread)} of {t.nvlink_links} links: {unread}",
+            Action.INVESTIGATE,
+        )
+    if have_baseline:
         if new["crc_flit"] > 0:
             return CheckResult(
                 "nvlink_errors",

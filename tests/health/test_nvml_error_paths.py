@@ -111,3 +111,18 @@ def test_a_per_gpu_fault_on_a_call_that_names_no_gpu_is_refused() -> None:
     with pytest.raises(ValueError, match="takes no GPU"):
         Fault.from_dict({"kind": "hang", "gpu": 0, "call": "nvmlEventSetWait", "seconds": 1})
     Fault("nvml_error", call="nvmlDeviceGetCount", error="Unknown")  # every call of it: fine
+
+
+# 5. NVLink error counters that could not be read were reported as "no NVLink errors".
+def test_unreadable_nvlink_error_counters_are_unknown_never_pass() -> None:
+    """nvmlDeviceGetNvLinkErrorCounter answering InvalidArgument on an H100's links (all 18 up) read
+    nothing, yet the check passed with "no new NVLink errors" (a reading NVML refuses is unknown)."""
+    fake = FakeNvml(seed=4, hostname="gpu-h100-001", faults=[
+        Fault("nvml_error", gpu=3, call="nvmlDeviceGetNvLinkErrorCounter", error="InvalidArgument")])
+    report = _run("quick", fake)
+    assert check(report, "nvlink_state", gpu=3)["status"] == "pass"
+    result = check(report, "nvlink_errors", gpu=3)
+    assert result["status"] == "unknown", result
+    assert result["value"]["unread_links"] == list(range(18))
+    assert check(report, "nvlink_errors", gpu=2)["status"] == "pass"
+    assert report["verdict"] == "unknown"
