@@ -14,16 +14,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Q
 
 from provisioning.health.choices import OPEN_CHECK_STATUSES
 from provisioning.health.models import HealthCheck, Repair
 from provisioning.health.services import health_checks_request, health_sweep
 from reservations.models import Node, Pool
+from tests.dburl import database_url
 
 pytestmark = [pytest.mark.celery, pytest.mark.django_db(transaction=True)]
 
@@ -40,21 +40,14 @@ SPEC = {
 }
 
 
-def _database_url() -> str:
-    s = connection.settings_dict
-    host = quote(s["HOST"] or "", safe="")
-    auth = quote(s["USER"] or "", safe="") + (f":{quote(s['PASSWORD'], safe='')}" if s["PASSWORD"] else "")
-    return f"postgres://{auth}@{host}:{s['PORT'] or 5432}/{s['NAME']}"
-
-
 @pytest.fixture(scope="module")
 def worker(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
-        database_url = _database_url()
+        url = database_url()
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "portal.settings.test",
-        "DATABASE_URL": database_url,
+        "DATABASE_URL": url,
         "PORTAL_FAKE_NVML": json.dumps(SPEC),
         "PORTAL_HEALTH_FLEET_QUEUE": FLEET_Q,
         "PORTAL_HEALTH_QUEUE": HEALTH_Q,

@@ -17,18 +17,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 import redis
 from django.conf import settings
-from django.db import connection
 from standardwebhooks.webhooks import Webhook
 
 from notifications.choices import AttemptVerdict, DeliveryStatus
 from notifications.models import Delivery, DeliveryAttempt
 from notifications.slack import Event
 from notifications.tasks import deliver_task
+from tests.dburl import database_url
 from tests.notifications.receiver import Reply
 
 pytestmark = [pytest.mark.celery, pytest.mark.django_db(transaction=True)]
@@ -47,14 +46,6 @@ def wait_for(check: Callable[[], object], *, timeout: float = 30, what: str = "c
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def database_url() -> str:
-    s = connection.settings_dict
-    user = quote(s.get("USER") or "", safe="")
-    password = quote(s.get("PASSWORD") or "", safe="")
-    auth = f"{user}:{password}@" if password else f"{user}@"
-    return f"postgres://{auth}{quote(s.get('HOST') or '', safe='')}:{s.get('PORT') or 5432}/{s['NAME']}"
 
 
 @dataclass

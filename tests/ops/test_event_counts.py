@@ -11,6 +11,8 @@ import pytest
 from django.conf import settings
 from django.test import Client
 
+from tests.dburl import database_url
+
 from .conftest import scrape
 
 pytestmark = pytest.mark.django_db
@@ -31,10 +33,9 @@ def cluster_ready_count() -> float:
 
 
 def test_an_event_emitted_in_a_worker_process_is_counted_in_the_scrape(ops):
-    db = settings.DATABASES["default"]
     before = cluster_ready_count()
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "portal.settings.test", "REDIS_URL": settings.REDIS_URL,
-           "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"}
+           "DATABASE_URL": database_url()}
     result = subprocess.run([sys.executable, "-c", EMIT_IN_ANOTHER_PROCESS], cwd=settings.BASE_DIR, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -12,11 +12,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 from cryptography.fernet import Fernet
-from django.db import connection
+
+from tests.dburl import database_url
 
 from .conftest import Scrape, promtool_check
 from .servers import free_port
@@ -88,13 +88,6 @@ def test_production_settings_values():
     assert s["token"] == "from-a-docker-secret"
 
 
-def _database_url() -> str:
-    d = connection.settings_dict
-    host = quote(d["HOST"] or "127.0.0.1", safe="")
-    auth = quote(d["USER"] or "postgres", safe="") + (f":{quote(d['PASSWORD'], safe='')}" if d["PASSWORD"] else "")
-    return f"postgres://{auth}@{host}:{d['PORT'] or 5432}/{d['NAME']}"
-
-
 def _get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
     try:
@@ -111,7 +104,7 @@ def test_gunicorn_serves_production_with_summed_metrics(tmp_path, redis_server):
     token_file = tmp_path / "metrics_token"
     token_file.write_text("scrape-me-" + secrets.token_hex(8))
     env = production_env(
-        DATABASE_URL=_database_url(), REDIS_URL=redis_server.url, CELERY_BROKER_URL=redis_server.url,
+        DATABASE_URL=database_url(), REDIS_URL=redis_server.url, CELERY_BROKER_URL=redis_server.url,
         PORT=str(port), WEB_CONCURRENCY="2", PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prom"),
         PORTAL_METRICS_TOKEN_FILE=str(token_file), PORTAL_METRICS_ALLOWED_NETWORKS="192.0.2.0/24",
         GUNICORN_BIND=f"127.0.0.1:{port}",

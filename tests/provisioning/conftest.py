@@ -14,17 +14,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 from django.conf import settings as django_settings
-from django.db import connection
 from django.utils import timezone
 
 from provisioning.slurm_testing import SlurmTestCluster
 from reservations.models import Reservation
 from reservations.services import reservation_create
 from reservations.timeutil import slot_floor
+from tests.dburl import database_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,16 +71,6 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: f
 
 
 # --- a real Celery worker ---------------------------------------------------------------------
-
-
-def database_url() -> str:
-    """The URL of the test database pytest-django created, for processes we start."""
-    s = connection.settings_dict
-    user = quote(s.get("USER") or "", safe="")
-    password = quote(s.get("PASSWORD") or "", safe="")
-    auth = f"{user}:{password}@" if password else f"{user}@"
-    host = quote(s.get("HOST") or "", safe="")
-    return f"postgres://{auth}{host}:{s.get('PORT') or 5432}/{s['NAME']}"
 
 
 @dataclass
