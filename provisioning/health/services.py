@@ -163,6 +163,10 @@ def _insert_checks(
         return [row[0] for row in cur.fetchall()]
 
 
+# Rounds of insert-then-read in health_checks_request (see there); more are never needed in practice.
+REQUEST_ROUNDS = 5
+
+
 def health_checks_request(
     *,
     nodes: Iterable[Node | int],
@@ -185,15 +189,23 @@ def health_checks_request(
         return []
     reservation_id = reservation.pk if reservation is not None else None
     with transaction.atomic():
-        created = _insert_checks(
-            where="n.id = ANY(%(ids)s)", params={"ids": node_ids}, level=level, trigger=trigger,
-            reservation_id=reservation_id, user_id=getattr(actor, "pk", None),
-        )
-        checks = list(
-            HealthCheck.objects.filter(
-                node_id__in=node_ids, level=level, reservation_id=reservation_id, status__in=OPEN_CHECK_STATUSES
-            ).select_related("node")
-        )
+        created: list[int] = []
+        found: dict[int, HealthCheck] = {}
+        # The insert skips a node with an open check; if that check finishes before the read that
+        # follows (each statement sees what was committed when it began), the node is in neither.
+        # It is then inserted again: a few rounds settle it, for the open check can finish only once.
+        for _ in range(REQUEST_ROUNDS):
+            missing = [node_id for node_id in node_ids if node_id not in found]
+            if not missing:
+                break
+            created += _insert_checks(
+                where="n.id = ANY(%(ids)s)", params={"ids": missing}, level=level, trigger=trigger,
+                reservation_id=reservation_id, user_id=getattr(actor, "pk", None),
+            )
+            found.update((check.node_id, check) for check in HealthCheck.objects.filter(
+                node_id__in=missing, level=level, reservation_id=reservation_id, status__in=OPEN_CHECK_STATUSES,
+            ).select_related("node"))
+        checks = list(found.values())
         if trigger in (CheckTrigger.TENANT, CheckTrigger.STAFF):
             for check in checks:
                 if check.pk in created:
