@@ -205,8 +205,9 @@ def _event(row: tuple, *, portal, now: datetime, detail_url: str) -> dict:
         "classNames": [f"st-{status}", f"bill-{billing}"],
     }
     # Not editable unless said so (the calendar's default); the server still decides on every change.
+    # An ending booking (its cluster torn down early) keeps its window: the service refuses any change.
     if (portal.can_book and portal.may_change(created_by_id=created_by_id)
-            and status not in FINAL_STATUSES and period.upper > now):
+            and status not in FINAL_STATUSES and status != ReservationStatus.ENDING and period.upper > now):
         event["editable"] = True
         # A running (or provisioning) booking can only be extended or shortened.
         event["startEditable"] = period.lower > now and status == ReservationStatus.CONFIRMED
@@ -432,6 +433,8 @@ def _detail_context(request, reservation) -> dict:
         "nodes": sorted(a.node.hostname for a in reservation.active_allocations),
         "history": _history(reservation),
         "changeable": changeable,
+        # Its cluster torn down early, an ending booking can still be cancelled but never given a new end.
+        "extendable": changeable and reservation.status != ReservationStatus.ENDING,
         "extend_form": ExtendForm(initial={"end": reservation.end + slot}),
         "extend_options": extend_options,
         "gpus": reservation.node_count * pool.gpus_per_node,

@@ -124,3 +124,24 @@ def test_pages_work_for_a_user_without_tenants(world, django_user_model, client)
     assert client.get("/calendar/events.json", {"start": "2030-01-01T00:00:00Z",
                                                 "end": "2030-01-02T00:00:00Z"}).json() == []
     assert client.get("/reservations/new/").status_code == 403
+
+
+def test_a_booking_whose_cluster_is_being_torn_down_offers_no_window_change(world, web, book, t0):
+    """An early teardown leaves the booking ending until its booked end: the service refuses any new end
+    for it, so the page, the panel and the calendar must not offer extend buttons, the end field or
+    drag/resize that can only fail. Cancelling it (freeing the paid-for nodes) still works."""
+    from reservations.models import Reservation
+
+    r = book("alpha-lead", t0)
+    Reservation.objects.filter(pk=r.pk).update(status="ending")
+    client = web("alpha-lead")
+    for url in (f"/reservations/{r.pk}/", f"/reservations/{r.pk}/panel/"):
+        page = client.get(url).content.decode()
+        assert "+1 slot" not in page and "Change end" not in page, url
+        assert "Cancel reservation" in page, url
+    (event,) = client.get("/calendar/events.json", {"start": iso(t0 - timedelta(days=1)),
+                                                    "end": iso(t0 + timedelta(days=1))}).json()
+    assert not event.get("durationEditable") and not event.get("startEditable")
+    client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=1))})
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=2)  # what the controls would have asked: always refused
