@@ -123,11 +123,35 @@
   // Where the day's first slot starts: the pool's slots run from the UTC epoch, so in a zone whose
   // offset is not a whole number of slots (+05:30 with hourly slots) they start off local midnight,
   // and selections must snap to them, not to local hours. Daily and longer slots: the whole day.
-  function gridStart(minutes) {
+  function gridStart(minutes, offset) {
     if (!minutes || minutes >= 1440) { return "00:00:00"; }
-    var shift = (((cfg.utcOffsetMinutes || 0) % minutes) + minutes) % minutes;
+    var shift = ((offset % minutes) + minutes) % minutes;
     var pad = function (n) { return (n < 10 ? "0" : "") + n; };
     return pad(Math.floor(shift / 60)) + ":" + pad(shift % 60) + ":00";
+  }
+
+  // The zone's UTC offset (minutes) on the days shown, which daylight saving changes: a 2-hour pool's
+  // slots start at 01:00 Berlin time in winter and at 00:00 in summer. The server sends the offset of
+  // the day the page opened on; paging on takes the one most of the shown days have.
+  var viewOffset = cfg.utcOffsetMinutes || 0;
+
+  function offsetOf(info) {
+    if (!window.luxon) { return viewOffset; }
+    var day = window.luxon.DateTime.fromISO(info.startStr.slice(0, 10) + "T12:00", { zone: cfg.tz });
+    var days = Math.min(Math.round((info.end.valueOf() - info.start.valueOf()) / 86400000), 42);
+    if (!day.isValid || days < 1) { return viewOffset; }
+    var count = {}, best = viewOffset, most = 0;
+    for (var i = 0; i < days; i++) {
+      var offset = day.plus({ days: i }).offset;
+      count[offset] = (count[offset] || 0) + 1;
+      if (count[offset] > most) { most = count[offset]; best = offset; }
+    }
+    return best;
+  }
+
+  function layGrid() {
+    var wanted = gridStart(cfg.poolSlots[cfg.pool] || cfg.slotMinutes, viewOffset);
+    if (cal && cal.getOption("slotMinTime") !== wanted) { cal.setOption("slotMinTime", wanted); }
   }
 
   function hideIcons() {
@@ -154,7 +178,7 @@
     scrollTime: "07:00:00",
     slotDuration: { minutes: cfg.slotMinutes },
     snapDuration: { minutes: cfg.slotMinutes },
-    slotMinTime: gridStart(cfg.slotMinutes),
+    slotMinTime: gridStart(cfg.slotMinutes, viewOffset),
     slotLabelFormat: { hour: "2-digit", minute: "2-digit", hour12: false },
     eventTimeFormat: { hour: "2-digit", minute: "2-digit", hour12: false },
     dayMaxEvents: false,  // the month view is compacted before rendering (compactMonth)
@@ -192,7 +216,12 @@
     },
     // FullCalendar's prev/next buttons are named by their title; the icon inside is an unnamed role="img"
     // that screen readers announce as an empty image. Hide it (the toolbar re-renders with each view).
-    datesSet: hideIcons,
+    // Each new range of days also lays the slots on the pool's grid at that range's UTC offset.
+    datesSet: function (info) {
+      hideIcons();
+      viewOffset = offsetOf(info);
+      layGrid();
+    },
     loading: function (isLoading) {
       if (isLoading) { el.setAttribute("data-ready", "0"); return; }
       // Two frames after the last source renders, the events are painted.
@@ -223,7 +252,7 @@
       var slot = { minutes: cfg.poolSlots[cfg.pool] || 60 };
       cal.setOption("slotDuration", slot);
       cal.setOption("snapDuration", slot);
-      cal.setOption("slotMinTime", gridStart(slot.minutes));
+      layGrid();
       var url = new URL(window.location.href);
       url.searchParams.set("pool", cfg.pool);
       window.history.replaceState(null, "", url);

@@ -10,6 +10,7 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from reservations import services
+from reservations.models import Pool
 
 from .conftest import drag, open_day
 
@@ -66,3 +67,26 @@ def test_a_booking_across_a_dst_change_shows_true_local_times(world, live_server
     assert zones == {"EST", "EDT"}
     expect(facts).to_contain_text(f"00:00 {start:%Z}")
     expect(facts).to_contain_text(f"05:00 {end:%Z}")
+
+
+def test_the_slot_grid_follows_the_zones_offset_on_the_day_shown(world, live_server, new_page, sign_in):
+    """A 2-hour pool's slots run from the UTC epoch: 01:00, 03:00 … Berlin time in winter (+01:00) and
+    00:00, 02:00 … in summer (+02:00). The calendar laid its grid for the day it opened on only, so
+    after paging across the clocks' change every slot it offered was an hour off the pool's grid: a
+    drag gave an unaligned start and the booking was refused."""
+    Pool.objects.filter(pk=world.pool.pk).update(slot_minutes=120)
+    change = next_dst_change(BERLIN)
+    after = change + timedelta(days=3)  # well past the change: a day whose offset differs from today's
+    expected = datetime(after.year, after.month, after.day, 12, tzinfo=BERLIN).utcoffset()
+    first_slot = f"{(expected.seconds // 60) % 120 // 60:02d}:00"
+    page = sign_in(new_page(tz="Europe/Berlin"), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=timeGridDay&pool=h100")  # opens on today
+    page.wait_for_selector("#calendar[data-ready='1']")
+    page.evaluate("d => window.portalCalendar.gotoDate(d)", after.isoformat())  # what paging with › does
+    expect(page.locator(f".fc-timegrid-col[data-date='{after.isoformat()}']")).to_be_visible()
+    expect(page.locator("td.fc-timegrid-slot-lane").first).to_have_attribute("data-time", f"{first_slot}:00")
+    slot = int(first_slot[:2])
+    drag(page, after, f"{slot + 8:02d}:00", f"{slot + 8:02d}:00")
+    expect(page.get_by_label("Start (Europe/Berlin)")).to_have_value(f"{after.isoformat()}T{slot + 8:02d}:00")
+    page.get_by_role("button", name="Book", exact=True).click()
+    expect(page.locator("#side-panel [data-reservation-id]")).to_contain_text("Booked #")
