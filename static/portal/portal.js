@@ -11,7 +11,24 @@
     });
   }
 
+  // The header's menus (<details>) close on a click elsewhere and on Escape (focus back on their summary).
+  function closeMenus(except) {
+    document.querySelectorAll(".top .menu details[open]").forEach(function (menu) {
+      if (menu !== except) { menu.removeAttribute("open"); }
+    });
+  }
+
+  function onKeyDown(event) {
+    if (event.key !== "Escape") { return; }
+    var open = document.querySelector(".top .menu details[open]");
+    if (open) {
+      open.removeAttribute("open");
+      open.querySelector("summary").focus();
+    }
+  }
+
   function onClick(event) {
+    closeMenus(event.target.closest && event.target.closest(".top .menu details"));
     var copy = event.target.closest("[data-copy]");
     if (copy) {
       var source = document.querySelector(copy.getAttribute("data-copy"));
@@ -87,5 +104,6 @@
   document.addEventListener("htmx:responseError", onHtmxError);
   document.addEventListener("htmx:sendError", onHtmxError);
   document.addEventListener("click", onClick);
+  document.addEventListener("keydown", onKeyDown);
   document.addEventListener("htmx:afterSwap", onSwap);
 })();
