@@ -48,6 +48,7 @@ __all__ = [
     "maintenance_window_create",
     "maintenance_windows_create",
     "maintenance_windows_end",
+    "booking_window_problems",
     "reservation_create",
     "reservation_update",
     "reservation_cancel",
@@ -110,6 +111,13 @@ def _validate_window(
     if end > horizon:
         errors["end"] = f"Beyond the booking horizon of {settings.PORTAL_BOOKING_HORIZON_DAYS} days."
     return errors
+
+
+def booking_window_problems(*, pool: Pool, start: datetime, end: datetime) -> list[str]:
+    """What booking [start, end) in pool now would be refused for (the past, the horizon, the grid):
+    the booking form's preview says so before the user presses Book."""
+    errors = _validate_window(pool=pool, start=start, end=end, now=timezone.now())
+    return [f"{field.capitalize()}: {message}" for field, message in errors.items()]
 
 
 def _validate_name(name: Any) -> str:

@@ -382,14 +382,18 @@ def booking_preview(request):
     form = BookingForm(request.POST, user=request.user, tenant=request.portal.tenant)
     preview = None
     misaligned = False
+    window_problems: list[str] = []
     if form.is_valid():
         d = form.cleaned_data
         preview = selectors.booking_preview(tenant=d["tenant"], pool=d["pool"], node_count=d["node_count"],
                                             start=d["start"], end=d["end"])
         minutes = d["pool"].slot_minutes
         misaligned = not (is_aligned(d["start"], minutes) and is_aligned(d["end"], minutes))
+        if not misaligned:  # (the grid has its own line below)
+            window_problems = services.booking_window_problems(pool=d["pool"], start=d["start"], end=d["end"])
     return render_page(request, "reservations/_preview.html", {"form": form, "preview": preview,
-                                                               "misaligned": misaligned})
+                                                               "misaligned": misaligned,
+                                                               "window_problems": window_problems})
 
 
 # --- one reservation --------------------------------------------------------------------------

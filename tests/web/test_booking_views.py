@@ -182,3 +182,22 @@ def test_the_booking_form_and_its_panel_fragment_are_cached_apart(world, web, t0
         response = client.get("/reservations/new/", {"pool": "h100"}, **headers)
         assert response.status_code == 200
         assert "hx-request" in {h.strip().lower() for h in cc_delim_re.split(response.get("Vary", ""))}
+
+
+def test_preview_warns_of_a_window_the_service_will_refuse(world, web, t0):
+    """A window in the past (a calendar selection yesterday) or beyond the booking horizon: the preview
+    showed free nodes and 'Committed' on a calm blue box, and only the Book button told the truth."""
+    from django.conf import settings
+
+    client = web("alpha-lead")
+    past = t0 - timedelta(days=3)
+    page = client.post("/reservations/preview/", _data(world, past, end=iso(past + timedelta(hours=2)))).content
+    assert b"Cannot start in the past" in page and b'class="preview bad"' in page
+    far = t0 + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS + 1)
+    page = client.post("/reservations/preview/", _data(world, far, end=iso(far + timedelta(hours=2)))).content
+    assert b"Beyond the booking horizon" in page and b'class="preview bad"' in page
+    page = client.post("/reservations/preview/", _data(world, t0)).content  # a good window: no warning
+    assert b'class="preview ok"' in page and b"data-problem" not in page
+    # … and the service refuses exactly what the preview warned of.
+    response = client.post("/reservations/new/", _data(world, past, end=iso(past + timedelta(hours=2))), **HTMX)
+    assert b"Cannot start in the past" in response.content and not Reservation.objects.exists()
