@@ -311,6 +311,10 @@ def test_staff_requeue_stuck_events_from_the_admin(outboxed, handlers, broker, d
     done = staff.post(url, {"action": "requeue", "_selected_action": [row.pk]}, follow=True)
     assert b"1 event(s) are due again" in done.content
     assert OutboxEvent.objects.get().attempts == 0
+    from portal.core.models import AuditLog
+
+    (audit,) = AuditLog.objects.filter(action="outbox.requeue")
+    assert (audit.actor.username, audit.object_id, audit.after) == ("ops", str(row.pk), {"event": "test.happened"})
     assert events.outbox_relay() == [row.pk]
     assert queued_tasks(broker) == [("core.dispatch_event", [row.pk])]
 

@@ -162,5 +162,5 @@ class OutboxEventAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
 
     @admin.action(description="Publish again now (fresh attempts)")
     def requeue(self, request, queryset) -> None:
-        count = events.outbox_requeue(list(queryset.values_list("id", flat=True)))
+        count = events.outbox_requeue(list(queryset.values_list("id", flat=True)), actor=request.user)
         self.message_user(request, f"{count} event(s) are due again; the relay publishes them within 15 s.")

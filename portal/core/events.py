@@ -239,12 +239,19 @@ def outbox_relay(*, limit: int = 500) -> list[int]:
     return sent
 
 
-def outbox_requeue(outbox_ids: list[int]) -> int:
-    """Give events (e.g. stuck ones, after their cause was fixed) a fresh set of attempts, due now."""
-    with connection.cursor() as cur:
-        cur.execute("UPDATE core_outboxevent SET attempts = 0, available_at = clock_timestamp() WHERE id = ANY(%s)",
-                    [list(outbox_ids)])
-        return cur.rowcount
+def outbox_requeue(outbox_ids: list[int], *, actor: Any = None) -> int:
+    """Give events (e.g. stuck ones, after their cause was fixed) a fresh set of attempts, due now; audited."""
+    from .models import OutboxEvent
+    from .services import audit_record
+
+    with transaction.atomic():
+        with connection.cursor() as cur:
+            cur.execute("UPDATE core_outboxevent SET attempts = 0, available_at = clock_timestamp()"
+                        " WHERE id = ANY(%s) RETURNING id, event", [list(outbox_ids)])
+            requeued = sorted(cur.fetchall())
+        for outbox_id, event in requeued:
+            audit_record(actor=actor, action="outbox.requeue", obj=OutboxEvent(pk=outbox_id), after={"event": event})
+    return len(requeued)
 
 
 def _stuck_count() -> int:
