@@ -439,7 +439,7 @@ def _detail_context(request, reservation) -> dict:
         "changeable": changeable,
         # Its cluster torn down early, an ending booking can still be cancelled but never given a new end.
         "extendable": changeable and reservation.status != ReservationStatus.ENDING,
-        "extend_form": ExtendForm(initial={"end": reservation.end + slot}),
+        "extend_form": ExtendForm(initial={"end": reservation.end + slot}, auto_id=f"extend-%s-{reservation.pk}"),
         "extend_options": extend_options,
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,

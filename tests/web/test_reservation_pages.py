@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+import re
+import zoneinfo
+from datetime import UTC, date, datetime, timedelta
 
 import pytest
 
@@ -145,3 +147,54 @@ def test_a_booking_whose_cluster_is_being_torn_down_offers_no_window_change(worl
     client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=1))})
     r.refresh_from_db()
     assert r.end == t0 + timedelta(hours=2)  # what the controls would have asked: always refused
+
+
+NEW_YORK = zoneinfo.ZoneInfo("America/New_York")
+
+
+def _end_field(page: str, pk: int) -> dict[str, str]:
+    """The "New end" form's inputs (name -> value) and the text of the errors beside it."""
+    form = re.search(rf'<form[^>]*action="/reservations/{pk}/extend/"[^>]*>(?:(?!</form>).)*?<input[^>]*name="end"'
+                     r'(?:(?!</form>).)*</form>', page, re.S)
+    assert form, "no New end form"
+    html = form.group(0)
+    found = {m.group(1): m.group(2) for m in re.finditer(r'<input[^>]*?name="(end|end_offset)"[^>]*?value="([^"]*)"',
+                                                        html)}
+    errors = re.search(rf'id="extend-end-{pk}_error"[^>]*>(.*?)</ul>', html, re.S)
+    found["errors"] = re.sub(r"<[^>]+>", " ", errors.group(1)) if errors else ""
+    found["invalid"] = 'aria-invalid="true"' in html and f'aria-describedby="extend-end-{pk}_error"' in html
+    return found
+
+
+def _next_fall_back(tz) -> date:
+    from django.utils import timezone
+
+    day = timezone.now().date() + timedelta(days=2)
+    for _ in range(366):
+        if datetime.combine(day, datetime.min.time(), tzinfo=tz).utcoffset() > \
+                datetime.combine(day, datetime.min.time(), tzinfo=tz).replace(hour=12).utcoffset():
+            return day
+        day += timedelta(days=1)
+    raise AssertionError(f"{tz} has no fall-back day in the next year")
+
+
+def test_new_end_in_the_repeated_hour_says_which_one_it_is(world, web, settings):
+    """On New York's fall-back day 01:00-02:00 happens twice. A booking ending at the first 01:00 (EDT)
+    offers the second 01:00 (EST) as its new end; the field sent it without an offset, so "Change end"
+    with the value the page itself filled in was refused as skipped or repeated."""
+    from reservations import services
+
+    settings.PORTAL_BOOKING_HORIZON_DAYS = 400  # the next fall-back day may be a year and a few days away
+    day = _next_fall_back(NEW_YORK)
+    first_one = datetime(day.year, day.month, day.day, 5, tzinfo=UTC)  # 01:00 EDT
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                    pool=world.pool, node_count=1, start=first_one - timedelta(hours=1),
+                                    end=first_one, name="over-the-fold")
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "America/New_York"})
+    field = _end_field(client.get(f"/reservations/{r.pk}/").content.decode(), r.pk)
+    assert field["end"] == f"{day}T01:00" and field.get("end_offset") == "-05:00", field
+    response = client.post(f"/reservations/{r.pk}/extend/", {"end": field["end"], "end_offset": field["end_offset"]})
+    assert response.status_code == 302, _end_field(response.content.decode(), r.pk)
+    r.refresh_from_db()
+    assert r.end == first_one + timedelta(hours=1)  # 01:00 EST, the second one
