@@ -439,7 +439,7 @@ def _detail_context(request, reservation) -> dict:
         "changeable": changeable,
         # Its cluster torn down early, an ending booking can still be cancelled but never given a new end.
         "extendable": changeable and reservation.status != ReservationStatus.ENDING,
-        "extend_form": ExtendForm(initial={"end": reservation.end + slot}, auto_id=f"extend-%s-{reservation.pk}"),
+        "extend_form": _extend_form(reservation),
         "extend_options": extend_options,
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,
@@ -480,23 +480,34 @@ def reservation_panel(request, pk: int):
     return render_page(request, "reservations/_panel.html", _detail_context(request, reservation))
 
 
+def _extend_form(reservation, data=None) -> ExtendForm:
+    slot = timedelta(minutes=reservation.pool.slot_minutes)
+    return ExtendForm(data, initial={"end": reservation.end + slot}, auto_id=f"extend-%s-{reservation.pk}")
+
+
 @require_POST
 @portal_view
 def reservation_extend(request, pk: int):
+    """Change the end; a refusal comes back as the page with the value given and the reason beside it."""
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
-    form = ExtendForm(request.POST)
+    form = _extend_form(reservation, request.POST)
+    status = 400
     if form.is_valid():
         try:
             reservation = services.reservation_update(actor=request.user, reservation=reservation,
                                                       end=form.cleaned_data["end"])
         except DomainError as exc:
-            messages.error(request, f"Not changed: {exc.detail}")
+            form.add_error("end", f"Not changed: {exc.detail}")
+            status = exc.status
         else:
             end = timezone.localtime(reservation.end)
             messages.success(request, f"Reservation #{reservation.pk} now ends {end:%a %d %b %H:%M %Z}.")
-    else:
-        messages.error(request, "Not changed: " + " ".join(form.errors.get("end", ["Give a new end."])))
-    return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
+            return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
+    reservation = get_object_or_404(_own_reservations(request), pk=pk)  # as stored: nothing changed
+    context = {**_detail_context(request, reservation), "extend_form": form}
+    if not context["extendable"]:  # no field to show the reason beside (the role, or the booking's state)
+        messages.error(request, "Not changed: " + " ".join(form.errors.get("end", [])))
+    return render_page(request, "reservations/detail.html", context, status=status)
 
 
 @require_http_methods(["GET", "POST"])

@@ -234,3 +234,26 @@ def test_a_half_hour_zone_books_on_the_pools_grid_by_dragging(world, live_server
     start = at(day, 10, tz=kolkata).replace(minute=30)
     assert (booked.period.lower, booked.period.upper) == (start, start + timedelta(hours=2))
     assert page.errors == []
+
+
+def test_a_refused_new_end_keeps_what_was_typed_with_the_reason_beside_it(world, live_server, new_page, sign_in, day):
+    mine = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=2, start=at(day, 10), end=at(day, 12),
+                                       name="alpha-run")
+    services.reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                                node_count=3, start=at(day, 13), end=at(day, 15), name="beta-after")
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/reservations/{mine.pk}/")
+    field = page.get_by_label(re.compile("^New end"))
+    expect(field).to_have_value(f"{day.isoformat()}T13:00")  # end + one slot
+    field.fill(f"{day.isoformat()}T14:00")
+    page.get_by_role("button", name="Change end").click()
+    field = page.get_by_label(re.compile("^New end"))
+    expect(field).to_have_value(f"{day.isoformat()}T14:00")  # what was typed, not end + one slot again
+    expect(field).to_have_attribute("aria-invalid", "true")
+    reason = page.locator(f"#{field.get_attribute('aria-describedby')}")
+    expect(reason).to_contain_text("Not changed:")
+    expect(reason).to_be_visible()
+    mine.refresh_from_db()
+    assert mine.end == at(day, 12)
+    assert page.errors == []

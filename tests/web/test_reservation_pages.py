@@ -64,11 +64,14 @@ def test_extend_into_a_conflict_is_refused_with_the_reason(world, web, book, t0)
     book("beta-lead", r.end, nodes=3)
     book("beta-member", r.end, nodes=1)
     client = web("alpha-lead")
-    client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=1))})
-    page = client.get(f"/reservations/{r.pk}/").content.decode()
-    assert "Not changed:" in page
+    # The refusal comes back as the page itself (the value kept, the reason beside the field), not a redirect.
+    response = client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=1))})
+    assert response.status_code == 409
+    page = response.content.decode()
+    assert "Not changed:" in page and "free" in page  # the service's reason: too few free nodes
     r.refresh_from_db()
     assert r.end == t0 + timedelta(hours=2)
+    assert "Not changed:" not in client.get(f"/reservations/{r.pk}/").content.decode()  # said once, not queued
 
 
 def test_member_cannot_cancel_a_leads_booking_even_by_posting(world, web, book, t0):
@@ -149,6 +152,7 @@ def test_a_booking_whose_cluster_is_being_torn_down_offers_no_window_change(worl
     assert r.end == t0 + timedelta(hours=2)  # what the controls would have asked: always refused
 
 
+KOLKATA = zoneinfo.ZoneInfo("Asia/Kolkata")
 NEW_YORK = zoneinfo.ZoneInfo("America/New_York")
 
 
@@ -164,6 +168,44 @@ def _end_field(page: str, pk: int) -> dict[str, str]:
     found["errors"] = re.sub(r"<[^>]+>", " ", errors.group(1)) if errors else ""
     found["invalid"] = 'aria-invalid="true"' in html and f'aria-describedby="extend-end-{pk}_error"' in html
     return found
+
+
+def test_a_refused_new_end_comes_back_with_what_was_typed_and_the_reason_beside_it(world, web, book, t0):
+    """The page redirected back with a message at the top and the field reset to end + one slot: the
+    user lost what they typed and had to find out why somewhere else on the page."""
+    r = book("alpha-lead", t0, nodes=2)
+    book("beta-lead", r.end, nodes=3)  # from its end on, only 1 node is free: 2 cannot stay longer
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Asia/Kolkata"})
+    typed = (r.end + timedelta(hours=3)).astimezone(KOLKATA).strftime("%Y-%m-%dT%H:%M")
+    response = client.post(f"/reservations/{r.pk}/extend/", {"end": typed})
+    assert response.status_code == 409
+    field = _end_field(response.content.decode(), r.pk)
+    assert field["end"] == typed, field  # what was typed, in the user's zone
+    assert "Not changed:" in field["errors"] and "free" in field["errors"], field
+    assert field["invalid"], field
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=2)
+
+    # An end off the pool's grid (the service's reason), and one the form cannot read, come back the same way.
+    off_grid = (r.end + timedelta(minutes=90)).astimezone(KOLKATA).strftime("%Y-%m-%dT%H:%M")
+    response = client.post(f"/reservations/{r.pk}/extend/", {"end": off_grid})
+    assert response.status_code == 400
+    field = _end_field(response.content.decode(), r.pk)
+    assert field["end"] == off_grid and "Not changed:" in field["errors"] and field["invalid"], field
+    response = client.post(f"/reservations/{r.pk}/extend/", {"end": "next tuesday"})
+    assert response.status_code == 400
+    field = _end_field(response.content.decode(), r.pk)
+    assert field["end"] == "next tuesday" and "Enter a date and time" in field["errors"] and field["invalid"], field
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=2)
+
+    # Whoever gets no field (a member, on the lead's booking) still reads the reason, on the page itself.
+    response = web("alpha-member").post(f"/reservations/{r.pk}/extend/", {"end": typed})
+    assert response.status_code == 403
+    assert "Not changed: Members can change only their own reservations" in response.content.decode()
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=2)
 
 
 def _next_fall_back(tz) -> date:
