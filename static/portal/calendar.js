@@ -149,6 +149,31 @@
     return best;
   }
 
+  // A whole day picked in the month view starts at that day's first slot on the pool's grid, as the day
+  // view's first row does: local midnight is off the grid where the offset is not a whole number of
+  // slots (00:30 for an hourly pool in +05:30). Computed per day, so a day past a clock change gets its
+  // own offset; sent with the offset, so a repeated hour is never guessed.
+  function dayOnGrid(day) {
+    var minutes = cfg.poolSlots[cfg.pool] || cfg.slotMinutes || 60;
+    if (!window.luxon) { return day + "T" + gridStart(minutes, viewOffset); }
+    var midnight = window.luxon.DateTime.fromISO(day, { zone: cfg.tz });
+    if (!midnight.isValid) { return day; }
+    var ms = minutes * 60000;
+    var first = Math.ceil(midnight.toMillis() / ms) * ms;
+    return window.luxon.DateTime.fromMillis(first, { zone: cfg.tz }).toISO({ suppressMilliseconds: true });
+  }
+
+  function selectDays(startDay, endDay) {
+    var start = dayOnGrid(startDay), end = dayOnGrid(endDay);
+    if (window.luxon && window.luxon.DateTime.fromISO(end) <= window.luxon.DateTime.fromISO(start)) {
+      // Slots longer than the days picked: one whole slot.
+      var minutes = cfg.poolSlots[cfg.pool] || cfg.slotMinutes || 60;
+      end = window.luxon.DateTime.fromISO(start, { setZone: true }).plus({ minutes: minutes })
+        .toISO({ suppressMilliseconds: true });
+    }
+    openForm(start, end);
+  }
+
   function layGrid() {
     var wanted = gridStart(cfg.poolSlots[cfg.pool] || cfg.slotMinutes, viewOffset);
     if (cal && cal.getOption("slotMinTime") !== wanted) { cal.setOption("slotMinTime", wanted); }
@@ -193,7 +218,9 @@
       { id: "availability", events: availability }
     ],
     select: function (info) {
-      if (cfg.canBook) { openForm(info.startStr, info.endStr); }
+      if (!cfg.canBook) { return; }
+      if (info.allDay) { selectDays(info.startStr, info.endStr); return; }
+      openForm(info.startStr, info.endStr);
     },
     eventClick: function (info) {
       if (info.event.display === "background") { return; }

@@ -257,3 +257,24 @@ def test_a_refused_new_end_keeps_what_was_typed_with_the_reason_beside_it(world,
     mine.refresh_from_db()
     assert mine.end == at(day, 12)
     assert page.errors == []
+
+
+def test_a_whole_day_picked_in_the_month_view_opens_on_the_pools_grid(world, live_server, new_page, sign_in, day):
+    """In Asia/Kolkata (+05:30) an hourly pool's slots start at :30 local time. Picking a day in the month
+    view opened the form at local midnight (18:30 UTC, off the grid), so booking it was refused."""
+    import zoneinfo
+
+    kolkata = zoneinfo.ZoneInfo("Asia/Kolkata")
+    page = sign_in(new_page(tz="Asia/Kolkata"), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=dayGridMonth&date={day.isoformat()}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    page.locator(f".fc-daygrid-day[data-date='{day.isoformat()}'] .fc-daygrid-day-frame").click()
+    expect(page.get_by_label(re.compile("^Start"))).to_have_value(f"{day.isoformat()}T00:30")
+    expect(page.get_by_label(re.compile("^End"))).to_have_value(f"{(day + timedelta(days=1)).isoformat()}T00:30")
+    page.get_by_label("Name").fill("whole-day")
+    page.get_by_role("button", name="Book", exact=True).click()
+    expect(page.locator("#side-panel [data-reservation-id]")).to_contain_text("Booked #")
+    booked = Reservation.objects.get(name="whole-day")
+    start = at(day, 0, tz=kolkata).replace(minute=30)
+    assert (booked.period.lower, booked.period.upper) == (start, start + timedelta(days=1))
+    assert page.errors == []
