@@ -1143,8 +1143,9 @@ def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, faile
             ctx = build_context(cluster.pk)
             if built and spare:
                 backend.swap_node(ctx, failed, spare)
-            elif built and ctx.nodes:
-                _keep_secrets(cluster.pk, backend.update_window(ctx))  # the node set shrank
+            elif built:
+                # The node set shrank, maybe to nothing: the backend lets go of the lost node either way.
+                _keep_secrets(cluster.pk, backend.update_window(ctx))
             elif holds_bookings(cluster.backend):
                 _book(backend, ctx, repair=True)  # with no node left, the backend lets go of the booking
     except BackendError as exc:

@@ -151,6 +151,10 @@ class TenantClusterSpec:
     With ``mig_profile`` (e.g. ``"1g.10gb"``) the quota is on the GPU operator's "mixed"
     strategy resource ``nvidia.com/mig-<profile>``, and ``mig_instances_per_gpu`` (which
     depends on the GPU model, so the caller supplies it) sizes it.
+
+    ``node_hostnames`` may be empty only with ``allow_no_nodes``: a reservation that lost every node
+    (each failed, no spare free) keeps its namespace (its data, its kubeconfig) with a quota of zero
+    GPUs and zero pods, and claims no node. Provisioning never builds one that way.
     """
 
     tenant_slug: str
@@ -169,6 +173,7 @@ class TenantClusterSpec:
     mig_instances_per_gpu: int | None = None
     pod_security_level: str = "baseline"
     cluster_name: str = "gpu-portal"
+    allow_no_nodes: bool = False
 
     def __post_init__(self) -> None:
         # Accept any sequence of hostnames but store a tuple so the spec stays hashable.
@@ -179,7 +184,7 @@ class TenantClusterSpec:
         if isinstance(self.reservation_id, bool) or not isinstance(self.reservation_id, int) \
                 or self.reservation_id < 1:
             errors.append("reservation_id must be a positive integer")
-        if not self.node_hostnames:
+        if not self.node_hostnames and not self.allow_no_nodes:
             errors.append("node_hostnames is empty")
         if len(set(self.node_hostnames)) != len(self.node_hostnames):
             errors.append("node_hostnames has duplicates")

@@ -93,7 +93,9 @@ class KubernetesBackend(ProvisioningBackend):
         if self.applier is not None:
             self.applier.close()
 
-    def spec(self, ctx: ClusterContext) -> TenantClusterSpec:
+    def spec(self, ctx: ClusterContext, *, allow_no_nodes: bool = False) -> TenantClusterSpec:
+        """The reservation's spec; with allow_no_nodes (a built cluster's changes, reconcile, teardown) also
+        for a booking that lost every node: its namespace stays with a quota of zero and it claims no node."""
         try:
             return TenantClusterSpec(
                 tenant_slug=ctx.tenant_slug,
@@ -109,6 +111,7 @@ class KubernetesBackend(ProvisioningBackend):
                 default_memory_per_gpu_gib=ctx.default_memory_per_gpu_gib,
                 mig_profile=ctx.mig_profile or None,
                 mig_instances_per_gpu=ctx.mig_instances_per_gpu if ctx.mig_profile else None,
+                allow_no_nodes=allow_no_nodes,
             )
         except ValueError as exc:
             raise BackendError(f"invalid Kubernetes spec: {exc}", transient=False)
@@ -174,7 +177,7 @@ class KubernetesBackend(ProvisioningBackend):
     # --- changes ---
 
     def update_window(self, ctx: ClusterContext) -> PhaseResult:
-        spec = self.spec(ctx)
+        spec = self.spec(ctx, allow_no_nodes=True)
         if not self.render_only:
             self._call("re-apply", self.applier.provision, spec)
             # A node set that shrank (a node lost with no spare): the lost node must not keep the
@@ -198,10 +201,10 @@ class KubernetesBackend(ProvisioningBackend):
     def teardown(self, ctx: ClusterContext) -> bool:
         if self.render_only:
             return True
-        return bool(self._call("teardown", self.applier.teardown, self.spec(ctx)))
+        return bool(self._call("teardown", self.applier.teardown, self.spec(ctx, allow_no_nodes=True)))
 
     def status(self, ctx: ClusterContext) -> BackendStatus:
-        spec = self.spec(ctx)
+        spec = self.spec(ctx, allow_no_nodes=True)
         if self.render_only:
             return BackendStatus(exists=False, detail="render-only")
         exists = self._call("read namespace", self.applier.namespace_exists, spec)
@@ -219,7 +222,7 @@ class KubernetesBackend(ProvisioningBackend):
         for ctx in wanted:
             if ctx.status in ("ready", "degraded"):
                 try:
-                    built[str(ctx.reservation_id)] = self.spec(ctx)
+                    built[str(ctx.reservation_id)] = self.spec(ctx, allow_no_nodes=True)
                     cluster_of[str(ctx.reservation_id)] = ctx.cluster_id
                 except BackendError as exc:
                     drifts.append(Drift("unknown", f"reservation-{ctx.reservation_id}", exc.message))

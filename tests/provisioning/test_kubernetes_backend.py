@@ -529,3 +529,45 @@ def test_a_pod_its_disruption_budget_keeps_is_retried_and_reported_until_evicted
     call_command("reconcile", "--backend", "kubernetes")
     assert "0 drift(s)" in capsys.readouterr().out
     assert services.node_sync(node_id=Node.objects.get(hostname=bad).pk) == {}  # the task's retry: done
+
+
+def test_a_cluster_left_with_no_nodes_keeps_an_empty_namespace_and_reconcile_converges(world, t0, k8s, capsys):
+    """Every node of a Kubernetes booking failed with no spare free. The backend could not even build the
+    spec ("node_hostnames is empty"): cluster_nodes_changed did nothing, so the lost node kept the tenant's
+    label and taint (the namespace's pods still landed there), and reconcile reported an `unknown` drift on
+    every run (exit 1, an alert nobody could clear). A cluster with no node keeps its namespace (the
+    tenant's data and kubeconfig) with a quota of zero GPUs and zero pods, and claims no node."""
+    from django.core.management import call_command
+
+    reservation, cluster = ready_k8s_cluster(world, t0, nodes=1)
+    [lost] = held_hosts(reservation)
+    book(world, "beta-lead", t0, hours=4, nodes=len(world.nodes) - 1)  # no spare free
+    assert fail_node(world, lost) == {"degraded": 1}
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=lost, spare=None) == "degraded"
+
+    namespace = f"tenant-alpha-r{reservation.pk}"
+    assert not is_claimed(k8s, lost)
+    assert namespace in k8s.namespaces
+    quota = [yaml.safe_load(r.body) for r in k8s.of("PATCH", f"/api/v1/namespaces/{namespace}/resourcequotas/")]
+    assert quota[-1]["spec"]["hard"]["requests.nvidia.com/gpu"] == "0" and quota[-1]["spec"]["hard"]["pods"] == "0"
+    assert ClusterCredential.objects.current().filter(cluster=cluster, kind="kubeconfig").exists()
+
+    call_command("reconcile", "--backend", "kubernetes")  # exit 0: no SystemExit
+    assert "0 drift(s)" in capsys.readouterr().out
+
+    # A claim left behind on the lost node (the sync was lost) is a drift --fix repairs, then none.
+    claim_by_hand(k8s, lost, reservation_id=reservation.pk, tenant="alpha")
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes")
+    assert f"mismatch {lost}: claimed for reservation {reservation.pk}, which no longer holds it" in \
+        capsys.readouterr().out
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert not is_claimed(k8s, lost)
+    call_command("reconcile", "--backend", "kubernetes")
+    assert "0 drift(s)" in capsys.readouterr().out
+
+    # The window ends: the empty cluster is torn down like any other.
+    services.lifecycle_tick(now=t0 + timedelta(hours=4))
+    assert services.cluster_teardown(cluster_id=cluster.pk) == "deleted"
+    assert namespace not in k8s.namespaces
