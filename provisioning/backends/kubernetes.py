@@ -193,8 +193,10 @@ class KubernetesBackend(ProvisioningBackend):
     def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:
         spec = self.spec(ctx)
         if not self.render_only:
-            self._call("release node", self.applier.release_node, spec, old)
-            self._call("claim node", self.applier.claim_node, spec, new)
+            # Converge on the booking's node set (ctx.nodes), not on old -> new as told: two swaps of one
+            # booking (A -> S, then S -> T) may run in either order, and the late A -> S must not claim S.
+            self._call("release lost nodes", self.applier.release_nodes_not_held, spec)
+            self._call("claim nodes", self.applier.claim_nodes, spec)
             self._call("re-apply quota", self.applier.apply_objects, spec)
         return PhaseResult(detail=f"{old} replaced by {new}")
 

@@ -571,3 +571,22 @@ def test_a_cluster_left_with_no_nodes_keeps_an_empty_namespace_and_reconcile_con
     services.lifecycle_tick(now=t0 + timedelta(hours=4))
     assert services.cluster_teardown(cluster_id=cluster.pk) == "deleted"
     assert namespace not in k8s.namespaces
+
+
+def test_node_swaps_applied_out_of_order_leave_the_claims_on_the_booked_nodes(world, t0, k8s):
+    """Node A failed (the booking moved to spare S), then S failed (moved to T). The two swap tasks can run in
+    either order (each retries while the cluster is busy). swap_node released `old` and claimed `new` as told:
+    run second, A -> S claimed S again, a failed node the booking no longer holds, for the tenant until its
+    window ended (another booking given S back could not claim it). The swap converges on the booking's node
+    set instead."""
+    reservation, _cluster = ready_k8s_cluster(world, t0, nodes=1)
+    [a] = held_hosts(reservation)
+    assert fail_node(world, a) == {"replaced": 1}
+    [s] = held_hosts(reservation)
+    assert fail_node(world, s) == {"replaced": 1}
+    [t] = held_hosts(reservation)
+
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=s, spare=t) == "replaced"
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=a, spare=s) == "replaced"
+    assert not is_claimed(k8s, a) and not is_claimed(k8s, s)
+    assert k8s.nodes[t]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
