@@ -401,7 +401,7 @@ class TenantClusterApplier:
                 raise K8sApplyError(f"delete namespace {name} failed: {exc.status} {exc.reason}") from exc
 
     def teardown(self, spec: TenantClusterSpec) -> bool:
-        """Delete the Namespace; once it is gone, release the nodes. Return True when all is done.
+        """Delete the Namespace; once it is gone, release every node claimed for it. Return True when all is done.
 
         Call again until it returns True: namespace deletion is asynchronous (pods get
         their grace period, the PVC's volume is reclaimed per its storage class).
@@ -422,6 +422,9 @@ class TenantClusterApplier:
         if self.namespace_exists(spec):
             return False
         self.release_nodes(spec)
+        # And a claim left on a node the reservation no longer holds (a swap that failed half-way, a node
+        # lost while a provisioning that then failed ran): nothing else lifts it once the cluster is gone.
+        self.release_nodes_not_held(spec)
         return True
 
     # --- Credentials ---

@@ -590,3 +590,22 @@ def test_node_swaps_applied_out_of_order_leave_the_claims_on_the_booked_nodes(wo
     assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=a, spare=s) == "replaced"
     assert not is_claimed(k8s, a) and not is_claimed(k8s, s)
     assert k8s.nodes[t]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
+
+
+def test_teardown_lifts_every_claim_of_the_reservation_also_on_a_node_it_no_longer_holds(world, t0, k8s):
+    """A swap that failed half-way (releasing the failed node got a 500) left the reservation's claim on a node
+    it no longer holds. Teardown released only the nodes the booking holds now: that node kept the tenant's
+    label and dedicated taint after the cluster was deleted, and a booking given it could not claim it until
+    the old window ended (or someone ran reconcile --fix)."""
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    before = held_hosts(reservation)
+    bad = before[0]
+    assert fail_node(world, bad) == {"replaced": 1}
+    [spare] = set(held_hosts(reservation)) - set(before)
+    k8s.inject[("PATCH", f"/api/v1/nodes/{bad}")] = [500]
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad, spare=spare) == "degraded"
+    assert is_claimed(k8s, bad)
+
+    services.lifecycle_tick(now=t0 + timedelta(hours=4))
+    assert services.cluster_teardown(cluster_id=cluster.pk) == "deleted"
+    assert not [host for host in k8s.nodes if is_claimed(k8s, host)]
