@@ -1131,9 +1131,13 @@ def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None
 
 
 def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, failed: str, spare: str | None) -> str:
-    cluster = VirtualCluster.objects.get(pk=cluster_id)
-    if cluster.status in (ClusterStatus.DELETED, ClusterStatus.TEARING_DOWN):
+    cluster = VirtualCluster.objects.select_related("reservation").get(pk=cluster_id)
+    # A failed cluster's booking was let go of (its nodes went back to others): a swap that waited for
+    # the failing run must not hold the window in the backend again.
+    if cluster.status in (ClusterStatus.DELETED, ClusterStatus.TEARING_DOWN, ClusterStatus.FAILED):
         return "nothing to do"
+    reservation = cluster.reservation
+    holding = reservation.status in HOLDING_STATUSES and reservation.period.upper > timezone.now()
     built = cluster.status in LIVE_STATUSES or cluster.status in PROVISION_PHASES
     with transaction.atomic():
         audit_record(actor=None, action="cluster.node_swapped" if spare else "cluster.node_lost", obj=cluster,
@@ -1146,7 +1150,7 @@ def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, faile
             elif built:
                 # The node set shrank, maybe to nothing: the backend lets go of the lost node either way.
                 _keep_secrets(cluster.pk, backend.update_window(ctx))
-            elif holds_bookings(cluster.backend):
+            elif holds_bookings(cluster.backend) and holding:
                 _book(backend, ctx, repair=True)  # with no node left, the backend lets go of the booking
     except BackendError as exc:
         _degrade(cluster.pk, f"could not replace {failed} in the {cluster.backend} backend: {exc.message}", failed)

@@ -427,3 +427,27 @@ def test_reconcile_finds_a_reservation_moved_to_another_partition(fleet, t0, pro
         assert slurm_backend.show_reservation(name).partition == "gpu"
     finally:
         scontrol(prov_slurm, "delete", "PartitionName=side")
+
+
+def test_a_node_swap_that_arrives_after_the_cluster_failed_books_nothing_again(fleet, slurm_backend, settings):
+    """A node of a booking being provisioned failed (moved to a spare); its swap task waits while the
+    provisioning run holds the cluster, and that run failed for good: the reservation failed, its nodes went
+    back to others and the cleanup deleted its Slurm reservation. The swap then ran on the failed cluster and
+    booked the window in Slurm again (on the nodes the failed booking had released), where it stayed,
+    blocking those nodes for other accounts, until its end or a reconcile --fix."""
+    reservation = booked(fleet, "alpha-lead", now_slot(fleet), hours=3, nodes=2)
+    name = f"alpha-{reservation.pk}"
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    before = set(hosts(reservation))
+    bad = Node.objects.get(hostname=sorted(before)[0])
+    node_update(actor=fleet.users["staff"], node=bad, state=NodeState.FAILED, reason="XID 79")
+    assert services.node_sync(node_id=bad.pk) == {"replaced": 1}
+    [spare] = set(hosts(reservation)) - before
+
+    settings.PORTAL_PROVISIONING_FAULTS = "installing_drivers=fatal"
+    assert services.cluster_provision(cluster_id=cluster.pk) == "failed"
+    assert name not in slurm_backend.show_reservations()  # the cleanup let go of it
+
+    services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad.hostname, spare=spare)
+    assert name not in slurm_backend.show_reservations()
