@@ -1354,9 +1354,15 @@ def credential_download(*, actor: Any, cluster: VirtualCluster, kind: str) -> tu
     return filename, plaintext
 
 
-def credentials_rotate(*, actor: Any = None, batch_size: int = 200) -> int:
-    """Re-encrypt every stored secret with the primary key (the first of PORTAL_FERNET_KEYS)."""
+def credentials_rotate(*, actor: Any = None, batch_size: int = 200) -> tuple[int, list[int]]:
+    """Re-encrypt every stored secret with the primary key (the first of PORTAL_FERNET_KEYS).
+
+    Return (how many were re-encrypted, the ids of those no configured key decrypts). One whose key was
+    dropped too early is left as stored (it reads again once its key is back) and does not stop the others:
+    they must all be under the new key before the old one goes.
+    """
     rotated = 0
+    unreadable: list[int] = []
     last_id = 0
     while True:
         with transaction.atomic():
@@ -1365,17 +1371,27 @@ def credentials_rotate(*, actor: Any = None, batch_size: int = 200) -> int:
             if not batch:
                 break
             now = timezone.now()
+            done = []
             for credential in batch:
-                credential.ciphertext = crypto.rotate(credential.ciphertext)
+                try:
+                    credential.ciphertext = crypto.rotate(credential.ciphertext)
+                except crypto.SecretUnreadable:
+                    unreadable.append(credential.pk)
+                    continue
                 credential.rotated_at = now
-            ClusterCredential.objects.bulk_update(batch, ["ciphertext", "rotated_at"])
+                done.append(credential)
+            ClusterCredential.objects.bulk_update(done, ["ciphertext", "rotated_at"])
             last_id = batch[-1].pk
-            rotated += len(batch)
-    if rotated:
+            rotated += len(done)
+    if unreadable:
+        logger.error("%d cluster credential(s) cannot be decrypted with PORTAL_FERNET_KEYS and were not re-encrypted: "
+                     "%s", len(unreadable), ", ".join(f"#{pk}" for pk in unreadable))
+    if rotated or unreadable:
         with transaction.atomic():
             audit_record(actor=actor, action="cluster.credentials_rotated",
-                         obj=ClusterCredential.objects.order_by("pk").first(), after={"count": rotated})
-    return rotated
+                         obj=ClusterCredential.objects.order_by("pk").first(),
+                         after={"count": rotated, "unreadable": unreadable})
+    return rotated, unreadable
 
 
 # --- reconcile -----------------------------------------------------------------------------

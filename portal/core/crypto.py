@@ -111,16 +111,17 @@ class EncryptedTextField(models.TextField):
         return encrypt(value)
 
 
-def rotate_encrypted_columns() -> int:
-    """Re-encrypt every EncryptedTextField value of every model with the primary key; return the count.
+def rotate_encrypted_columns() -> tuple[int, int]:
+    """Re-encrypt every EncryptedTextField value of every model with the primary key.
 
     Works on the stored ciphertext with raw SQL (the field would hand Python the plaintext),
-    one table at a time, each in its own transaction.
+    one table at a time, each in its own transaction. Return (re-encrypted, unreadable): a value no
+    configured key decrypts is left as stored (logged by table and row), and the others are still rotated.
     """
     from django.apps import apps
     from django.db import connection, transaction
 
-    count = 0
+    count = unreadable = 0
     for model in apps.get_models():
         for field in model._meta.concrete_fields:
             if not isinstance(field, EncryptedTextField):
@@ -129,7 +130,14 @@ def rotate_encrypted_columns() -> int:
             qn = connection.ops.quote_name
             with transaction.atomic(), connection.cursor() as cur:
                 cur.execute(f"SELECT {qn(pk)}, {qn(column)} FROM {qn(table)} WHERE {qn(column)} <> '' FOR UPDATE")  # noqa: S608
-                rows = [(rotate(value), key) for key, value in cur.fetchall()]
+                rows = []
+                for key, value in cur.fetchall():
+                    try:
+                        rows.append((rotate(value), key))
+                    except SecretUnreadable:
+                        unreadable += 1
+                        logger.error("%s.%s of row %s cannot be decrypted with PORTAL_FERNET_KEYS; left as stored",
+                                     table, column, key)
                 cur.executemany(f"UPDATE {qn(table)} SET {qn(column)} = %s WHERE {qn(pk)} = %s", rows)  # noqa: S608
             count += len(rows)
-    return count
+    return count, unreadable

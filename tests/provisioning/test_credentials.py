@@ -101,3 +101,33 @@ def test_plaintext_never_reaches_the_logs_or_the_api_listings(world, t0, setting
         assert "PRIVATE KEY" not in text
         assert key_body[:32] not in text
     assert "attempt failed" in caplog.text  # the logs did capture the run
+
+
+def test_one_secret_no_key_decrypts_does_not_stop_the_rotation_of_the_others(cluster, settings, world):
+    """A credential whose key was dropped too early made rotate_credentials crash with SecretUnreadable and
+    roll its whole batch back: no other credential (nor any webhook secret) was re-encrypted, so dropping the
+    old key afterwards, as the procedure says, made every one of them unreadable. The readable ones are
+    rotated; the unreadable ones are left as stored and named, and the command exits non-zero."""
+    import io
+
+    from django.core.management.base import CommandError
+
+    from tenants.models import Tenant
+
+    lost_key = Fernet.generate_key().decode()
+    good = ClusterCredential.objects.get(cluster=cluster)
+    plaintext = crypto.decrypt(good.ciphertext)
+    lost_token = Fernet(lost_key.encode()).encrypt(b"made with a key since dropped").decode()
+    ClusterCredential.objects.filter(pk=good.pk).update(ciphertext=lost_token)  # the lowest id: first in its batch
+    moved = ClusterCredential.objects.create(cluster=cluster, kind="kubeconfig", ciphertext=good.ciphertext)
+    tenant = Tenant.objects.create(slug="hooks", name="Hooks", slack_webhook_url="https://hooks.slack.com/services/x")
+
+    settings.PORTAL_FERNET_KEYS = [NEW_KEY, OLD_KEY]
+    out = io.StringIO()
+    with pytest.raises(CommandError, match=rf"1 credential\(s\) no key decrypts \(left as stored\): #{good.pk}"):
+        call_command("rotate_credentials", stdout=out)
+    assert "re-encrypted 1 credential(s) and 1 other secret(s)" in out.getvalue()
+    settings.PORTAL_FERNET_KEYS = [NEW_KEY]  # the old key can go now
+    assert crypto.decrypt(ClusterCredential.objects.get(pk=moved.pk).ciphertext) == plaintext
+    assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == "https://hooks.slack.com/services/x"
+    assert ClusterCredential.objects.get(pk=good.pk).ciphertext == lost_token  # kept for its key to come back
