@@ -601,12 +601,22 @@ def _absorb(cluster: VirtualCluster, phase: str, result: PhaseResult) -> None:
         ).update(detail=result.detail[:500])
 
 
+# A cluster in these states has given back its volume and credentials (_release_artefacts) or is doing so.
+_ARTEFACTS_RELEASED = (ClusterStatus.TEARING_DOWN, ClusterStatus.DELETED, ClusterStatus.FAILED)
+
+
 def _keep_secrets(cluster_id: int, result: PhaseResult) -> None:
     """Store the credentials a change produced (a kubeconfig valid to a new end), replacing the old ones."""
     if not result.secrets:
         return
     with transaction.atomic():
         cluster = _lock_cluster(cluster_id)
+        if cluster.status in _ARTEFACTS_RELEASED:
+            # A repair (reconcile) that rebuilt the namespace while the teardown finished: the cluster's
+            # credentials were wiped and must stay so; nothing it made is the tenant's to download.
+            logger.warning("cluster %s is %s: the credentials a late change produced are not kept", cluster_id,
+                           cluster.status)
+            return
         for name, plaintext in result.secrets.items():
             _store_secret(cluster, _SECRET_KINDS[name], plaintext, replace=True)
 

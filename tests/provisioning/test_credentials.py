@@ -131,3 +131,19 @@ def test_one_secret_no_key_decrypts_does_not_stop_the_rotation_of_the_others(clu
     assert crypto.decrypt(ClusterCredential.objects.get(pk=moved.pk).ciphertext) == plaintext
     assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == "https://hooks.slack.com/services/x"
     assert ClusterCredential.objects.get(pk=good.pk).ciphertext == lost_token  # kept for its key to come back
+
+
+@pytest.mark.parametrize("status", ["tearing_down", "deleted", "failed"])
+def test_credentials_a_late_repair_produces_are_not_kept_for_a_cluster_torn_down(cluster, world, status):
+    """reconcile --fix rebuilding a namespace while the teardown finished hands back a new kubeconfig; a
+    torn-down cluster's credentials were wiped and must stay so, or the tenant could download a live one."""
+    from provisioning.backends.base import PhaseResult
+    from provisioning.models import CredentialKind
+
+    services._release_artefacts(cluster)
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status=status)
+    services._keep_secrets(cluster.pk, PhaseResult(secrets={"kubeconfig": "apiVersion: v1\nkind: Config\n"}))
+    assert not ClusterCredential.objects.current().filter(cluster=cluster).exists()
+    with pytest.raises(services.NotFound):
+        services.credential_download(actor=world.users["alpha-lead"], cluster=cluster,
+                                     kind=CredentialKind.KUBECONFIG)
