@@ -49,6 +49,7 @@ __all__ = [
     "maintenance_windows_create",
     "maintenance_windows_end",
     "booking_window_problems",
+    "capacity_text",
     "reservation_create",
     "reservation_update",
     "reservation_cancel",
@@ -256,11 +257,27 @@ def _capacity_error(
         search=timedelta(days=settings.PORTAL_SUGGESTION_SEARCH_DAYS),
     )
     total = pool.nodes.filter(state=NodeState.AVAILABLE).count()
-    return CapacityUnavailable(
-        f"Only {free} of {total} available {pool.name} nodes are free from {start:%Y-%m-%d %H:%M}Z "
-        f"to {end:%Y-%m-%d %H:%M}Z; {node_count} requested.",
+    shortfall = {"free": free, "total": total, "pool_name": pool.name, "node_count": node_count, "start": start,
+                 "end": end}
+    error = CapacityUnavailable(
+        capacity_text(**shortfall),
         suggestions=[{"start": format_utc(s["start"]), "end": format_utc(s["end"])} for s in suggestions],
     )
+    # The parts, so a page can say the same in the reader's own zone (the API's text is in UTC).
+    error.shortfall = shortfall
+    return error
+
+
+def capacity_text(
+    *, free: int, total: int, pool_name: str, node_count: int, start: datetime, end: datetime, tz: Any = None,
+) -> str:
+    """Why a booking did not fit, with the window in tz (UTC, as the API has it, when None)."""
+    if tz is None:
+        window = f"from {start:%Y-%m-%d %H:%M}Z to {end:%Y-%m-%d %H:%M}Z"
+    else:
+        lo, hi = timezone.localtime(start, tz), timezone.localtime(end, tz)
+        window = f"from {lo:%Y-%m-%d %H:%M %Z} to {hi:%Y-%m-%d %H:%M %Z}"
+    return f"Only {free} of {total} available {pool_name} nodes are free {window}; {node_count} requested."
 
 
 # Two bookings that insert the same node at the same time each find the other's uncommitted row

@@ -71,6 +71,14 @@ def _is_partial(request) -> bool:
     return bool(getattr(request, "htmx", False)) and not request.htmx.boosted
 
 
+def _refusal(exc: DomainError) -> str:
+    """A service's refusal as this page says it: a capacity shortfall's window in the reader's zone."""
+    shortfall = getattr(exc, "shortfall", None)
+    if shortfall:
+        return services.capacity_text(**shortfall, tz=timezone.get_current_timezone())
+    return exc.detail
+
+
 def _envelope(code: str, detail: str, fields: dict | None = None, status: int = 400) -> JsonResponse:
     return JsonResponse({"code": code, "detail": detail, "fields": fields or {}}, status=status)
 
@@ -331,7 +339,7 @@ def booking_form(request):
                     cuda_version=d["cuda_version"],
                 )
             except CapacityUnavailable as exc:
-                form.add_error(None, exc.detail)
+                form.add_error(None, _refusal(exc))
                 suggestions = _suggestions(exc.extra.get("suggestions") or [])
                 status = 409
             except InvalidInput as exc:
@@ -497,7 +505,7 @@ def reservation_extend(request, pk: int):
             reservation = services.reservation_update(actor=request.user, reservation=reservation,
                                                       end=form.cleaned_data["end"])
         except DomainError as exc:
-            form.add_error("end", f"Not changed: {exc.detail}")
+            form.add_error("end", f"Not changed: {_refusal(exc)}")
             status = exc.status
         else:
             end = timezone.localtime(reservation.end)

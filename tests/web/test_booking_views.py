@@ -201,3 +201,18 @@ def test_preview_warns_of_a_window_the_service_will_refuse(world, web, t0):
     # … and the service refuses exactly what the preview warned of.
     response = client.post("/reservations/new/", _data(world, past, end=iso(past + timedelta(hours=2))), **HTMX)
     assert b"Cannot start in the past" in response.content and not Reservation.objects.exists()
+
+
+def test_a_capacity_refusal_gives_the_window_in_the_readers_zone(world, web, book, t0):
+    """Every time on the page is in the user's zone; the "no capacity" sentence was the one in UTC ("…Z")."""
+    book("beta-lead", t0, nodes=4, hours=4)
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Asia/Kolkata"})
+    ist = zoneinfo.ZoneInfo("Asia/Kolkata")
+    start_local = t0.astimezone(ist)
+    page = client.post("/reservations/new/", _data(
+        world, t0, name="wanted", start=f"{start_local:%Y-%m-%dT%H:%M}",
+        end=f"{start_local + timedelta(hours=1):%Y-%m-%dT%H:%M}"), **HTMX).content.decode()
+    assert f"free from {start_local:%Y-%m-%d %H:%M} IST to {start_local + timedelta(hours=1):%Y-%m-%d %H:%M} IST" \
+        in page, page[:3000]
+    assert f"{t0:%H:%M}Z" not in page and not Reservation.objects.filter(name="wanted").exists()
