@@ -5,9 +5,7 @@ GUNICORN_THREADS, GUNICORN_TIMEOUT, FORWARDED_ALLOW_IPS, PROMETHEUS_MULTIPROC_DI
 """
 
 import os
-import shutil
 import tempfile
-from pathlib import Path
 
 bind = os.environ.get("GUNICORN_BIND") or f"0.0.0.0:{os.environ.get('PORT', '8000')}"
 workers = int(os.environ.get("WEB_CONCURRENCY", str(min(2 * (os.cpu_count() or 1) + 1, 9))))
@@ -47,16 +45,18 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 
 def on_starting(server):
-    directory = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
-    directory.mkdir(parents=True, exist_ok=True)
-    for child in directory.iterdir():
-        if child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink(missing_ok=True)
+    from portal.ops import multiproc
+
+    multiproc.reset()
 
 
 def child_exit(server, worker):
-    from prometheus_client import multiprocess
+    # prometheus_client's bookkeeping for a dead worker, and its counters folded into one archive file
+    # per type: with max_requests recycling workers, their files would otherwise pile up and slow
+    # every scrape (portal.ops.multiproc).
+    from portal.ops import multiproc
 
-    multiprocess.mark_process_dead(worker.pid)
+    try:
+        multiproc.mark_process_dead(worker.pid)
+    except Exception:  # an exception here would stop the master
+        server.log.exception("prometheus: could not fold the metric files of worker %s", worker.pid)

@@ -44,9 +44,10 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
-    multiprocess,
 )
 from prometheus_client.exposition import choose_encoder
+
+from . import multiproc
 
 __all__ = [
     "BOOKING_OUTCOMES",
@@ -197,9 +198,8 @@ class _ProcessMetrics:
     def collect(self):
         directory = _multiprocess_dir()
         if directory:
-            scratch = CollectorRegistry()
-            multiprocess.MultiProcessCollector(scratch, path=directory)
-            yield from scratch.collect()
+            # Live workers' files plus the archive of dead ones (gunicorn.conf.py's child_exit).
+            yield from multiproc.collect(directory)
         else:
             yield from REGISTRY.collect()
 
