@@ -297,10 +297,14 @@ class PortalCollector:
         status = _field(cluster, "status", "phase", "state")
         if status:
             family = GaugeMetricFamily("portal_virtual_clusters", "Virtual clusters by status.", labels=["status"])
+            # Every declared status appears, at 0 without clusters: a panel reads 0, not "No data".
+            counts: dict[str, int] = dict.fromkeys(_choices(cluster, status), 0)
             for value, count in _rows(
                 f"SELECT {_q(status)}, count(*) FROM {_q(cluster._meta.db_table)} GROUP BY 1"  # noqa: S608
             ):
-                family.add_metric([str(value)], count)
+                counts[str(value)] = count
+            for value, count in counts.items():
+                family.add_metric([value], count)
             yield family
         yield from self._phase_durations(cluster, tables)
 
@@ -340,12 +344,18 @@ class PortalCollector:
                 family = GaugeMetricFamily("portal_health_checks", "Recorded GPU health checks by level and verdict.",
                                            labels=["level", "verdict"])
                 level_sql = _q(level) if level else "''"
+                # Every level and verdict (and pending) appears, at 0 when no check has it.
+                counts: dict[tuple[str, str], int] = {
+                    (lvl, value): 0 for lvl in (_choices(check, level) or [""])
+                    for value in [*_choices(check, verdict), "pending"]}
                 for lvl, value, count in _rows(
                     f"SELECT {level_sql}, {_q(verdict)}, count(*) FROM {_q(check._meta.db_table)} "  # noqa: S608
                     "GROUP BY 1, 2"
                 ):
                     # A check without a verdict yet is queued or running.
-                    family.add_metric([str(lvl or ""), str(value or "pending")], count)
+                    counts[(str(lvl or ""), str(value or "pending"))] = count
+                for (lvl, value), count in counts.items():
+                    family.add_metric([lvl, value], count)
                 yield family
             if verdict and node:
                 yield from self._latest_verdicts(check, node, verdict)
@@ -373,6 +383,10 @@ class PortalCollector:
         family = GaugeMetricFamily("portal_node_health",
                                    "Non-retired nodes by pool and the verdict of their latest health check.",
                                    labels=["pool", "verdict"])
+        # Every pool and verdict appears, at 0 when no node's latest check has it.
+        counts: dict[tuple[str, str], int] = {
+            (pool, value): 0 for pool in Pool.objects.order_by("name").values_list("name", flat=True)
+            for value in _choices(check, verdict)}
         for pool, value, count in _rows(
             f"""
             SELECT p.name, latest.v, count(*) FROM (
@@ -385,7 +399,9 @@ class PortalCollector:
             GROUP BY 1, 2
             """  # noqa: S608
         ):
-            family.add_metric([pool, str(value)], count)
+            counts[(pool, str(value))] = count
+        for (pool, value), count in counts.items():
+            family.add_metric([pool, value], count)
         yield family
 
     def _notifications(self, tables: set[str]) -> Iterator[Metric]:
@@ -401,11 +417,16 @@ class PortalCollector:
                                    "Notification deliveries by channel kind and status (delivered, failed, pending…).",
                                    labels=["channel", "status"])
         channel_sql = _q(channel) if channel else "''"
+        # Every channel kind and status appears, at 0 when no delivery has it.
+        totals: dict[tuple[str, str], int] = {
+            (c, v): 0 for c in (_choices(delivery, channel) or [""]) for v in _choices(delivery, status)}
         for chan, value, count in _rows(
             f"SELECT {channel_sql}, {_q(status)}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
             "GROUP BY 1, 2"
         ):
-            family.add_metric([str(chan or ""), str(value or "")], count)
+            totals[(str(chan or ""), str(value or ""))] = count
+        for (chan, value), count in totals.items():
+            family.add_metric([chan, value], count)
         yield family
         created = _field(delivery, "created_at")
         if not created:

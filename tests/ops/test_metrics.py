@@ -235,6 +235,29 @@ def test_observe_booking_maps_unknown_outcomes_to_error():
     assert counter("portal_booking_requests_total", outcome="something-new") == 0
 
 
+def test_every_known_status_is_a_series_at_zero_before_any_row(ops):
+    """Families with a status or verdict label expose every value the models declare, at 0, so a
+    panel or an alert on e.g. failed clusters reads 0 instead of "No data"."""
+    from notifications.choices import ChannelKind, DeliveryStatus
+    from provisioning.choices import ClusterStatus
+    from provisioning.health.choices import CheckLevel, Verdict
+
+    make_world(nodes=2)
+    s = scrape(Client())
+    for status in ClusterStatus.values:
+        assert s.value("portal_virtual_clusters", status=status) == 0, status
+    for level in CheckLevel.values:
+        for verdict in [*Verdict.values, "pending"]:
+            assert s.value("portal_health_checks", level=level, verdict=verdict) == 0, (level, verdict)
+    for verdict in Verdict.values:
+        assert s.value("portal_node_health", pool="h100", verdict=verdict) == 0, verdict
+    for kind in ChannelKind.values:
+        for status in DeliveryStatus.values:
+            assert s.value("portal_notification_deliveries", channel=kind, status=status) == 0, (kind, status)
+    result = promtool_check(s.text)
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+
+
 def other_app_rows(world) -> None:
     """Clusters with phase transitions, health checks, repairs and deliveries, written as fixtures."""
     from datetime import UTC
@@ -298,10 +321,16 @@ def test_provisioning_health_and_notification_families_from_their_tables(ops):
     assert s.value("portal_health_checks", level="quick", verdict="pending") == 1
     assert s.value("portal_node_health", pool="h100", verdict="fail") == 1  # node a: its latest check failed
     assert s.value("portal_node_health", pool="h100", verdict="warn") == 1
-    assert s.value("portal_node_health", pool="h100", verdict="pass") is None
+    assert s.value("portal_node_health", pool="h100", verdict="pass") == 0  # no node's latest: 0, not absent
+    assert s.value("portal_node_health", pool="h100", verdict="unknown") == 0
     assert s.value("portal_repairs_open") == 1
     assert s.value("portal_notification_deliveries", channel="slack", status="delivered") == 2
     assert s.value("portal_notification_deliveries", channel="slack", status="failed") == 1
     assert s.value("portal_notification_deliveries", channel="webhook", status="retrying") == 1
+    # Statuses without a row are there at 0.
+    assert s.value("portal_virtual_clusters", status="failed") == 0
+    assert s.value("portal_health_checks", level="full", verdict="fail") == 0
+    assert s.value("portal_health_checks", level="medium", verdict="warn") == 1
+    assert s.value("portal_notification_deliveries", channel="webhook", status="delivered") == 0
     result = promtool_check(s.text)
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
