@@ -63,7 +63,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Outcomes of POST /api/v1/reservations/: "created", "replayed" (an Idempotency-Key's earlier booking
-# answered again: nothing new was booked) and the envelope codes a booking can end with.
+# answered again: nothing new was booked) and the envelope codes a booking can end with (every 4xx
+# one portal.core.api can send for it); "error" is anything else: a server error.
 BOOKING_OUTCOMES = (
     "created",
     "replayed",
@@ -75,6 +76,7 @@ BOOKING_OUTCOMES = (
     "not_found",
     "invalid_state",
     "throttled",
+    "not_acceptable",
     "error",
 )
 # Booking latency: the SQL path is milliseconds; contention retries and suggestions take longer.

@@ -62,3 +62,15 @@ def test_an_idempotent_replay_is_not_counted_as_a_second_booking(ops, world, t0)
     assert first.status_code == again.status_code == 201 and first.json()["id"] == again.json()["id"]
     # One reservation was made: "Bookings created" must say 1; the retry is counted apart.
     assert delta(before) == {"created": 1, "replayed": 1}
+
+
+def test_an_accept_header_the_api_cannot_serve_is_a_client_refusal_not_a_server_error(ops, world, t0):
+    """A 406 is the client's doing: counted under its envelope code, like 400/401/429, never as
+    "error" (the 5xx outcome an operator is paged on)."""
+    forget_throttle_budgets(world.users["alpha-lead"])
+    before = counts()
+    refused = world.client("alpha-lead").post(URL, body(t0), format="json", HTTP_ACCEPT="application/xml")
+    assert refused.status_code == 406 and refused.json()["code"] == "not_acceptable"
+    assert delta(before) == {"not_acceptable": 1}
+    assert metrics.REGISTRY.get_sample_value("portal_booking_duration_seconds_count",
+                                             {"outcome": "not_acceptable"}) >= 1
