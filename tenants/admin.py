@@ -1,4 +1,5 @@
-"""Admin for tenants, memberships and quotas: every save goes through the audited services.
+"""Admin for tenants, memberships, quotas, API tokens and user accounts: every save goes through
+the audited services.
 
 Quota edits — on the quota's page, inline on the tenant, in place on the quota list, or in
 bulk from the list's action — all end in ``quota_update`` / ``quota_bulk_update``, which lock
@@ -13,14 +14,20 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.options import csrf_protect_m
+from django.contrib.admin.utils import unquote
+from django.contrib.auth import get_user_model, update_session_auth_hash
+from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
 from django.core.exceptions import PermissionDenied
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
+from django.utils.decorators import method_decorator
 from django.utils.html import format_html
+from django.views.decorators.debug import sensitive_post_parameters
 from simple_history.admin import SimpleHistoryAdmin
 
-from portal.core.admin import ServiceAdminMixin, StaffAdminMixin, admin_hooks
+from portal.core.admin import ServiceAdminMixin, ServiceTransactionMixin, StaffAdminMixin, admin_hooks
 from portal.core.crypto import mask
 from portal.core.exceptions import DomainError, InvalidInput, InvalidState
 
@@ -466,3 +473,74 @@ class ApiTokenAdmin(ServiceAdminMixin, admin.ModelAdmin):
                    if self.run_service(request, services.token_revoke, actor=request.user, token=token) is not None)
         self.message_user(request, f"Revoked {done} token(s); requests presenting them are refused from now on.",
                           messages.SUCCESS if done else messages.WARNING)
+
+
+# --- user accounts ---------------------------------------------------------------------------
+
+User = get_user_model()
+if admin.site.is_registered(User):
+    admin.site.unregister(User)
+
+
+@admin.register(User)
+class UserAdmin(ServiceTransactionMixin, DjangoUserAdmin):
+    """Django's user admin, its forms and its permissions (superusers, or staff given the auth
+    permissions), with every write through tenants.services: accounts created (user_create),
+    fields and privileges changed (user_update: is_active, is_staff, is_superuser, groups,
+    permissions), passwords set (user_set_password) and accounts deleted (user_delete) are audited."""
+
+    @method_decorator(sensitive_post_parameters())
+    @csrf_protect_m
+    def add_view(self, request, form_url="", extra_context=None):
+        # Django's UserAdmin wraps this in a transaction; user_create runs its own (durable) one.
+        return self._add_view(request, form_url, extra_context)
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        if not change:
+            created = services.user_create(
+                actor=request.user, username=data["username"], email=data.get("email", ""),
+                password=data["password1"] if data["set_usable_password"] else None)
+            obj.pk, obj.password = created.pk, created.password
+            obj._state.adding = False
+            return
+        changes = {f: data[f] for f in form.changed_data if f in services.USER_FIELDS}
+        changes.update({f: list(data[f]) for f in form.changed_data if f in services.USER_M2M})
+        if changes:
+            services.user_update(actor=request.user, user=obj, **changes)
+
+    def save_related(self, request, form, formsets, change):
+        # groups and user_permissions were set by user_update (save_model), in its transaction.
+        for formset in formsets:
+            self.save_formset(request, form, formset, change=change)
+
+    def delete_model(self, request, obj):
+        services.user_delete(actor=request.user, user=obj)
+
+    def delete_queryset(self, request, queryset):
+        for user in queryset:
+            services.user_delete(actor=request.user, user=user)
+
+    @method_decorator(sensitive_post_parameters())
+    def user_change_password(self, request, id, form_url=""):
+        """Django's page; a valid submission is saved by user_set_password (audited), anything else
+        (the form, its errors, a refusal) is Django's own answer."""
+        if request.method == "POST":
+            user = self.get_object(request, unquote(id))
+            if user is not None and self.has_change_permission(request, user):
+                form = self.change_password_form(user, request.POST)
+                if form.is_valid() and (form.cleaned_data["set_usable_password"] or "unset-password" in request.POST):
+                    password = form.cleaned_data["password1"] if form.cleaned_data["set_usable_password"] else None
+                    try:
+                        services.user_set_password(actor=request.user, user=user, password=password)
+                    except DomainError as exc:
+                        self.message_user(request, exc.detail, messages.ERROR)
+                        return HttpResponseRedirect(request.get_full_path())
+                    self.log_change(request, user, self.construct_change_message(request, form, None))
+                    self.message_user(request, "Password changed successfully." if password is not None
+                                      else "Password-based authentication was disabled.", messages.SUCCESS)
+                    update_session_auth_hash(request, user)
+                    return HttpResponseRedirect(
+                        reverse(f"{self.admin_site.name}:{user._meta.app_label}_{user._meta.model_name}_change",
+                                args=(user.pk,)))
+        return super().user_change_password(request, id, form_url)

@@ -22,6 +22,9 @@ __all__ = [
     "tenant_create",
     "tenant_update",
     "user_create",
+    "user_update",
+    "user_set_password",
+    "user_delete",
     "membership_create",
     "quota_create",
     "quota_update",
@@ -136,22 +139,117 @@ def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
     return tenant
 
 
-@transaction.atomic(durable=True)
-def user_create(*, actor, username: str, email: str = "", password: str) -> Any:
-    User = get_user_model()
-    user = User(username=username, email=email)
+def _username_taken(User: Any, username: str, *, exclude_pk: Any = None) -> bool:
     # Django's own user-creation form (the admin's) refuses a name that differs from one in use only
     # in case: "Alice" and "alice" would be two accounts a lead could not tell apart when adding members.
-    if User._default_manager.filter(**{f"{User.USERNAME_FIELD}__iexact": User.normalize_username(username)}).exists():
-        raise InvalidInput("username: already in use.", fields={"username": "Already in use."})
+    taken = User._default_manager.filter(**{f"{User.USERNAME_FIELD}__iexact": User.normalize_username(username)})
+    return taken.exclude(pk=exclude_pk).exists() if exclude_pk is not None else taken.exists()
+
+
+def _set_password(user: Any, password: str | None) -> None:
+    """Validate and set a password; None disables password sign-in (the admin's "Disabled")."""
+    if password is None:
+        user.set_unusable_password()
+        return
     try:
         validate_password(password, user)
     except ValidationError as exc:
         raise InvalidInput("password: " + " ".join(exc.messages), fields={"password": " ".join(exc.messages)})
     user.set_password(password)
+
+
+@transaction.atomic(durable=True)
+def user_create(*, actor, username: str, email: str = "", password: str | None) -> Any:
+    """Create an account (the API's POST /users/ and Django's user admin); password None: no password sign-in."""
+    User = get_user_model()
+    user = User(username=username, email=email)
+    if _username_taken(User, username):
+        raise InvalidInput("username: already in use.", fields={"username": "Already in use."})
+    _set_password(user, password)
     _save_checked(user, integrity_fields={"username": "username"})
-    audit_record(actor=actor, action="user.create", obj=user, after={"username": username, "email": email})
+    after = {"username": username, "email": email}
+    if password is None:
+        after["password"] = "disabled"
+    audit_record(actor=actor, action="user.create", obj=user, after=after)
     return user
+
+
+# What Django's user admin edits on an account; groups and user_permissions are privileges too (the
+# admin's own permissions), audited by name.
+USER_FIELDS = ("username", "first_name", "last_name", "email", "is_active", "is_staff", "is_superuser",
+               "last_login", "date_joined")
+USER_M2M = ("groups", "user_permissions")
+
+
+def _user_m2m(user: Any, name: str) -> list[str]:
+    if name == "groups":
+        return sorted(user.groups.values_list("name", flat=True))
+    return sorted(f"{app}.{codename}" for app, codename in
+                  user.user_permissions.values_list("content_type__app_label", "codename"))
+
+
+def _audit_value(value: Any) -> Any:
+    return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+@transaction.atomic(durable=True)
+def user_update(*, actor, user: Any, **changes: Any) -> Any:
+    """Change an account's fields and privileges (Django's user admin); one audit row, old → new.
+
+    changes: any of USER_FIELDS, and groups / user_permissions (the complete new sets). Passwords
+    are set by user_set_password only.
+    """
+    User = get_user_model()
+    unknown = set(changes) - set(USER_FIELDS) - set(USER_M2M)
+    if unknown:
+        raise InvalidInput(f"{', '.join(sorted(unknown))}: cannot be changed here.")
+    locked = User._default_manager.select_for_update().get(pk=user.pk)
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    for field in USER_FIELDS:
+        if field in changes and changes[field] != getattr(locked, field):
+            before[field], after[field] = _audit_value(getattr(locked, field)), _audit_value(changes[field])
+            setattr(locked, field, changes[field])
+    if "username" in after and _username_taken(User, after["username"], exclude_pk=locked.pk):
+        raise InvalidInput("username: already in use.", fields={"username": "Already in use."})
+    if before:
+        _save_checked(locked, integrity_fields={"username": "username"})
+    for name in USER_M2M:
+        if name not in changes:
+            continue
+        old = _user_m2m(locked, name)
+        getattr(locked, name).set(changes[name])
+        new = _user_m2m(locked, name)
+        if new != old:
+            before[name], after[name] = old, new
+    if before or after:
+        audit_record(actor=actor, action="user.update", obj=locked, before=before, after=after)
+    for field in USER_FIELDS:
+        setattr(user, field, getattr(locked, field))
+    return user
+
+
+@transaction.atomic(durable=True)
+def user_set_password(*, actor, user: Any, password: str | None) -> Any:
+    """Set an account's password (None: disable password sign-in), audited without the password."""
+    User = get_user_model()
+    locked = User._default_manager.select_for_update().get(pk=user.pk)
+    _set_password(locked, password)
+    locked.save(update_fields=["password"])
+    audit_record(actor=actor, action="user.set_password", obj=locked,
+                 after={"password": "disabled" if password is None else "set"})
+    user.password = locked.password
+    return user
+
+
+@transaction.atomic(durable=True)
+def user_delete(*, actor, user: Any) -> None:
+    """Delete an account (and what cascades with it); the audit row keeps who it was."""
+    User = get_user_model()
+    locked = User._default_manager.select_for_update().get(pk=user.pk)
+    before = {f: _audit_value(getattr(locked, f)) for f in ("username", "email", "is_staff", "is_superuser")}
+    audit_record(actor=actor, action="user.delete", obj=locked, before=before)
+    locked.delete()
 
 
 @transaction.atomic(durable=True)

@@ -23,8 +23,8 @@ from .exceptions import DomainError
 from .models import AuditLog, OutboxEvent
 
 __all__ = [
-    "StaffAdminMixin", "ServiceAdminMixin", "ReadOnlyAdminMixin", "admin_hooks", "AuditLogAdmin", "OutboxEventAdmin",
-    "format_change",
+    "StaffAdminMixin", "ServiceAdminMixin", "ServiceTransactionMixin", "ReadOnlyAdminMixin", "admin_hooks",
+    "AuditLogAdmin", "OutboxEventAdmin", "format_change",
 ]
 
 # Late-bound helpers one app's admin offers another without an upward import: e.g. the
@@ -57,8 +57,12 @@ class StaffAdminMixin:
         return _is_platform_admin(request)
 
 
-class ServiceAdminMixin(StaffAdminMixin):
-    """Run add/change/delete outside the admin's transaction: the services own theirs."""
+class ServiceTransactionMixin:
+    """Run add/change/delete outside the admin's transaction: the services own theirs.
+
+    Permissions stay the ModelAdmin's own (Django's model permissions); ServiceAdminMixin adds
+    the platform admins' (is_staff) on top.
+    """
 
     @csrf_protect_m
     def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
@@ -83,6 +87,10 @@ class ServiceAdminMixin(StaffAdminMixin):
         except DomainError as exc:
             self.message_user(request, exc.detail, messages.ERROR)
             return None
+
+
+class ServiceAdminMixin(ServiceTransactionMixin, StaffAdminMixin):
+    """Run add/change/delete outside the admin's transaction (the services own theirs); staff may."""
 
 
 class ReadOnlyAdminMixin(StaffAdminMixin):
