@@ -91,6 +91,14 @@ def _sqlstate(exc: BaseException) -> str | None:
     return getattr(cause, "sqlstate", None) or getattr(getattr(cause, "diag", None), "sqlstate", None)
 
 
+_OFF_GRID = "Must sit on the pool's {}-minute slot grid."
+
+
+def _grid_errors(*, start: datetime, end: datetime, slot_minutes: int) -> dict[str, str]:
+    return {field: _OFF_GRID.format(slot_minutes)
+            for field, value in (("start", start), ("end", end)) if not is_aligned(value, slot_minutes)}
+
+
 def _validate_window(
     *, pool: Pool, start: Any, end: Any, now: datetime, allow_past_start: bool = False
 ) -> dict[str, str]:
@@ -101,7 +109,7 @@ def _validate_window(
         elif timezone.is_naive(value):
             errors[field] = "Give the datetime with a UTC offset (e.g. 2026-01-05T09:00:00Z)."
         elif not is_aligned(value, pool.slot_minutes):
-            errors[field] = f"Must sit on the pool's {pool.slot_minutes}-minute slot grid."
+            errors[field] = _OFF_GRID.format(pool.slot_minutes)
     if errors:
         return errors
     horizon = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
@@ -176,9 +184,15 @@ def request_fingerprint(payload: dict[str, Any]) -> str:
 # --- quota ------------------------------------------------------------------------------
 
 
+# The same statement share-locks the pool row (FOR KEY SHARE, which bookings never contend for among
+# themselves; their allocation inserts take it anyway) and reads its slot length: a slot-length change
+# (pool_update locks the row FOR UPDATE) either waits for this booking's commit and then sees it as an
+# open booking, or has committed and the booking is judged on the new grid here — never one validated
+# against the old grid written into a pool that has just switched to another.
 _QUOTA_LOCK_SQL = (
-    "SELECT max_nodes, burst_nodes, max_duration_hours FROM tenants_quota"
-    " WHERE tenant_id = %s AND pool_id = %s FOR NO KEY UPDATE"
+    "SELECT q.max_nodes, q.burst_nodes, q.max_duration_hours, p.slot_minutes FROM tenants_quota q"
+    " JOIN reservations_pool p ON p.id = q.pool_id"
+    " WHERE q.tenant_id = %s AND q.pool_id = %s FOR NO KEY UPDATE OF q FOR KEY SHARE OF p"
 )
 # Read after the quota lock, so on a snapshot taken after any wait for it: the tenant's burst flag
 # and the actor's role as they are now. The membership row is share-locked: a removal or downgrade
@@ -212,15 +226,17 @@ def _classify_billing(
     The row lock serialises one tenant's bookings in one pool, so two concurrent requests
     can never both see the same headroom (check-then-write race).
     """
-    # FOR NO KEY UPDATE of this one row only: a lock that reached the tenant or pool row (Quota's
-    # default ordering joins both) would serialise every booking of the pool. Plain numbers out —
-    # this statement runs on every booking.
+    # FOR NO KEY UPDATE of this one row only: that lock on the tenant or pool row (Quota's default
+    # ordering joins both) would serialise every booking of the pool; the pool row is only key-shared.
+    # Plain numbers out — this statement runs on every booking.
     with connection.cursor() as cur:
         cur.execute(_QUOTA_LOCK_SQL, [tenant.pk, pool.pk])
         row = cur.fetchone()
     if row is None:
         raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.")
-    max_nodes, burst_nodes, max_duration_hours = row
+    max_nodes, burst_nodes, max_duration_hours, slot_minutes = row
+    if slot_minutes != pool.slot_minutes:  # changed since the window was checked: judge it on the grid now
+        _raise_if(_grid_errors(start=start, end=end, slot_minutes=slot_minutes))
     burst_enabled = _rights_now(actor=actor, tenant=tenant, owner_id=owner_id)
     hours = (end - start).total_seconds() / 3600
     if max_duration_hours is not None and hours > max_duration_hours:
@@ -988,6 +1004,8 @@ POOL_FIELDS = ("gpu_model", "gpus_per_node", "slot_minutes", "on_demand_rate")
 def pool_update(*, actor: Any, pool: Pool, **changes: Any) -> Pool:
     """Change a pool's description or rate; the slot length only while no booking is open in it."""
     with transaction.atomic(durable=True):
+        # FOR UPDATE, not NO KEY UPDATE: it must conflict with the FOR KEY SHARE every booking takes with its
+        # quota lock (_QUOTA_LOCK_SQL), so the open-booking check below sees a booking in flight once it commits.
         pool = Pool.objects.select_for_update().get(pk=pool.pk)
         before = {f: str(getattr(pool, f)) for f in POOL_FIELDS}
         if "slot_minutes" in changes and changes["slot_minutes"] != pool.slot_minutes:
