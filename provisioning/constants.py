@@ -25,3 +25,7 @@ LOCK_SLOT_USAGE_NODE = 72_001
 # Transaction locks on the nodes a booking is about to insert, in node-id order, so two bookers of
 # one node queue instead of deadlocking in the exclusion index (reservations.services).
 LOCK_BOOKING_NODE = 72_002
+# One node's health consequences at a time (provisioning.health: a session lock held over the drain, the
+# repair it opens and the bookings it moves). Its own namespace: it once shared 72001 with the summary's
+# off-grid lock above, so a booking moved onto a node under a health step deadlocked with that step.
+LOCK_NODE_HEALTH = 72_003

@@ -139,3 +139,64 @@ def test_a_booking_waits_for_a_slot_length_change_and_is_judged_on_the_new_grid(
     assert "60-minute slot grid" in booked.detail
     assert _off_grid_bookings(pool) == []
     assert Reservation.objects.count() == 0
+
+
+# --- the health step's node lock and the availability summary's node lock ----------------------------------
+
+
+def test_a_health_step_and_a_booking_moved_onto_its_node_do_not_deadlock(db):
+    """A health step holds its node lock (session) while it drains the node; a booking being moved onto that
+    node as a spare (cut at now: off the slot grid) holds the node's booking lock and, in the availability
+    summary's trigger, takes the off-grid lock of the node. Both were pg_advisory (72001, node id)."""
+    from provisioning.health.services import _node_lock
+
+    from .conftest import now_clear_of_the_hour
+
+    world = make_world()
+    staff = world.users["staff"]
+    now = now_clear_of_the_hour(120)
+    start = now.replace(minute=0, second=0, microsecond=0)
+    booked = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                node_count=1, start=start, end=start + timedelta(hours=2))
+    failing = booked.allocations.get().node
+    spare, *others = [n for n in world.nodes if n.pk != failing.pk]
+    for node in others:
+        services.node_update(actor=staff, node=node, state="maintenance")
+    services.node_update(actor=staff, node=failing, state="failed")
+    health_holds, moved = threading.Event(), threading.Event()
+    move_finished_first: list[bool] = []
+
+    def health_step_on_the_spare():
+        with _node_lock(spare.pk):
+            health_holds.set()
+            _wait_for(moved)  # the move either finishes, or queues on our lock
+            move_finished_first.append(moved.is_set())
+            return services.node_update(actor=None, node=spare, state="draining", reason="check failed")
+
+    def move_the_booking():
+        health_holds.wait(10)
+        try:
+            return services.node_replace_allocations(node=failing, reason="GPU fell off the bus")
+        finally:
+            moved.set()
+
+    drained, outcomes = _in_threads(health_step_on_the_spare, move_the_booking)
+    assert not isinstance(drained, BaseException), drained
+    assert not isinstance(outcomes, BaseException), outcomes
+    # was: the move queued on the health step's lock inside its insert, holding the spare's booking lock;
+    # the drain then queued on that: a deadlock PostgreSQL broke after a second (40P01), the move retried,
+    # found the spare drained and degraded the booking
+    assert move_finished_first == [True]
+    assert [o["result"] for o in outcomes] == ["replaced"]
+
+
+def test_the_advisory_lock_namespaces_are_distinct():
+    from portal.core import locks
+    from provisioning import constants
+    from provisioning.health import services as health
+
+    keys = {name: value for module in (locks, constants) for name, value in vars(module).items()
+            if name.startswith("LOCK_") and isinstance(value, int)}
+    assert len(set(keys.values())) == len(keys), keys
+    # was: the health step's lock was its own 72001, the off-grid summary lock's namespace (not registered)
+    assert keys.get("LOCK_NODE_HEALTH") == health.LOCK_NODE_HEALTH

@@ -47,6 +47,7 @@ from reservations.services import node_replace_allocations, node_update
 from tenants.choices import BOOKING_ROLES
 from tenants.models import Membership
 
+from ..constants import LOCK_NODE_HEALTH
 from . import conf
 from .choices import (
     ACCEPTABLE_VERDICTS,
@@ -87,9 +88,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# PostgreSQL advisory-lock namespace: one node's verdict consequences at a time (two failing
-# checks of one node recorded together must open one repair and move its bookings once).
-LOCK_NODE_HEALTH = 72_001
+# LOCK_NODE_HEALTH (provisioning.constants), a session advisory lock: one node's verdict consequences at a
+# time (two failing checks of one node recorded together must open one repair and move its bookings once).
 MAX_REPORT_BYTES = 2_000_000
 MAX_EVENT_PROBLEMS = 10
 IN_SERVICE_STATES = (NodeState.AVAILABLE, NodeState.DRAINING, NodeState.MAINTENANCE)
