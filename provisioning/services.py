@@ -700,10 +700,15 @@ def _hold_nodes_of_failed_teardown(cluster_id: int, hostnames: tuple[str, ...], 
 
 def _release_nodes_of_failed_teardown(cluster_id: int) -> None:
     """Give back the nodes held for the cluster's failed teardown, once a teardown has succeeded (only
-    those still in maintenance for that reason: staff may have moved them on meanwhile)."""
+    those still in maintenance for that reason: staff may have moved them on meanwhile). A node an open
+    health repair owns meanwhile stays out: node_update refuses it, and the repair's rejoin brings it back."""
     prefix = _teardown_hold_reason(cluster_id) + ":"
     for node in Node.objects.filter(state=NodeState.MAINTENANCE, state_reason__startswith=prefix).order_by("pk"):
-        node_update(actor=None, node=node, state=NodeState.AVAILABLE, reason="")
+        try:
+            node_update(actor=None, node=node, state=NodeState.AVAILABLE, reason="")
+        except InvalidState as exc:
+            logger.warning("node %s stays out of service after cluster %s's teardown: %s", node.hostname,
+                           cluster_id, exc.detail)
 
 
 def _still_in(cluster: VirtualCluster, during: str) -> bool:

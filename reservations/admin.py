@@ -20,7 +20,6 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, admin_hooks
-from portal.core.exceptions import InvalidState
 
 from . import selectors, services
 from .choices import HOLDING_STATUSES, AllocationKind, NodeState
@@ -156,19 +155,10 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False  # a node leaves the fleet by being retired, so its history stays
 
-    def _update(self, *, actor, node: Node, state: str | None, reason: str | None) -> Node:
-        """node_update, refusing to make available a node an open repair owns: the repair brings it back
-        (after a passing re-test), and the health upkeep would take it out again, moving what it took meanwhile."""
-        blocker = admin_hooks.get("node_return_blocker")
-        why = blocker(node.pk) if blocker is not None and state == NodeState.AVAILABLE else None
-        if why:
-            raise InvalidState(f"{node.hostname}: {why}")
-        return services.node_update(actor=actor, node=node, state=state, reason=reason)
-
     def save_model(self, request, obj, form, change):
         if change:
             changed = set(form.changed_data)
-            self._update(
+            services.node_update(  # refused while an open repair owns the node (node_return_blockers)
                 actor=request.user, node=obj,
                 state=form.cleaned_data["state"] if "state" in changed else None,
                 reason=form.cleaned_data.get("state_reason", "") if "state_reason" in changed else None,
@@ -182,7 +172,7 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def _set_state(self, request, queryset, state: str, reason: str, verb: str) -> None:
         done = 0
         for node in queryset:
-            if self.run_service(request, self._update, actor=request.user, node=node, state=state,
+            if self.run_service(request, services.node_update, actor=request.user, node=node, state=state,
                                 reason=reason) is not None:
                 done += 1
         self.message_user(request, f"{verb} {done} node(s).", messages.SUCCESS if done else messages.WARNING)

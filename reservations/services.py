@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "pool_create",
     "node_create",
     "node_update",
+    "node_return_blockers",
     "maintenance_window_create",
     "maintenance_windows_create",
     "maintenance_windows_end",
@@ -754,14 +756,30 @@ def node_create(*, actor: Any, hostname: str, pool: Pool, state: str = NodeState
     return node
 
 
+# Who else may keep a node out of service: a higher app (DESIGN §2: reservations imports none) registers
+# a rule here from its AppConfig.ready(), e.g. provisioning.health's "an open repair owns the node". Each is
+# called with the node's id inside node_update's transaction, before the node's booking lock (a rule may
+# take a lock of its own there, ahead of it), whenever a node is to become available, and returns why it
+# may not now, or None. Whoever asks — staff through the API or the admin, or a worker — is refused alike;
+# a repair gives its node back by closing first (rejoined), after which no rule objects.
+node_return_blockers: list[Callable[[int], str | None]] = []
+
+
 def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str | None = None) -> Node:
     """Change a node's state; only available nodes are given to new bookings.
 
     A state change takes the node's booking lock first: it waits for a booking that is handing the
     node over (which then holds it, and a drain moves it off afterwards), and a booking that
     chose the node meanwhile waits for the change and then finds the node gone (_READY).
+    Making a node available is refused (InvalidState) while a registered rule holds it out
+    (node_return_blockers: an open health repair).
     """
     with transaction.atomic(durable=True):
+        if state == NodeState.AVAILABLE:
+            for blocker in node_return_blockers:
+                why = blocker(node.pk)
+                if why and Node.objects.filter(pk=node.pk).exclude(state=NodeState.AVAILABLE).exists():
+                    raise InvalidState(f"{node.hostname} cannot be made available: {why}")
         if state is not None:
             _lock_nodes([node.pk])  # before the row lock, as bookers take them
         node = Node.objects.select_for_update().get(pk=node.pk)

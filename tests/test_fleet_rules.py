@@ -141,6 +141,52 @@ def test_a_booking_waits_for_a_slot_length_change_and_is_judged_on_the_new_grid(
     assert Reservation.objects.count() == 0
 
 
+# --- a node an open repair owns returns through its repair, not through node_update -------------------
+
+
+def test_the_api_refuses_to_return_a_node_an_open_repair_owns(db, t0):
+    from provisioning.health.services import repair_open, repairs_reconcile
+
+    world = make_world()
+    node = world.nodes[0]
+    repair = repair_open(actor=world.users["staff"], node=node, reason="ECC errors")
+    staff = world.client("staff")
+
+    r = staff.patch(f"/api/v1/nodes/{node.pk}/", {"state": "available"}, format="json")
+    # was: 200 and the node took bookings until the health upkeep drained it again and moved them off
+    assert r.status_code == 409, r.content
+    assert r.json()["code"] == "invalid_state"
+    assert f"repair #{repair.pk}" in r.json()["detail"] and node.hostname in r.json()["detail"]
+    node.refresh_from_db()
+    assert node.state == "draining"
+    assert repairs_reconcile() == 0  # nothing for the upkeep to undo
+
+    # The rest of the node stays editable, and the service says the same as the API.
+    r = staff.patch(f"/api/v1/nodes/{node.pk}/", {"state_reason": "waiting for the vendor"}, format="json")
+    assert r.status_code == 200 and r.json()["state"] == "draining"
+    with pytest.raises(InvalidState, match=f"repair #{repair.pk}"):
+        services.node_update(actor=world.users["staff"], node=node, state="available")
+    # A node without an open repair returns as before.
+    other = world.nodes[1]
+    services.node_update(actor=world.users["staff"], node=other, state="draining")
+    assert staff.patch(f"/api/v1/nodes/{other.pk}/", {"state": "available"}, format="json").status_code == 200
+
+
+def test_a_repair_that_rejoins_its_node_still_makes_it_available(db):
+    from provisioning.health.models import HealthCheck
+    from provisioning.health.services import repair_advance, repair_open
+
+    world = make_world()
+    staff, node = world.users["staff"], world.nodes[0]
+    repair = repair_open(actor=staff, node=node, reason="manual")
+    for to in ("accepted", "cordoned", "remediating", "retesting"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    HealthCheck.objects.filter(pk=repair.retest_check_id).update(status="done", verdict="pass")
+    repair_advance(actor=staff, repair=repair, to="rejoined")
+    node.refresh_from_db()
+    assert node.state == "available"
+
+
 # --- the health step's node lock and the availability summary's node lock ----------------------------------
 
 

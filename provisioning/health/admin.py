@@ -8,25 +8,12 @@ from __future__ import annotations
 
 from django.contrib import admin, messages
 
-from portal.core.admin import ReadOnlyAdminMixin, admin_hooks
+from portal.core.admin import ReadOnlyAdminMixin
 from portal.core.exceptions import DomainError
 
 from . import services
-from .choices import OPEN_REPAIR_STATES, RepairState
+from .choices import RepairState
 from .models import HealthCheck, Repair
-
-
-def node_return_blocker(node_id: int) -> str | None:
-    """Why the node admin may not make this node available (an open repair owns it), else None."""
-    repair = (Repair.objects.filter(node_id=node_id, state__in=OPEN_REPAIR_STATES).order_by("-opened_at", "-pk")
-              .values_list("pk", "state").first())
-    if repair is None:
-        return None
-    return (f"repair #{repair[0]} ({repair[1]}) owns it; it returns to service through the repair's steps "
-            "(Repairs: re-test, then rejoin).")
-
-
-admin_hooks["node_return_blocker"] = node_return_blocker
 
 
 class _ReadOnly(ReadOnlyAdminMixin, admin.ModelAdmin):

@@ -82,6 +82,7 @@ __all__ = [
     "repair_open",
     "repair_advance",
     "repairs_reconcile",
+    "node_return_blocker",
     "acceptance_verdict",
     "health_acceptance_gate",
 ]
@@ -741,6 +742,25 @@ def _retest_finished(check: HealthCheck) -> None:
                      before={"state": previous}, after={"state": repair.state, "check": check.pk,
                                                         "verdict": check.verdict})
         _repair_event(repair, previous, None, note, repair.node.hostname)
+
+
+def node_return_blocker(node_id: int) -> str | None:
+    """Why the node may not be made available now (an open repair owns it), else None: the one rule for
+    staff (API, node admin) and workers alike, registered with reservations.services.node_return_blockers.
+
+    Runs inside node_update's transaction and first waits for a health step in flight on the node (it
+    holds the node's health lock while it drains the node and opens the repair), then holds that step off
+    until the node's change commits: a repair opened meanwhile is seen here, never missed. The repair's own
+    rejoin closes it first, so its node_update is not refused (and holds the health lock already).
+    """
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", [LOCK_NODE_HEALTH, node_id])
+    repair = (Repair.objects.filter(node_id=node_id, state__in=OPEN_REPAIR_STATES).order_by("-opened_at", "-pk")
+              .values_list("pk", "state").first())
+    if repair is None:
+        return None
+    return (f"repair #{repair[0]} ({repair[1]}) owns it; it returns to service through the repair's steps "
+            "(re-test, then rejoin).")
 
 
 def repairs_reconcile() -> int:

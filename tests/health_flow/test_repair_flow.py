@@ -174,8 +174,11 @@ def test_reconcile_brings_the_node_to_its_repair_state(fleet):
     node.refresh_from_db()
     assert node.state == "maintenance"
     assert repairs_reconcile() == 0
-    # Someone puts the node back by hand while its repair is open: the repair still owns it.
-    node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="available")
+    # Putting the node back while its repair is open is refused (node_return_blockers)...
+    with pytest.raises(InvalidState, match=f"repair #{repair.pk}"):
+        node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="available")
+    # ...and one that got there anyway (a hand edit of the row): the repair still owns it.
+    Node.objects.filter(pk=node.pk).update(state="available")
     assert repairs_reconcile() == 1
     node.refresh_from_db()
     assert node.state == "maintenance"

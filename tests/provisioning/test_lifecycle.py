@@ -588,3 +588,32 @@ def test_releasing_held_nodes_leaves_a_node_staff_moved_on_alone(world, settings
     assert services.cluster_teardown(cluster_id=cluster.pk) == ClusterStatus.DELETED
     node.refresh_from_db()
     assert (node.state, node.state_reason) == (NodeState.FAILED, "PSU replaced, awaiting burn-in")
+
+
+def test_releasing_held_nodes_leaves_a_node_an_open_repair_owns_to_its_repair(
+        world, settings, django_capture_on_commit_callbacks):
+    """A node held after a failed teardown that staff then sent to repair: the teardown's retry gives back
+    the nodes it held, but not that one (its repair brings it back after a passing re-test)."""
+    from provisioning.health.services import repair_open, repairs_reconcile
+    from reservations.models import Node
+
+    start = now_slot(world)
+    reservation = book(world, "alpha-lead", start, hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    services.cluster_provision(cluster_id=cluster.pk)
+    node = Allocation.objects.get(reservation=reservation, active=True).node
+    services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
+    settings.PORTAL_PROVISIONING_FAULTS = "teardown=fatal"
+    services.cluster_teardown(cluster_id=cluster.pk)
+    assert Node.objects.get(pk=node.pk).state == NodeState.MAINTENANCE
+    repair = repair_open(actor=world.users["staff"], node=Node.objects.get(pk=node.pk), reason="Xid 79 on GPU 3")
+
+    settings.PORTAL_PROVISIONING_FAULTS = ""
+    services.cluster_retry(actor=world.users["staff"], cluster=cluster)
+    assert committed(django_capture_on_commit_callbacks, services.cluster_teardown,
+                     cluster_id=cluster.pk) == ClusterStatus.DELETED
+    # was: available again, with repair #N still open: the health upkeep took it out a minute later
+    assert Node.objects.get(pk=node.pk).state == NodeState.MAINTENANCE
+    assert repair.node_id == node.pk and repairs_reconcile() == 0
+    assert statuses(reservation) == ReservationStatus.COMPLETED
