@@ -445,8 +445,8 @@ def reservation_create(
     errors = _validate_window(pool=pool, start=start, end=end, now=now)
     if not isinstance(node_count, int) or isinstance(node_count, bool) or node_count < 1:
         errors["node_count"] = "Must be a whole number of at least 1."
-    elif node_count > _bookable_node_count(pool):
-        errors["node_count"] = f"The {pool.name} pool has only {pool.nodes.count()} nodes."
+    elif node_count > (bookable := _bookable_node_count(pool)):
+        errors["node_count"] = f"The {pool.name} pool has only {bookable} nodes."
     if orchestrator not in Orchestrator.values:
         errors["cluster.orchestrator"] = f"One of {', '.join(Orchestrator.values)}."
     if cuda_version not in CUDA_VERSIONS:

@@ -246,3 +246,16 @@ def test_the_advisory_lock_namespaces_are_distinct():
     assert len(set(keys.values())) == len(keys), keys
     # was: the health step's lock was its own 72001, the off-grid summary lock's namespace (not registered)
     assert keys.get("LOCK_NODE_HEALTH") == health.LOCK_NODE_HEALTH
+
+
+# --- retired nodes ----------------------------------------------------------------------------------------
+
+
+def test_asking_for_more_nodes_than_a_pool_has_counts_only_the_nodes_not_retired(db, t0):
+    world = make_world()
+    services.node_update(actor=world.users["staff"], node=world.nodes[0], state="retired")
+    with pytest.raises(InvalidInput) as refused:
+        reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                           node_count=4, start=t0, end=t0 + timedelta(hours=1))
+    # was: "The h100 pool has only 4 nodes." when asking for 4: the check left the retired node out, the text not
+    assert refused.value.fields == {"node_count": "The h100 pool has only 3 nodes."}
