@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from unittest import mock
 
 import pytest
@@ -136,6 +136,19 @@ def wait_for_lock_waiter(table: str, timeout: float = 10) -> None:
 
 def iso(dt) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def next_fall_back(tz) -> date:
+    """The next day (two or more days ahead, within a year) on which tz's clocks go back."""
+    from django.utils import timezone
+
+    day = timezone.now().date() + timedelta(days=2)
+    for _ in range(366):
+        if datetime.combine(day, datetime.min.time(), tzinfo=tz).utcoffset() > \
+                datetime.combine(day, datetime.min.time(), tzinfo=tz).replace(hour=12).utcoffset():
+            return day
+        day += timedelta(days=1)
+    raise AssertionError(f"{tz} has no fall-back day in the next year")
 
 
 @pytest.fixture

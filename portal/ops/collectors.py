@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.apps import apps
 from django.conf import settings
@@ -526,32 +527,45 @@ def _rows(sql: str, params: dict | None = None) -> list[tuple]:
         return cur.fetchall()
 
 
-def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Metric]:
-    """Celery queue depths: LLEN of each queue's Redis lists on the broker (all priority levels)."""
+def _read_redis(source: str, url: str, read: Callable[[Any], Any], up: GaugeMetricFamily,
+                took: GaugeMetricFamily) -> Any:
+    """read(client) on the Redis at url, within the readyz timeout; source's up (1/0) and time are recorded.
+    None when Redis could not be read (logged, up 0)."""
     import redis
 
     started = time.perf_counter()
-    queues = list(_setting("PORTAL_CELERY_QUEUES", DEFAULT_QUEUES))
-    url = _setting("CELERY_BROKER_URL", None) or _setting("REDIS_URL", "")
     timeout = float(_setting("PORTAL_READYZ_TIMEOUT", 2.0))
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
         try:
-            pipe = client.pipeline(transaction=False)
-            for queue in queues:
-                pipe.llen(queue)
-                for step in REDIS_PRIORITY_STEPS:
-                    pipe.llen(f"{queue}{REDIS_PRIORITY_SEPARATOR}{step}")
-            lengths = pipe.execute()
+            result = read(client)
         finally:
             client.close()
     except (redis.RedisError, OSError, ValueError) as exc:
-        logger.warning("metrics: broker unreachable: %s", exc.__class__.__name__)
-        up.add_metric(["broker"], 0)
-        return
+        logger.warning("metrics: %s unreachable: %s", source, exc.__class__.__name__)
+        up.add_metric([source], 0)
+        return None
     finally:
-        took.add_metric(["broker"], time.perf_counter() - started)
-    up.add_metric(["broker"], 1)
+        took.add_metric([source], time.perf_counter() - started)
+    up.add_metric([source], 1)
+    return result
+
+
+def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Metric]:
+    """Celery queue depths: LLEN of each queue's Redis lists on the broker (all priority levels)."""
+    queues = list(_setting("PORTAL_CELERY_QUEUES", DEFAULT_QUEUES))
+
+    def read(client: Any) -> list[int]:
+        pipe = client.pipeline(transaction=False)
+        for queue in queues:
+            pipe.llen(queue)
+            for step in REDIS_PRIORITY_STEPS:
+                pipe.llen(f"{queue}{REDIS_PRIORITY_SEPARATOR}{step}")
+        return pipe.execute()
+
+    lengths = _read_redis("broker", _setting("CELERY_BROKER_URL", None) or _setting("REDIS_URL", ""), read, up, took)
+    if lengths is None:
+        return
     family = GaugeMetricFamily("portal_celery_queue_length", "Messages waiting in each Celery queue.",
                                labels=["queue"])
     per_queue = 1 + len(REDIS_PRIORITY_STEPS)
@@ -562,28 +576,12 @@ def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Me
 
 def _event_counts(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Metric]:
     """Domain events by name, as every process (web, Celery workers) counted them in Redis."""
-    import redis
-
     from .metrics import domain_events_key
 
-    started = time.perf_counter()
-    timeout = float(_setting("PORTAL_READYZ_TIMEOUT", 2.0))
-    try:
-        client = redis.Redis.from_url(_setting("REDIS_URL", ""), socket_connect_timeout=timeout,
-                                      socket_timeout=timeout)
-        try:
-            counts = client.hgetall(domain_events_key())
-        finally:
-            client.close()
-    except (redis.RedisError, OSError, ValueError) as exc:
-        logger.warning("metrics: redis unreachable: %s", exc.__class__.__name__)
-        up.add_metric(["redis"], 0)
-        return
-    finally:
-        took.add_metric(["redis"], time.perf_counter() - started)
-    up.add_metric(["redis"], 1)
+    counts = _read_redis("redis", _setting("REDIS_URL", ""), lambda client: client.hgetall(domain_events_key()),
+                         up, took)
     if not counts:
-        return  # no event yet: the family appears with the first one
+        return  # unreachable, or no event yet: the family appears with the first one
     family = CounterMetricFamily("portal_domain_events", "Domain events emitted, by name (every process).",
                                  labels=["event"])
     for event, count in sorted(counts.items()):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 import zoneinfo
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tests.conftest import iso
+from tests.conftest import iso, next_fall_back
 
 pytestmark = pytest.mark.django_db
 
@@ -208,17 +208,6 @@ def test_a_refused_new_end_comes_back_with_what_was_typed_and_the_reason_beside_
     assert r.end == t0 + timedelta(hours=2)
 
 
-def _next_fall_back(tz) -> date:
-    from django.utils import timezone
-
-    day = timezone.now().date() + timedelta(days=2)
-    for _ in range(366):
-        if datetime.combine(day, datetime.min.time(), tzinfo=tz).utcoffset() > \
-                datetime.combine(day, datetime.min.time(), tzinfo=tz).replace(hour=12).utcoffset():
-            return day
-        day += timedelta(days=1)
-    raise AssertionError(f"{tz} has no fall-back day in the next year")
-
 
 def test_new_end_in_the_repeated_hour_says_which_one_it_is(world, web, settings):
     """On New York's fall-back day 01:00-02:00 happens twice. A booking ending at the first 01:00 (EDT)
@@ -227,7 +216,7 @@ def test_new_end_in_the_repeated_hour_says_which_one_it_is(world, web, settings)
     from reservations import services
 
     settings.PORTAL_BOOKING_HORIZON_DAYS = 400  # the next fall-back day may be a year and a few days away
-    day = _next_fall_back(NEW_YORK)
+    day = next_fall_back(NEW_YORK)
     first_one = datetime(day.year, day.month, day.day, 5, tzinfo=UTC)  # 01:00 EDT
     r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
                                     pool=world.pool, node_count=1, start=first_one - timedelta(hours=1),

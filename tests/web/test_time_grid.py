@@ -15,7 +15,7 @@ from reservations.selectors import Slot
 from reservations.timeutil import slot_floor
 from reservations.views import heatmap_rows
 from tenants.models import Quota
-from tests.conftest import iso
+from tests.conftest import iso, next_fall_back
 
 pytestmark = pytest.mark.django_db
 HTMX = {"HTTP_HX_REQUEST": "true"}
@@ -98,22 +98,10 @@ def test_daily_pool_heatmap_in_new_york_shows_one_full_day_for_one_booked_day(wo
     assert section.count('data-free="0"') == 24  # one UTC day = 24 hours; was 48
 
 
-def _next_fall_back(tz) -> date:
-    """The next day (two or more days ahead, within the booking horizon) on which tz's clocks go back."""
-    from django.utils import timezone
-
-    day = timezone.now().date() + timedelta(days=2)
-    for _ in range(366):
-        if datetime.combine(day, datetime.min.time(), tzinfo=tz).utcoffset() > \
-                datetime.combine(day, datetime.min.time(), tzinfo=tz).replace(hour=12).utcoffset():
-            return day
-        day += timedelta(days=1)
-    raise AssertionError(f"{tz} has no fall-back day in the next year")
-
 
 def test_calendar_selection_in_the_repeated_hour_can_be_booked(world, web, settings):
     settings.PORTAL_BOOKING_HORIZON_DAYS = 400  # the next fall-back day may be a year and a few days away
-    day = _next_fall_back(NY)  # New York's next fall-back day: 01:00-02:00 happens twice
+    day = next_fall_back(NY)  # New York's next fall-back day: 01:00-02:00 happens twice
     client = web("alpha-lead")
     client.post("/account/", {"tz": "America/New_York"})
     start, end = f"{day}T01:00:00-05:00", f"{day}T02:00:00-05:00"  # the second 01:00, as FullCalendar sends
