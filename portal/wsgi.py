@@ -2,5 +2,7 @@ import os
 
 from django.core.wsgi import get_wsgi_application
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.dev")
+# A server pointed at this module without DJANGO_SETTINGS_MODULE gets production settings, which refuse to
+# start without their secrets, rather than the dev ones (DEBUG on, a fixed secret key). `make run` sets dev.
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.production")
 application = get_wsgi_application()

@@ -167,3 +167,17 @@ def test_gunicorn_serves_production_with_summed_metrics(tmp_path, redis_server):
     assert access and access[0]["http_status"] == 401, lines[-10:]
     assert any(e["logger"] == "gunicorn.error" for e in lines)
     assert all(set(e) >= {"ts", "level", "logger", "message"} for e in lines)
+
+
+@pytest.mark.parametrize("entry", ["portal.wsgi", "portal.asgi", "portal.celery"])
+def test_a_server_started_without_a_settings_module_gets_production_not_dev(entry):
+    """gunicorn/uvicorn/celery pointed at the project with DJANGO_SETTINGS_MODULE forgotten must not run the
+    dev settings (DEBUG on, a fixed secret key): production's, which refuse to start without their secrets."""
+    env = {k: v for k, v in production_env().items() if k not in ("DJANGO_SETTINGS_MODULE", "SECRET_KEY")}
+    result = run(["-c", f"import {entry}; import django; django.setup()"], env)
+    assert result.returncode != 0 and "SECRET_KEY must be set in production" in result.stderr, result.stderr[-2000:]
+    env = {k: v for k, v in production_env().items() if k != "DJANGO_SETTINGS_MODULE"}
+    result = run(["-c", f"import {entry}; import django; django.setup(); from django.conf import settings; "
+                        "print(settings.SETTINGS_MODULE, settings.DEBUG)"], env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["portal.settings.production", "False"]
