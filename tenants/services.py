@@ -244,10 +244,15 @@ def user_set_password(*, actor, user: Any, password: str | None) -> Any:
 
 @transaction.atomic(durable=True)
 def user_delete(*, actor, user: Any) -> None:
-    """Delete an account (and what cascades with it); the audit row keeps who it was."""
+    """Delete an account (and what cascades with it: its memberships, its API tokens); the audit rows keep who it
+    was. Refused while it is a tenant's last lead, as removing that membership is (make another member lead)."""
     User = get_user_model()
     locked = User._default_manager.select_for_update().get(pk=user.pk)
+    for membership in Membership.objects.select_for_update(of=("self",)).select_related("user").filter(
+            user=locked).order_by("tenant_id"):
+        _remove_member(actor=actor, membership=membership)
     before = {f: _audit_value(getattr(locked, f)) for f in ("username", "email", "is_staff", "is_superuser")}
+    before["api_tokens"] = locked.api_tokens.count()
     audit_record(actor=actor, action="user.delete", obj=locked, before=before)
     locked.delete()
 

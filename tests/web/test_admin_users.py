@@ -202,3 +202,37 @@ def test_a_privilege_change_and_its_audit_row_land_together_or_not_at_all(world,
     with pytest.raises(RuntimeError, match="audit log unavailable"):
         root.post(reverse("admin:auth_user_add"), {"username": "ghost", "usable_password": "false", "_save": "Save"})
     assert not User.objects.filter(username="ghost").exists()
+
+
+def test_a_user_holding_api_tokens_and_memberships_can_be_deleted_and_each_removal_is_audited(world, root):
+    """The token admin offers no delete, so Django refused the whole account's deletion (403)."""
+    from tenants.models import ApiToken, Membership
+    from tenants.services import token_issue
+
+    member = world.users["alpha-member"]
+    token_issue(user=member)
+    tokens = ApiToken.objects.filter(user=member).count()
+    response = root.post(reverse("admin:auth_user_delete", args=[member.pk]), {"post": "yes"})
+    assert response.status_code == 302, response.status_code
+    assert not User.objects.filter(pk=member.pk).exists()
+    assert not ApiToken.objects.filter(user_id=member.pk).exists()
+    assert not Membership.objects.filter(user_id=member.pk).exists()
+    (row,) = audit("user.delete", member)
+    assert row.before["api_tokens"] == tokens >= 1
+    assert AuditLog.objects.filter(action="membership.delete", before__user="alpha-member").exists()
+
+
+def test_a_tenants_last_lead_cannot_be_deleted_in_the_admin(world, root):
+    """Deleting the account took its lead membership with it: the tenant was left with nobody to manage it."""
+    from tenants.models import Membership
+
+    lead = world.users["alpha-lead"]
+    assert list(Membership.objects.filter(tenant=world.tenants["alpha"], role="lead").values_list(
+        "user_id", flat=True)) == [lead.pk]
+    page = root.post(reverse("admin:auth_user_delete", args=[lead.pk]), {"post": "yes"}, follow=True)
+    assert "last lead" in page.content.decode()
+    assert User.objects.filter(pk=lead.pk).exists() and not audit("user.delete", lead)
+    root.post(reverse("admin:auth_user_changelist"),
+              {"action": "delete_selected", "_selected_action": [lead.pk], "post": "yes"}, follow=True)
+    assert User.objects.filter(pk=lead.pk).exists()
+    assert Membership.objects.filter(user=lead, role="lead").exists()
