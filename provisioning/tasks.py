@@ -16,6 +16,10 @@ logger = logging.getLogger(__name__)
 # A teardown that finds the provisioning task still running asks again this often (5 s × 60).
 _BUSY_RETRY_SECONDS = 5
 _BUSY_RETRIES = 60
+# A provisioning task that finds the cluster busy (a booking sync or node swap, seconds) asks again
+# a few times (5 s × 12); bounded, so a duplicate delivery beside a running provisioning stops by
+# itself, and past it the lifecycle tick's resend still catches the cluster.
+_PROVISION_BUSY_RETRIES = 12
 
 
 @shared_task(name="provisioning.lifecycle_tick", ignore_result=True)
@@ -34,10 +38,13 @@ def provision_cluster(self, cluster_id: int) -> str:
     from . import services
 
     try:
-        return services.cluster_provision(cluster_id=cluster_id)
+        result = services.cluster_provision(cluster_id=cluster_id)
     except services.RetryLater as exc:
         # The attempt count lives in the database, so the message may retry without limit.
         raise self.retry(countdown=exc.countdown, max_retries=None)
+    if result == "busy" and self.request.retries < _PROVISION_BUSY_RETRIES:
+        raise self.retry(countdown=_BUSY_RETRY_SECONDS, max_retries=None)
+    return result
 
 
 @shared_task(bind=True, name="provisioning.teardown_cluster", ignore_result=True, max_retries=None)

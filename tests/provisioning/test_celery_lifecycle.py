@@ -75,3 +75,25 @@ def test_cancel_event_tears_down_through_the_worker(world, prov_worker):
     wait_for(lambda: status_of(VirtualCluster, cluster.pk) == "deleted", timeout=60,
              what=f"deleted; worker log:\n{prov_worker.output()[-3000:]}")
     assert status_of(Reservation, reservation.pk) == "cancelled"
+
+
+def test_provisioning_that_finds_the_cluster_busy_asks_again_soon(world, prov_worker):
+    """The provisioning message arrives while a booking sync or node swap holds the cluster's lock: the
+    worker asks again a few seconds later (it used to drop the message, and the cluster waited for the
+    tick's resend, PORTAL_PROVISIONING_REDISPATCH_SECONDS later, while the booking had already started)."""
+    from portal.core.locks import advisory_lock
+    from provisioning.constants import LOCK_CLUSTER
+
+    reservation = book(world, "alpha-lead", now_slot(world), hours=2)
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    mark = len(prov_worker.output())
+    with advisory_lock(LOCK_CLUSTER, cluster.pk) as held:  # a booking sync elsewhere (this connection)
+        assert held
+        services.lifecycle_tick()  # dispatches provisioning to the worker, which finds the cluster busy
+        wait_for(lambda: "provisioning.provision_cluster" in prov_worker.output()[mark:]
+                 and ("'busy'" in prov_worker.output()[mark:] or "retry" in prov_worker.output()[mark:]),
+                 timeout=30, what=f"provisioning found busy; worker log:\n{prov_worker.output()[-3000:]}")
+        assert status_of(VirtualCluster, cluster.pk) == "pending"
+    # No tick runs: the task's own retry provisions the cluster once the sync let go.
+    wait_for(lambda: status_of(VirtualCluster, cluster.pk) == "ready", timeout=30,
+             what=f"cluster ready without a resend; worker log:\n{prov_worker.output()[-3000:]}")

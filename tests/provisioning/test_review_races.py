@@ -287,3 +287,33 @@ def test_a_booking_sync_waits_while_the_cluster_is_provisioned_or_torn_down(worl
         with pytest.raises(services.RetryLater, match="cluster busy"):
             services.reservation_sync(reservation_id=reservation.pk)
     assert services.reservation_sync(reservation_id=reservation.pk) in ("nothing to sync", "booked", "updated")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_provisioning_task_retries_a_few_times_then_leaves_it_to_the_tick(world):
+    """A provisioning task that finds the cluster's lock taken (a sync, a swap, or a duplicate delivery while
+    the run itself goes on) asks again a few seconds later, a bounded number of times: duplicate deliveries
+    never each start an endless chain (the tick's resend stays the backstop)."""
+    from celery.signals import task_retry
+
+    from provisioning import tasks
+    from provisioning.constants import LOCK_CLUSTER
+
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    countdowns = []
+
+    def on_retry(request=None, reason=None, **kwargs):
+        countdowns.append(reason.when)
+
+    task_retry.connect(on_retry, weak=False)
+    try:
+        with held_elsewhere(LOCK_CLUSTER, cluster.pk):
+            # Run eagerly, each retry runs at once (the lock is still held) until the bound is reached.
+            assert tasks.provision_cluster.apply(args=[cluster.pk]).get() == "busy"
+    finally:
+        task_retry.disconnect(on_retry)
+    assert countdowns and len(countdowns) == tasks._PROVISION_BUSY_RETRIES
+    assert all(0 < c <= 10 for c in countdowns)  # soon, not PORTAL_PROVISIONING_REDISPATCH_SECONDS later
+    assert tasks.provision_cluster.apply(args=[cluster.pk]).get() == ClusterStatus.READY
