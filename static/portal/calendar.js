@@ -28,6 +28,14 @@
     return whenFormat.format(new Date(iso));
   }
 
+  // The API gives the times in its refusals in UTC ("2026-12-04 10:00Z"); the page says every time in the
+  // user's zone, so those are shown the way this page shows times.
+  function localTimes(text) {
+    return String(text).replace(/(\d{4}-\d{2}-\d{2}) (\d{2}:\d{2})Z/g, function (match, date, time) {
+      return when(date + "T" + time + ":00Z");
+    });
+  }
+
   function loadPanel(url) {
     return window.htmx.ajax("GET", url, { target: panel, swap: "innerHTML" });
   }
@@ -112,7 +120,8 @@
       cal.refetchEvents();
     }).catch(function (err) {
       info.revert();
-      say("Not changed — " + ((err && err.detail) || "the server refused the change.") , "error");
+      say("Not changed — " + ((err && err.detail && localTimes(err.detail)) || "the server refused the change."),
+          "error");
     });
   }
 

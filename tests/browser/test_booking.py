@@ -107,6 +107,17 @@ def test_drag_to_extend_into_a_conflict_is_refused_and_snaps_back(world, live_se
     assert answer.value.json()["code"] == "capacity_unavailable"
     expect(page.locator("#calendar-status")).to_contain_text("Not changed")
     expect(page.locator("#calendar-status")).to_have_attribute("data-kind", "error")
+    # The API's text has its window in UTC ("…10:00Z"); the page says it the way it says every time.
+    utc_time = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}Z")
+    assert utc_time.search(answer.value.json()["detail"])
+    status = page.locator("#calendar-status").inner_text()
+    assert not utc_time.search(status), status
+    # The window the refusal names starts at the booking's start, 10:00 on that day, shown in the page's zone.
+    start_shown = page.evaluate(
+        "(iso) => new Intl.DateTimeFormat(undefined, {timeZone: JSON.parse(document.getElementById("
+        "'calendar-config').textContent).tz, weekday: 'short', day: 'numeric', month: 'short', hour: '2-digit',"
+        " minute: '2-digit', hour12: false}).format(new Date(iso))", at(day, 10).isoformat())
+    assert start_shown in status, (start_shown, status)
     page.wait_for_timeout(200)
     after = event.bounding_box()
     assert abs(after["height"] - before["height"]) < 2, (before, after)  # snapped back
