@@ -299,13 +299,10 @@ class PortalCollector:
         if status:
             family = GaugeMetricFamily("portal_virtual_clusters", "Virtual clusters by status.", labels=["status"])
             # Every declared status appears, at 0 without clusters: a panel reads 0, not "No data".
-            counts: dict[str, int] = dict.fromkeys(_choices(cluster, status), 0)
-            for value, count in _rows(
-                f"SELECT {_q(status)}, count(*) FROM {_q(cluster._meta.db_table)} GROUP BY 1"  # noqa: S608
-            ):
-                counts[str(value)] = count
-            for value, count in counts.items():
-                family.add_metric([value], count)
+            _add_counts(family, [(value,) for value in _choices(cluster, status)], (
+                ((str(value),), count) for value, count in _rows(
+                    f"SELECT {_q(status)}, count(*) FROM {_q(cluster._meta.db_table)} GROUP BY 1"  # noqa: S608
+                )))
             yield family
         yield from self._phase_durations(cluster, tables)
 
@@ -346,17 +343,15 @@ class PortalCollector:
                                            labels=["level", "verdict"])
                 level_sql = _q(level) if level else "''"
                 # Every level and verdict (and pending) appears, at 0 when no check has it.
-                counts: dict[tuple[str, str], int] = {
-                    (lvl, value): 0 for lvl in (_choices(check, level) or [""])
-                    for value in [*_choices(check, verdict), "pending"]}
-                for lvl, value, count in _rows(
+                zeros = [(lvl, value) for lvl in (_choices(check, level) or [""])
+                         for value in [*_choices(check, verdict), "pending"]]
+                rows = _rows(
                     f"SELECT {level_sql}, {_q(verdict)}, count(*) FROM {_q(check._meta.db_table)} "  # noqa: S608
                     "GROUP BY 1, 2"
-                ):
-                    # A check without a verdict yet is queued or running.
-                    counts[(str(lvl or ""), str(value or "pending"))] = count
-                for (lvl, value), count in counts.items():
-                    family.add_metric([lvl, value], count)
+                )
+                # A check without a verdict yet is queued or running.
+                _add_counts(family, zeros,
+                            (((str(lvl or ""), str(value or "pending")), count) for lvl, value, count in rows))
                 yield family
             if verdict and node:
                 yield from self._latest_verdicts(check, node, verdict)
@@ -385,10 +380,9 @@ class PortalCollector:
                                    "Non-retired nodes by pool and the verdict of their latest health check.",
                                    labels=["pool", "verdict"])
         # Every pool and verdict appears, at 0 when no node's latest check has it.
-        counts: dict[tuple[str, str], int] = {
-            (pool, value): 0 for pool in Pool.objects.order_by("name").values_list("name", flat=True)
-            for value in _choices(check, verdict)}
-        for pool, value, count in _rows(
+        zeros = [(pool, value) for pool in Pool.objects.order_by("name").values_list("name", flat=True)
+                 for value in _choices(check, verdict)]
+        rows = _rows(
             f"""
             SELECT p.name, latest.v, count(*) FROM (
                 SELECT DISTINCT ON ({_q(node)}) {_q(node)} AS node_id, {_q(verdict)} AS v
@@ -399,10 +393,8 @@ class PortalCollector:
             JOIN {_q(Pool._meta.db_table)} p ON p.id = n.pool_id
             GROUP BY 1, 2
             """  # noqa: S608
-        ):
-            counts[(pool, str(value))] = count
-        for (pool, value), count in counts.items():
-            family.add_metric([pool, value], count)
+        )
+        _add_counts(family, zeros, (((pool, str(value)), count) for pool, value, count in rows))
         yield family
 
     def _notifications(self, tables: set[str]) -> Iterator[Metric]:
@@ -419,15 +411,11 @@ class PortalCollector:
                                    labels=["channel", "status"])
         channel_sql = _q(channel) if channel else "''"
         # Every channel kind and status appears, at 0 when no delivery has it.
-        totals: dict[tuple[str, str], int] = {
-            (c, v): 0 for c in (_choices(delivery, channel) or [""]) for v in _choices(delivery, status)}
-        for chan, value, count in _rows(
+        zeros = [(c, v) for c in (_choices(delivery, channel) or [""]) for v in _choices(delivery, status)]
+        _add_counts(family, zeros, (((str(chan or ""), str(value or "")), count) for chan, value, count in _rows(
             f"SELECT {channel_sql}, {_q(status)}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
             "GROUP BY 1, 2"
-        ):
-            totals[(str(chan or ""), str(value or ""))] = count
-        for (chan, value), count in totals.items():
-            family.add_metric([chan, value], count)
+        )))
         yield family
         created = _field(delivery, "created_at")
         if not created:
@@ -437,15 +425,11 @@ class PortalCollector:
         recent = GaugeMetricFamily("portal_notification_deliveries_last_hour",
                                    "Deliveries created in the last hour, by channel kind and the status they have now.",
                                    labels=["channel", "status"])
-        counts: dict[tuple[str, str], int] = {
-            (c, v): 0 for c in _choices(delivery, channel) for v in _choices(delivery, status)}
-        for chan, value, count in _rows(
+        zeros = [(c, v) for c in _choices(delivery, channel) for v in _choices(delivery, status)]
+        _add_counts(recent, zeros, (((str(chan or ""), str(value or "")), count) for chan, value, count in _rows(
             f"SELECT {channel_sql}, {_q(status)}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
             f"WHERE {_q(created)} > clock_timestamp() - interval '1 hour' GROUP BY 1, 2"
-        ):
-            counts[(str(chan or ""), str(value or ""))] = count
-        for (chan, value), count in sorted(counts.items()):
-            recent.add_metric([chan, value], count)
+        )), ordered=True)
         yield recent
 
     # --- domain events ----------------------------------------------------------------------
@@ -471,6 +455,16 @@ class PortalCollector:
         yield GaugeMetricFamily("portal_outbox_oldest_age_seconds",
                                 "Age of the oldest domain event waiting in the outbox, stuck ones aside (0 when none).",
                                 value=float(oldest))
+
+
+def _add_counts(family: GaugeMetricFamily, zeros: Iterable[tuple[str, ...]],
+                counted: Iterable[tuple[tuple[str, ...], int]], *, ordered: bool = False) -> None:
+    """Add each label tuple of zeros at 0, then each counted one with its count over it: a known status
+    reads 0 on a panel, never "No data". ordered sorts the series by their labels."""
+    counts = dict.fromkeys(zeros, 0)
+    counts.update(counted)
+    for labels, count in (sorted(counts.items()) if ordered else counts.items()):
+        family.add_metric(list(labels), count)
 
 
 def _choices(model: type[Model], column: str | None) -> list[str]:
