@@ -49,11 +49,15 @@ class HealthCheckSerializer(serializers.Serializer):
     gpus = serializers.ListField(source="gpu_results", child=serializers.DictField())
 
     def get_requested_by(self, obj) -> str | None:
-        """The requester's name: for staff, or when a teammate asked (bound to the team's booking)."""
+        """The requester's name: for staff, or when a teammate asked (bound to the team's booking).
+
+        A check the platform team asked for, on the fleet or on a team's cluster, reads "platform"
+        to tenants: staff usernames are not theirs to see.
+        """
         user = self.context["request"].user
         if obj.requested_by is None:
             return None
-        if user.is_staff or obj.reservation_id is not None:
+        if user.is_staff or (obj.reservation_id is not None and not obj.requested_by.is_staff):
             return obj.requested_by.get_username()
         return "platform"
 

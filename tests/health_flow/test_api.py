@@ -184,3 +184,20 @@ def test_a_tenant_sees_a_nodes_fleet_checks_only_from_while_it_holds_the_node(
     assert fleet.client("alpha-lead").get(f"/api/v1/health-checks/{today.pk}/").status_code == 200
     envelope(fleet.client("alpha-lead").get(f"/api/v1/health-checks/{later.pk}/"), 404, "not_found")
     assert listed("staff") == {today.pk, later.pk}
+
+
+@pytest.mark.django_db
+def test_a_check_staff_ran_on_a_teams_cluster_names_the_platform_not_the_staff_member(
+        fleet, clusters, settings, eager, django_capture_on_commit_callbacks):
+    settings.PORTAL_FAKE_NVML = fleet_spec()
+    with django_capture_on_commit_callbacks(execute=True):
+        response = fleet.client("staff").post(URL.format(clusters["alpha"].pk), {"level": "quick",
+                                                                                 "nodes": ["gpu-001"]})
+    assert response.status_code == 202, response.content
+    seen = fleet.client("alpha-lead").get("/api/v1/health-checks/").json()["results"]
+    assert [r["requested_by"] for r in seen] == ["platform"]
+    detail = fleet.client("alpha-viewer").get(f"/api/v1/health-checks/{seen[0]['id']}/").json()
+    assert detail["requested_by"] == "platform"
+    # Staff still see who it was.
+    staff_view = fleet.client("staff").get("/api/v1/health-checks/").json()["results"]
+    assert [r["requested_by"] for r in staff_view] == [fleet.users["staff"].username]
