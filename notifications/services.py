@@ -66,6 +66,7 @@ __all__ = [
     "platform_channel_ensure",
     "demo_channel_ensure",
     "slack_channel_ensure",
+    "slack_channel_added",
     "slack_subscriptions_update",
     "platform_channel_update",
     "webhook_create",
@@ -76,6 +77,7 @@ __all__ = [
     "channel_send_test",
     "event_fanout",
     "quota_threshold_check",
+    "quota_alerts_catch_up",
     "reminders_emit",
     "delivery_send",
     "delivery_requeue",
@@ -174,6 +176,12 @@ def _validate_events(events: Any) -> list[str]:
     return [e for e in SUBSCRIBABLE_EVENTS if e in events]
 
 
+def _hears_quota_alerts(channel: Channel | None) -> bool:
+    """Whether channel is one that quota alerts go to (an enabled tenant channel subscribed to them)."""
+    return bool(channel is not None and not channel.is_platform and channel.enabled
+                and Event.QUOTA_THRESHOLD in channel.events)
+
+
 def _channel_snapshot(channel: Channel) -> dict[str, Any]:
     return {
         "kind": channel.kind,
@@ -212,6 +220,20 @@ def slack_channel_ensure(tenant: Tenant) -> Channel | None:
             )
     except IntegrityError:
         return Channel.objects.get(tenant=tenant, kind=ChannelKind.SLACK)
+
+
+def slack_channel_added(*, tenant_id: int) -> Channel | None:
+    """The tenant's Slack URL was set: make its channel row now and send it the current quota alerts.
+
+    (tenants.services announces it as tenant.slack_webhook_set, whoever set it: page, admin or API.)
+    """
+    tenant = Tenant.objects.filter(pk=tenant_id).first()
+    if tenant is None:
+        return None
+    channel = slack_channel_ensure(tenant)
+    if channel is not None and channel.target_url():
+        quota_alerts_catch_up(channel_id=channel.pk)
+    return channel
 
 
 _demo_ready: set[str] = set()
@@ -260,11 +282,12 @@ def slack_subscriptions_update(
     """Choose which events go to the tenant's Slack channel (the URL itself is set on the tenant)."""
     with transaction.atomic(durable=True):
         Tenant.objects.select_for_update().get(pk=tenant.pk)  # one writer per tenant's settings
-        channel, _ = Channel.objects.get_or_create(
+        channel, created = Channel.objects.get_or_create(
             tenant=tenant, kind=ChannelKind.SLACK, defaults={"name": "slack", "events": list(TENANT_DEFAULT_EVENTS)}
         )
         channel.tenant = tenant
         before = _channel_snapshot(channel)
+        was_listening = not created and _hears_quota_alerts(channel)
         if events is not None:
             channel.events = _validate_events(events)
         if enabled is not None:
@@ -272,6 +295,7 @@ def slack_subscriptions_update(
         channel.save()
         audit_record(actor=actor, action="notifications.slack.update", obj=channel, tenant_id=tenant.pk,
                      before=before, after=_channel_snapshot(channel))
+    _catch_up(channel, was_listening=was_listening)
     return channel
 
 
@@ -308,6 +332,7 @@ def webhook_create(
         )
         audit_record(actor=actor, action="notifications.webhook.create", obj=channel, tenant_id=tenant.pk,
                      after=_channel_snapshot(channel))
+    _catch_up(channel, was_listening=False)
     return channel, secret
 
 
@@ -327,6 +352,7 @@ def webhook_update(
         if channel.kind != ChannelKind.WEBHOOK:
             raise InvalidState("Only signed webhooks are edited here.")
         before = _channel_snapshot(channel)
+        was_listening = _hears_quota_alerts(channel)
         if url is not None:
             channel.url = url
         if name is not None:
@@ -338,6 +364,7 @@ def webhook_update(
         channel.save()
         audit_record(actor=actor, action="notifications.webhook.update", obj=channel, tenant_id=channel.tenant_id,
                      before=before, after=_channel_snapshot(channel))
+    _catch_up(channel, was_listening=was_listening)
     return channel
 
 
@@ -487,31 +514,30 @@ def event_fanout(*, event: str, payload: dict[str, Any]) -> list[Delivery]:
     return created
 
 
-def quota_threshold_check(*, tenant_id: int, pool_id: int, now: datetime | None = None) -> list[Delivery]:
-    """Alert once when the tenant's booked peak in the pool reaches the threshold (default 80 %).
+def _quota_state_refresh(quota: Quota, now: datetime) -> tuple[QuotaAlertState, int, bool]:
+    """Re-measure the tenant's booked peak in the quota's pool; return (state, peak, crossed just now).
 
     The peak is taken over the whole booking horizon from now, with the alert state row locked,
     so concurrent checks take turns and each sees the bookings committed before it.
     """
-    now = now or timezone.now()
     threshold = float(_setting("PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT", 80))
-    quota = Quota.objects.select_related("tenant", "pool").filter(tenant_id=tenant_id, pool_id=pool_id).first()
-    if quota is None or quota.max_nodes <= 0:
-        return []
     horizon = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
     with transaction.atomic():
         QuotaAlertState.objects.get_or_create(quota=quota)
         state = QuotaAlertState.objects.select_for_update().get(quota=quota)
-        peak = tenant_peak_usage(tenant_id=tenant_id, pool_id=pool_id, start=now, end=horizon)
+        peak = tenant_peak_usage(tenant_id=quota.tenant_id, pool_id=quota.pool_id, start=now, end=horizon)
         above = peak * 100 >= threshold * quota.max_nodes
         crossing = above and not state.above
         state.above, state.last_peak = above, peak
         if crossing:
             state.crossings += 1
         state.save()
-    if not crossing:
-        return []
-    notice = Notice(
+    return state, peak, crossing
+
+
+def _quota_notice(quota: Quota, state: QuotaAlertState, peak: int) -> Notice:
+    """The alert of the state's current crossing (its key is the same whoever asks, and when)."""
+    return Notice(
         event=Event.QUOTA_THRESHOLD,
         key=f"{Event.QUOTA_THRESHOLD}:q{quota.pk}:n{state.crossings}",
         payload={
@@ -523,10 +549,62 @@ def quota_threshold_check(*, tenant_id: int, pool_id: int, now: datetime | None 
             "percent": round(100 * peak / quota.max_nodes),
         },
         source_event="quota.threshold",
-        tenant_id=tenant_id,
+        tenant_id=quota.tenant_id,
         to_platform=False,
     )
-    return _deliver_notices([notice])
+
+
+def quota_threshold_check(*, tenant_id: int, pool_id: int, now: datetime | None = None) -> list[Delivery]:
+    """Alert once when the tenant's booked peak in the pool reaches the threshold (default 80 %)."""
+    now = now or timezone.now()
+    quota = Quota.objects.select_related("tenant", "pool").filter(tenant_id=tenant_id, pool_id=pool_id).first()
+    if quota is None or quota.max_nodes <= 0:
+        return []
+    state, peak, crossing = _quota_state_refresh(quota, now)
+    if not crossing:
+        return []
+    return _deliver_notices([_quota_notice(quota, state, peak)])
+
+
+def quota_alerts_catch_up(*, channel_id: int, now: datetime | None = None) -> list[Delivery]:
+    """Tell a channel that has just started listening (added, enabled, subscribed) the tenant's current quota alerts.
+
+    The alert goes out once per upward crossing, to the channels listening at that moment; a
+    channel that joins while the tenant is still above the threshold gets that crossing's alert
+    now. Its key is the crossing's, so the channels already told are not told again, and saving
+    the channel twice (or switching it off and on) within one crossing sends it once. The use is
+    measured afresh: a tenant that has fallen back below is re-armed instead, and one found above
+    for the first time is a crossing, announced to every channel as usual.
+    """
+    now = now or timezone.now()
+    channel = Channel.objects.select_related("tenant").filter(pk=channel_id).first()
+    if not _hears_quota_alerts(channel) or not channel.target_url():
+        return []
+    created: list[Delivery] = []
+    for quota in Quota.objects.select_related("tenant", "pool").filter(tenant_id=channel.tenant_id, max_nodes__gt=0):
+        state, peak, crossing = _quota_state_refresh(quota, now)
+        if crossing:
+            created += _deliver_notices([_quota_notice(quota, state, peak)])
+        elif state.above:
+            delivery, new = _delivery_for(_quota_notice(quota, state, peak), channel)
+            if new and delivery.status == DeliveryStatus.PENDING:
+                _enqueue([delivery.pk])
+                created.append(delivery)
+    return created
+
+
+def _catch_up(channel: Channel, *, was_listening: bool) -> None:
+    """After a committed change to channel: if it has just started listening, send it the current quota alerts.
+
+    The change stands whatever happens here: a failure is logged, not raised into the request
+    that saved the channel (the next crossing reaches it anyway).
+    """
+    if was_listening or not _hears_quota_alerts(channel):
+        return
+    try:
+        quota_alerts_catch_up(channel_id=channel.pk)
+    except Exception:  # noqa: BLE001 - see above
+        logger.exception("could not send the current quota alerts to channel %s", channel.pk)
 
 
 def reminders_emit(*, now: datetime | None = None) -> list[Delivery]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tenants.services import SLACK_WEBHOOK_SET
+
 from . import selectors
 
 __all__ = ["on_event"]
@@ -23,6 +25,13 @@ logger = logging.getLogger(__name__)
 
 def on_event(event: str, payload: dict[str, Any]) -> None:
     """Queue notifications.fanout for an event we translate and someone may want."""
+    if event == SLACK_WEBHOOK_SET:
+        from .services import slack_channel_added
+
+        tenant_id = selectors.as_id(payload.get("tenant_id"))
+        if tenant_id is not None:
+            slack_channel_added(tenant_id=tenant_id)
+        return
     if not selectors.handles(event):
         return  # unknown or uninteresting events are ignored by design
     from .services import demo_channel_ensure, event_fanout

@@ -12,6 +12,7 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
+from portal.core import events
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
 from portal.core.services import audit_record
 
@@ -33,6 +34,9 @@ __all__ = [
     "tenant_rotate_ical_token",
 ]
 
+# Announced when a tenant's Slack URL is set (created, changed or replaced; not when cleared): the
+# notifications app makes the tenant's Slack channel and tells it what is already going on.
+SLACK_WEBHOOK_SET = "tenant.slack_webhook_set"
 TENANT_FIELDS = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
 
 # Higher apps name a tenant's things elsewhere after its slug (Slurm reservations and accounts,
@@ -102,6 +106,8 @@ def _tenant_create(*, actor, slug: str, name: str, burst_enabled: bool, extra: d
     if tenant.slack_webhook_url:
         after["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
     audit_record(actor=actor, action="tenant.create", obj=tenant, tenant_id=tenant.pk, after=after)
+    if tenant.slack_webhook_url:
+        events.emit(SLACK_WEBHOOK_SET, tenant_id=tenant.pk)
     return tenant
 
 
@@ -136,6 +142,8 @@ def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
     if "slack_webhook_url" in changes:
         after["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
     audit_record(actor=actor, action="tenant.update", obj=tenant, tenant_id=tenant.pk, before=before, after=after)
+    if changes.get("slack_webhook_url"):
+        events.emit(SLACK_WEBHOOK_SET, tenant_id=tenant.pk)
     return tenant
 
 
@@ -462,6 +470,8 @@ def _slack_webhook_store(*, actor, tenant: Tenant, url: str) -> Tenant:
     tenant.save(update_fields=["slack_webhook_url"])
     audit_record(actor=actor, action="tenant.slack_webhook", obj=tenant, tenant_id=tenant.pk,
                  before=before, after={"slack_webhook_url": mask(url, keep=6)})
+    if url:
+        events.emit(SLACK_WEBHOOK_SET, tenant_id=tenant.pk)
     return tenant
 
 
