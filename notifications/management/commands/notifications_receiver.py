@@ -22,6 +22,9 @@ from notifications import signing
 from notifications.choices import ChannelKind
 from notifications.models import Channel
 
+# Far more than any message the portal sends (a Slack message is capped well below this).
+MAX_BODY_BYTES = 1024 * 1024
+
 
 def _secrets() -> list[str]:
     close_old_connections()
@@ -47,8 +50,28 @@ class Command(BaseCommand):
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def _refuse(self, status: int, reason: bytes) -> None:
+                # The body is left unread, so the connection cannot carry another request: close it.
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(reason)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(reason)
+                self.close_connection = True
+
             def do_POST(self):  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                length = (self.headers.get("Content-Length") or "0").strip()
+                # 1*DIGIT (RFC 9110), in ASCII: int() would also take "-5", "+2", " 1_0" or other scripts' digits.
+                if not (length.isascii() and length.isdigit()):
+                    out.write(f"{self.path} refused: Content-Length {length[:40]!r} is not a length\n")
+                    self._refuse(400, b"bad_content_length")
+                    return
+                if int(length) > MAX_BODY_BYTES:
+                    out.write(f"{self.path} refused: {length[:40]} bytes is more than this receiver reads\n")
+                    self._refuse(413, b"too_large")
+                    return
+                body = self.rfile.read(int(length))
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 verdict = ""
                 if "webhook-signature" in headers:
