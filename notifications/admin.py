@@ -114,8 +114,9 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
         services.channel_delete(actor=request.user, channel=obj)
 
     def delete_queryset(self, request, queryset):
-        for channel in queryset:
-            services.channel_delete(actor=request.user, channel=channel)
+        # Each refusal (the platform channel) is a message; the other selected channels still go.
+        for channel in queryset.select_related("tenant"):
+            self.run_service(request, services.channel_delete, actor=request.user, channel=channel)
 
     @admin.action(description="Send a test message")
     def send_test(self, request, queryset):

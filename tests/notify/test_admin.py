@@ -338,3 +338,19 @@ def test_the_platform_channel_is_disabled_not_deleted(world, staff, settings):
                           follow=True)
     assert Channel.objects.filter(pk=channel.pk).exists()
     assert "disable" in response.content.decode().lower()
+
+
+def test_bulk_delete_with_the_platform_channel_selected_is_a_message_not_a_500(world, staff, settings, webhook_for):
+    # "Delete selected" ran channel_delete for each row; the platform channel's refusal escaped the
+    # changelist (a 500) after the rows before it were already gone. Each refusal is a message now,
+    # and the other selected channels are deleted.
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    platform = notify.platform_channel_ensure()
+    hook, _ = webhook_for("alpha", "https://ci.alpha.example/hook")
+    response = staff.post(reverse("admin:notifications_channel_changelist"),
+                          {"action": "delete_selected", "_selected_action": [platform.pk, hook.pk], "post": "yes"},
+                          follow=True)
+    assert response.status_code == 200
+    assert Channel.objects.filter(pk=platform.pk).exists()
+    assert not Channel.objects.filter(pk=hook.pk).exists()
+    assert "disable" in response.content.decode().lower()
