@@ -668,6 +668,8 @@ def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
         return ""
     if not channel.enabled:
         return "channel_disabled"
+    if delivery.event not in channel.events:
+        return "event_unsubscribed"  # unticked since the message was queued: the lead no longer wants it
     if channel.is_broken:
         return f"channel_broken: {channel.broken_error}"[:200]
     return selectors.reminder_obsolete(delivery, now=timezone.now())[:200]

@@ -417,3 +417,22 @@ def test_a_reminder_still_waiting_to_be_sent_is_dropped_when_its_booking_is_canc
     assert len(receiver.requests) == 1  # only the failed first try
     delivery.refresh_from_db()
     assert delivery.status == DeliveryStatus.SKIPPED and delivery.last_error.startswith("reservation_")
+
+
+def test_an_event_unsubscribed_before_its_send_is_skipped_not_sent(world, receiver, webhook_for, confirmed):
+    # A lead unticks an event because it is noise; the messages of it still queued (or waiting to
+    # retry while the receiver was down) were sent anyway. Like a channel switched off, they are skipped.
+    channel, _ = webhook_for("alpha", receiver.url("/ci/hook"))
+    (delivery,) = confirmed()
+    services.webhook_update(actor=world.users["alpha-lead"], channel=channel, events=[Event.RESERVATION_CANCELLED])
+
+    result = services.delivery_send(delivery_id=delivery.pk, worker="w1")
+
+    assert result.status == DeliveryStatus.SKIPPED
+    delivery.refresh_from_db()
+    assert delivery.status == DeliveryStatus.SKIPPED and delivery.last_error == "event_unsubscribed"
+    time.sleep(0.3)
+    assert receiver.requests == []
+    # A test message is not an event anyone subscribes to: it still goes through.
+    test = services.channel_send_test(actor=world.users["alpha-lead"], channel=channel)
+    assert services.delivery_send(delivery_id=test.pk, worker="w1").status == DeliveryStatus.DELIVERED
