@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -31,7 +32,7 @@ from tenants.choices import Role
 from tenants.models import Tenant
 
 from .choices import PLATFORM_DEFAULT_EVENTS, TERMINAL_STATUSES, DeliveryStatus
-from .models import Channel, Delivery, url_fingerprint
+from .models import Channel, Delivery, QuotaAlertState, url_fingerprint
 from .slack import Event
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "reservation_payload",
     "reminders_due",
     "reminder_obsolete",
+    "quota_alert_obsolete",
     "deliveries_for_user",
     "channels_for_user",
     "broken_channels_for_user",
@@ -643,6 +645,29 @@ def reminder_obsolete(delivery: Delivery, *, now: datetime) -> str:
         return f"reservation_moved: the {field_name} is now {format_utc(boundary)}"
     if boundary <= now:
         return f"reservation_{field_name}_passed"
+    return ""
+
+
+_QUOTA_ALERT_KEY = re.compile(rf"^{re.escape(str(Event.QUOTA_THRESHOLD))}:q(\d+):n(\d+)\|")
+
+
+def quota_alert_obsolete(delivery: Delivery) -> str:
+    """Why a quota alert must no longer be sent ('' if it still holds, or is no quota alert).
+
+    An alert tells of one upward crossing (its key names the quota and the crossing's number).
+    Waiting for its send while the tenant's use fell back below the threshold (a booking
+    cancelled, shortened), it would tell something false; a later crossing has its own alert.
+    """
+    if delivery.event != Event.QUOTA_THRESHOLD:
+        return ""
+    match = _QUOTA_ALERT_KEY.match(delivery.key)
+    if match is None:
+        return ""
+    state = QuotaAlertState.objects.filter(quota_id=int(match[1])).values("above", "crossings", "last_peak").first()
+    if state is None:
+        return "quota_deleted"
+    if not state["above"] or state["crossings"] != int(match[2]):
+        return f"quota_below_threshold: {state['last_peak']} node(s) booked at the last check"
     return ""
 
 

@@ -672,7 +672,8 @@ def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
         return "event_unsubscribed"  # unticked since the message was queued: the lead no longer wants it
     if channel.is_broken:
         return f"channel_broken: {channel.broken_error}"[:200]
-    return selectors.reminder_obsolete(delivery, now=timezone.now())[:200]
+    reason = selectors.reminder_obsolete(delivery, now=timezone.now()) or selectors.quota_alert_obsolete(delivery)
+    return reason[:200]
 
 
 def _finish(delivery_id: int, *, status: str, error: str) -> SendResult:

@@ -436,3 +436,31 @@ def test_an_event_unsubscribed_before_its_send_is_skipped_not_sent(world, receiv
     # A test message is not an event anyone subscribes to: it still goes through.
     test = services.channel_send_test(actor=world.users["alpha-lead"], channel=channel)
     assert services.delivery_send(delivery_id=test.pk, worker="w1").status == DeliveryStatus.DELIVERED
+
+
+def test_a_quota_alert_still_unsent_when_use_falls_back_is_skipped(world, t0, book, receiver, webhook_for):
+    # Like a reminder of a cancelled booking: "alpha is at 80 %" sent after the booking that made it so
+    # was cancelled (the receiver was down meanwhile, or the queue long) tells something false.
+    from reservations import services as booking
+    from tenants.services import quota_update
+
+    channel, _ = webhook_for("alpha", receiver.url("/ci/hook"))
+    quota_update(actor=world.users["staff"], quota=world.tenants["alpha"].quotas.get(), max_nodes=5)
+    big = book("alpha", t0, nodes=4)
+    (alert,) = services.quota_threshold_check(tenant_id=big.tenant_id, pool_id=big.pool_id)
+    booking.reservation_cancel(actor=world.users["alpha-lead"], reservation=big)
+    assert services.quota_threshold_check(tenant_id=big.tenant_id, pool_id=big.pool_id) == []  # re-armed
+
+    assert services.delivery_send(delivery_id=alert.pk, worker="w1").status == DeliveryStatus.SKIPPED
+    alert.refresh_from_db()
+    assert alert.last_error.startswith("quota_below_threshold")
+    time.sleep(0.3)
+    assert receiver.requests == []
+
+    # Above again: the new crossing's alert is sent.
+    again = book("alpha", t0, nodes=4)
+    (second,) = services.quota_threshold_check(tenant_id=again.tenant_id, pool_id=again.pool_id)
+    assert services.delivery_send(delivery_id=second.pk, worker="w1").status == DeliveryStatus.DELIVERED
+    # The first crossing's alert, requeued by hand, is still not true.
+    services.delivery_requeue(actor=world.users["alpha-lead"], delivery=alert)
+    assert services.delivery_send(delivery_id=alert.pk, worker="w1").status == DeliveryStatus.SKIPPED
