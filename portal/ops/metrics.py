@@ -3,7 +3,7 @@
 Two kinds of metric families:
 
 * **Measured in this process** (counters and histograms below): booking outcomes and
-  latency (``observe_booking``, called by the booking view) and HTTP requests
+  latency (``observe_booking``, fed by the booking view through ``booking_finished``) and HTTP requests
   (``RequestMetricsMiddleware``). Under gunicorn with several workers set
   ``PROMETHEUS_MULTIPROC_DIR`` (gunicorn.conf.py does) and every worker's values are summed at
   scrape time.
@@ -16,14 +16,11 @@ Two kinds of metric families:
   They are the same whichever process answers the scrape, so nothing is lost when a worker
   restarts, and work done in Celery workers is visible without scraping the workers.
 
-The hook for the booking view::
-
-    from portal.ops.metrics import observe_booking
-    observe_booking("created", 0.042)          # outcome, seconds
-
-or, around the service call, ``with time_booking(): reservation_create(...)`` — the outcome is
-taken from the exception's envelope code (``capacity_unavailable``, ``quota_exceeded``,
-``invalid``, …) or is ``created`` when the block finishes.
+The booking view is timed by ``portal.core.instrument.timed_booking`` (a lower layer, so the
+view never imports this module): it sends ``booking_finished``, which ``on_booking_finished``
+receives and records with ``observe_booking("created", 0.042)`` (outcome, seconds) — the outcome
+is the envelope code the client got (``capacity_unavailable``, ``quota_exceeded``, ``invalid``, …),
+``created``/``replayed`` for a 2xx.
 """
 
 from __future__ import annotations
@@ -32,8 +29,6 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from django.conf import settings
@@ -53,7 +48,6 @@ __all__ = [
     "BOOKING_OUTCOMES",
     "REGISTRY",
     "observe_booking",
-    "time_booking",
     "count_event",
     "install",
     "render",
@@ -146,21 +140,6 @@ def observe_booking(outcome: str, seconds: float) -> None:
 def on_booking_finished(sender, *, outcome: str, seconds: float, **kwargs: Any) -> None:
     """Receive portal.core.instrument.booking_finished (sent by the booking API view)."""
     observe_booking(outcome, seconds)
-
-
-@contextmanager
-def time_booking() -> Iterator[None]:
-    """Time the block and record it with observe_booking; the outcome comes from the exception raised."""
-    started = time.perf_counter()
-    outcome = "created"
-    try:
-        yield
-    except BaseException as exc:
-        code = getattr(exc, "code", None) or getattr(exc, "default_code", None)
-        outcome = code if isinstance(code, str) and code in BOOKING_OUTCOMES else "error"
-        raise
-    finally:
-        observe_booking(outcome, time.perf_counter() - started)
 
 
 def domain_events_key() -> str:

@@ -26,7 +26,7 @@ import yaml
 from django.conf import settings as django_settings
 from django.test import Client
 
-from portal.ops import metrics
+from portal.core.instrument import timed_booking
 from portal.ops.collectors import FAMILIES
 from reservations import services
 from reservations.timeutil import slot_floor
@@ -314,7 +314,7 @@ def test_dashboard_queries_return_data_from_a_real_scrape(ops, tmp_path, django_
     world = make_world(nodes=4)
     other_app_rows(world)  # clusters, health checks, repairs, deliveries: their panels get data too
     slot = slot_floor(now_clear_of_the_hour(), 60)  # the booking below starts in the slot running now
-    with django_capture_on_commit_callbacks(execute=True), metrics.time_booking():
+    with django_capture_on_commit_callbacks(execute=True), timed_booking():
         services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
                                     pool=world.pool, node_count=1, start=slot, end=slot + timedelta(hours=4))
     with django_capture_on_commit_callbacks(execute=True):

@@ -13,6 +13,7 @@ from django.test import Client
 from django.utils import timezone
 
 from portal.core.exceptions import DomainError
+from portal.core.instrument import timed_booking
 from portal.ops import metrics
 from reservations import services
 from reservations.models import Allocation, Reservation
@@ -29,7 +30,7 @@ GPUS = 8
 def book(world, who, *, nodes, start, hours, on_commit):
     tenant = world.tenants[who.split("-")[0]]
     try:
-        with on_commit(execute=True), metrics.time_booking():
+        with on_commit(execute=True), timed_booking():
             return services.reservation_create(actor=world.users[who], tenant=tenant, pool=world.pool,
                                                node_count=nodes, start=start, end=start + timedelta(hours=hours))
     except DomainError as exc:
