@@ -765,6 +765,10 @@ def node_create(*, actor: Any, hostname: str, pool: Pool, state: str = NodeState
 node_return_blockers: list[Callable[[int], str | None]] = []
 
 
+class _NodeLeftAvailable(Exception):
+    """node_update skipped the return blockers for an available node that had left that state by its locks."""
+
+
 def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str | None = None) -> Node:
     """Change a node's state; only available nodes are given to new bookings.
 
@@ -772,10 +776,22 @@ def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str
     node over (which then holds it, and a drain moves it off afterwards), and a booking that
     chose the node meanwhile waits for the change and then finds the node gone (_READY).
     Making a node available is refused (InvalidState) while a registered rule holds it out
-    (node_return_blockers: an open health repair).
+    (node_return_blockers: an open health repair). A node already available is not asked about
+    (the rules wait for a health step in flight on the node): a no-op or a reason edit does not
+    queue; should the node have left available before its locks are ours, the change starts
+    over and asks them.
     """
+    ask_blockers = state == NodeState.AVAILABLE and not Node.objects.filter(
+        pk=node.pk, state=NodeState.AVAILABLE).exists()
+    try:
+        return _node_update(actor=actor, node=node, state=state, reason=reason, ask_blockers=ask_blockers)
+    except _NodeLeftAvailable:
+        return _node_update(actor=actor, node=node, state=state, reason=reason, ask_blockers=True)
+
+
+def _node_update(*, actor: Any, node: Node, state: str | None, reason: str | None, ask_blockers: bool) -> Node:
     with transaction.atomic(durable=True):
-        if state == NodeState.AVAILABLE:
+        if ask_blockers:
             for blocker in node_return_blockers:
                 why = blocker(node.pk)
                 if why and Node.objects.filter(pk=node.pk).exclude(state=NodeState.AVAILABLE).exists():
@@ -783,6 +799,8 @@ def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str
         if state is not None:
             _lock_nodes([node.pk])  # before the row lock, as bookers take them
         node = Node.objects.select_for_update().get(pk=node.pk)
+        if state == NodeState.AVAILABLE and not ask_blockers and node.state != NodeState.AVAILABLE:
+            raise _NodeLeftAvailable  # nothing written yet: rolled back, and asked again with the blockers
         before = {"state": node.state, "state_reason": node.state_reason}
         if state is not None:
             node.state = state

@@ -8,11 +8,11 @@ from datetime import timedelta
 from unittest import mock
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from portal.core.exceptions import InvalidInput, InvalidState
 from reservations import selectors, services
-from reservations.models import Reservation
+from reservations.models import Node, Reservation
 from reservations.services import pool_update, reservation_create
 from reservations.timeutil import is_aligned
 
@@ -170,6 +170,69 @@ def test_the_api_refuses_to_return_a_node_an_open_repair_owns(db, t0):
     other = world.nodes[1]
     services.node_update(actor=world.users["staff"], node=other, state="draining")
     assert staff.patch(f"/api/v1/nodes/{other.pk}/", {"state": "available"}, format="json").status_code == 200
+
+
+def test_a_no_op_update_of_an_available_node_does_not_queue_behind_a_health_step(db):
+    """Only a node coming back from another state asks the return blockers (which take the health lock)."""
+    from provisioning.health.services import _node_lock
+
+    world = make_world()
+    staff, node = world.users["staff"], world.nodes[0]
+    health_holds, updated = threading.Event(), threading.Event()
+    update_finished_first: list[bool] = []
+
+    def health_step_in_flight():
+        with _node_lock(node.pk):
+            health_holds.set()
+            _wait_for(updated)  # the no-op either finishes, or queues on our lock
+            update_finished_first.append(updated.is_set())
+
+    def no_op_update():
+        health_holds.wait(10)
+        try:
+            return services.node_update(actor=staff, node=node, state="available", reason="checked")
+        finally:
+            updated.set()
+
+    held, done = _in_threads(health_step_in_flight, no_op_update)
+    assert not isinstance(held, BaseException), held
+    assert not isinstance(done, BaseException), done
+    # was: [False]: the blockers were asked first, so the no-op queued on the health step's lock
+    assert update_finished_first == [True]
+    assert done.state == "available" and done.state_reason == "checked"
+
+
+def test_a_node_drained_with_a_repair_while_it_was_being_made_available_is_not_returned(db):
+    """The no-op shortcut reads the node before its locks: one that left available meanwhile still meets the
+    blockers (a health step drains and opens a repair under the health lock and the node's booking lock)."""
+    from provisioning.health.models import Repair
+    from provisioning.health.services import _node_lock
+
+    world = make_world()
+    staff, node = world.users["staff"], world.nodes[0]
+    drained, updated = threading.Event(), threading.Event()
+
+    def health_step_drains_and_opens_a_repair():
+        with _node_lock(node.pk), transaction.atomic():
+            services._lock_nodes([node.pk])
+            Node.objects.filter(pk=node.pk).update(state="draining", state_reason="check failed")
+            Repair.objects.create(node_id=node.pk, reason="check failed")
+            drained.set()
+            _wait_for(updated)  # the update queues on one of our locks (it read the node as available)
+
+    def make_available():
+        drained.wait(10)
+        try:
+            return services.node_update(actor=staff, node=node, state="available")
+        finally:
+            updated.set()
+
+    health, outcome = _in_threads(health_step_drains_and_opens_a_repair, make_available)
+    assert not isinstance(health, BaseException), health
+    assert isinstance(outcome, InvalidState), outcome
+    assert "repair #" in str(outcome)
+    node.refresh_from_db()
+    assert node.state == "draining"
 
 
 def test_a_repair_that_rejoins_its_node_still_makes_it_available(db):
