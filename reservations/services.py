@@ -438,20 +438,31 @@ def reservation_create(
     idempotency_key: str | None = None,
     request_hash: str = "",
 ) -> Reservation:
-    """Book node_count dedicated nodes of pool for [start, end) for tenant (DESIGN §4)."""
+    """Book node_count dedicated nodes of pool for [start, end) for tenant (DESIGN §4).
+
+    A request refused as invalid that an idempotency_key already booked gets that booking back: a
+    retry must not be refused for what changed since (the slot it started in has passed, the pool
+    lost a node) while its booking holds the nodes.
+    """
     _require_role(actor=actor, tenant=tenant, roles=BOOKING_ROLES)
-    name = _validate_name(name)
     now = timezone.now()
-    errors = _validate_window(pool=pool, start=start, end=end, now=now)
-    if not isinstance(node_count, int) or isinstance(node_count, bool) or node_count < 1:
-        errors["node_count"] = "Must be a whole number of at least 1."
-    elif node_count > (bookable := _bookable_node_count(pool)):
-        errors["node_count"] = f"The {pool.name} pool has only {bookable} nodes."
-    if orchestrator not in Orchestrator.values:
-        errors["cluster.orchestrator"] = f"One of {', '.join(Orchestrator.values)}."
-    if cuda_version not in CUDA_VERSIONS:
-        errors["cluster.cuda_version"] = f"One of {', '.join(CUDA_VERSIONS)}."
-    _raise_if(errors)
+    try:
+        name = _validate_name(name)
+        errors = _validate_window(pool=pool, start=start, end=end, now=now)
+        if not isinstance(node_count, int) or isinstance(node_count, bool) or node_count < 1:
+            errors["node_count"] = "Must be a whole number of at least 1."
+        elif node_count > (bookable := _bookable_node_count(pool)):
+            errors["node_count"] = f"The {pool.name} pool has only {bookable} nodes."
+        if orchestrator not in Orchestrator.values:
+            errors["cluster.orchestrator"] = f"One of {', '.join(Orchestrator.values)}."
+        if cuda_version not in CUDA_VERSIONS:
+            errors["cluster.cuda_version"] = f"One of {', '.join(CUDA_VERSIONS)}."
+        _raise_if(errors)
+    except InvalidInput:
+        replay = _idempotency_replay(user=actor, key=idempotency_key, request_hash=request_hash)
+        if replay is None:
+            raise
+        return replay
 
     # A concurrent booking that won one of our nodes aborts our transaction with 23P01 (its
     # insert committed first); the whole booking is then retried from the quota lock on, on a
@@ -497,6 +508,23 @@ def _book_once(
         audit_record(actor=actor, action="reservation.create", obj=reservation, tenant_id=tenant.pk,
                      after=_snapshot(reservation))
         events.emit("reservation.confirmed", reservation_id=reservation.pk, tenant_id=tenant.pk)
+    return reservation
+
+
+def _idempotency_replay(*, user: Any, key: str | None, request_hash: str) -> Reservation | None:
+    """The booking the same request under (user, key) made within the TTL, else None (no key, another
+    request under it, or one still in flight: those are judged as any request is)."""
+    if not key:
+        return None
+    ttl = timedelta(hours=settings.PORTAL_IDEMPOTENCY_KEY_TTL_HOURS)
+    existing = (IdempotencyKey.objects.select_related("reservation")
+                .filter(user=user, key=key, request_hash=request_hash, reservation__isnull=False,
+                        created_at__gte=timezone.now() - ttl)
+                .first())
+    if existing is None:
+        return None
+    reservation = existing.reservation
+    reservation._replayed = True
     return reservation
 
 

@@ -117,6 +117,51 @@ def test_idempotency_key_replays_instead_of_booking_twice(world, t0):
     assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
 
 
+def test_a_retry_replays_its_booking_after_the_slot_it_started_in_has_passed(world):
+    """A booking of the slot running now, retried with its key once the next slot has begun (the answer
+    was lost on the way back): the client must get its booking back, not a refusal that says it has none."""
+    from unittest import mock
+
+    from django.utils import timezone
+
+    from reservations.timeutil import slot_floor
+
+    client = world.client("alpha-lead")
+    now = slot_floor(timezone.now(), 60) + timedelta(minutes=59, seconds=59)
+    body = {"pool": "h100", "node_count": 1, "start": iso(slot_floor(now, 60)),
+            "end": iso(slot_floor(now, 60) + timedelta(hours=2))}
+    with mock.patch("django.utils.timezone.now", return_value=now):
+        first = client.post("/api/v1/reservations/", body, format="json", HTTP_IDEMPOTENCY_KEY="now-1")
+    assert first.status_code == 201, first.json()
+    with mock.patch("django.utils.timezone.now", return_value=now + timedelta(seconds=2)):
+        retry = client.post("/api/v1/reservations/", body, format="json", HTTP_IDEMPOTENCY_KEY="now-1")
+    # was: 400 invalid, "start: Cannot start in the past" — while the first request's booking holds the node
+    assert retry.status_code == 201, retry.json()
+    assert retry.json()["id"] == first.json()["id"] and retry.json()["nodes"] == first.json()["nodes"]
+    assert Reservation.objects.count() == 1
+
+
+def test_a_retry_replays_its_booking_after_the_pool_lost_a_node(world, t0):
+    """The whole pool booked with a key; staff retire a node; the retry is the same request: it replays."""
+    from reservations.services import node_update
+
+    client = world.client("alpha-lead")
+    body = {"pool": "h100", "node_count": 4, "start": iso(t0), "end": iso(t0 + timedelta(hours=1))}
+    first = client.post("/api/v1/reservations/", body, format="json", HTTP_IDEMPOTENCY_KEY="all-4")
+    assert first.status_code == 201, first.json()
+    spare = Allocation.objects.filter(reservation_id=first.json()["id"]).first().node
+    node_update(actor=world.users["staff"], node=spare, state="retired")
+    retry = client.post("/api/v1/reservations/", body, format="json", HTTP_IDEMPOTENCY_KEY="all-4")
+    # was: 400 invalid, "node_count: The h100 pool has only 3 nodes."
+    assert retry.status_code == 201, retry.json()
+    assert retry.json()["id"] == first.json()["id"]
+    # Another request under the key is judged as any request is: refused, nothing booked.
+    changed = client.post("/api/v1/reservations/", {**body, "name": "other"}, format="json",
+                          HTTP_IDEMPOTENCY_KEY="all-4")
+    assert changed.status_code == 400 and changed.json()["code"] == "invalid"
+    assert Reservation.objects.count() == 1
+
+
 def test_failed_booking_does_not_burn_the_idempotency_key(world, t0):
     client = world.client("alpha-lead")
     body = {"pool": "h100", "node_count": 5, "start": iso(t0), "end": iso(t0 + timedelta(hours=1))}
