@@ -4,7 +4,7 @@ The fleets have allocations on and off the slot grid; one-slot steps are answere
 summary (migration 0006), wider steps by the sweep, and both must give the oracle's answer.
 """
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
@@ -111,3 +111,26 @@ def test_availability_is_one_query_whatever_the_range(world, t0):
         assert r.status_code == 200 and len(r.json()["slots"]) == days * 24
         counts.append(len(ctx.captured_queries))
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("slot_minutes", [1, 5, 15, 60, 1440])
+def test_availability_with_only_the_pool_given_answers_for_any_slot_length(world, slot_minutes):
+    """start, end and step are optional: what they default to is a valid request for every pool."""
+    from django.conf import settings as django_settings
+
+    pool = Pool.objects.create(name=f"fine-{slot_minutes}", gpu_model="L4", gpus_per_node=1, slot_minutes=slot_minutes)
+    Node.objects.create(hostname=f"fine-{slot_minutes}-1", pool=pool)
+    r = world.client("alpha-viewer").get("/api/v1/availability/", {"pool": pool.name})
+    # was: 400 invalid "step: At most 2000 slots a request; widen the step." for a pool of 1- or 5-minute
+    # slots: the default window (7 days) at the default step (the pool's slot) was over the limit itself
+    assert r.status_code == 200, r.json()
+    slots = r.json()["slots"]
+    week = 7 * 24 * 60 // slot_minutes
+    assert len(slots) == min(week, django_settings.PORTAL_AVAILABILITY_MAX_SLOTS)
+    assert all(s["free_nodes"] == 1 for s in slots)
+    # A window given in full is still the client's: too many slots at the step is refused, naming step.
+    start = slots[0]["start"]
+    end = datetime.fromisoformat(start) + timedelta(minutes=slot_minutes * 2001)
+    too_long = world.client("alpha-viewer").get("/api/v1/availability/",
+                                                {"pool": pool.name, "start": start, "end": iso(end)})
+    assert too_long.status_code == 400 and too_long.json()["fields"].keys() == {"step"}

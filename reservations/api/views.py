@@ -168,8 +168,10 @@ class AvailabilityApi(APIView):
         pool = q.validated_data["pool"]
         slot = timedelta(minutes=pool.slot_minutes)
         start = q.validated_data.get("start") or slot_floor(timezone.now(), pool.slot_minutes)
-        end = q.validated_data.get("end") or start + timedelta(days=7)
         step = timedelta(seconds=q.validated_data.get("step") or slot.total_seconds())
+        # A week by default, or as many steps as a request may hold (a week of 1-minute slots is 10,080).
+        end = q.validated_data.get("end") or start + min(timedelta(days=7),
+                                                         step * settings.PORTAL_AVAILABILITY_MAX_SLOTS)
         errors = {}
         if step % slot:
             errors["step"] = f"Must be a multiple of the pool's slot ({int(slot.total_seconds())} s)."
