@@ -392,3 +392,19 @@ def test_a_body_over_the_size_limit_is_refused_unparsed(world, t0, url, who, set
                         "name": "y" * 100})
     assert world.client("alpha-lead").generic("POST", "/api/v1/reservations/", small,
                                               content_type="application/json").status_code == 201
+
+
+def test_an_unknown_format_parameter_is_a_400_not_a_404(world, t0):
+    """?format= names a renderer; one the API does not have is malformed input, not an unknown object."""
+    lead = world.client("alpha-lead")
+    booked = lead.post("/api/v1/reservations/", good(t0), format="json").json()["id"]
+    for url in (f"/api/v1/reservations/{booked}/?format=xml", "/api/v1/reservations/?format=api",
+                "/api/v1/availability/?pool=h100&format=csv"):
+        r = lead.get(url)
+        # was: 404 not_found, "Not found." — for the caller's own reservation
+        assert r.status_code == 400, (url, r.status_code, r.content[:200])
+        assert r.json()["code"] == "invalid" and set(r.json()["fields"]) == {"format"}, r.json()
+    r = lead.post("/api/v1/reservations/?format=xml", good(t0 + timedelta(hours=4)), format="json")
+    assert r.status_code == 400 and set(r.json()["fields"]) == {"format"}, r.json()
+    assert Reservation.objects.count() == 1
+    assert lead.get(f"/api/v1/reservations/{booked}/?format=json").status_code == 200

@@ -3,11 +3,11 @@
 import io
 
 from django.conf import settings
-from rest_framework import exceptions, pagination, parsers
+from rest_framework import exceptions, negotiation, pagination, parsers
 
 from .throttle import RedisRateThrottle
 
-__all__ = ["JSONParser", "Pagination", "UserThrottle", "AnonThrottle"]
+__all__ = ["ContentNegotiation", "JSONParser", "Pagination", "UserThrottle", "AnonThrottle"]
 
 MAX_JSON_DEPTH = 32  # the deepest body the API takes is three levels (a reservation's cluster spec)
 
@@ -41,6 +41,19 @@ class JSONParser(parsers.JSONParser):
                         raise exceptions.ParseError(f"JSON parse error - nested deeper than {MAX_JSON_DEPTH} levels")
                     pending.append((child, depth + 1))
         return data
+
+
+class ContentNegotiation(negotiation.DefaultContentNegotiation):
+    """DRF's negotiation, answering a ?format= (or format suffix) no renderer has with 400 invalid naming
+    the field: DRF raised Http404, and DESIGN §6 keeps 404 for unknown objects (the caller's own
+    reservation read as not found)."""
+
+    def filter_renderers(self, renderers, format):
+        matching = [renderer for renderer in renderers if renderer.format == format]
+        if not matching:
+            known = ", ".join(sorted({renderer.format for renderer in renderers}))
+            raise exceptions.ValidationError({self.settings.URL_FORMAT_OVERRIDE or "format": f"One of: {known}."})
+        return matching
 
 
 class Pagination(pagination.PageNumberPagination):

@@ -153,6 +153,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["portal.core.drf.JSONParser"],
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "portal.core.drf.ContentNegotiation",
     "DATETIME_FORMAT": "%Y-%m-%dT%H:%M:%SZ",
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     # Anonymous clients are told apart by address: REMOTE_ADDR unless PORTAL_NUM_PROXIES trusted
