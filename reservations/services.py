@@ -445,6 +445,8 @@ def reservation_create(
     lost a node) while its booking holds the nodes.
     """
     _require_role(actor=actor, tenant=tenant, roles=BOOKING_ROLES)
+    if idempotency_key:
+        _validate_idempotency_key(idempotency_key)
     now = timezone.now()
     try:
         name = _validate_name(name)
@@ -511,6 +513,15 @@ def _book_once(
     return reservation
 
 
+def _validate_idempotency_key(key: str) -> None:
+    """The key is stored as text: at most 255 characters, and no NUL (PostgreSQL text cannot hold one)."""
+    if len(key) > 255:
+        raise InvalidInput("Idempotency-Key: at most 255 characters.", fields={"Idempotency-Key": "Too long."})
+    if "\x00" in key:
+        raise InvalidInput("Idempotency-Key: must not contain NUL characters.",
+                           fields={"Idempotency-Key": "Must not contain NUL characters."})
+
+
 def _idempotency_replay(*, user: Any, key: str | None, request_hash: str) -> Reservation | None:
     """The booking the same request under (user, key) made within the TTL, else None (no key, another
     request under it, or one still in flight: those are judged as any request is)."""
@@ -538,8 +549,6 @@ def _claim_idempotency_key(*, user: Any, key: str, request_hash: str) -> Reserva
     locks the key it meets either way, so the prune (SKIP LOCKED) cannot take it from under
     the read that follows.
     """
-    if len(key) > 255:
-        raise InvalidInput("Idempotency-Key: at most 255 characters.", fields={"Idempotency-Key": "Too long."})
     ttl = timedelta(hours=settings.PORTAL_IDEMPOTENCY_KEY_TTL_HOURS)
     with connection.cursor() as cur:
         cur.execute(

@@ -408,3 +408,19 @@ def test_an_unknown_format_parameter_is_a_400_not_a_404(world, t0):
     assert r.status_code == 400 and set(r.json()["fields"]) == {"format"}, r.json()
     assert Reservation.objects.count() == 1
     assert lead.get(f"/api/v1/reservations/{booked}/?format=json").status_code == 200
+
+
+def test_nul_in_the_idempotency_key_header_is_a_400(world, t0):
+    """The key is stored as text (PostgreSQL refuses NUL): a server that passes such a header on (the
+    development server does; gunicorn refuses it itself) must not turn it into a 500."""
+    client = world.client("alpha-lead")
+    client.raise_request_exception = False
+    r = client.post("/api/v1/reservations/", good(t0), format="json", HTTP_IDEMPOTENCY_KEY="retry\x001")
+    # was: 500 (DataError: PostgreSQL text fields cannot contain NUL (0x00) bytes)
+    assert r.status_code == 400, (r.status_code, r.content[:200])
+    assert r.json()["code"] == "invalid" and set(r.json()["fields"]) == {"Idempotency-Key"}, r.json()
+    assert_nothing_stored()
+    bearer = world.client(None)
+    bearer.raise_request_exception = False
+    bearer.credentials(HTTP_AUTHORIZATION=f"Bearer {world.tokens['alpha-lead']}\x00")
+    assert bearer.get("/api/v1/reservations/").status_code == 401
