@@ -88,7 +88,9 @@ def checked_url(url: Any, *, field: str, hint: str) -> str:
     url = str(url or "").strip()
     try:
         parts = urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        # .port raises ValueError for a port that is not a number in 0-65535 (checked here, not only in
+        # destination_problem, which PORTAL_WEBHOOK_ALLOW_PRIVATE skips).
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
     except ValueError:
         ok = False
     if not ok:

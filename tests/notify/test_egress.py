@@ -172,3 +172,20 @@ def test_the_public_session_still_posts_where_private_addresses_are_allowed(rece
         outcome = transport.post(receiver.url("/hook"), b"{}", session=session)
     assert outcome.verdict == transport.Verdict.PERMANENT and outcome.error.startswith("blocked_destination: ")
     assert len(receiver.requests) == 1
+
+
+@pytest.mark.parametrize("allow_private", [True, False])
+@pytest.mark.parametrize("url", ["https://hooks.example.com:99999/x", "https://hooks.example.com:http/x",
+                                 "https://hooks.example.com:-1/x", "https://hooks.example.com:0/x"])
+def test_a_url_whose_port_is_not_a_port_is_refused_and_not_stored(world, settings, allow_private, url):
+    """Saved, such a URL failed on every send (urllib3 cannot connect to it); with private addresses
+    allowed (make run, private receivers) nothing checked the port at all."""
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = allow_private
+    lead, tenant = world.users["alpha-lead"], world.tenants["alpha"]
+    with pytest.raises(InvalidInput) as exc:
+        services.webhook_create(actor=lead, tenant=tenant, url=url, name="x")
+    assert set(exc.value.fields) == {"url"}
+    with pytest.raises(InvalidInput):
+        tenant_slack_webhook_set(actor=lead, tenant=tenant, url=url)
+    assert not Channel.objects.filter(tenant=tenant, kind="webhook").exists()
+    assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == ""
