@@ -77,6 +77,7 @@ __all__ = [
     "channel_send_test",
     "event_fanout",
     "quota_threshold_check",
+    "quota_alerts_recheck",
     "quota_alerts_catch_up",
     "reminders_emit",
     "delivery_send",
@@ -560,6 +561,25 @@ def quota_threshold_check(*, tenant_id: int, pool_id: int, now: datetime | None 
     quota = Quota.objects.select_related("tenant", "pool").filter(tenant_id=tenant_id, pool_id=pool_id).first()
     if quota is None or quota.max_nodes <= 0:
         return []
+    return _quota_check(quota, now)
+
+
+def quota_alerts_recheck(*, now: datetime | None = None) -> list[Delivery]:
+    """Re-measure every quota (beat): use also changes without a booking change.
+
+    Bookings end as time passes, so a tenant once above the threshold falls back below it with
+    nothing announced: re-armed here, its next climb is a crossing with an alert of its own
+    (otherwise it would read as still above, and stay silent). A quota lowered under the
+    tenant's bookings is a crossing too, and one raised above them re-arms the alert.
+    """
+    now = now or timezone.now()
+    created: list[Delivery] = []
+    for quota in Quota.objects.select_related("tenant", "pool").filter(max_nodes__gt=0).order_by("pk"):
+        created += _quota_check(quota, now)
+    return created
+
+
+def _quota_check(quota: Quota, now: datetime) -> list[Delivery]:
     state, peak, crossing = _quota_state_refresh(quota, now)
     if not crossing:
         return []

@@ -9,7 +9,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.db import DatabaseError
 
-__all__ = ["fanout_task", "deliver_task", "sweep_task", "reminders_task", "prune_task"]
+__all__ = ["fanout_task", "deliver_task", "sweep_task", "reminders_task", "prune_task", "quota_recheck_task"]
 
 
 @shared_task(
@@ -60,3 +60,11 @@ def prune_task() -> int:
     from .services import deliveries_prune
 
     return deliveries_prune()
+
+
+@shared_task(name="notifications.quota_recheck", ignore_result=True)
+def quota_recheck_task() -> int:
+    """Re-measure every quota's alert state: bookings that ended, quotas edited (idempotent)."""
+    from .services import quota_alerts_recheck
+
+    return len(quota_alerts_recheck())

@@ -1,0 +1,72 @@
+"""The quota alert follows use that changes without a booking change: bookings that end as time passes,
+and a quota lowered (or raised) under the tenant's bookings. Beat re-measures every quota
+(``notifications.quota_recheck``); only a booking change did before."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from notifications import services
+from notifications.models import Delivery, QuotaAlertState
+from notifications.slack import Event
+from portal.settings.base import CELERY_BEAT_SCHEDULE
+from tenants.services import quota_update
+
+pytestmark = pytest.mark.django_db
+
+SLACK_URL = "https://hooks.slack.com/services/T000/B000/alpha-secret"
+
+
+def _alerts():
+    return list(Delivery.objects.filter(event=Event.QUOTA_THRESHOLD).order_by("pk"))
+
+
+def test_use_that_fell_back_as_bookings_ended_rearms_the_alert(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    quota = world.tenants["alpha"].quotas.get()
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=5)
+    first = book("alpha", t0, hours=1, nodes=4)
+    assert len(services.quota_threshold_check(tenant_id=first.tenant_id, pool_id=first.pool_id)) == 1
+
+    # Two hours on, that booking is over and nothing was booked or cancelled meanwhile.
+    later = t0 + timedelta(hours=2)
+    assert services.quota_alerts_recheck(now=later) == []
+    state = QuotaAlertState.objects.get(quota=quota)
+    assert (state.above, state.last_peak) == (False, 0)
+
+    # The team books up to 80 % again: a new crossing, and a new alert.
+    second = book("alpha", t0 + timedelta(hours=3), hours=1, nodes=4)
+    again = services.quota_threshold_check(tenant_id=second.tenant_id, pool_id=second.pool_id, now=later)
+    assert len(again) == 1 and again[0].payload["used_nodes"] == 4
+    assert QuotaAlertState.objects.get(quota=quota).crossings == 2
+    assert len(_alerts()) == 2
+
+
+def test_a_quota_lowered_under_the_bookings_alerts_at_the_next_recheck(world, t0, book, slack_for):
+    slack_for("alpha", SLACK_URL)
+    quota = world.tenants["alpha"].quotas.get()
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=10)
+    reservation = book("alpha", t0, nodes=4)
+    assert services.quota_threshold_check(tenant_id=reservation.tenant_id, pool_id=reservation.pool_id) == []
+
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=5)  # 4 of 5: 80 %
+    created = services.quota_alerts_recheck()
+    assert [(d.payload["used_nodes"], d.payload["max_nodes"], d.payload["percent"]) for d in created] == [(4, 5, 80)]
+    # Rechecking again, or a booking change, sends nothing more for this crossing.
+    assert services.quota_alerts_recheck() == []
+    assert services.quota_threshold_check(tenant_id=reservation.tenant_id, pool_id=reservation.pool_id) == []
+    # Raised above the use again, the alert is re-armed.
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=10)
+    assert services.quota_alerts_recheck() == []
+    assert QuotaAlertState.objects.get(quota=quota).above is False
+    assert len(_alerts()) == 1
+
+
+def test_beat_runs_the_recheck():
+    entry = next(e for e in CELERY_BEAT_SCHEDULE.values() if e["task"] == "notifications.quota_recheck")
+    assert entry["schedule"] <= 900 and entry["options"]["expires"] < entry["schedule"]
+    from notifications.tasks import quota_recheck_task
+
+    assert quota_recheck_task.name == "notifications.quota_recheck"
