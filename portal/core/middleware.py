@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from django.http import HttpResponseBadRequest, JsonResponse
+from django.http import HttpResponseBadRequest, HttpResponsePermanentRedirect, JsonResponse
+from django.middleware.common import CommonMiddleware as DjangoCommonMiddleware
+from django.utils.http import escape_leading_slashes
 
 from .api import envelope, is_api
 
@@ -50,3 +52,19 @@ class RejectNulMiddleware:
         if is_api(request):
             return JsonResponse(envelope("invalid", detail, {where: NUL_MESSAGE}), status=400)
         return HttpResponseBadRequest(detail, content_type="text/plain")
+
+
+class CommonMiddleware(DjangoCommonMiddleware):
+    """Django's, but the redirect that adds a missing trailing slash keeps the request (308).
+
+    With a 301 a client repeats a POST or PATCH to ``/api/v1/reservations`` as a GET without its
+    body (and DEBUG raised an error page instead): the booking it meant to make was silently a
+    list. A 308 tells it to send the same request to ``…/reservations/``.
+    """
+
+    def response_redirect_class(self, url: str) -> HttpResponsePermanentRedirect:
+        return HttpResponsePermanentRedirect(url, preserve_request=True)
+
+    def get_full_path_with_slash(self, request) -> str:
+        # Django's refuses in DEBUG for POST/PUT/PATCH/DELETE because its 301 would drop the body.
+        return escape_leading_slashes(request.get_full_path(force_append_slash=True))
