@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from playwright.sync_api import expect
 
-from .conftest import open_day
+from reservations import services
+
+from .conftest import PHONE, at, open_day
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -26,3 +29,12 @@ def test_the_empty_side_panel_invites_only_those_who_can_book_to_book(world, liv
     assert "book" not in hint.lower(), hint  # a viewer cannot book: dragging does nothing
     assert "reservation" in hint.lower()
 
+
+def test_the_cluster_list_does_not_scroll_sideways_on_a_phone(world, live_server, new_page, sign_in, day):
+    services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                node_count=1, start=at(day, 10), end=at(day, 12), name="a-rather-long-run-name")
+    page = sign_in(new_page(viewport=PHONE), "alpha-lead")
+    page.goto(f"{live_server.url}/clusters/")
+    expect(page.locator("td", has_text="a-rather-long-run-name")).to_be_visible()
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the page scrolls sideways by {overflow}px"
