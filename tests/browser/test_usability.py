@@ -38,3 +38,18 @@ def test_the_cluster_list_does_not_scroll_sideways_on_a_phone(world, live_server
     expect(page.locator("td", has_text="a-rather-long-run-name")).to_be_visible()
     overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 1, f"the page scrolls sideways by {overflow}px"
+
+
+def test_a_lead_sees_the_whole_members_table_at_desktop_width(world, live_server, new_page, sign_in):
+    for name in ("alpha-lead", "alpha-member", "alpha-viewer"):
+        user = world.users[name]
+        user.email = f"{name}@research-computing.example.com"
+        user.save(update_fields=["email"])
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/team/")
+    wrap = page.locator(".table-wrap").filter(has=page.locator("table.team"))
+    hidden = wrap.evaluate("el => el.scrollWidth - el.clientWidth")
+    assert hidden <= 1, f"{hidden}px of the members table (its Remove buttons) is scrolled out of sight"
+    remove = page.get_by_role("button", name="Remove alpha-viewer")
+    box, frame = remove.bounding_box(), wrap.bounding_box()
+    assert box["x"] + box["width"] <= frame["x"] + frame["width"] + 1
