@@ -215,16 +215,27 @@ def webhook_edit(request, pk: int):
     channel = _channel(request, tenant, pk, ChannelKind.WEBHOOK)
     form = WebhookEditForm(request.POST, prefix=f"w{channel.pk}")
     if not form.is_valid():
-        messages.error(request, "; ".join(f"{k}: {' '.join(v)}" for k, v in form.errors.items()))
-        return _back()
+        return _webhook_edit_refused(request, tenant, channel, form)
     try:
         services.webhook_update(actor=request.user, channel=channel, name=form.cleaned_data["name"],
                                 url=form.cleaned_data["url"] or None, events=form.cleaned_data["events"],
                                 enabled=form.cleaned_data["enabled"])
+    except InvalidInput as exc:
+        for field, message in (exc.fields or {}).items():
+            form.add_error(field if field in form.fields else None, message)
+        form.add_error(None, exc.detail)
+        return _webhook_edit_refused(request, tenant, channel, form)
     except DomainError as exc:
         return _error(request, exc)
     messages.success(request, "Webhook saved.")
     return _back()
+
+
+def _webhook_edit_refused(request, tenant, channel: Channel, form: WebhookEditForm):
+    """The settings page with this webhook's form open as it was typed, the reasons beside its fields."""
+    context = _settings_context(request, tenant, open_channel=channel.pk)
+    context["webhooks"] = [(c, form if c.pk == channel.pk else f) for c, f in context["webhooks"]]
+    return render_page(request, "notifications/settings.html", context, status=400)
 
 
 @require_POST

@@ -143,3 +143,25 @@ def test_leads_read_their_tenants_audit_log_only(world, as_user):
     assert Client().get(reverse("audit-log")).status_code == 302
     staff_html = as_user("staff").get(reverse("audit-log")).content.decode()
     assert "3 → 5" in staff_html and "3 → 6" in staff_html
+
+
+@pytest.mark.parametrize("url, why", [("http://10.0.0.5/hook", "public addresses"), ("ftp://x", "valid URL")])
+def test_a_refused_webhook_edit_keeps_what_was_typed_and_says_why_beside_it(world, as_user, settings, url, why):
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
+    channel, _ = services.webhook_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                         url="https://93.184.216.34/hook", name="ci", events=[Event.CLUSTER_READY])
+    before = Channel.objects.values("name", "url", "events", "enabled").get(pk=channel.pk)
+    response = as_user("alpha-lead").post(
+        reverse("notifications:webhook-edit", args=[channel.pk]),
+        {f"w{channel.pk}-name": "ci-renamed", f"w{channel.pk}-url": url, f"w{channel.pk}-enabled": "on",
+         f"w{channel.pk}-events": [Event.CLUSTER_FAILED]})
+    assert response.status_code == 400
+    html = response.content.decode()
+    block = html[html.index(f'data-channel="{channel.pk}"'):]
+    block = block[:block.index("</details>")]
+    assert re.search(r'<details class="webhook" data-channel="\d+" open', html)  # not folded away
+    assert 'value="ci-renamed"' in block and f'value="{url}"' in block
+    assert re.search(rf'value="{Event.CLUSTER_FAILED}"[^>]*checked', block)
+    assert not re.search(rf'value="{Event.CLUSTER_READY}"[^>]*checked', block)
+    assert why in block  # the reason sits beside the field, not only in a banner above the page
+    assert Channel.objects.values("name", "url", "events", "enabled").get(pk=channel.pk) == before
