@@ -53,3 +53,29 @@ def test_a_lead_sees_the_whole_members_table_at_desktop_width(world, live_server
     remove = page.get_by_role("button", name="Remove alpha-viewer")
     box, frame = remove.bounding_box(), wrap.bounding_box()
     assert box["x"] + box["width"] <= frame["x"] + frame["width"] + 1
+
+
+def test_a_ready_clusters_connection_and_keys_fit_a_phone(world, live_server, new_page, sign_in, day, settings):
+    from datetime import timedelta
+
+    from provisioning import services as provisioning
+    from provisioning.models import VirtualCluster
+    from tests.provisioning.conftest import FAST
+
+    for key, value in FAST.items():
+        setattr(settings, key, value)
+    settings.PORTAL_PROVISIONING_BACKEND = "simulated"
+    booking = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                          pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    provisioning.lifecycle_tick(now=at(day, 10) - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=booking)
+    provisioning.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.status == "ready" and cluster.connection
+
+    page = sign_in(new_page(viewport=PHONE), "alpha-lead")
+    for path in (f"/reservations/{booking.pk}/", f"/clusters/{cluster.pk}/"):
+        page.goto(live_server.url + path)
+        expect(page.get_by_role("heading", name="Connection")).to_be_visible()
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"{path} scrolls sideways by {overflow}px"
