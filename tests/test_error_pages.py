@@ -1,4 +1,4 @@
-"""The portal's own error pages (403, 404) keep the signed-in header: tenant, role and every link."""
+"""Pages for every role: the error pages (403, 404) keep the signed-in header, empty states fit the reader."""
 
 from __future__ import annotations
 
@@ -31,3 +31,20 @@ def test_a_missing_reservation_page_keeps_the_leads_menu(world):
     html = response.content.decode()
     assert 'data-role="lead"' in html and f'href="{reverse("team")}"' in html
     assert f'href="{reverse("usage")}"' in html
+
+
+@pytest.mark.parametrize("who, says", [
+    ("alpha-member", "book nodes and a cluster appears here"),
+    ("alpha-viewer", "when your team books nodes"),
+    (None, "not a member of any tenant yet"),
+])
+def test_the_empty_cluster_list_says_what_this_user_can_do(world, who, says):
+    from django.contrib.auth import get_user_model
+
+    if who is None:
+        world.users["loner"] = get_user_model().objects.create_user(username="loner", password="pw-Long-enough-1")
+        who = "loner"
+    html = _client(world, who).get(reverse("cluster-list-page")).content.decode()
+    assert says in html
+    if who != "alpha-member":
+        assert "book nodes and" not in html  # neither can book
