@@ -42,6 +42,8 @@
     var close = event.target.closest("[data-close-panel]");
     if (close) {
       var panel = close.closest("#side-panel");
+      var away = panel && panel.getAttribute("data-close-href");
+      if (away) { window.location.assign(away); return; }
       if (panel) { panel.innerHTML = ""; }
       document.dispatchEvent(new CustomEvent("portal:panel-closed"));
     }

@@ -79,3 +79,14 @@ def test_a_ready_clusters_connection_and_keys_fit_a_phone(world, live_server, ne
         expect(page.get_by_role("heading", name="Connection")).to_be_visible()
         overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
         assert overflow <= 1, f"{path} scrolls sideways by {overflow}px"
+
+
+def test_close_on_the_booking_page_goes_back_to_the_calendar_not_to_a_blank_card(world, live_server, new_page,
+                                                                                 sign_in):
+    page = sign_in(new_page(), "alpha-member")
+    page.goto(f"{live_server.url}/reservations/new/")
+    expect(page.locator("#booking-preview dl, #booking-preview p").first).to_be_visible()
+    page.get_by_role("button", name="Close").click()
+    page.wait_for_url(f"{live_server.url}/calendar/")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    assert page.errors == []
