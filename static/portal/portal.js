@@ -45,8 +45,23 @@
       var away = panel && panel.getAttribute("data-close-href");
       if (away) { window.location.assign(away); return; }
       if (panel) { panel.innerHTML = ""; }
+      // Focus goes back to what opened the panel (the New booking button, an event), not to <body>:
+      // a keyboard user's next Tab would otherwise start again at the top of the page.
+      var back = panelOpener && panelOpener.isConnected ? panelOpener : document.getElementById("new-booking");
+      panelOpener = null;
+      if (back) { back.focus(); }
       document.dispatchEvent(new CustomEvent("portal:panel-closed"));
     }
+  }
+
+  // What had focus when a side panel was asked for (outside the panel itself): Close returns focus there.
+  var panelOpener = null;
+
+  function onBeforeRequest(event) {
+    var target = event.detail && event.detail.target;
+    var active = document.activeElement;
+    if (!target || target.id !== "side-panel" || !active || active === document.body) { return; }
+    if (!target.contains(active)) { panelOpener = active; }
   }
 
   // After htmx swaps a panel in, move focus to its heading so keyboard and screen-reader users follow.
@@ -107,5 +122,6 @@
   document.addEventListener("htmx:sendError", onHtmxError);
   document.addEventListener("click", onClick);
   document.addEventListener("keydown", onKeyDown);
+  document.addEventListener("htmx:beforeRequest", onBeforeRequest);
   document.addEventListener("htmx:afterSwap", onSwap);
 })();

@@ -90,3 +90,18 @@ def test_close_on_the_booking_page_goes_back_to_the_calendar_not_to_a_blank_card
     page.wait_for_url(f"{live_server.url}/calendar/")
     page.wait_for_selector("#calendar[data-ready='1']")
     assert page.errors == []
+
+
+def test_closing_the_booking_panel_puts_focus_back_where_it_came_from(world, live_server, new_page, sign_in, day):
+    page = sign_in(new_page(), "alpha-member")
+    open_day(page, live_server, day)
+    opener = page.get_by_role("button", name="New booking")
+    opener.focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#booking-form")).to_be_visible()
+    expect(page.locator("#booking-title")).to_be_focused()
+    page.get_by_role("button", name="Close").focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#booking-form")).to_have_count(0)
+    # Not lost on <body> (the next Tab would start over at the top of the page): back on the button.
+    expect(opener).to_be_focused()
