@@ -10,12 +10,15 @@ wrapper and turns a service's domain error into a message.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.options import csrf_protect_m
 from django.http import HttpResponseRedirect
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from . import events
@@ -106,8 +109,26 @@ class ReadOnlyAdminMixin(StaffAdminMixin):
         return False
 
 
+# An instant as the audit stores it: ISO 8601 with its offset ("2026-12-20T12:00:00Z").
+_INSTANT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:\d{2})")
+
+
+def _local_instant(text: str) -> str | None:
+    """text as a time in the current zone (the reader's, on a portal page), or None if not an instant."""
+    if not _INSTANT.fullmatch(text):
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    local = timezone.localtime(moment)
+    return f"{local:%Y-%m-%d %H:%M} {local.tzname()}"
+
+
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if isinstance(value, str):
+        text = _local_instant(value) or text
     return text if len(text) <= 80 else text[:79] + "…"
 
 

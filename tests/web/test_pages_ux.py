@@ -94,3 +94,23 @@ def test_the_calendar_side_panel_is_not_a_live_region(world, web):
     html = web("alpha-lead").get("/calendar/").content.decode()
     (panel,) = re.findall(r'<aside id="side-panel"[^>]*>', html)
     assert "aria-live" not in panel and 'aria-label="Booking and reservation details"' in panel
+
+
+def test_audit_changes_give_times_in_the_readers_zone(world, web, book):
+    """The audit page's When column was in the reader's zone, but the instants inside "before → after"
+    (a booking's start and end, a changed end) were the stored UTC text: "end: 2026-12-20T12:00:00Z"."""
+    from datetime import UTC, datetime
+
+    day = (datetime.now(UTC) + timedelta(days=3)).date()
+    start = datetime(day.year, day.month, day.day, 10, tzinfo=UTC)
+    reservation = book("alpha-lead", start, hours=2)
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=reservation,
+                                end=start + timedelta(hours=3))
+    client = web("alpha-lead")
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    html = client.get("/audit/", {"action": "reservation."}).content.decode()
+    assert "T10:00:00Z" not in html and "T12:00:00Z" not in html and "T13:00:00Z" not in html
+    assert f"{day:%Y-%m-%d} 19:00 JST" in html  # the start, 10:00 UTC
+    assert f"end: {day:%Y-%m-%d} 21:00 JST → {day:%Y-%m-%d} 22:00 JST" in html
