@@ -562,6 +562,11 @@ def team_member_add(*, actor: Any, tenant: Tenant, username: str, role: str = Ro
     if user is None:
         raise InvalidInput("username: no active user by that name.",
                            fields={"username": "No active user by that name; platform staff create accounts."})
+    current = Membership.objects.filter(tenant=tenant, user=user).values_list("role", flat=True).first()
+    if current is not None:  # (one added concurrently still meets the unique constraint in _add_member)
+        text = (f"{user.username} is already a member of {tenant.name} (as {current}); "
+                "change their role in the members list instead.")
+        raise InvalidInput(f"username: {text}", fields={"username": text})
     return _add_member(actor=actor, tenant=tenant, user=user, role=role, field="username")
 
 

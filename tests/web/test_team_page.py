@@ -70,6 +70,17 @@ def test_bad_additions_change_nothing(web, world, data, field):
     assert _roles(world) == before
 
 
+def test_adding_someone_already_in_the_team_says_so_and_where_to_change_their_role(web, world):
+    """It said only "Already in use." beside the username (the unique constraint's words)."""
+    before = _roles(world)
+    response = web("alpha-lead").post("/team/members/", {"username": "alpha-member", "role": "viewer"})
+    assert response.status_code == 400
+    (message,) = response.context["add_form"].errors["username"]
+    assert "alpha-member is already a member of Team Alpha" in message and "role" in message
+    assert "Already in use" not in response.content.decode()
+    assert _roles(world) == before
+
+
 def test_a_nul_in_the_username_is_refused_before_the_page(web, world):
     before = _roles(world)
     response = web("alpha-lead").post("/team/members/", {"username": "beta-member\x00", "role": "member"})
