@@ -21,7 +21,8 @@ class SlackUrlForm(forms.Form):
 
     def clean(self):
         data = super().clean()
-        if not data.get("url") and not data.get("clear"):
+        # Only when nothing was given: a URL that is not one already has its own reason beside the field.
+        if not data.get("url") and not data.get("clear") and "url" not in self.errors:
             raise forms.ValidationError("Paste the new URL, or tick “Remove”.")
         return data
 

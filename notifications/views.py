@@ -114,6 +114,15 @@ def slack_url(request):
     url = "" if form.cleaned_data["clear"] else form.cleaned_data["url"]
     try:
         tenant_slack_webhook_set(actor=request.user, tenant=tenant, url=url)
+    except InvalidInput as exc:
+        # Refused (a private address, a control character): why, beside what was typed, in the page's words
+        # (the service names the model's field, "slack_webhook_url: …").
+        reason = exc.detail.split(": ", 1)[-1]
+        reason = reason[:1].upper() + reason[1:]
+        hints = " ".join(text for text in (exc.fields or {}).values() if text and text not in reason)
+        form.add_error("url", f"{reason} {hints}".strip())
+        return render_page(request, "notifications/settings.html",
+                           _settings_context(request, tenant, slack_form=form), status=400)
     except DomainError as exc:
         return _error(request, exc)
     messages.success(request, "Slack webhook removed." if not url else

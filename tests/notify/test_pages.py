@@ -165,3 +165,24 @@ def test_a_refused_webhook_edit_keeps_what_was_typed_and_says_why_beside_it(worl
     assert not re.search(rf'value="{Event.CLUSTER_READY}"[^>]*checked', block)
     assert why in block  # the reason sits beside the field, not only in a banner above the page
     assert Channel.objects.values("name", "url", "events", "enabled").get(pk=channel.pk) == before
+
+
+def test_a_refused_slack_url_is_explained_beside_the_field_with_what_was_typed(world, as_user, settings):
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
+    lead = as_user("alpha-lead")
+    response = lead.post(reverse("notifications:slack-url"), {"url": "https://10.0.0.5/services/T/B/x"})
+    assert response.status_code == 400  # the page again, not a redirect to an empty form
+    html = response.content.decode()
+    form = html[html.index('action="/notifications/slack/url/"'):]
+    form = form[:form.index("</form>")]
+    assert 'value="https://10.0.0.5/services/T/B/x"' in form and "public addresses" in form
+    assert "slack_webhook_url" not in html  # the model's field name means nothing to a lead
+    assert Tenant.objects.get(slug="alpha").slack_webhook_url == ""
+
+
+def test_a_slack_url_that_is_not_a_url_gets_one_reason_not_two(as_user):
+    response = as_user("alpha-lead").post(reverse("notifications:slack-url"), {"url": "not a url"})
+    assert response.status_code == 400
+    html = response.content.decode()
+    assert "Enter a valid URL." in html
+    assert "Paste the new URL" not in html  # they did paste one; it is just not a URL
