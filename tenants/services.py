@@ -267,6 +267,10 @@ def user_delete(*, actor, user: Any) -> None:
 
 @transaction.atomic(durable=True)
 def membership_create(*, actor, tenant: Tenant, user: Any, role: str = Role.MEMBER) -> Membership:
+    """Add user to the tenant (the API's POST /memberships/ and the admin): staff, or one of the tenant's leads,
+    decided under the team lock, so a lead demoted or removed while this runs adds no one."""
+    _lock_team(actor=actor, tenant_id=tenant.pk)
+    _check_role(role)
     return _add_member(actor=actor, tenant=tenant, user=user, role=role, field="user")
 
 

@@ -8,7 +8,6 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from portal.core.api import validated as _valid
-from portal.core.exceptions import PermissionDenied
 from portal.core.permissions import StaffOnlyPermission, StaffWritePermission
 
 from .. import services
@@ -67,12 +66,8 @@ class MembershipViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
     @extend_schema(request=s.MembershipInputSerializer, responses={201: s.MembershipOutputSerializer})
     def create(self, request):
         data = _valid(s.MembershipInputSerializer, request)
-        tenant = data["tenant"]
-        if not request.user.is_staff and not Membership.objects.filter(
-            user=request.user, tenant=tenant, role=Role.LEAD
-        ).exists():
-            raise PermissionDenied("Only staff or a lead of this tenant can add members.")
-        membership = services.membership_create(actor=request.user, tenant=tenant, user=data["user"],
+        # Staff or a lead of the tenant: the service decides, under the team lock.
+        membership = services.membership_create(actor=request.user, tenant=data["tenant"], user=data["user"],
                                                 role=data["role"])
         return Response(s.MembershipOutputSerializer(membership).data, status=status.HTTP_201_CREATED)
 
