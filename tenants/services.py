@@ -268,9 +268,13 @@ def user_delete(*, actor, user: Any) -> None:
 @transaction.atomic(durable=True)
 def membership_create(*, actor, tenant: Tenant, user: Any, role: str = Role.MEMBER) -> Membership:
     """Add user to the tenant (the API's POST /memberships/ and the admin): staff, or one of the tenant's leads,
-    decided under the team lock, so a lead demoted or removed while this runs adds no one."""
+    decided under the team lock, so a lead demoted or removed while this runs adds no one. Only an active account,
+    as on the team page: a disabled one made the tenant's other lead would leave it with no lead able to act."""
     _lock_team(actor=actor, tenant_id=tenant.pk)
     _check_role(role)
+    if not getattr(user, "is_active", False):
+        raise InvalidInput("user: no active user by that name.",
+                           fields={"user": "No active user by that name; platform staff create accounts."})
     return _add_member(actor=actor, tenant=tenant, user=user, role=role, field="user")
 
 

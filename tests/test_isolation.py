@@ -130,6 +130,22 @@ def test_lead_adds_a_member_and_staff_sees_everything(world, booked):
     assert staff.get("/api/v1/nodes/").json()["count"] == 4
 
 
+def test_a_disabled_account_cannot_be_added_by_api(world):
+    """The API adds members under the team page's rule: an active account only (found in a review: a lead could make
+    a disabled account the tenant's other lead by API, then leave, and no one could manage the tenant)."""
+    from django.contrib.auth import get_user_model
+
+    from tenants.models import Membership
+
+    gone = get_user_model().objects.create_user(username="gone", password="pw-Long-enough-1", is_active=False)
+    for who in ("alpha-lead", "staff"):
+        r = world.client(who).post("/api/v1/memberships/", {"tenant": "alpha", "user": "gone", "role": "lead"},
+                                   format="json")
+        assert r.status_code == 400, r.json()
+        assert r.json()["code"] == "invalid" and "user" in r.json()["fields"]
+    assert not Membership.objects.filter(user=gone).exists()
+
+
 def test_staff_only_writes(world):
     for who in ("alpha-lead", "alpha-member"):
         c = world.client(who)
