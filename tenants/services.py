@@ -484,8 +484,13 @@ def _slack_webhook_store(*, actor, tenant: Tenant, url: str) -> Tenant:
 
 
 def tenant_rotate_ical_token(*, actor: Any, tenant: Tenant) -> Tenant:
-    """Issue a new secret for the tenant's iCalendar feed; the old feed address stops working."""
+    """Issue a new secret for the tenant's iCalendar feed; the old feed address stops working.
+
+    Staff, or one of the tenant's leads, decided under the team lock: a lead demoted or removed while this
+    runs changes no one's address."""
     with transaction.atomic(durable=True):
+        _lock_team(actor=actor, tenant_id=tenant.pk,
+                   denied="Only the tenant's lead can change the calendar feed address.")
         tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
         had_feed = bool(tenant.ical_token)
         tenant.ical_token = secrets.token_urlsafe(24)
@@ -533,7 +538,8 @@ def token_revoke_own(*, user: Any, token_id: int) -> ApiToken:
 __all__ += ["team_member_add", "team_member_set_role", "team_member_remove"]
 
 
-def _lock_team(*, actor: Any, tenant_id: int) -> None:
+def _lock_team(*, actor: Any, tenant_id: int,
+               denied: str = "Only the tenant's leads (or platform staff) can change its members.") -> None:
     """Check that actor may manage the tenant's members (staff, or one of its leads), holding the answer.
 
     The tenant's lead rows are locked (FOR UPDATE, in one order: the lock _keep_a_lead takes), so a
@@ -544,8 +550,8 @@ def _lock_team(*, actor: Any, tenant_id: int) -> None:
                  .order_by("pk").values_list("user_id", flat=True))
     if getattr(actor, "is_staff", False):
         return
-    if actor.pk not in leads:
-        raise PermissionDenied("Only the tenant's leads (or platform staff) can change its members.")
+    if getattr(actor, "pk", None) not in leads:
+        raise PermissionDenied(denied)
 
 
 def _team_membership(*, tenant: Tenant, membership_id: int) -> Membership:

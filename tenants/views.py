@@ -288,7 +288,10 @@ def ical_token_rotate(request):
     portal = request.portal
     if portal.tenant is None or not portal.is_lead:
         raise PermissionDenied("Only the tenant's lead can change the calendar feed address.")
-    services.tenant_rotate_ical_token(actor=request.user, tenant=portal.tenant)
+    try:  # the service decides again, under the team lock (a lead demoted meanwhile is refused)
+        services.tenant_rotate_ical_token(actor=request.user, tenant=portal.tenant)
+    except DomainError as exc:
+        raise PermissionDenied(exc.detail) if exc.status == 403 else exc
     messages.success(request, "New calendar feed address issued; the old one no longer works.")
     return HttpResponseRedirect(_safe_next(request, settings.LOGIN_REDIRECT_URL))
 

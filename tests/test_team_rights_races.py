@@ -73,3 +73,39 @@ def test_a_lead_demoted_or_removed_while_adding_a_member_by_api_is_refused(chang
     assert response.status_code == 403, response.json()
     assert response.json()["code"] == "permission_denied"
     assert not Membership.objects.filter(tenant=tenant, user=world.users["beta-lead"]).exists()
+
+
+def _rotate_in_thread(client, result: dict):
+    try:
+        result["response"] = client.post("/tenant/calendar-feed/rotate/")
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("change", [Role.VIEWER, None], ids=["demoted", "removed"])
+def test_a_lead_demoted_or_removed_while_rotating_the_feed_is_refused(change):
+    from django.test import Client
+
+    world = make_world()
+    tenant = world.tenants["alpha"]
+    tenant.ical_token = "alpha-feed-secret-0123456789"
+    tenant.save(update_fields=["ical_token"])
+    lead = Membership.objects.get(tenant=tenant, user=world.users["alpha-lead"])
+    Membership.objects.filter(tenant=tenant, user=world.users["alpha-member"]).update(role=Role.LEAD)
+    client = Client()
+    client.force_login(world.users["alpha-lead"])
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_demote_and_hold, args=(lead.pk, change, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+    rotator = threading.Thread(target=_rotate_in_thread, args=(client, result))
+    rotator.start()
+    while rotator.is_alive() and not _waiting_on_a_lock():
+        rotator.join(0.02)
+    release.set()
+    holder.join(30)
+    rotator.join(30)
+    assert result["response"].status_code == 403
+    tenant.refresh_from_db()
+    assert tenant.ical_token == "alpha-feed-secret-0123456789"  # every member's address still works
