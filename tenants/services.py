@@ -60,9 +60,15 @@ def _validate_network(cidr: str | None) -> str:
     if not cidr:
         return ""
     try:
-        return str(ipaddress.ip_network(cidr, strict=True))
+        network = ipaddress.ip_network(cidr, strict=True)
     except ValueError as exc:
         raise InvalidInput(f"cidr: {exc}", fields={"cidr": str(exc)})
+    # Python takes an IPv6 scope (zone) id ("fe80::%eth0/64"); PostgreSQL's inet, which the disjointness
+    # constraint casts the column to, does not, and a tenant's segment is no link-local interface anyway.
+    if getattr(network.network_address, "scope_id", None):
+        message = "a network with a zone id (%…) cannot be a tenant's segment."
+        raise InvalidInput(f"cidr: {message}", fields={"cidr": message[0].upper() + message[1:]})
+    return str(network)
 
 
 def _save_checked(obj: Any, *, integrity_fields: dict[str, str]) -> None:
