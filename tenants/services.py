@@ -156,6 +156,16 @@ def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
 def _username_taken(User: Any, username: str, *, exclude_pk: Any = None) -> bool:
     # Django's own user-creation form (the admin's) refuses a name that differs from one in use only
     # in case: "Alice" and "alice" would be two accounts a lead could not tell apart when adding members.
+    # The unique index on username is case-sensitive, so the check holds only under a lock on the name
+    # as iexact compares it, to the end of the transaction: two creates of "Alice" and "alice" queue,
+    # and the second sees the first's row.
+    from django.db import connection
+
+    from portal.core.locks import LOCK_USERNAME
+
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(upper(%s)))",
+                    [LOCK_USERNAME, User.normalize_username(username)])
     taken = User._default_manager.filter(**{f"{User.USERNAME_FIELD}__iexact": User.normalize_username(username)})
     return taken.exclude(pk=exclude_pk).exists() if exclude_pk is not None else taken.exists()
 

@@ -109,3 +109,41 @@ def test_a_lead_demoted_or_removed_while_rotating_the_feed_is_refused(change):
     assert result["response"].status_code == 403
     tenant.refresh_from_db()
     assert tenant.ical_token == "alpha-feed-secret-0123456789"  # every member's address still works
+
+
+def _create_user(staff, name: str, barrier: threading.Barrier, results: list) -> None:
+    from portal.core.exceptions import InvalidInput
+    from tenants.services import user_create
+
+    try:
+        barrier.wait(30)
+        results.append(user_create(actor=staff, username=name, password="Another-long-pw-9"))
+    except InvalidInput as exc:
+        results.append(exc)
+    finally:
+        connection.close()
+
+
+def test_two_accounts_differing_only_in_case_cannot_be_created_at_once():
+    """user_create refuses a name that differs from one in use only in case; two such creates racing must not
+    both pass that check (found in a review: each checked before the other had committed, and the database's
+    unique index on username is case-sensitive, so 'Racer' and 'racer' both came to exist)."""
+    from django.contrib.auth import get_user_model
+
+    from portal.core.exceptions import InvalidInput
+
+    User = get_user_model()
+    staff = User.objects.create_user(username="staff", password="pw-Long-enough-1", is_staff=True)
+    for round_no in range(8):
+        names = [f"Racer{round_no}", f"racer{round_no}"]
+        barrier = threading.Barrier(len(names))
+        results: list = []
+        threads = [threading.Thread(target=_create_user, args=(staff, name, barrier, results)) for name in names]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(results) == 2
+        assert User.objects.filter(username__iexact=names[0]).count() == 1, (round_no, results)
+        refused = [r for r in results if isinstance(r, InvalidInput)]
+        assert len(refused) == 1 and "username" in refused[0].fields

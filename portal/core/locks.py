@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from django.db import DatabaseError, connection
 
-__all__ = ["LOCK_OUTBOX_EVENT", "advisory_lock", "locked_keys"]
+__all__ = ["LOCK_OUTBOX_EVENT", "LOCK_USERNAME", "advisory_lock", "locked_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # arrives meanwhile (the relay re-sent it while the worker was slow to pick it up) finds the
 # lock held and leaves it; a copy redelivered after its worker died finds it free.
 LOCK_OUTBOX_EVENT = 70_001
+# Creating or renaming an account to a name (case-insensitively, as username__iexact compares): transaction-level
+# (pg_advisory_xact_lock), keyed by hashtext(upper(name)), so two names equal but for case queue on one lock.
+LOCK_USERNAME = 70_002
 
 _INT4 = 2**31
 
