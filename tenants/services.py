@@ -316,10 +316,18 @@ def quota_create(
     return quota
 
 
+def _locked_quota(pk: int) -> Quota:
+    """The quota row, locked; NotFound when it is gone (deleted by a change this one waited for)."""
+    quota = Quota.objects.select_for_update().filter(pk=pk).first()
+    if quota is None:
+        raise NotFound("No such quota (it has just been deleted).")
+    return quota
+
+
 def quota_update(*, actor, quota: Quota, **changes: Any) -> Quota:
     """Change quota numbers under the same row lock bookings take, so no booking sees a half-update."""
     with transaction.atomic(durable=True):
-        quota = Quota.objects.select_for_update().get(pk=quota.pk)
+        quota = _locked_quota(quota.pk)
         before = _snapshot(quota, QUOTA_FIELDS)
         for key in QUOTA_FIELDS:
             if key in changes:
@@ -416,7 +424,7 @@ def quota_bulk_update(*, actor, changes: list[tuple[Any, dict[str, Any]]], reaso
 @transaction.atomic(durable=True)
 def quota_delete(*, actor, quota: Quota) -> None:
     """Remove a quota row: the tenant can no longer book that pool (existing bookings stay)."""
-    quota = Quota.objects.select_for_update().get(pk=quota.pk)
+    quota = _locked_quota(quota.pk)
     audit_record(actor=actor, action="quota.delete", obj=quota, tenant_id=quota.tenant_id,
                  before=_snapshot(quota, QUOTA_FIELDS))
     quota._change_reason = "quota_delete"

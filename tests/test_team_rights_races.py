@@ -42,10 +42,10 @@ def _post_in_thread(client, result: dict, body: dict):
         connection.close()
 
 
-def _waiting_on_a_lock() -> bool:
+def _waiting_on_a_lock(table: str = "tenants_membership") -> bool:
     with connection.cursor() as cur:
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query ILIKE %s AND pid <> pg_backend_pid()", ["%tenants_membership%"])
+                    "AND query ILIKE %s AND pid <> pg_backend_pid()", [f"%{table}%"])
         return bool(cur.fetchone()[0])
 
 
@@ -147,3 +147,87 @@ def test_two_accounts_differing_only_in_case_cannot_be_created_at_once():
         assert User.objects.filter(username__iexact=names[0]).count() == 1, (round_no, results)
         refused = [r for r in results if isinstance(r, InvalidInput)]
         assert len(refused) == 1 and "username" in refused[0].fields
+
+
+def _delete_quota_and_hold(quota_pk: int, locked: threading.Event, release: threading.Event):
+    """Another transaction deleting the quota (quota_delete's lock and delete), not yet committed."""
+    from tenants.models import Quota
+
+    try:
+        with transaction.atomic():
+            Quota.objects.select_for_update().get(pk=quota_pk).delete()
+            locked.set()
+            release.wait(30)
+    finally:
+        connection.close()
+
+
+def _patch_in_thread(client, url: str, body: dict, result: dict):
+    try:
+        result["response"] = client.patch(url, body, format="json")
+    finally:
+        connection.close()
+
+
+def test_a_quota_deleted_while_a_patch_waits_is_not_found():
+    """PATCH /quotas/{id}/ found the row, then waited on the lock of a delete that committed: the service's .get()
+    raised DoesNotExist, a 500. It is the 404 envelope now, and nothing comes back."""
+    from tenants.models import Quota
+
+    world = make_world()
+    quota = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    client = world.client("staff")
+    client.raise_request_exception = False
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_delete_quota_and_hold, args=(quota.pk, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+    patcher = threading.Thread(target=_patch_in_thread,
+                               args=(client, f"/api/v1/quotas/{quota.pk}/", {"max_nodes": 5}, result))
+    patcher.start()
+    while patcher.is_alive() and not _waiting_on_a_lock("tenants_quota"):
+        patcher.join(0.02)
+    release.set()
+    holder.join(30)
+    patcher.join(30)
+    response = result["response"]
+    assert response.status_code == 404, response.content
+    assert response.json()["code"] == "not_found"
+    assert not Quota.objects.filter(pk=quota.pk).exists()
+
+
+def test_a_quota_deleted_twice_at_once_is_not_found_the_second_time():
+    """Two admins deleting the same quota: the second delete waited on the first's lock, then .get() raised
+    DoesNotExist (a 500 page). It is NotFound (404) now, and the one delete is audited once."""
+    from portal.core.exceptions import NotFound
+    from portal.core.models import AuditLog
+    from tenants.models import Quota
+    from tenants.services import quota_delete
+
+    world = make_world()
+    quota = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_delete_quota_and_hold, args=(quota.pk, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+
+    def delete() -> None:
+        try:
+            quota_delete(actor=world.users["staff"], quota=quota)
+            result["value"] = "deleted"
+        except Exception as exc:  # noqa: BLE001
+            result["value"] = exc
+        finally:
+            connection.close()
+
+    deleter = threading.Thread(target=delete)
+    deleter.start()
+    while deleter.is_alive() and not _waiting_on_a_lock("tenants_quota"):
+        deleter.join(0.02)
+    release.set()
+    holder.join(30)
+    deleter.join(30)
+    assert isinstance(result["value"], NotFound), result["value"]
+    assert not AuditLog.objects.filter(action="quota.delete").exists()
