@@ -442,9 +442,18 @@ def _keep_a_lead(membership: Membership) -> None:
         raise InvalidState(f"{membership.user.username} is the tenant's last lead; make another member lead first.")
 
 
+def _locked_membership(pk: int) -> Membership:
+    """The membership row (with its user), locked; NotFound when it is gone (removed by a change this one
+    waited for)."""
+    membership = Membership.objects.select_for_update(of=("self",)).select_related("user").filter(pk=pk).first()
+    if membership is None:
+        raise NotFound("No such membership (it has just been removed).")
+    return membership
+
+
 @transaction.atomic(durable=True)
 def membership_update(*, actor, membership: Membership, role: str) -> Membership:
-    membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
+    membership = _locked_membership(membership.pk)
     return _set_role(actor=actor, membership=membership, role=role)
 
 
@@ -465,7 +474,7 @@ def _set_role(*, actor, membership: Membership, role: str) -> Membership:
 
 @transaction.atomic(durable=True)
 def membership_delete(*, actor, membership: Membership) -> None:
-    membership = Membership.objects.select_for_update(of=("self",)).select_related("user").get(pk=membership.pk)
+    membership = _locked_membership(membership.pk)
     _remove_member(actor=actor, membership=membership)
 
 

@@ -231,3 +231,50 @@ def test_a_quota_deleted_twice_at_once_is_not_found_the_second_time():
     deleter.join(30)
     assert isinstance(result["value"], NotFound), result["value"]
     assert not AuditLog.objects.filter(action="quota.delete").exists()
+
+
+def _delete_membership_and_hold(membership_pk: int, locked: threading.Event, release: threading.Event):
+    try:
+        with transaction.atomic():
+            Membership.objects.select_for_update().get(pk=membership_pk).delete()
+            locked.set()
+            release.wait(30)
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("service", ["membership_update", "membership_delete"])
+def test_a_membership_deleted_while_a_change_waits_is_not_found(service):
+    """The admin's membership change or removal that waited on a concurrent removal raised DoesNotExist (a 500
+    page); it is NotFound now, and nothing is written or audited."""
+    from portal.core.exceptions import NotFound
+    from portal.core.models import AuditLog
+    from tenants import services
+
+    world = make_world()
+    membership = Membership.objects.get(tenant=world.tenants["alpha"], user=world.users["alpha-member"])
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_delete_membership_and_hold, args=(membership.pk, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+    kwargs = {"role": Role.VIEWER} if service == "membership_update" else {}
+
+    def change() -> None:
+        try:
+            result["value"] = getattr(services, service)(actor=world.users["staff"], membership=membership, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            result["value"] = exc
+        finally:
+            connection.close()
+
+    changer = threading.Thread(target=change)
+    changer.start()
+    while changer.is_alive() and not _waiting_on_a_lock("tenants_membership"):
+        changer.join(0.02)
+    release.set()
+    holder.join(30)
+    changer.join(30)
+    assert isinstance(result["value"], NotFound), result["value"]
+    assert not Membership.objects.filter(pk=membership.pk).exists()
+    assert not AuditLog.objects.filter(action__startswith="membership.").exists()
