@@ -153,6 +153,14 @@ def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
     return tenant
 
 
+def _locked_user(User: Any, pk: Any) -> Any:
+    """The account's row, locked; NotFound when it is gone (deleted by a change this one waited for)."""
+    locked = User._default_manager.select_for_update().filter(pk=pk).first()
+    if locked is None:
+        raise NotFound("No such account (it has just been deleted).")
+    return locked
+
+
 def _username_taken(User: Any, username: str, *, exclude_pk: Any = None) -> bool:
     # Django's own user-creation form (the admin's) refuses a name that differs from one in use only
     # in case: "Alice" and "alice" would be two accounts a lead could not tell apart when adding members.
@@ -227,7 +235,7 @@ def user_update(*, actor, user: Any, **changes: Any) -> Any:
     unknown = set(changes) - set(USER_FIELDS) - set(USER_M2M)
     if unknown:
         raise InvalidInput(f"{', '.join(sorted(unknown))}: cannot be changed here.")
-    locked = User._default_manager.select_for_update().get(pk=user.pk)
+    locked = _locked_user(User, user.pk)
     before: dict[str, Any] = {}
     after: dict[str, Any] = {}
     for field in USER_FIELDS:
@@ -257,7 +265,7 @@ def user_update(*, actor, user: Any, **changes: Any) -> Any:
 def user_set_password(*, actor, user: Any, password: str | None) -> Any:
     """Set an account's password (None: disable password sign-in), audited without the password."""
     User = get_user_model()
-    locked = User._default_manager.select_for_update().get(pk=user.pk)
+    locked = _locked_user(User, user.pk)
     _set_password(locked, password)
     locked.save(update_fields=["password"])
     audit_record(actor=actor, action="user.set_password", obj=locked,
@@ -271,7 +279,7 @@ def user_delete(*, actor, user: Any) -> None:
     """Delete an account (and what cascades with it: its memberships, its API tokens); the audit rows keep who it
     was. Refused while it is a tenant's last lead, as removing that membership is (make another member lead)."""
     User = get_user_model()
-    locked = User._default_manager.select_for_update().get(pk=user.pk)
+    locked = _locked_user(User, user.pk)
     for membership in Membership.objects.select_for_update(of=("self",)).select_related("user").filter(
             user=locked).order_by("tenant_id"):
         _remove_member(actor=actor, membership=membership)
@@ -367,7 +375,9 @@ def token_issue(*, user: Any, name: str = "", expires_in_days: int | None = None
 @transaction.atomic(durable=True)
 def token_revoke(*, actor: Any, token: ApiToken) -> ApiToken:
     """Revoke a token: every request presenting it from now on is refused (401). Idempotent; audited."""
-    token = ApiToken.objects.select_for_update().select_related("user").get(pk=token.pk)
+    token = ApiToken.objects.select_for_update().select_related("user").filter(pk=token.pk).first()
+    if token is None:
+        raise NotFound("No such token (its account has just been deleted).")
     if token.revoked:
         return token
     token.revoked = True

@@ -278,3 +278,61 @@ def test_a_membership_deleted_while_a_change_waits_is_not_found(service):
     assert isinstance(result["value"], NotFound), result["value"]
     assert not Membership.objects.filter(pk=membership.pk).exists()
     assert not AuditLog.objects.filter(action__startswith="membership.").exists()
+
+
+def _delete_user_and_hold(user_pk: int, locked: threading.Event, release: threading.Event):
+    """Another transaction deleting the account (its memberships and tokens cascade), not yet committed."""
+    from django.contrib.auth import get_user_model
+
+    try:
+        with transaction.atomic():
+            get_user_model().objects.select_for_update().get(pk=user_pk).delete()
+            locked.set()
+            release.wait(30)
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("service", ["user_update", "user_set_password", "user_delete", "token_revoke"])
+def test_an_account_deleted_while_a_change_waits_is_not_found(service):
+    """The user admin's change, password, deletion or token revocation that waited on the account's deletion
+    raised DoesNotExist (a 500 page); it is NotFound now, and nothing is audited."""
+    from portal.core.exceptions import NotFound
+    from portal.core.models import AuditLog
+    from tenants import services
+    from tenants.models import ApiToken
+
+    world = make_world()
+    user, staff = world.users["alpha-viewer"], world.users["staff"]
+    token = ApiToken.objects.filter(user=user).first()
+    call = {
+        "user_update": lambda: services.user_update(actor=staff, user=user, email="x@example.com"),
+        "user_set_password": lambda: services.user_set_password(actor=staff, user=user, password="Another-long-pw-9"),
+        "user_delete": lambda: services.user_delete(actor=staff, user=user),
+        "token_revoke": lambda: services.token_revoke(actor=staff, token=token),
+    }[service]
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_delete_user_and_hold, args=(user.pk, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+
+    def change() -> None:
+        try:
+            result["value"] = call()
+        except Exception as exc:  # noqa: BLE001
+            result["value"] = exc
+        finally:
+            connection.close()
+
+    changer = threading.Thread(target=change)
+    changer.start()
+    table = "tenants_apitoken" if service == "token_revoke" else "auth_user"
+    while changer.is_alive() and not _waiting_on_a_lock(table):
+        changer.join(0.02)
+    release.set()
+    holder.join(30)
+    changer.join(30)
+    assert isinstance(result["value"], NotFound), result["value"]
+    assert not AuditLog.objects.filter(action__in=["user.update", "user.set_password", "user.delete",
+                                                   "token.revoke"]).exists()
