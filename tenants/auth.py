@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+from django.db.models import Q
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
 from portal.core.statements import CompiledLookup
 
 from .models import ApiToken
+
+_TOUCH_EVERY = timedelta(seconds=60)
 
 # Every API request runs this one query shape: compiled by the ORM once per thread, bound per request.
 _TOKEN = CompiledLookup(str)
@@ -35,9 +40,13 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         now = timezone.now()
         if token is None or not token.user.is_active or (token.expires_at and token.expires_at <= now):
             raise exceptions.AuthenticationFailed("Invalid or expired token.")
-        # Touch last_used_at at most once a minute: a write per request would serialise scripts.
-        if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
-            ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        # Touch last_used_at at most once a minute: a write per request would serialise scripts. The
+        # condition is repeated in the UPDATE, so of concurrent requests only the first writes, and one that
+        # waited on the row while a later use was recorded does not move it back to its earlier reading.
+        if token.last_used_at is None or (now - token.last_used_at).total_seconds() > _TOUCH_EVERY.total_seconds():
+            (ApiToken.objects.filter(pk=token.pk)
+             .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _TOUCH_EVERY))
+             .update(last_used_at=now))
         return token.user, token
 
     def authenticate_header(self, request):

@@ -336,3 +336,53 @@ def test_an_account_deleted_while_a_change_waits_is_not_found(service):
     assert isinstance(result["value"], NotFound), result["value"]
     assert not AuditLog.objects.filter(action__in=["user.update", "user.set_password", "user.delete",
                                                    "token.revoke"]).exists()
+
+
+def _hold_token_row(token_pk: int, locked: threading.Event, release: threading.Event, wrote: dict):
+    """Another transaction on the token's row (a request that read the clock later but wrote first, or a revoke):
+    it holds the row, and when released records a later use than the waiting request's."""
+    from django.utils import timezone
+
+    from tenants.models import ApiToken
+
+    try:
+        with transaction.atomic():
+            token = ApiToken.objects.select_for_update().get(pk=token_pk)
+            locked.set()
+            release.wait(30)
+            token.last_used_at = wrote["at"] = timezone.now()
+            token.save(update_fields=["last_used_at"])
+    finally:
+        connection.close()
+
+
+def _get_in_thread(client, url: str, result: dict):
+    try:
+        result["response"] = client.get(url)
+    finally:
+        connection.close()
+
+
+def test_a_tokens_last_use_never_moves_back():
+    """Authentication wrote its own clock reading unconditionally: a request that read the clock, then waited on
+    the token's row while a later use was recorded, overwrote that with its earlier time."""
+    from tenants.models import ApiToken
+
+    world = make_world()
+    token = ApiToken.objects.get(user=world.users["alpha-viewer"])
+    assert token.last_used_at is None
+    locked, release, wrote = threading.Event(), threading.Event(), {}
+    holder = threading.Thread(target=_hold_token_row, args=(token.pk, locked, release, wrote))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+    getter = threading.Thread(target=_get_in_thread, args=(world.client("alpha-viewer"), "/api/v1/tenants/", result))
+    getter.start()
+    while getter.is_alive() and not _waiting_on_a_lock("tenants_apitoken"):
+        getter.join(0.02)
+    release.set()
+    holder.join(30)
+    getter.join(30)
+    assert result["response"].status_code == 200
+    token.refresh_from_db()
+    assert token.last_used_at == wrote["at"]
