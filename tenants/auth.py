@@ -43,10 +43,14 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         # Touch last_used_at at most once a minute: a write per request would serialise scripts. The
         # condition is repeated in the UPDATE, so of concurrent requests only the first writes, and one that
         # waited on the row while a later use was recorded does not move it back to its earlier reading.
+        # The UPDATE may wait on the row behind a revocation: when it touched nothing, the row is read again,
+        # and a token revoked (or deleted with its user) meanwhile is refused, not served.
         if token.last_used_at is None or (now - token.last_used_at).total_seconds() > _TOUCH_EVERY.total_seconds():
-            (ApiToken.objects.filter(pk=token.pk)
-             .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _TOUCH_EVERY))
-             .update(last_used_at=now))
+            touched = (ApiToken.objects.filter(pk=token.pk, revoked=False)
+                       .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _TOUCH_EVERY))
+                       .update(last_used_at=now))
+            if not touched and not ApiToken.objects.filter(pk=token.pk, revoked=False).exists():
+                raise exceptions.AuthenticationFailed("Invalid or expired token.")
         return token.user, token
 
     def authenticate_header(self, request):

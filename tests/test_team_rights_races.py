@@ -386,3 +386,43 @@ def test_a_tokens_last_use_never_moves_back():
     assert result["response"].status_code == 200
     token.refresh_from_db()
     assert token.last_used_at == wrote["at"]
+
+
+def _revoke_and_hold(token_pk: int, locked: threading.Event, release: threading.Event):
+    """token_revoke's transaction (lock, revoked = true), committed on release."""
+    from tenants.models import ApiToken
+
+    try:
+        with transaction.atomic():
+            token = ApiToken.objects.select_for_update().get(pk=token_pk)
+            token.revoked = True
+            token.save(update_fields=["revoked"])
+            locked.set()
+            release.wait(30)
+    finally:
+        connection.close()
+
+
+def test_a_request_that_waited_on_its_tokens_revocation_is_refused():
+    """A request whose authentication queued on the token's row behind a revocation went on, once the revocation
+    had committed, as the token's user: revoking promises that every request presenting it from now on is
+    refused."""
+    from tenants.models import ApiToken
+
+    world = make_world()
+    token = ApiToken.objects.get(user=world.users["alpha-viewer"])
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_revoke_and_hold, args=(token.pk, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+    getter = threading.Thread(target=_get_in_thread, args=(world.client("alpha-viewer"), "/api/v1/tenants/", result))
+    getter.start()
+    while getter.is_alive() and not _waiting_on_a_lock("tenants_apitoken"):
+        getter.join(0.02)
+    release.set()
+    holder.join(30)
+    getter.join(30)
+    response = result["response"]
+    assert response.status_code == 401, response.content
+    assert response.json()["code"] == "not_authenticated"
