@@ -507,7 +507,10 @@ def _clean_slack_url(url: Any) -> str:
 
 
 def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
-    """Set (or clear, with "") the tenant's Slack incoming-webhook URL; audited masked, never in full."""
+    """Set (or clear, with "") the tenant's Slack incoming-webhook URL; audited masked, never in full.
+
+    Staff, or one of the tenant's leads, decided under the team lock: a lead demoted or removed while this
+    runs cannot point the tenant's notifications at a URL of their choosing."""
     return _slack_webhook_store(actor=actor, tenant=tenant, url=_clean_slack_url(url))  # checked outside: DNS
 
 
@@ -515,6 +518,7 @@ def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
 def _slack_webhook_store(*, actor, tenant: Tenant, url: str) -> Tenant:
     from portal.core.crypto import mask
 
+    _lock_team(actor=actor, tenant_id=tenant.pk, denied="Only the tenant's lead manages its notifications.")
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
     before = {"slack_webhook_url": mask(tenant.slack_webhook_url, keep=6)}
     tenant.slack_webhook_url = url

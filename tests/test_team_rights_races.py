@@ -426,3 +426,42 @@ def test_a_request_that_waited_on_its_tokens_revocation_is_refused():
     response = result["response"]
     assert response.status_code == 401, response.content
     assert response.json()["code"] == "not_authenticated"
+
+
+def _post_form_in_thread(client, url: str, data: dict, result: dict):
+    try:
+        result["response"] = client.post(url, data)
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("change", [Role.VIEWER, None], ids=["demoted", "removed"])
+def test_a_lead_demoted_or_removed_while_setting_the_slack_url_is_refused(change):
+    """The notification settings page checks the lead's role when the request starts, and tenant_slack_webhook_set
+    checked nothing: a lead demoted or removed meanwhile still pointed the tenant's notifications at a URL of
+    their choosing. The service now decides under the team lock."""
+    from django.test import Client
+
+    from tenants.models import Tenant
+
+    world = make_world()
+    tenant = world.tenants["alpha"]
+    lead = Membership.objects.get(tenant=tenant, user=world.users["alpha-lead"])
+    Membership.objects.filter(tenant=tenant, user=world.users["alpha-member"]).update(role=Role.LEAD)
+    client = Client()
+    client.force_login(world.users["alpha-lead"])
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_demote_and_hold, args=(lead.pk, change, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+    poster = threading.Thread(target=_post_form_in_thread, args=(
+        client, "/notifications/slack/url/", {"url": "https://hooks.slack.com/services/T1/B1/mine"}, result))
+    poster.start()
+    while poster.is_alive() and not _waiting_on_a_lock():
+        poster.join(0.02)
+    release.set()
+    holder.join(30)
+    poster.join(30)
+    assert result["response"].status_code in (302, 403)
+    assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == ""
