@@ -199,12 +199,17 @@ _QUOTA_LOCK_SQL = (
 # Read after the quota lock, so on a snapshot taken after any wait for it: the tenant's burst flag
 # and the actor's role as they are now. The membership row is share-locked: a removal or downgrade
 # either waits for this booking's commit or is seen here (the membership services never take the
-# quota lock, so they cannot deadlock with a booker).
+# quota lock, so they cannot deadlock with a booker). The tenant row is key-share locked, the lock the
+# reservation's foreign key takes at commit anyway (so no new contention): a change of the burst flag
+# (tenant_update locks the row FOR UPDATE) in flight is waited for and read, and one that comes later
+# waits for this booking's commit; without it a booking read the old flag, queued at its commit on
+# the change's lock, and committed as burst after burst was disabled. Services that update the tenant
+# row for other fields lock it FOR NO KEY UPDATE, which does not conflict.
 _RIGHTS_SQL = (
     "SELECT t.burst_enabled, m.role FROM tenants_tenant t JOIN tenants_membership m"
-    " ON m.tenant_id = t.id AND m.user_id = %s WHERE t.id = %s FOR SHARE OF m"
+    " ON m.tenant_id = t.id AND m.user_id = %s WHERE t.id = %s FOR SHARE OF m FOR KEY SHARE OF t"
 )
-_BURST_SQL = "SELECT burst_enabled FROM tenants_tenant WHERE id = %s"
+_BURST_SQL = "SELECT burst_enabled FROM tenants_tenant WHERE id = %s FOR KEY SHARE"
 
 
 def _rights_now(*, actor: Any, tenant: Tenant, owner_id: int | None) -> bool:

@@ -519,7 +519,9 @@ def _slack_webhook_store(*, actor, tenant: Tenant, url: str) -> Tenant:
     from portal.core.crypto import mask
 
     _lock_team(actor=actor, tenant_id=tenant.pk, denied="Only the tenant's lead manages its notifications.")
-    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    # NO KEY UPDATE: the URL is no key, and bookings key-share the row (their burst flag) while holding a
+    # membership row this function has locked; FOR UPDATE here could deadlock with a lead's booking.
+    tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
     before = {"slack_webhook_url": mask(tenant.slack_webhook_url, keep=6)}
     tenant.slack_webhook_url = url
     tenant.save(update_fields=["slack_webhook_url"])
