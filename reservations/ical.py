@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import UTC
 
 from icalendar import Calendar, Event, vText
 
@@ -33,8 +33,12 @@ def _sequence(reservation: Reservation) -> int:
     return seconds + max(0, getattr(reservation, "audited_changes", 1) - 1)
 
 
-def build_feed(*, tenant, reservations: Iterable[Reservation], base_url: str, now: datetime) -> bytes:
-    """Serialise reservations (with `active_allocations` prefetched) into one VCALENDAR."""
+def build_feed(*, tenant, reservations: Iterable[Reservation], base_url: str) -> bytes:
+    """Serialise reservations (with `active_allocations` prefetched) into one VCALENDAR.
+
+    The feed has no METHOD, so each event's DTSTAMP is when its information was last revised (RFC 5545
+    §3.8.7.2), its LAST-MODIFIED, not the time of the request: a poll that finds nothing changed gets the
+    same events."""
     cal = Calendar.new(prodid=PRODID, uid=f"tenant-{tenant.slug}@{DOMAIN}")
     # icalendar types NAME / X-WR-* as unknown and writes them raw: a tenant-controlled comma,
     # semicolon or backslash would go out unescaped and a newline would break serialisation.
@@ -63,7 +67,7 @@ def build_feed(*, tenant, reservations: Iterable[Reservation], base_url: str, no
             end=r.period.upper.astimezone(UTC),
             summary=f"{title} — {r.node_count}× {r.pool.name}",
             description="\n".join(lines),
-            stamp=now.astimezone(UTC),
+            stamp=r.updated_at.astimezone(UTC),
             last_modified=r.updated_at.astimezone(UTC),
             created=r.created_at.astimezone(UTC),
             sequence=_sequence(r),

@@ -704,7 +704,6 @@ def ical_feed(request, slug: str, token: str):
         tenant=tenant,
         reservations=selectors.feed_reservations(tenant=tenant, since=now - FEED_HISTORY),
         base_url=request.build_absolute_uri("/"),
-        now=now,
     )
     response = HttpResponse(body, content_type="text/calendar; charset=utf-8")
     response["Content-Disposition"] = f'inline; filename="{tenant.slug}-reservations.ics"'

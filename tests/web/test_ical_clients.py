@@ -72,3 +72,22 @@ def test_head_is_answered_like_get(world, client):
     response = client.head(feed_path(alpha, world.users["alpha-viewer"]))
     assert response.status_code == 200  # was: 405 (require_GET)
     assert response["Content-Type"] == "text/calendar; charset=utf-8"
+
+
+def test_dtstamp_is_the_last_revision_not_the_time_of_the_request(world, client, book, t0):
+    # RFC 5545 §3.8.7.2: without a METHOD (a published feed, as this one), DTSTAMP is when the event's
+    # information was last revised in the calendar store. It was the time of each request, so every poll
+    # rewrote every event (and the feed was never the same twice).
+    import time
+
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-feed-secret-0123456789"
+    alpha.save()
+    book("alpha-lead", t0)
+    first = _feed(client, alpha).content
+    time.sleep(1.1)  # DTSTAMP has whole seconds
+    second = _feed(client, alpha).content
+    assert first == second
+    (event,) = Calendar.from_ical(second).walk("VEVENT")
+    assert "METHOD" not in Calendar.from_ical(second)
+    assert event["DTSTAMP"].dt == event["LAST-MODIFIED"].dt
