@@ -992,6 +992,7 @@ def _replace_one(*, allocation_id: int, now: datetime, actor: Any, reason: str) 
             events.emit("reservation.degraded", reservation_id=reservation.pk, tenant_id=reservation.tenant_id,
                         node=old.hostname, missing_nodes=reservation.missing_nodes, reason=reason)
         else:
+            reservation.save(update_fields=["updated_at"])  # its nodes changed: a revision (the feed's LAST-MODIFIED)
             result = {"reservation_id": reservation.pk, "result": "replaced", "failed": old.hostname,
                       "spare": spare.hostname}
             events.emit("node.replaced", reservation_id=reservation.pk, tenant_id=reservation.tenant_id,

@@ -91,3 +91,27 @@ def test_dtstamp_is_the_last_revision_not_the_time_of_the_request(world, client,
     (event,) = Calendar.from_ical(second).walk("VEVENT")
     assert "METHOD" not in Calendar.from_ical(second)
     assert event["DTSTAMP"].dt == event["LAST-MODIFIED"].dt
+
+
+def test_a_node_swap_revises_the_event(world, client, book, t0):
+    # A failed node's booking moved to a spare changes the event's node list; the reservation's updated_at (the
+    # event's LAST-MODIFIED and DTSTAMP) stayed as it was, so the event claimed no revision since its booking.
+    import time
+
+    from reservations.models import Node
+    from reservations.services import node_replace_allocations, node_update
+
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-feed-secret-0123456789"
+    alpha.save()
+    r = book("alpha-lead", t0)
+    (before,) = Calendar.from_ical(_feed(client, alpha).content).walk("VEVENT")
+    time.sleep(1.1)  # the stamps have whole seconds
+    own = Node.objects.get(hostname=r.node_hostnames[0])
+    node_update(actor=None, node=own, state="failed")
+    assert [o["result"] for o in node_replace_allocations(node=own)] == ["replaced"]
+    (after,) = Calendar.from_ical(_feed(client, alpha).content).walk("VEVENT")
+    assert own.hostname in str(before["DESCRIPTION"]) and own.hostname not in str(after["DESCRIPTION"])
+    assert after["LAST-MODIFIED"].dt > before["LAST-MODIFIED"].dt
+    assert after["DTSTAMP"].dt > before["DTSTAMP"].dt
+    assert int(after["SEQUENCE"]) > int(before["SEQUENCE"])
