@@ -294,12 +294,20 @@ def membership_create(*, actor, tenant: Tenant, user: Any, role: str = Role.MEMB
     """Add user to the tenant (the API's POST /memberships/ and the admin): staff, or one of the tenant's leads,
     decided under the team lock, so a lead demoted or removed while this runs adds no one. Only an active account,
     as on the team page: a disabled one made the tenant's other lead would leave it with no lead able to act."""
+    current = _lock_account(pk=user.pk)
     _lock_team(actor=actor, tenant_id=tenant.pk)
     _check_role(role)
-    if not getattr(user, "is_active", False):
+    if current is None:
         raise InvalidInput("user: no active user by that name.",
                            fields={"user": "No active user by that name; platform staff create accounts."})
-    return _add_member(actor=actor, tenant=tenant, user=user, role=role, field="user")
+    return _add_member(actor=actor, tenant=tenant, user=current, role=role, field="user")
+
+
+def _lock_account(**lookup: Any) -> Any:
+    """The active account matching lookup, its row locked FOR NO KEY UPDATE (its deletion, or a change, in
+    flight is waited for and seen), or None. Taken before the team lock: user_delete locks the account, then
+    its memberships and the lead rows of its tenants, in that order too."""
+    return get_user_model()._default_manager.select_for_update(no_key=True).filter(is_active=True, **lookup).first()
 
 
 def _add_member(*, actor, tenant: Tenant, user: Any, role: str, field: str) -> Membership:
@@ -619,9 +627,9 @@ def _check_role(role: str) -> None:
 @transaction.atomic(durable=True)
 def team_member_add(*, actor: Any, tenant: Tenant, username: str, role: str = Role.MEMBER) -> Membership:
     """Add an existing, active user to the tenant (a lead or staff)."""
+    user = _lock_account(username=(username or "").strip())  # refused below only after the rights check
     _lock_team(actor=actor, tenant_id=tenant.pk)
     _check_role(role)
-    user = get_user_model().objects.filter(username=(username or "").strip(), is_active=True).first()
     if user is None:
         raise InvalidInput("username: no active user by that name.",
                            fields={"username": "No active user by that name; platform staff create accounts."})

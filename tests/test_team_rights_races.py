@@ -465,3 +465,44 @@ def test_a_lead_demoted_or_removed_while_setting_the_slack_url_is_refused(change
     poster.join(30)
     assert result["response"].status_code in (302, 403)
     assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == ""
+
+
+def test_an_account_deleted_while_a_lead_adds_it_is_refused():
+    """team_member_add found the user, then its membership's (deferred) foreign key waited at commit on the
+    account's deletion in flight, and the commit failed with an IntegrityError: a 500 page. The account's row
+    is now locked before the insert, and an account gone (or disabled) meanwhile reads as no active user."""
+    from portal.core.exceptions import InvalidInput
+    from tenants.services import team_member_add
+
+    world = make_world()
+    tenant, gone = world.tenants["alpha"], world.users["beta-viewer"]
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_delete_user_and_hold, args=(gone.pk, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+
+    def add() -> None:
+        try:
+            result["value"] = team_member_add(actor=world.users["alpha-lead"], tenant=tenant, username=gone.username)
+        except Exception as exc:  # noqa: BLE001
+            result["value"] = exc
+        finally:
+            connection.close()
+
+    adder = threading.Thread(target=add)
+    adder.start()
+    while adder.is_alive() and not _any_lock_waiter():
+        adder.join(0.02)
+    release.set()
+    holder.join(30)
+    adder.join(30)
+    assert isinstance(result["value"], InvalidInput), result["value"]
+    assert "username" in result["value"].fields
+    assert not Membership.objects.filter(user_id=gone.pk).exists()
+
+
+def _any_lock_waiter() -> bool:
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()")
+        return bool(cur.fetchone()[0])
