@@ -576,7 +576,9 @@ def token_issue_own(*, user: Any, name: str = "", expires_in_days: int | None = 
 
     if not getattr(user, "is_active", False):
         raise PermissionDenied("This account is disabled.")
-    get_user_model().objects.select_for_update().filter(pk=user.pk).values_list("pk", flat=True).first()
+    if get_user_model().objects.select_for_update().filter(pk=user.pk, is_active=True).values_list(
+            "pk", flat=True).first() is None:  # deleted or disabled while this waited on the lock
+        raise PermissionDenied("This account is disabled.")
     if api_tokens_live(user=user).count() >= MAX_LIVE_TOKENS:
         raise InvalidState(f"You already have {MAX_LIVE_TOKENS} live API tokens; revoke one you no longer use first.")
     return token_issue(user=user, name=name, expires_in_days=expires_in_days, actor=user)

@@ -1,6 +1,6 @@
-"""Who may change a tenant's team is decided under the team lock on every path (found in a review: the API's
-POST /memberships/ read the lead's role without a lock, so a lead demoted or removed while the request ran still
-added members, a new lead included). Real threads on the real database."""
+"""Races in the tenants app, found in a review: rights decided before a lock (a lead demoted or removed while the
+request ran still acted), rows re-read under a lock after a concurrent delete (500s), tokens and accounts changing
+under a request. Real threads on the real database."""
 
 from __future__ import annotations
 
@@ -506,3 +506,38 @@ def _any_lock_waiter() -> bool:
     with connection.cursor() as cur:
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()")
         return bool(cur.fetchone()[0])
+
+
+def test_a_token_issued_while_its_account_is_deleted_is_refused():
+    """token_issue_own locked the account's row but did not look at the answer: an account deleted while the
+    request waited on that lock got a token inserted for it, and the commit failed on the foreign key (a 500)."""
+    from portal.core.exceptions import DomainError
+    from tenants.models import ApiToken
+    from tenants.services import token_issue_own
+
+    world = make_world()
+    user = world.users["alpha-viewer"]
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_delete_user_and_hold, args=(user.pk, locked, release))
+    holder.start()
+    assert locked.wait(10)
+    result: dict = {}
+
+    def issue() -> None:
+        try:
+            result["value"] = token_issue_own(user=user, name="late")
+        except Exception as exc:  # noqa: BLE001
+            result["value"] = exc
+        finally:
+            connection.close()
+
+    issuer = threading.Thread(target=issue)
+    issuer.start()
+    while issuer.is_alive() and not _waiting_on_a_lock("auth_user"):
+        issuer.join(0.02)
+    release.set()
+    holder.join(30)
+    issuer.join(30)
+    assert isinstance(result["value"], DomainError), result["value"]
+    assert result["value"].status in (403, 404)
+    assert not ApiToken.objects.filter(user_id=user.pk).exists()
