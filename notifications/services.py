@@ -41,12 +41,12 @@ from django.utils import timezone
 from portal.core import egress
 from portal.core.conf import setting
 from portal.core.crypto import UnreadableSecret, mask
-from portal.core.exceptions import InvalidInput, InvalidState
+from portal.core.exceptions import InvalidInput, InvalidState, NotFound
 from portal.core.services import audit_record
 from reservations.models import Reservation
 from reservations.selectors import tenant_peak_usage
 from tenants.models import Quota, Tenant
-from tenants.services import tenant_slack_webhook_set
+from tenants.services import tenant_lead_lock, tenant_slack_webhook_set
 
 from . import ratelimit, selectors, signing, slack, transport
 from .choices import (
@@ -193,6 +193,20 @@ def _channel_snapshot(channel: Channel) -> dict[str, Any]:
     }
 
 
+DENIED = "Only the tenant's lead manages its notifications."
+
+
+def _lock_rights(*, actor: Any, tenant_id: int | None) -> None:
+    """Decide that actor may manage the channels of tenant_id (staff, or one of its leads; the platform's: staff)
+    and hold the answer to the end of the transaction: a lead demoted or removed meanwhile waits for this change,
+    or this change waits and then finds the actor no longer a lead (PermissionDenied, nothing changed).
+
+    Taken first in the transaction, as tenants services take it: the lead rows, then the tenant row (FOR NO KEY
+    UPDATE), then channels and deliveries. Bookings share-lock one membership row and key-share the tenant row,
+    and never lock a channel, so no order here can deadlock with them."""
+    tenant_lead_lock(actor=actor, tenant_id=tenant_id, denied=DENIED)
+
+
 def platform_channel_ensure() -> Channel | None:
     """Return the platform Slack channel when PORTAL_PLATFORM_SLACK_WEBHOOK is set, creating its row."""
     if not selectors.platform_url():
@@ -282,6 +296,7 @@ def slack_subscriptions_update(
 ) -> Channel:
     """Choose which events go to the tenant's Slack channel (the URL itself is set on the tenant)."""
     with transaction.atomic(durable=True):
+        _lock_rights(actor=actor, tenant_id=tenant.pk)
         Tenant.objects.select_for_update().get(pk=tenant.pk)  # one writer per tenant's settings
         channel, created = Channel.objects.get_or_create(
             tenant=tenant, kind=ChannelKind.SLACK, defaults={"name": "slack", "events": list(TENANT_DEFAULT_EVENTS)}
@@ -304,7 +319,7 @@ def platform_channel_update(*, actor: Any, channel: Channel, events: list[str] |
                             enabled: bool | None = None) -> Channel:
     """Choose what the platform channel receives (its URL is PORTAL_PLATFORM_SLACK_WEBHOOK)."""
     with transaction.atomic(durable=True):
-        channel = _lock_channel(channel)
+        channel = _lock_channel(channel, actor=actor)
         if not channel.is_platform:
             raise InvalidState("Not the platform channel.")
         before = _channel_snapshot(channel)
@@ -327,6 +342,7 @@ def webhook_create(
     events = _validate_events(TENANT_DEFAULT_EVENTS if events is None else events)
     secret = signing.generate_secret()
     with transaction.atomic(durable=True):
+        _lock_rights(actor=actor, tenant_id=tenant.pk)
         channel = Channel.objects.create(
             tenant=tenant, kind=ChannelKind.WEBHOOK, name=name, url=url, secret=secret,
             events=events,
@@ -337,8 +353,15 @@ def webhook_create(
     return channel, secret
 
 
-def _lock_channel(channel: Channel) -> Channel:
-    return Channel.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=channel.pk)
+def _lock_channel(channel: Channel, *, actor: Any) -> Channel:
+    """Decide actor's right on the channel's tenant (_lock_rights), then lock the channel's row and return it.
+
+    A channel never moves to another tenant, so the tenant is the one of the instance given."""
+    _lock_rights(actor=actor, tenant_id=channel.tenant_id)
+    locked = Channel.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=channel.pk).first()
+    if locked is None:
+        raise NotFound("No such channel (it has just been deleted).")
+    return locked
 
 
 def webhook_update(
@@ -349,7 +372,7 @@ def webhook_update(
     url = None if url is None else _validate_url(url)
     name = None if name is None else _validate_channel_name(name)
     with transaction.atomic(durable=True):
-        channel = _lock_channel(channel)
+        channel = _lock_channel(channel, actor=actor)
         if channel.kind != ChannelKind.WEBHOOK:
             raise InvalidState("Only signed webhooks are edited here.")
         before = _channel_snapshot(channel)
@@ -378,7 +401,7 @@ def webhook_rotate_secret(*, actor: Any, channel: Channel, overlap_hours: int | 
     hours = int(_setting("PORTAL_NOTIFY_SECRET_OVERLAP_HOURS", 24) if overlap_hours is None else overlap_hours)
     new_secret = signing.generate_secret()
     with transaction.atomic(durable=True):
-        channel = _lock_channel(channel)
+        channel = _lock_channel(channel, actor=actor)
         if channel.kind != ChannelKind.WEBHOOK:
             raise InvalidState("Only signed webhooks have a signing secret.")
         channel.previous_secret = channel.secret if hours > 0 else ""
@@ -404,7 +427,7 @@ def channel_delete(*, actor: Any, channel: Channel) -> None:
     if channel.kind == ChannelKind.SLACK and channel.tenant.slack_webhook_url:
         tenant_slack_webhook_set(actor=actor, tenant=channel.tenant, url="")
     with transaction.atomic(durable=True):
-        channel = _lock_channel(channel)
+        channel = _lock_channel(channel, actor=actor)
         before = _channel_snapshot(channel)
         tenant_id = channel.tenant_id
         audit_record(actor=actor, action="notifications.channel.delete", obj=channel, tenant_id=tenant_id,
@@ -415,7 +438,7 @@ def channel_delete(*, actor: Any, channel: Channel) -> None:
 def channel_clear_broken(*, actor: Any, channel: Channel) -> Channel:
     """Let a broken channel send again (after fixing the receiving end)."""
     with transaction.atomic(durable=True):
-        channel = _lock_channel(channel)
+        channel = _lock_channel(channel, actor=actor)
         before = {"broken_error": channel.broken_error}
         channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = None, "", None, ""
         channel.save()
@@ -650,6 +673,7 @@ def channel_send_test(*, actor: Any, channel: Channel) -> Delivery:
     notice = Notice(event=Event.TEST, key=f"test:{uuid.uuid4().hex}", payload=payload, source_event="test",
                     tenant_id=channel.tenant_id)
     with transaction.atomic(durable=True):
+        _lock_rights(actor=actor, tenant_id=channel.tenant_id)
         delivery, _ = _delivery_for(notice, channel)
         audit_record(actor=actor, action="notifications.test", obj=channel, tenant_id=channel.tenant_id,
                      after={"delivery": delivery.pk})
@@ -872,6 +896,7 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
 def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:
     """Send a failed or skipped delivery again (an admin's or lead's "retry now")."""
     with transaction.atomic(durable=True):
+        _lock_rights(actor=actor, tenant_id=delivery.tenant_id)  # before the delivery's row, as everywhere
         delivery = Delivery.objects.select_for_update().filter(pk=delivery.pk).first()
         if delivery is None:  # pruned meanwhile (deliveries_prune)
             raise InvalidState("This delivery is no longer kept; nothing to retry.")

@@ -1,6 +1,7 @@
 """A lead's notification pages: Slack and signed webhooks for the current tenant, and the delivery log.
 
-Only the tenant's lead (and staff) may see or change them. Every object is looked up inside
+Only the tenant's lead (and staff) may see or change them; the services decide again under the team
+lock (a lead demoted or removed while a request runs is refused: 403). Every object is looked up inside
 the user's scope, so another tenant's channel or delivery is a 404. Secrets: the Slack URL
 is shown masked, a signing secret only in the response that created or rotated it.
 """
@@ -92,6 +93,8 @@ def _settings_context(request, tenant, **extra):
 
 
 def _error(request, exc: DomainError):
+    if exc.status == 403:  # the service decided again, under the team lock: a lead demoted meanwhile is refused
+        raise PermissionDenied(exc.detail)
     messages.error(request, exc.detail)
     return _back()
 
@@ -294,6 +297,8 @@ def delivery_retry(request, pk: int):
     try:
         services.delivery_requeue(actor=request.user, delivery=delivery)
     except DomainError as exc:
+        if exc.status == 403:
+            raise PermissionDenied(exc.detail)
         messages.error(request, exc.detail)
     else:
         messages.success(request, f"Delivery #{delivery.pk} queued again.")

@@ -613,6 +613,21 @@ def _lock_team(*, actor: Any, tenant_id: int,
         raise PermissionDenied(denied)
 
 
+__all__ += ["tenant_lead_lock"]
+
+
+def tenant_lead_lock(*, actor: Any, tenant_id: int | None, denied: str) -> None:
+    """For other apps' services (notifications): decide that actor is staff or one of the tenant's leads, and hold
+    the answer to the end of the caller's transaction (_lock_team's lock, taken first: before the tenant row
+    (FOR NO KEY UPDATE) and the caller's own rows, in the order tenants services take them). tenant_id None (a
+    platform-wide thing): staff only. Raises PermissionDenied(denied); must run inside a transaction."""
+    if tenant_id is None:
+        if not getattr(actor, "is_staff", False):
+            raise PermissionDenied(denied)
+        return
+    _lock_team(actor=actor, tenant_id=tenant_id, denied=denied)
+
+
 def _team_membership(*, tenant: Tenant, membership_id: int) -> Membership:
     membership = (Membership.objects.select_for_update(of=("self",)).select_related("user")
                   .filter(pk=membership_id, tenant=tenant).first())

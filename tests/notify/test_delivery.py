@@ -210,7 +210,8 @@ def test_a_test_message_goes_through_a_broken_channel_and_repairs_it(world, rece
     assert not channel.is_broken
 
 
-def test_gives_up_after_max_attempts_without_breaking_the_channel(receiver, slack_for, confirmed, notify_settings):
+def test_gives_up_after_max_attempts_without_breaking_the_channel(world, receiver, slack_for, confirmed,
+                                                                  notify_settings):
     notify_settings.PORTAL_NOTIFY_MAX_ATTEMPTS = 2
     notify_settings.PORTAL_NOTIFY_MIN_INTERVAL = 0.05
     channel = slack_for("alpha", receiver.url("/services/T0/B0/alpha"))
@@ -226,7 +227,7 @@ def test_gives_up_after_max_attempts_without_breaking_the_channel(receiver, slac
     assert not channel.is_broken
     # An admin (or the lead) can send it again.
     receiver.default = Reply.ok()
-    services.delivery_requeue(actor=None, delivery=delivery)
+    services.delivery_requeue(actor=world.users["staff"], delivery=delivery)
     time.sleep(0.06)
     assert services.delivery_send(delivery_id=delivery.pk).status == DeliveryStatus.DELIVERED
 
