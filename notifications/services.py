@@ -297,7 +297,9 @@ def slack_subscriptions_update(
     """Choose which events go to the tenant's Slack channel (the URL itself is set on the tenant)."""
     with transaction.atomic(durable=True):
         _lock_rights(actor=actor, tenant_id=tenant.pk)
-        Tenant.objects.select_for_update().get(pk=tenant.pk)  # one writer per tenant's settings
+        # One writer per tenant's settings. NO KEY UPDATE, as the Slack URL's store takes it: bookings key-share
+        # the row until they commit, and FOR UPDATE queued this change behind every booking in flight.
+        Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
         channel, created = Channel.objects.get_or_create(
             tenant=tenant, kind=ChannelKind.SLACK, defaults={"name": "slack", "events": list(TENANT_DEFAULT_EVENTS)}
         )

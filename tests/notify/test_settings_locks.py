@@ -1,0 +1,67 @@
+"""Changing a tenant's Slack subscriptions does not wait on bookings in flight. Real threads on the real database.
+
+Bookings key-share the tenant row (reservations.services._RIGHTS_SQL) until they commit; slack_subscriptions_update
+locked the row FOR UPDATE, which conflicts with that, so it queued behind every booking of a member in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection, transaction
+
+from notifications import services
+from tenants.services import tenant_slack_webhook_set
+
+from ..conftest import make_world
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _booking_in_flight(tenant_id: int, user_id: int, locked: threading.Event, release: threading.Event) -> None:
+    """A member's booking between its rights check and its commit: its membership FOR SHARE, the tenant KEY SHARE."""
+    try:
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute("SELECT t.burst_enabled, m.role FROM tenants_tenant t JOIN tenants_membership m"
+                        " ON m.tenant_id = t.id AND m.user_id = %s WHERE t.id = %s FOR SHARE OF m FOR KEY SHARE OF t",
+                        [user_id, tenant_id])
+            assert cur.fetchone() is not None
+            locked.set()
+            release.wait(30)
+    finally:
+        connection.close()
+
+
+def _update(actor, tenant, result: dict) -> None:
+    try:
+        started = time.monotonic()
+        services.slack_subscriptions_update(actor=actor, tenant=tenant, events=["reservation.confirmed"])
+        result["seconds"] = time.monotonic() - started
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        result["error"] = exc
+    finally:
+        connection.close()
+
+
+def test_slack_subscriptions_do_not_wait_on_a_members_booking_in_flight(notify_settings):
+    world = make_world()
+    lead, member = world.users["alpha-lead"], world.users["alpha-member"]
+    tenant = tenant_slack_webhook_set(actor=lead, tenant=world.tenants["alpha"],
+                                      url="https://hooks.slack.com/services/T0/B0/alpha")
+    locked, release = threading.Event(), threading.Event()
+    booking = threading.Thread(target=_booking_in_flight, args=(tenant.pk, member.pk, locked, release))
+    booking.start()
+    assert locked.wait(10)
+    result: dict = {}
+    updater = threading.Thread(target=_update, args=(lead, tenant, result))
+    updater.start()
+    updater.join(5)
+    finished_while_booking_held = not updater.is_alive()
+    release.set()
+    booking.join(30)
+    updater.join(30)
+    assert "error" not in result, result
+    assert finished_while_booking_held, "slack_subscriptions_update waited on a booking's key-share lock"
+    assert services.slack_channel_ensure(tenant).events == ["reservation.confirmed"]
