@@ -32,6 +32,7 @@ __all__ = [
     "token_issue",
     "token_revoke",
     "tenant_rotate_ical_token",
+    "tenant_lead_lock",
 ]
 
 # Announced when a tenant's Slack URL is set (created, changed or replaced; not when cleared): the
@@ -611,9 +612,6 @@ def _lock_team(*, actor: Any, tenant_id: int,
         return
     if getattr(actor, "pk", None) not in leads:
         raise PermissionDenied(denied)
-
-
-__all__ += ["tenant_lead_lock"]
 
 
 def tenant_lead_lock(*, actor: Any, tenant_id: int | None, denied: str) -> None:
