@@ -13,7 +13,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
-__all__ = ["behind_a_lock", "waiting_on_a_lock"]
+__all__ = ["behind_a_lock", "demoting", "waiting_on_a_lock"]
 
 
 def waiting_on_a_lock(table: str | None = None) -> bool:
@@ -73,3 +73,20 @@ def behind_a_lock(hold: Callable[[], Callable[[], None] | None], act: Callable[[
     if "hold" in outcome:
         raise outcome["hold"]
     return outcome["act"]
+
+
+def demoting(membership_pk: int, role: str | None) -> Callable[[], None]:
+    """A hold for behind_a_lock: a lead demoted to role (removed when None), the tenant's lead rows locked
+    FOR UPDATE as the team services lock them (the team lock)."""
+    from tenants.choices import Role
+    from tenants.models import Membership
+
+    def hold() -> None:
+        membership = Membership.objects.select_for_update().get(pk=membership_pk)
+        list(Membership.objects.select_for_update().filter(tenant_id=membership.tenant_id, role=Role.LEAD))
+        if role is None:
+            membership.delete()
+        else:
+            membership.role = role
+            membership.save(update_fields=["role"])
+    return hold

@@ -17,6 +17,7 @@ from tenants import services as tsvc
 from tenants.models import Membership, Quota, Tenant
 
 from .conftest import make_world, wait_for_lock_waiter
+from .racing import behind_a_lock
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -150,33 +151,6 @@ def test_shortening_needs_no_quota_and_keeps_its_billing(t0):
         reservation_update(actor=lead, reservation=r, end=t0 + timedelta(hours=3))
 
 
-def _disable_burst_and_hold(tenant_pk: int, locked: threading.Event, release: threading.Event):
-    """tenant_update's transaction (the tenant row FOR UPDATE, burst_enabled = false), committed on release."""
-    try:
-        with transaction.atomic():
-            tenant = Tenant.objects.select_for_update().get(pk=tenant_pk)
-            tenant.burst_enabled = False
-            tenant.save(update_fields=["burst_enabled"])
-            locked.set()
-            release.wait(30)
-    finally:
-        connection.close()
-
-
-def _wait_for_any_lock_waiter(timeout: float = 10) -> None:
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with connection.cursor() as cur:
-            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND pid <> pg_backend_pid()")
-            if cur.fetchone()[0]:
-                return
-        time.sleep(0.02)
-    raise AssertionError("nothing queued on a lock")
-
-
 def test_burst_disabled_while_the_booking_runs_is_honoured(t0):
     """The burst flag was read without a lock: a booking past its quota lock read it while a change disabling
     burst was in flight, waited at its commit on the tenant row (its deferred foreign key) until the change had
@@ -185,20 +159,16 @@ def test_burst_disabled_while_the_booking_runs_is_honoured(t0):
     reads it."""
     world = make_world()  # max_nodes 3, burst 1, burst enabled
     tenant = Tenant.objects.get(slug="alpha")
-    locked, release = threading.Event(), threading.Event()
-    holder = threading.Thread(target=_disable_burst_and_hold, args=(tenant.pk, locked, release))
-    holder.start()
-    assert locked.wait(10)
-    result: dict = {}
-    booker = threading.Thread(target=_book_in_thread, args=(result,), kwargs=dict(
-        actor=world.users["alpha-lead"], tenant=tenant, pool=world.pool, node_count=4,
-        start=t0, end=t0 + timedelta(hours=2)))
-    booker.start()
-    _wait_for_any_lock_waiter()  # the booking queues on the tenant row (where depends on the code)
-    release.set()
-    holder.join(30)
-    booker.join(30)
-    out = result["value"]
+
+    def disable_burst() -> None:  # tenant_update's transaction: the tenant row FOR UPDATE, burst off
+        locked = Tenant.objects.select_for_update().get(pk=tenant.pk)
+        locked.burst_enabled = False
+        locked.save(update_fields=["burst_enabled"])
+
+    # The booking queues on the tenant row (where depends on the code).
+    out = behind_a_lock(disable_burst, lambda: reservation_create(
+        actor=world.users["alpha-lead"], tenant=tenant, pool=world.pool, node_count=4, start=t0,
+        end=t0 + timedelta(hours=2)))
     assert Tenant.objects.get(pk=tenant.pk).burst_enabled is False
     assert isinstance(out, QuotaExceeded), f"booked as burst after burst was disabled: {out!r} " \
         f"{getattr(out, 'billing', '')}"

@@ -14,23 +14,9 @@ from tenants.choices import Role
 from tenants.models import Membership
 
 from .conftest import make_world
-from .racing import behind_a_lock
+from .racing import behind_a_lock, demoting
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _demote(membership_pk: int, role: str | None):
-    """Another transaction demoting (role) or removing (None) a lead, not yet committed: the lock the team
-    services take (the tenant's lead rows, FOR UPDATE) is held."""
-    def hold() -> None:
-        membership = Membership.objects.select_for_update().get(pk=membership_pk)
-        list(Membership.objects.select_for_update().filter(tenant_id=membership.tenant_id, role=Role.LEAD))
-        if role is None:
-            membership.delete()
-        else:
-            membership.role = role
-            membership.save(update_fields=["role"])
-    return hold
 
 
 def _delete(model, pk: int):
@@ -65,7 +51,7 @@ def test_a_lead_demoted_or_removed_while_adding_a_member_by_api_is_refused(chang
     world = make_world()
     lead = _lead_with_a_second_lead(world)
     client = world.client("alpha-lead")
-    response = behind_a_lock(_demote(lead.pk, change), lambda: client.post(
+    response = behind_a_lock(demoting(lead.pk, change), lambda: client.post(
         "/api/v1/memberships/", {"tenant": "alpha", "user": "beta-lead", "role": "lead"}, format="json"),
         waits_on="tenants_membership")
     assert response.status_code == 403, response.json()
@@ -81,7 +67,7 @@ def test_a_lead_demoted_or_removed_while_rotating_the_feed_is_refused(change):
     tenant.save(update_fields=["ical_token"])
     lead = _lead_with_a_second_lead(world)
     client = _browser(world.users["alpha-lead"])
-    response = behind_a_lock(_demote(lead.pk, change), lambda: client.post("/tenant/calendar-feed/rotate/"),
+    response = behind_a_lock(demoting(lead.pk, change), lambda: client.post("/tenant/calendar-feed/rotate/"),
                              waits_on="tenants_membership")
     assert response.status_code == 403
     tenant.refresh_from_db()
@@ -259,7 +245,7 @@ def test_a_lead_demoted_or_removed_while_setting_the_slack_url_is_refused(change
     world = make_world()
     lead = _lead_with_a_second_lead(world)
     client = _browser(world.users["alpha-lead"])
-    response = behind_a_lock(_demote(lead.pk, change), lambda: client.post(
+    response = behind_a_lock(demoting(lead.pk, change), lambda: client.post(
         "/notifications/slack/url/", {"url": "https://hooks.slack.com/services/T1/B1/mine"}),
         waits_on="tenants_membership")
     assert response.status_code in (302, 403)

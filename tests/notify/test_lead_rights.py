@@ -7,12 +7,10 @@ events), re-pointed one or changed the Slack subscriptions. Real threads on the 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
 from django.test import Client
 
 from notifications import services
@@ -24,65 +22,20 @@ from tenants.models import Membership
 from tenants.services import tenant_slack_webhook_set
 
 from ..conftest import make_world
+from ..racing import behind_a_lock, demoting
 
 URL = "https://93.184.216.34/hook"
 OTHER_URL = "https://93.184.216.35/elsewhere"
 
 
-def _demote_and_hold(membership_pk: int, role: str | None, locked: threading.Event, release: threading.Event):
-    """Another transaction demoting (role) or removing (None) a lead, not yet committed, holding the tenant's lead
-    rows (FOR UPDATE, the team lock) until release."""
-    try:
-        with transaction.atomic():
-            membership = Membership.objects.select_for_update().get(pk=membership_pk)
-            list(Membership.objects.select_for_update().filter(tenant_id=membership.tenant_id, role=Role.LEAD))
-            if role is None:
-                membership.delete()
-            else:
-                membership.role = role
-                membership.save(update_fields=["role"])
-            locked.set()
-            release.wait(30)
-    finally:
-        connection.close()
-
-
-def _waiting_on_a_lock(table: str = "tenants_membership") -> bool:
-    with connection.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND query ILIKE %s AND pid <> pg_backend_pid()", [f"%{table}%"])
-        return bool(cur.fetchone()[0])
-
-
-def _in_thread(call: Callable[[], Any], result: dict) -> None:
-    try:
-        result["value"] = call()
-    except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
-        result["error"] = exc
-    finally:
-        connection.close()
-
-
 def _race(world, change: str | None, call: Callable[[], Any]) -> dict:
-    """Run call in a thread while another transaction demotes or removes alpha-lead (alpha-member stays a lead):
-    the call either queues on the team lock, so the change commits first, or ran past it."""
+    """Run call while another transaction demotes or removes alpha-lead (alpha-member stays a lead): the call
+    either queues on the team lock, so the change commits first, or ran past it."""
     tenant = world.tenants["alpha"]
     lead = Membership.objects.get(tenant=tenant, user=world.users["alpha-lead"])
     Membership.objects.filter(tenant=tenant, user=world.users["alpha-member"]).update(role=Role.LEAD)
-    locked, release = threading.Event(), threading.Event()
-    holder = threading.Thread(target=_demote_and_hold, args=(lead.pk, change, locked, release))
-    holder.start()
-    assert locked.wait(10)
-    result: dict = {}
-    worker = threading.Thread(target=_in_thread, args=(call, result))
-    worker.start()
-    while worker.is_alive() and not _waiting_on_a_lock():
-        worker.join(0.02)
-    release.set()
-    holder.join(30)
-    worker.join(30)
-    assert not worker.is_alive()
-    return result
+    outcome = behind_a_lock(demoting(lead.pk, change), call, waits_on="tenants_membership")
+    return {"error": outcome} if isinstance(outcome, Exception) else {"value": outcome}
 
 
 def _page(world, who: str) -> Client:
