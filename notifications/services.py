@@ -202,8 +202,9 @@ def _lock_rights(*, actor: Any, tenant_id: int | None) -> None:
     or this change waits and then finds the actor no longer a lead (PermissionDenied, nothing changed).
 
     Taken first in the transaction, as tenants services take it: the lead rows, then the tenant row (FOR NO KEY
-    UPDATE), then channels and deliveries. Bookings share-lock one membership row and key-share the tenant row,
-    and never lock a channel, so no order here can deadlock with them."""
+    UPDATE), then deliveries, then their channels (a delivery's row before its channel's: see _lock_channel).
+    Bookings share-lock one membership row and key-share the tenant row, and never lock a channel, so no order
+    here can deadlock with them."""
     tenant_lead_lock(actor=actor, tenant_id=tenant_id, denied=DENIED)
 
 
@@ -355,11 +356,23 @@ def webhook_create(
     return channel, secret
 
 
-def _lock_channel(channel: Channel, *, actor: Any) -> Channel:
+def _lock_channel(channel: Channel, *, actor: Any, deliveries: bool = False) -> Channel:
     """Decide actor's right on the channel's tenant (_lock_rights), then lock the channel's row and return it.
+
+    deliveries: lock the rows of the channel's deliveries too, before the channel's own (for a change that
+    writes them: the delete sets their channel to NULL). A delivery's row comes before its channel's
+    everywhere: the worker recording an outcome (_record) holds the delivery when it flags the channel
+    broken or repaired, and a lead's retry (delivery_requeue) does the same. Taken the other way round, a
+    delete met a recording halfway and PostgreSQL broke the deadlock by failing one of them.
 
     A channel never moves to another tenant, so the tenant is the one of the instance given."""
     _lock_rights(actor=actor, tenant_id=channel.tenant_id)
+    if deliveries:
+        # In id order, as deliveries_prune takes them. One that a fan-out commits between this and the channel's
+        # lock below (which waits for that commit) is not locked here: only a worker that sent it and is recording
+        # its outcome within the few milliseconds left to this transaction could still meet the delete halfway.
+        list(Delivery.objects.select_for_update().filter(channel_id=channel.pk).order_by("pk")
+             .values_list("pk", flat=True))
     locked = Channel.objects.select_for_update(of=("self",)).select_related("tenant").filter(pk=channel.pk).first()
     if locked is None:
         raise NotFound("No such channel (it has just been deleted).")
@@ -429,7 +442,7 @@ def channel_delete(*, actor: Any, channel: Channel) -> None:
     if channel.kind == ChannelKind.SLACK and channel.tenant.slack_webhook_url:
         tenant_slack_webhook_set(actor=actor, tenant=channel.tenant, url="")
     with transaction.atomic(durable=True):
-        channel = _lock_channel(channel, actor=actor)
+        channel = _lock_channel(channel, actor=actor, deliveries=True)  # on_delete=SET_NULL writes them
         before = _channel_snapshot(channel)
         tenant_id = channel.tenant_id
         audit_record(actor=actor, action="notifications.channel.delete", obj=channel, tenant_id=tenant_id,
