@@ -677,9 +677,6 @@ def reminders_emit(*, now: datetime | None = None) -> list[Delivery]:
 
 def channel_send_test(*, actor: Any, channel: Channel) -> Delivery:
     """Queue a test message to channel, even a broken one (that is how a fixed URL is proven)."""
-    url = channel.target_url()
-    if not url:
-        raise InvalidState("No webhook URL is set for this channel.")
     payload: dict[str, Any] = {"tenant": channel.tenant.slug} if channel.tenant_id else {}
     if channel.tenant_id:
         payload["tenant_name"] = channel.tenant.name
@@ -688,7 +685,9 @@ def channel_send_test(*, actor: Any, channel: Channel) -> Delivery:
     notice = Notice(event=Event.TEST, key=f"test:{uuid.uuid4().hex}", payload=payload, source_event="test",
                     tenant_id=channel.tenant_id)
     with transaction.atomic(durable=True):
-        _lock_rights(actor=actor, tenant_id=channel.tenant_id)
+        _lock_rights(actor=actor, tenant_id=channel.tenant_id)  # the right first: a non-lead hears 403, not this
+        if not channel.target_url():
+            raise InvalidState("No webhook URL is set for this channel.")
         delivery, _ = _delivery_for(notice, channel)
         audit_record(actor=actor, action="notifications.test", obj=channel, tenant_id=channel.tenant_id,
                      after={"delivery": delivery.pk})

@@ -16,7 +16,8 @@ from django.test import Client
 from notifications import services
 from notifications.choices import ChannelKind, DeliveryStatus
 from notifications.models import Channel, Delivery
-from portal.core.exceptions import PermissionDenied
+from portal.core.exceptions import InvalidState, PermissionDenied
+from portal.core.models import AuditLog
 from tenants.choices import Role
 from tenants.models import Membership
 from tenants.services import tenant_slack_webhook_set
@@ -163,3 +164,36 @@ def test_the_platform_channel_is_staffs_only(world, notify_settings):
     services.platform_channel_update(actor=world.users["staff"], channel=platform, enabled=False)
     platform.refresh_from_db()
     assert not platform.enabled
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_test_message_to_a_channel_without_url_is_refused_to_a_non_lead_for_the_right_not_the_url(notify_settings):
+    """The right comes first: a member is told 403, not "No webhook URL" (409), and nothing is queued or audited."""
+    world = make_world()
+    webhook, _ = services.webhook_create(actor=world.users["staff"], tenant=world.tenants["alpha"], url=URL,
+                                         name="ci")
+    Channel.objects.filter(pk=webhook.pk).update(url="")
+    webhook.refresh_from_db()
+    audits = AuditLog.objects.count()
+    for who in ("alpha-member", "alpha-viewer", "beta-lead"):
+        with pytest.raises(PermissionDenied):
+            services.channel_send_test(actor=world.users[who], channel=webhook)
+    assert not Delivery.objects.exists()
+    assert AuditLog.objects.count() == audits
+    with pytest.raises(InvalidState, match="No webhook URL"):  # a lead still hears about the URL
+        services.channel_send_test(actor=world.users["alpha-lead"], channel=webhook)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", [Role.VIEWER, None], ids=["demoted", "removed"])
+def test_a_lead_demoted_or_removed_while_testing_a_channel_without_url_on_the_page_gets_403(change,
+                                                                                          notify_settings):
+    world = make_world()
+    webhook, _ = services.webhook_create(actor=world.users["staff"], tenant=world.tenants["alpha"], url=URL,
+                                         name="ci")
+    Channel.objects.filter(pk=webhook.pk).update(url="")
+    client = _page(world, "alpha-lead")
+    result = _race(world, change, lambda: client.post(f"/notifications/channels/{webhook.pk}/test/"))
+    assert "error" not in result, result
+    assert result["value"].status_code == 403
+    assert not Delivery.objects.exists()
