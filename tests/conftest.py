@@ -127,7 +127,8 @@ def wait_for_lock_waiter(table: str, timeout: float = 10) -> None:
     while time.time() < deadline:
         with connection.cursor() as cur:
             cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND query ILIKE %s AND pid <> pg_backend_pid()", [f"%{table}%"])
+                        "AND query ILIKE %s AND pid <> pg_backend_pid() AND datname = current_database()",
+                        [f"%{table}%"])
             if cur.fetchone()[0]:
                 return
         time.sleep(0.02)

@@ -17,10 +17,11 @@ __all__ = ["behind_a_lock", "demoting", "waiting_on_a_lock"]
 
 
 def waiting_on_a_lock(table: str | None = None) -> bool:
-    """Whether another session waits on a lock (in a statement naming table, when given)."""
+    """Whether another session of this database waits on a lock (in a statement naming table, when given):
+    sessions of other databases on the same server (another test run) do not count."""
     with connection.cursor() as cur:
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
-                    " AND query ILIKE %s", [f"%{table or ''}%"])
+                    " AND datname = current_database() AND query ILIKE %s", [f"%{table or ''}%"])
         return bool(cur.fetchone()[0])
 
 
