@@ -9,6 +9,7 @@ everything. The scope comes from ``Allocation.objects.for_user`` / ``Reservation
 from __future__ import annotations
 
 from collections import Counter
+from datetime import datetime
 from typing import Any
 
 from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
@@ -30,6 +31,8 @@ __all__ = [
     "cluster_health",
     "fleet_summary",
     "open_repairs",
+    "booking_holds_nodes",
+    "may_check_cluster",
     "can_request_cluster_checks",
 ]
 
@@ -163,8 +166,15 @@ def open_repairs() -> QuerySet[Repair]:
     return Repair.objects.filter(state__in=OPEN_REPAIR_STATES).select_related("node__pool", "triggering_check")
 
 
-def can_request_cluster_checks(user, cluster) -> bool:
-    """Tell whether to offer the check button: staff, or a lead/member of the cluster's tenant."""
+def booking_holds_nodes(reservation: Reservation, now: datetime | None = None) -> bool:
+    """Tell whether the booking holds its nodes now (checks on demand run only then): a holding
+    status, and its window running. Before its start the nodes may still serve someone else."""
+    now = now or timezone.now()
+    return reservation.status in HOLDING_STATUSES and reservation.start <= now < reservation.end
+
+
+def may_check_cluster(user, cluster) -> bool:
+    """Tell whether the user's role lets them run checks on the cluster: staff, or a lead/member of its tenant."""
     from tenants.choices import BOOKING_ROLES
     from tenants.models import Membership
 
@@ -173,3 +183,9 @@ def can_request_cluster_checks(user, cluster) -> bool:
     if user.is_staff:
         return True
     return Membership.objects.filter(user=user, tenant_id=cluster.tenant_id, role__in=BOOKING_ROLES).exists()
+
+
+def can_request_cluster_checks(user, cluster) -> bool:
+    """Tell whether to offer the check button: to whoever may check the cluster, while its booking
+    holds its nodes (what cluster_health_checks_request accepts; otherwise it is refused)."""
+    return booking_holds_nodes(cluster.reservation) and may_check_cluster(user, cluster)

@@ -64,6 +64,7 @@ from .choices import (
 )
 from .models import HealthCheck, Repair
 from .runner import split_report
+from .selectors import booking_holds_nodes
 
 __all__ = [
     "health_checks_request",
@@ -240,7 +241,7 @@ def cluster_health_checks_request(
         raise PermissionDenied("Only the tenant's leads and members can run health checks.")
     reservation = Reservation.objects.get(pk=cluster.reservation_id)
     now = _now()
-    if reservation.status not in HOLDING_STATUSES or not (reservation.start <= now < reservation.end):
+    if not booking_holds_nodes(reservation, now):
         raise InvalidState(
             f"Cluster #{cluster.pk}'s reservation is {reservation.status} and does not hold its nodes now; "
             "checks run on nodes the reservation holds."

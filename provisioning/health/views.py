@@ -205,7 +205,7 @@ def cluster_health_results(request, pk: int):
 @portal_view
 def cluster_health_run(request, pk: int):
     cluster = _cluster(request, pk)
-    if not selectors.can_request_cluster_checks(request.user, cluster):
+    if not selectors.may_check_cluster(request.user, cluster):
         raise PermissionDenied("Only the tenant's leads and members can run health checks.")
     try:
         checks = services.cluster_health_checks_request(actor=request.user, cluster=cluster,

@@ -118,3 +118,29 @@ def test_check_detail_page_is_scoped(fleet, checked):
     assert browser(fleet.users["beta-viewer"]).get(f"/health/checks/{check.pk}/").status_code == 404
     page = browser(fleet.users["staff"]).get(f"/health/checks/{check.pk}/").content.decode()
     assert "ecc_uncorrected_volatile" in page and "drain_and_reset" in page
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("when, status", [("future", "confirmed"), ("past", "completed"), ("now", "cancelled")])
+def test_the_check_button_is_offered_only_while_the_booking_holds_its_nodes(fleet, now_slot, when, status):
+    """The service refuses a check of a cluster whose booking does not hold its nodes now (not started yet,
+    over, cancelled); the page offered the button anyway, and pressing it only earned a refusal."""
+    start = {"future": now_slot + timedelta(days=1), "past": now_slot - timedelta(days=1), "now": now_slot}[when]
+    cluster = make_cluster(fleet.book("alpha", ["gpu-001"], start, start + timedelta(hours=2), status=status))
+    request = RequestFactory().get("/")
+    for who in ("alpha-lead", "alpha-member", "staff"):
+        page = browser(fleet.users[who]).get(f"/health/clusters/{cluster.pk}/")
+        assert page.status_code == 200
+        assert "Check my nodes" not in page.content.decode(), who
+        request.user = fleet.users[who]
+        compact = Template("{% load health %}{% cluster_health cluster %}").render(
+            Context({"cluster": cluster, "request": request}))
+        assert "checks on demand" not in compact, who
+    # A post anyway (a stale page) is refused with the reason, not as a matter of role; nothing is queued.
+    refused = browser(fleet.users["alpha-lead"]).post(f"/health/clusters/{cluster.pk}/run/", {"level": "quick"},
+                                                      follow=True)
+    assert refused.status_code == 200 and "does not hold its nodes now" in refused.content.decode()
+    assert not HealthCheck.objects.exists()
+    # Still offered, and accepted, while it holds them.
+    live = make_cluster(fleet.book("alpha", ["gpu-002"], now_slot, now_slot + timedelta(hours=2)))
+    assert "Check my nodes" in browser(fleet.users["alpha-lead"]).get(f"/health/clusters/{live.pk}/").content.decode()
