@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from django.db.models import Prefetch, QuerySet
+from django.utils import timezone
 
 from reservations.choices import CUDA_VERSIONS
 from reservations.models import Allocation, Pool
@@ -16,6 +18,8 @@ from .choices import (
     MAX_MEMORY_PER_GPU_GIB,
     MIG_PROFILES_BY_MODEL,
     ORCHESTRATOR_VERSIONS,
+    ClusterStatus,
+    FailedDuring,
 )
 from .models import ClusterCredential, ClusterTransition, PoolCapability, VirtualCluster
 
@@ -26,6 +30,7 @@ __all__ = [
     "cluster_node_hostnames",
     "can_download_credentials",
     "can_manage_cluster",
+    "can_retry_cluster",
 ]
 
 
@@ -109,3 +114,13 @@ def can_manage_cluster(*, user, cluster: VirtualCluster) -> bool:
     if role == "lead":
         return True
     return role == "member" and cluster.reservation.created_by_id == user.pk
+
+
+def can_retry_cluster(*, user, cluster: VirtualCluster, now: datetime | None = None) -> bool:
+    """Offer the retry (what services.cluster_retry accepts): staff, a failed cluster, and either its
+    teardown failed (retried whenever) or its booking's window is not over (something to provision)."""
+    if not getattr(user, "is_staff", False) or cluster.status != ClusterStatus.FAILED:
+        return False
+    if cluster.failed_during == FailedDuring.TEARDOWN:
+        return True
+    return cluster.reservation.period.upper > (now or timezone.now())

@@ -41,7 +41,7 @@ def panel_context(user, cluster) -> dict:
         "credentials": list(cluster.credentials.current()) if credentials is None else credentials,
         "can_download": selectors.can_download_credentials(user=user, cluster=cluster),
         "can_teardown": can_manage and cluster.reservation.status in ("provisioning", "active"),
-        "can_retry": user.is_staff and cluster.status == ClusterStatus.FAILED,
+        "can_retry": selectors.can_retry_cluster(user=user, cluster=cluster),
         "polling": cluster.status not in TERMINAL_STATUSES and cluster.status not in LIVE_STATUSES,
     }
 

@@ -278,3 +278,25 @@ def test_a_storage_change_leaves_room_for_the_tenants_overlapping_clusters(world
     reservation_cancel(actor=world.users["alpha-member"], reservation=mine)
     r = member.patch(f"/api/v1/clusters/{mine_c.pk}/", {"cuda_version": "12.6"}, format="json")
     assert r.status_code == 409 and r.json()["code"] == "invalid_state"
+
+
+def test_retry_is_offered_on_the_page_only_where_it_would_be_accepted(world, clusters):
+    """A cluster that failed while provisioning, of a booking whose window is over, cannot be retried
+    (cluster_retry: there is nothing to provision); the page offered staff the button all the same."""
+    from psycopg.types.range import Range
+
+    from reservations.models import Reservation
+
+    cluster = clusters["alpha"]
+    now = cluster.reservation.start - timedelta(days=3)
+    Reservation.objects.filter(pk=cluster.reservation_id).update(
+        status="failed", period=Range(now - timedelta(hours=3), now - timedelta(hours=1), "[)"))
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="failed", failed_during="provisioning")
+    staff = page_client(world, "staff")
+    page = staff.get(f"/clusters/{cluster.pk}/").content.decode()
+    assert "Retry (staff)" not in page
+    refused = staff.post(f"/clusters/{cluster.pk}/retry/", follow=True).content.decode()
+    assert "has ended; there is nothing to provision" in refused
+    # A failed teardown can be retried after the window, and is offered.
+    VirtualCluster.objects.filter(pk=cluster.pk).update(failed_during="teardown")
+    assert "Retry (staff)" in staff.get(f"/clusters/{cluster.pk}/").content.decode()
