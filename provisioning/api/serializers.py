@@ -108,6 +108,14 @@ class ClusterSpecInputSerializer(serializers.Serializer):
     default_memory_per_gpu_gib = StrictIntegerField(required=False, min_value=1)
     shared_storage_gib = StrictIntegerField(required=False, min_value=0)
 
+    def validate(self, attrs: dict) -> dict:
+        # What is not a spec field (the orchestrator, the pool, a typo) cannot be changed here: say so
+        # (services.cluster_configure's rule) rather than drop it and answer 200 with nothing changed.
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({key: "Cannot be changed." for key in unknown})
+        return attrs
+
 
 class ClusterFilterSerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=[c for c, _ in VirtualCluster._meta.get_field("status").choices],

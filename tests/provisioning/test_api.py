@@ -300,3 +300,20 @@ def test_retry_is_offered_on_the_page_only_where_it_would_be_accepted(world, clu
     # A failed teardown can be retried after the window, and is offered.
     VirtualCluster.objects.filter(pk=cluster.pk).update(failed_during="teardown")
     assert "Retry (staff)" in staff.get(f"/clusters/{cluster.pk}/").content.decode()
+
+
+def test_a_spec_patch_naming_a_field_that_cannot_change_is_refused_not_ignored(world, clusters):
+    """PATCH {"orchestrator": "kubernetes"} (or a typo of a spec field) answered 200 with the spec unchanged and
+    an audit entry for a change that never happened: the serializer dropped what it did not know before
+    cluster_configure, whose own rule is 'cannot be changed'. Now 400 naming the field; nothing changes."""
+    pending = clusters["alpha2"]
+    url = f"/api/v1/clusters/{pending.pk}/"
+    audits = AuditLog.objects.filter(action="cluster.configure").count()
+    for body in ({"orchestrator": "kubernetes"}, {"cuda_version": "12.6", "shared_storage": 10}):
+        response = world.client("alpha-lead").patch(url, body, format="json")
+        assert response.status_code == 400, (body, response.json())
+        unknown = next(k for k in body if k not in ("cuda_version",))
+        assert response.json()["code"] == "invalid" and unknown in response.json()["fields"], response.json()
+    pending.refresh_from_db()
+    assert pending.orchestrator == "slurm" and pending.cuda_version == "12.8"
+    assert AuditLog.objects.filter(action="cluster.configure").count() == audits
