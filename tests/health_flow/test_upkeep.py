@@ -111,11 +111,13 @@ def test_prune_keeps_each_nodes_latest_and_repair_evidence(fleet, eager, setting
 
 
 @pytest.mark.django_db
-def test_dispatch_without_a_broker_leaves_checks_to_expire(fleet):
+def test_dispatch_without_a_broker_leaves_checks_to_expire(fleet, monkeypatch):
     from celery import current_app
 
     checks = health_checks_request(nodes=[fleet.nodes[0]], level="quick", trigger="schedule")
-    # Point the app at a port nothing listens on, with fresh connection pools (restored after).
+    # Point the app at a port nothing listens on, with fresh connection pools (restored after). Celery
+    # reads CELERY_BROKER_URL from the environment before its configuration: unset it meanwhile.
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
     amqp = current_app.amqp
     saved = current_app._pool, amqp._producer_pool, current_app.conf.broker_url
     current_app._pool, amqp._producer_pool, current_app.conf.broker_url = None, None, "redis://127.0.0.1:1/0"
