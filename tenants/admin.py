@@ -17,7 +17,9 @@ from django.contrib import admin, messages
 from django.contrib.admin.options import csrf_protect_m
 from django.contrib.admin.utils import unquote
 from django.contrib.auth import get_user_model, update_session_auth_hash
+from django.contrib.auth.admin import GroupAdmin as DjangoGroupAdmin
 from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
+from django.contrib.auth.models import Group
 from django.core.exceptions import PermissionDenied
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -551,3 +553,29 @@ class UserAdmin(ServiceTransactionMixin, DjangoUserAdmin):
                         reverse(f"{self.admin_site.name}:{user._meta.app_label}_{user._meta.model_name}_change",
                                 args=(user.pk,)))
         return super().user_change_password(request, id, form_url)
+
+
+if admin.site.is_registered(Group):
+    admin.site.unregister(Group)
+
+
+@admin.register(Group)
+class GroupAdmin(ServiceTransactionMixin, DjangoGroupAdmin):
+    """Django's group admin (its forms and permissions), saved by group_save / group_delete: a group's
+    permissions are privileges of every member, so each change is audited like a user's own."""
+
+    def save_model(self, request, obj, form, change):
+        services.group_save(actor=request.user, group=obj, name=form.cleaned_data["name"],
+                            permissions=list(form.cleaned_data.get("permissions") or []))
+
+    def save_related(self, request, form, formsets, change):
+        # the permissions were set by group_save (save_model), in its transaction.
+        for formset in formsets:
+            self.save_formset(request, form, formset, change=change)
+
+    def delete_model(self, request, obj):
+        services.group_delete(actor=request.user, group=obj)
+
+    def delete_queryset(self, request, queryset):
+        for group in queryset:
+            self.run_service(request, services.group_delete, actor=request.user, group=group)

@@ -26,6 +26,8 @@ __all__ = [
     "user_update",
     "user_set_password",
     "user_delete",
+    "group_save",
+    "group_delete",
     "membership_create",
     "quota_create",
     "quota_update",
@@ -287,6 +289,62 @@ def user_delete(*, actor, user: Any) -> None:
     before = {f: _audit_value(getattr(locked, f)) for f in ("username", "email", "is_staff", "is_superuser")}
     before["api_tokens"] = locked.api_tokens.count()
     audit_record(actor=actor, action="user.delete", obj=locked, before=before)
+    locked.delete()
+
+
+# Groups: their permissions are privileges of every member, audited by name like a user's own.
+
+
+def _group_permissions(group: Any) -> list[str]:
+    return sorted(f"{app}.{codename}" for app, codename in
+                  group.permissions.values_list("content_type__app_label", "codename"))
+
+
+@transaction.atomic(durable=True)
+def group_save(*, actor, group: Any, name: str, permissions: list[Any]) -> Any:
+    """Create (group unsaved) or change a group's name and permissions (Django's group admin); one audit row."""
+    from django.contrib.auth.models import Group
+
+    if Group.objects.filter(name=name).exclude(pk=group.pk).exists():
+        raise InvalidInput("name: a group with that name exists.", fields={"name": "Already in use."})
+    if group.pk is None:
+        group.name = name
+        _save_checked(group, integrity_fields={"name": "name"})
+        group.permissions.set(permissions)
+        audit_record(actor=actor, action="group.create", obj=group,
+                     after={"name": name, "permissions": _group_permissions(group)})
+        return group
+    locked = Group.objects.select_for_update().filter(pk=group.pk).first()
+    if locked is None:
+        raise NotFound("No such group (it has just been deleted).")
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    if locked.name != name:
+        before["name"], after["name"] = locked.name, name
+        locked.name = name
+        _save_checked(locked, integrity_fields={"name": "name"})
+    old = _group_permissions(locked)
+    locked.permissions.set(permissions)
+    new = _group_permissions(locked)
+    if new != old:
+        before["permissions"], after["permissions"] = old, new
+    if before or after:
+        audit_record(actor=actor, action="group.update", obj=locked, before=before, after=after)
+    group.name = locked.name
+    return group
+
+
+@transaction.atomic(durable=True)
+def group_delete(*, actor, group: Any) -> None:
+    """Delete a group (its members lose its permissions); the audit row keeps its permissions and members."""
+    from django.contrib.auth.models import Group
+
+    locked = Group.objects.select_for_update().filter(pk=group.pk).first()
+    if locked is None:
+        return
+    members = sorted(locked.user_set.values_list("username", flat=True))
+    audit_record(actor=actor, action="group.delete", obj=locked,
+                 before={"name": locked.name, "permissions": _group_permissions(locked), "members": members})
     locked.delete()
 
 

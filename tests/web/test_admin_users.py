@@ -236,3 +236,40 @@ def test_a_tenants_last_lead_cannot_be_deleted_in_the_admin(world, root):
               {"action": "delete_selected", "_selected_action": [lead.pk], "post": "yes"}, follow=True)
     assert User.objects.filter(pk=lead.pk).exists()
     assert Membership.objects.filter(user=lead, role="lead").exists()
+
+
+def test_group_privileges_changed_in_the_admin_are_audited(world, root, superuser):
+    """A group's permissions are privileges of every member: Django's own group admin saved them with no
+    audit row (adding auth.change_user to a staff member's group let them manage accounts, unrecorded)."""
+    change_user = Permission.objects.get(content_type__app_label="auth", codename="change_user")
+    view_user = Permission.objects.get(content_type__app_label="auth", codename="view_user")
+    response = root.post(reverse("admin:auth_group_add"), {"name": "ops", "permissions": [str(view_user.pk)],
+                                                             "_save": "Save"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    group = Group.objects.get(name="ops")
+    world.users["staff"].groups.add(group)
+
+    def rows(action):
+        return list(AuditLog.objects.filter(action=action, object_type="auth.group", object_id=str(group.pk)))
+
+    (created,) = rows("group.create")
+    assert created.actor_id == superuser.pk
+    assert created.after == {"name": "ops", "permissions": ["auth.view_user"]}
+
+    response = root.post(reverse("admin:auth_group_change", args=[group.pk]),
+                         {"name": "ops", "permissions": [str(view_user.pk), str(change_user.pk)], "_save": "Save"})
+    assert response.status_code == 302
+    assert set(group.permissions.values_list("codename", flat=True)) == {"view_user", "change_user"}
+    (updated,) = rows("group.update")
+    assert updated.actor_id == superuser.pk
+    assert updated.before == {"permissions": ["auth.view_user"]}
+    assert updated.after == {"permissions": ["auth.change_user", "auth.view_user"]}
+
+    response = root.post(reverse("admin:auth_group_changelist"),
+                         {"action": "delete_selected", "_selected_action": [group.pk], "post": "yes"})
+    assert response.status_code == 302
+    assert not Group.objects.filter(pk=group.pk).exists()
+    (deleted,) = rows("group.delete")
+    assert deleted.actor_id == superuser.pk
+    assert deleted.before == {"name": "ops", "permissions": ["auth.change_user", "auth.view_user"],
+                              "members": ["staff"]}
