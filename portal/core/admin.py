@@ -16,7 +16,10 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.contrib.admin.options import csrf_protect_m
+from django.contrib.admin.utils import model_ngettext
+from django.core.exceptions import PermissionDenied
 from django.http import HttpResponseRedirect
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -60,12 +63,47 @@ class StaffAdminMixin:
         return _is_platform_admin(request)
 
 
+def delete_selected_through_services(modeladmin, request, queryset):
+    """Django's "delete selected", reporting and logging only the rows the services really deleted.
+
+    Django counts the selection and writes its "deleted" history entries before deleting; here
+    delete_queryset runs each row's service (a refusal is a message, see run_service), so a refused
+    row would have been reported "Successfully deleted" (and logged so) while it stayed.
+    """
+    if not request.POST.get("post"):
+        return django_delete_selected(modeladmin, request, queryset)  # the confirmation page
+    _, _, perms_needed, protected = modeladmin.get_deleted_objects(queryset, request)
+    if protected:
+        return django_delete_selected(modeladmin, request, queryset)  # the "cannot delete" page
+    if perms_needed:
+        raise PermissionDenied
+    selected = list(queryset.all())
+    if not selected:
+        return None
+    modeladmin.delete_queryset(request, queryset)
+    remaining = set(modeladmin.model._default_manager.filter(pk__in=[o.pk for o in selected])
+                    .values_list("pk", flat=True))
+    deleted = [o for o in selected if o.pk not in remaining]
+    if deleted:
+        modeladmin.log_deletions(request, deleted)
+        modeladmin.message_user(request, f"Successfully deleted {len(deleted)} "
+                                f"{model_ngettext(modeladmin.opts, len(deleted))}.", messages.SUCCESS)
+    return None
+
+
 class ServiceTransactionMixin:
     """Run add/change/delete outside the admin's transaction: the services own theirs.
 
     Permissions stay the ModelAdmin's own (Django's model permissions); ServiceAdminMixin adds
     the platform admins' (is_staff) on top.
     """
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        if "delete_selected" in actions:
+            _, name, description = actions["delete_selected"]
+            actions["delete_selected"] = (delete_selected_through_services, name, description)
+        return actions
 
     @csrf_protect_m
     def changeform_view(self, request, object_id=None, form_url="", extra_context=None):

@@ -354,3 +354,34 @@ def test_bulk_delete_with_the_platform_channel_selected_is_a_message_not_a_500(w
     assert Channel.objects.filter(pk=platform.pk).exists()
     assert not Channel.objects.filter(pk=hook.pk).exists()
     assert "disable" in response.content.decode().lower()
+
+
+def test_bulk_delete_reports_and_logs_only_the_channels_really_deleted(world, staff, settings, webhook_for):
+    # Django's "delete selected" counted the selection: "Successfully deleted 2 channels" (and an admin
+    # history entry "deleted" for each) while the platform channel's deletion was refused and it stayed.
+    from django.contrib.admin.models import DELETION, LogEntry
+
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    platform = notify.platform_channel_ensure()
+    hook, _ = webhook_for("alpha", "https://ci.alpha.example/hook")
+    response = staff.post(reverse("admin:notifications_channel_changelist"),
+                          {"action": "delete_selected", "_selected_action": [platform.pk, hook.pk], "post": "yes"},
+                          follow=True)
+    shown = [str(m) for m in response.context["messages"]]
+    assert any("disable" in m for m in shown)
+    assert "Successfully deleted 1 channel." in shown, shown
+    assert Channel.objects.filter(pk=platform.pk).exists() and not Channel.objects.filter(pk=hook.pk).exists()
+    logged = set(LogEntry.objects.filter(action_flag=DELETION).values_list("object_id", flat=True))
+    assert logged == {str(hook.pk)}
+    assert len(_audits("notifications.channel.delete")) == 1
+
+
+def test_bulk_delete_with_only_refused_channels_claims_no_deletion(world, staff, settings):
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    platform = notify.platform_channel_ensure()
+    response = staff.post(reverse("admin:notifications_channel_changelist"),
+                          {"action": "delete_selected", "_selected_action": [platform.pk], "post": "yes"},
+                          follow=True)
+    shown = [str(m) for m in response.context["messages"]]
+    assert not any("Successfully deleted" in m for m in shown), shown
+    assert Channel.objects.filter(pk=platform.pk).exists()

@@ -273,3 +273,16 @@ def test_group_privileges_changed_in_the_admin_are_audited(world, root, superuse
     assert deleted.actor_id == superuser.pk
     assert deleted.before == {"name": "ops", "permissions": ["auth.change_user", "auth.view_user"],
                               "members": ["staff"]}
+
+
+def test_deleting_several_users_reports_only_those_deleted(world, root):
+    """With a tenant's last lead among the selection, the page said "Successfully deleted 2 users"."""
+    lead = world.users["alpha-lead"]
+    leaver = User.objects.create_user("leaver", password=PASSWORD)
+    page = root.post(reverse("admin:auth_user_changelist"),
+                     {"action": "delete_selected", "_selected_action": [lead.pk, leaver.pk], "post": "yes"},
+                     follow=True)
+    shown = [str(m) for m in page.context["messages"]]
+    assert any("last lead" in m for m in shown)
+    assert "Successfully deleted 1 user." in shown, shown
+    assert User.objects.filter(pk=lead.pk).exists() and not User.objects.filter(pk=leaver.pk).exists()
