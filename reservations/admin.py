@@ -73,8 +73,22 @@ admin_hooks["quota_conflicts"] = quota_conflicts
 # --- pools ---------------------------------------------------------------------------------
 
 
+class PoolForm(forms.ModelForm):
+    class Meta:
+        model = Pool
+        fields = ("name", *services.POOL_FIELDS)
+
+    def clean_slot_minutes(self):
+        value = self.cleaned_data["slot_minutes"]
+        why = services.slot_minutes_error(value)
+        if why:
+            raise forms.ValidationError(why)
+        return value
+
+
 @admin.register(Pool)
 class PoolAdmin(ServiceAdminMixin, admin.ModelAdmin):
+    form = PoolForm
     list_display = ("name", "gpu_model", "gpus_per_node", "slot_minutes", "on_demand_rate", "node_total")
     search_fields = ("name", "gpu_model")
     fields = ("name", "gpu_model", "gpus_per_node", "slot_minutes", "on_demand_rate", "created_at")

@@ -773,12 +773,19 @@ def _create_unique(model: Any, field: str, **values: Any) -> Any:
         raise InvalidInput(f"{field}: already in use.", fields={field: "Already in use."}) from exc
 
 
+def slot_minutes_error(slot_minutes: Any) -> str | None:
+    """Why a pool cannot have this slot length (the slots must tile a day), or None; the admin's form asks too."""
+    if not isinstance(slot_minutes, int) or slot_minutes < 1 or 1440 % slot_minutes:
+        return "Must divide 1440 (a day), e.g. 15, 30 or 60."
+    return None
+
+
 @transaction.atomic(durable=True)
 def pool_create(*, actor: Any, name: str, gpu_model: str, gpus_per_node: int, slot_minutes: int = 60,
                 on_demand_rate: Any = 0) -> Pool:
     if Pool.objects.filter(name=name).exists():
         raise InvalidInput("name: a pool with that name exists.", fields={"name": "Already in use."})
-    if 1440 % slot_minutes:
+    if slot_minutes_error(slot_minutes):
         raise InvalidInput("slot_minutes: must divide a day.", fields={"slot_minutes": "Must divide 1440."})
     pool = _create_unique(Pool, "name", name=name, gpu_model=gpu_model, gpus_per_node=gpus_per_node,
                           slot_minutes=slot_minutes, on_demand_rate=on_demand_rate)
@@ -1089,7 +1096,7 @@ def pool_update(*, actor: Any, pool: Pool, **changes: Any) -> Pool:
         before = {f: str(getattr(pool, f)) for f in POOL_FIELDS}
         if "slot_minutes" in changes and changes["slot_minutes"] != pool.slot_minutes:
             slot = changes["slot_minutes"]
-            if not isinstance(slot, int) or slot < 1 or 1440 % slot:
+            if slot_minutes_error(slot):
                 raise InvalidInput("slot_minutes: must divide a day.", fields={"slot_minutes": "Must divide 1440."})
             if Reservation.objects.filter(pool=pool, status__in=[s for s in ReservationStatus.values
                                                                  if s not in FINAL_STATUSES]).exists():

@@ -385,3 +385,24 @@ def test_bulk_delete_with_only_refused_channels_claims_no_deletion(world, staff,
     shown = [str(m) for m in response.context["messages"]]
     assert not any("Successfully deleted" in m for m in shown), shown
     assert Channel.objects.filter(pk=platform.pk).exists()
+
+
+@pytest.mark.parametrize("slot_minutes", ["7", "2880"])
+def test_a_slot_length_the_pool_services_refuse_is_a_form_error(world, staff, slot_minutes):
+    # The pool form took any slot length the column holds; one that does not divide a day was refused by
+    # pool_create / pool_update only after the form had been accepted: a redirect to an empty form.
+    from reservations.models import Pool
+
+    add = staff.post(reverse("admin:reservations_pool_add"),
+                     {"name": "a100", "gpu_model": "A100", "gpus_per_node": 8, "slot_minutes": slot_minutes,
+                      "on_demand_rate": "1.0", "_save": "Save"})
+    assert add.status_code == 200, add.status_code
+    assert "slot_minutes" in add.context["adminform"].form.errors
+    assert not Pool.objects.filter(name="a100").exists()
+    change = staff.post(reverse("admin:reservations_pool_change", args=[world.pool.pk]),
+                        {"gpu_model": "H100-SXM", "gpus_per_node": 8, "slot_minutes": slot_minutes,
+                         "on_demand_rate": "2.5", "_save": "Save"})
+    assert change.status_code == 200
+    assert "slot_minutes" in change.context["adminform"].form.errors
+    world.pool.refresh_from_db()
+    assert world.pool.slot_minutes == 60 and not _audits("pool.update") and not _audits("pool.create")
