@@ -20,8 +20,8 @@ from django.contrib.auth import get_user_model, update_session_auth_hash
 from django.contrib.auth.admin import GroupAdmin as DjangoGroupAdmin
 from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
 from django.contrib.auth.models import Group
-from django.core.exceptions import PermissionDenied
-from django.http import HttpResponseRedirect
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.decorators import method_decorator
@@ -337,9 +337,23 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
     def revert_disabled(self, request, obj=None):
         return True  # a revert would save a historical row past the service (and its audit)
 
+    @staticmethod
+    def _require_ids(*ids: str) -> None:
+        """django-simple-history looks ids up as given: "abc" was a database error (a 500), now a 404."""
+        try:
+            for value in ids:
+                Quota._meta.pk.to_python(unquote(value))
+        except ValidationError:
+            raise Http404("No such quota or version.") from None
+
+    def history_view(self, request, object_id, extra_context=None):
+        self._require_ids(object_id)
+        return super().history_view(request, object_id, extra_context)
+
     def history_form_view(self, request, object_id, version_id, extra_context=None):
         if request.method == "POST":
             raise PermissionDenied("Quotas are changed through the quota form, never by reverting.")
+        self._require_ids(object_id, version_id)
         return super().history_form_view(request, object_id, version_id, extra_context)
 
     # single quota page

@@ -406,3 +406,16 @@ def test_a_slot_length_the_pool_services_refuse_is_a_form_error(world, staff, sl
     assert "slot_minutes" in change.context["adminform"].form.errors
     world.pool.refresh_from_db()
     assert world.pool.slot_minutes == 60 and not _audits("pool.update") and not _audits("pool.create")
+
+
+@pytest.mark.parametrize("object_id", ["abc", "99999999999999999999", "1.5"])
+def test_a_quota_history_page_for_an_id_that_is_no_number_is_a_404(world, staff, object_id):
+    # The history page (django-simple-history) looked the id up as given: a database error, a 500.
+    staff.raise_request_exception = False
+    quota = _quota(world, "alpha")
+    assert staff.get(f"/admin/tenants/quota/{object_id}/history/").status_code == 404
+    assert staff.get(f"/admin/tenants/quota/{object_id}/history/1/").status_code == 404
+    assert staff.get(f"/admin/tenants/quota/{quota.pk}/history/{object_id}/").status_code == 404
+    assert staff.get(f"/admin/tenants/quota/{quota.pk}/history/").status_code == 200
+    version = quota.history.latest("history_date").pk
+    assert staff.get(f"/admin/tenants/quota/{quota.pk}/history/{version}/").status_code == 200
