@@ -17,9 +17,10 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.actions import delete_selected as django_delete_selected
-from django.contrib.admin.options import csrf_protect_m
+from django.contrib.admin.options import IncorrectLookupParameters, csrf_protect_m
 from django.contrib.admin.utils import model_ngettext
 from django.core.exceptions import PermissionDenied
+from django.db import DataError, transaction
 from django.http import HttpResponseRedirect
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -29,8 +30,8 @@ from .exceptions import DomainError
 from .models import AuditLog, OutboxEvent
 
 __all__ = [
-    "StaffAdminMixin", "ServiceAdminMixin", "ServiceTransactionMixin", "ReadOnlyAdminMixin", "admin_hooks",
-    "AuditLogAdmin", "OutboxEventAdmin", "format_change",
+    "ListLookupsMixin", "StaffAdminMixin", "ServiceAdminMixin", "ServiceTransactionMixin", "ReadOnlyAdminMixin",
+    "admin_hooks", "AuditLogAdmin", "OutboxEventAdmin", "format_change",
 ]
 
 # Late-bound helpers one app's admin offers another without an upward import: e.g. the
@@ -44,7 +45,22 @@ def _is_platform_admin(request) -> bool:
     return bool(user.is_active and user.is_staff)
 
 
-class StaffAdminMixin:
+class ListLookupsMixin:
+    """A list filter given in the URL that the database cannot run is Django's "invalid filter" page.
+
+    Django checks a lookup's value when it builds the list's query, but some fail only when the
+    list is counted (a year out of range, a range literal PostgreSQL cannot parse): a 500 before.
+    """
+
+    def get_changelist_instance(self, request):
+        try:
+            with transaction.atomic():  # a savepoint, so a refused query leaves the request usable
+                return super().get_changelist_instance(request)
+        except (ValueError, OverflowError, DataError) as exc:
+            raise IncorrectLookupParameters(exc) from exc
+
+
+class StaffAdminMixin(ListLookupsMixin):
     """Platform admins are the staff users (DESIGN §3): being staff is the permission here."""
 
     def has_module_permission(self, request):
@@ -91,7 +107,7 @@ def delete_selected_through_services(modeladmin, request, queryset):
     return None
 
 
-class ServiceTransactionMixin:
+class ServiceTransactionMixin(ListLookupsMixin):
     """Run add/change/delete outside the admin's transaction: the services own theirs.
 
     Permissions stay the ModelAdmin's own (Django's model permissions); ServiceAdminMixin adds
