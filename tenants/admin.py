@@ -103,8 +103,19 @@ def _quota_values(form) -> dict[str, Any]:
 # --- inlines -------------------------------------------------------------------------------
 
 
+class MembershipInlineForm(forms.ModelForm):
+    def clean_user(self):
+        user = self.cleaned_data["user"]
+        # membership_create takes active accounts only: refused here, the page saves nothing, instead of the
+        # tenant's own fields being committed before the refusal. A member disabled since stays listed.
+        if user is not None and not user.is_active and (self.instance.pk is None or "user" in self.changed_data):
+            raise forms.ValidationError("This account is disabled; only an active account can be added.")
+        return user
+
+
 class MembershipInline(StaffAdminMixin, admin.TabularInline):
     model = Membership
+    form = MembershipInlineForm
     extra = 0
     fields = ("user", "role", "created_at")
     readonly_fields = ("created_at",)

@@ -391,3 +391,47 @@ def test_a_list_filter_the_database_cannot_run_is_the_invalid_filter_page_not_a_
         return
     assert response.status_code == 302 and response["Location"].endswith("?e=1"), response.status_code
     assert root.get(response["Location"]).status_code == 200
+
+
+@pytest.mark.parametrize("who", ["staff", "root"])
+def test_adding_a_disabled_account_on_the_tenant_page_is_a_form_error_and_saves_nothing(world, staff, root, who):
+    # membership_create refuses a disabled account; the inline took it, so the tenant's own fields were
+    # committed (tenant_update) before the refusal, and the page came back empty with a message.
+    client = {"staff": staff, "root": root}[who]
+    tenant = world.tenants["alpha"]
+    disabled = get_user_model().objects.create_user("gone", password="pw-Long-enough-1", is_active=False)
+    data, members = _tenant_post(world, tenant, name="Renamed Alpha")
+    n = len(members)
+    data.update({"memberships-TOTAL_FORMS": str(n + 1), f"memberships-{n}-id": "",
+                 f"memberships-{n}-tenant": str(tenant.pk), f"memberships-{n}-user": str(disabled.pk),
+                 f"memberships-{n}-role": "member"})
+    response = client.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]), data)
+    assert response.status_code == 200, response.status_code
+    assert "active" in response.content.decode()
+    assert Tenant.objects.get(pk=tenant.pk).name == "Team Alpha"
+    assert not Membership.objects.filter(user=disabled).exists()
+    assert not AuditLog.objects.filter(action__in=["tenant.update", "membership.create"]).exists()
+
+
+def test_adding_a_tenant_with_a_disabled_member_saves_nothing(world, root):
+    disabled = get_user_model().objects.create_user("gone", password="pw-Long-enough-1", is_active=False)
+    data = {"slug": "gamma", "name": "Team Gamma", "storage_quota_tib": "10", "vlan_id": "", "cidr": "",
+            "_save": "Save",
+            "memberships-TOTAL_FORMS": "1", "memberships-INITIAL_FORMS": "0", "memberships-MIN_NUM_FORMS": "0",
+            "memberships-MAX_NUM_FORMS": "1000", "memberships-0-id": "", "memberships-0-user": str(disabled.pk),
+            "memberships-0-role": "lead",
+            "quotas-TOTAL_FORMS": "0", "quotas-INITIAL_FORMS": "0", "quotas-MIN_NUM_FORMS": "0",
+            "quotas-MAX_NUM_FORMS": "1000"}
+    response = root.post(reverse("admin:tenants_tenant_add"), data)
+    assert response.status_code == 200, response.status_code
+    assert not Tenant.objects.filter(slug="gamma").exists()
+
+
+def test_a_member_disabled_since_does_not_block_the_tenant_page(world, root):
+    member = world.users["alpha-member"]
+    member.is_active = False
+    member.save()
+    data, _ = _tenant_post(world, world.tenants["alpha"], name="Renamed Alpha")
+    response = root.post(reverse("admin:tenants_tenant_change", args=[world.tenants["alpha"].pk]), data)
+    assert response.status_code == 302
+    assert Tenant.objects.get(pk=world.tenants["alpha"].pk).name == "Renamed Alpha"
