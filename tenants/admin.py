@@ -147,6 +147,16 @@ class TenantForm(forms.ModelForm):
         model = Tenant
         fields = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
 
+    def clean_new_slack_webhook_url(self) -> str:
+        # Asked here, as tenant_slack_webhook_set will: refused after tenant_update, the rest was already saved.
+        url = self.cleaned_data.get("new_slack_webhook_url") or ""
+        if url:
+            try:
+                services.slack_webhook_url_check(url)
+            except InvalidInput as exc:
+                raise forms.ValidationError(exc.detail) from None
+        return url
+
 
 # What names an inline row (a membership's user, a quota's pool): the services change only the rest.
 _ROW_KEYS = {

@@ -435,3 +435,18 @@ def test_a_member_disabled_since_does_not_block_the_tenant_page(world, root):
     response = root.post(reverse("admin:tenants_tenant_change", args=[world.tenants["alpha"].pk]), data)
     assert response.status_code == 302
     assert Tenant.objects.get(pk=world.tenants["alpha"].pk).name == "Renamed Alpha"
+
+
+@pytest.mark.parametrize("url", ["https://10.1.2.3/services/T0/B0/x", "https://127.0.0.1/hook"])
+def test_a_slack_url_the_service_refuses_is_a_form_error_and_saves_nothing(world, staff, settings, url):
+    # The form took any URL; tenant_slack_webhook_set refused it only after tenant_update had committed
+    # the rest of the page (here the new name), which the emptied form then no longer showed.
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
+    tenant = world.tenants["alpha"]
+    data, _ = _tenant_post(world, tenant, name="Renamed Alpha", new_slack_webhook_url=url)
+    response = staff.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]), data)
+    assert response.status_code == 200, response.status_code
+    assert "new_slack_webhook_url" in response.context["adminform"].form.errors
+    tenant.refresh_from_db()
+    assert tenant.name == "Team Alpha" and tenant.slack_webhook_url == ""
+    assert not AuditLog.objects.filter(action__in=["tenant.update", "tenant.slack_webhook"]).exists()
