@@ -147,6 +147,14 @@ class TenantForm(forms.ModelForm):
         model = Tenant
         fields = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
 
+    def clean_cidr(self) -> str:
+        cidr = self.cleaned_data.get("cidr") or ""
+        try:  # as tenant_create / tenant_update will; refused there, staff got an emptied form back
+            services.tenant_network_check(cidr)
+        except InvalidInput as exc:
+            raise forms.ValidationError(exc.fields.get("cidr") or exc.detail) from None
+        return cidr
+
     def clean_new_slack_webhook_url(self) -> str:
         # Asked here, as tenant_slack_webhook_set will: refused after tenant_update, the rest was already saved.
         url = self.cleaned_data.get("new_slack_webhook_url") or ""

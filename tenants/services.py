@@ -573,6 +573,11 @@ def _clean_slack_url(url: Any) -> str:
     return checked_url(url, field="slack_webhook_url", hint="Give the incoming-webhook URL Slack showed you.")
 
 
+def tenant_network_check(cidr: str | None) -> str:
+    """The network as tenant_create / tenant_update would store it, or InvalidInput: for a form to ask first."""
+    return _validate_network(cidr)
+
+
 def slack_webhook_url_check(url: Any) -> str:
     """The Slack URL as tenant_slack_webhook_set would store it, or InvalidInput: for a form to ask first."""
     return _clean_slack_url(url)

@@ -450,3 +450,21 @@ def test_a_slack_url_the_service_refuses_is_a_form_error_and_saves_nothing(world
     tenant.refresh_from_db()
     assert tenant.name == "Team Alpha" and tenant.slack_webhook_url == ""
     assert not AuditLog.objects.filter(action__in=["tenant.update", "tenant.slack_webhook"]).exists()
+
+
+@pytest.mark.parametrize("cidr", ["abc", "10.0.0.1/8", "fe80::%eth0/64", "10.0.0.0/33"])
+def test_a_network_the_service_refuses_is_a_form_error_on_the_tenant_page(world, staff, cidr):
+    # tenant_update / tenant_create refused it only after the form was accepted: a redirect to an emptied form.
+    tenant = world.tenants["alpha"]
+    data, _ = _tenant_post(world, tenant, name="Renamed Alpha", cidr=cidr)
+    response = staff.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]), data)
+    assert response.status_code == 200, response.status_code
+    assert "cidr" in response.context["adminform"].form.errors
+    add = staff.post(reverse("admin:tenants_tenant_add"),
+                     {"slug": "gamma", "name": "Team Gamma", "storage_quota_tib": "10", "vlan_id": "", "cidr": cidr,
+                      "_save": "Save", **{f"{p}-{k}": v for p in ("memberships", "quotas") for k, v in
+                                          (("TOTAL_FORMS", "0"), ("INITIAL_FORMS", "0"), ("MIN_NUM_FORMS", "0"),
+                                           ("MAX_NUM_FORMS", "1000"))}})
+    assert add.status_code == 200, add.status_code
+    assert "cidr" in add.context["adminform"].form.errors
+    assert Tenant.objects.get(pk=tenant.pk).name == "Team Alpha" and not Tenant.objects.filter(slug="gamma").exists()
