@@ -334,12 +334,16 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
 # --- quotas --------------------------------------------------------------------------------
 
 
+MAX_QUOTA_NUMBER = 2**31 - 1  # PostgreSQL integer, the quota columns' type
+
+
 class QuotaBulkForm(forms.Form):
     """Set the same numbers on every selected quota; empty fields stay as they are."""
 
-    max_nodes = forms.IntegerField(required=False, min_value=0)
-    burst_nodes = forms.IntegerField(required=False, min_value=0)
-    max_duration_hours = forms.IntegerField(required=False, min_value=1,
+    # The upper bound is the column's (the services refuse more): a field error here, not a refusal after.
+    max_nodes = forms.IntegerField(required=False, min_value=0, max_value=MAX_QUOTA_NUMBER)
+    burst_nodes = forms.IntegerField(required=False, min_value=0, max_value=MAX_QUOTA_NUMBER)
+    max_duration_hours = forms.IntegerField(required=False, min_value=1, max_value=MAX_QUOTA_NUMBER,
                                             help_text="Leave empty to keep; tick below to remove the limit.")
     no_duration_limit = forms.BooleanField(required=False, label="Remove the duration limit")
 

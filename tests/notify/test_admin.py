@@ -419,3 +419,15 @@ def test_a_quota_history_page_for_an_id_that_is_no_number_is_a_404(world, staff,
     assert staff.get(f"/admin/tenants/quota/{quota.pk}/history/").status_code == 200
     version = quota.history.latest("history_date").pk
     assert staff.get(f"/admin/tenants/quota/{quota.pk}/history/{version}/").status_code == 200
+
+
+@pytest.mark.parametrize("field", ["max_nodes", "burst_nodes", "max_duration_hours"])
+def test_a_bulk_quota_number_the_column_cannot_hold_is_a_form_error(world, staff, field):
+    # The bulk form had no upper bound: quota_bulk_update refused 3000000000 only after the form was
+    # accepted, so staff were sent back to the list with a message instead of the form with its error.
+    ids = [_quota(world, "alpha").pk, _quota(world, "beta").pk]
+    response = staff.post(reverse("admin:tenants_quota_changelist"),
+                          {"action": "bulk_change", "_selected_action": ids, "apply": "1", field: "3000000000"})
+    assert response.status_code == 200 and b"Change the numbers" in response.content
+    assert field in response.context["form"].errors
+    assert not _audits("quota.update")
