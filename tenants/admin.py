@@ -16,16 +16,19 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.options import csrf_protect_m
 from django.contrib.admin.utils import unquote
+from django.contrib.admin.widgets import ForeignKeyRawIdWidget
 from django.contrib.auth import get_user_model, update_session_auth_hash
 from django.contrib.auth.admin import GroupAdmin as DjangoGroupAdmin
 from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
 from django.contrib.auth.models import Group
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.forms.models import BaseInlineFormSet
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.decorators import method_decorator
 from django.utils.html import format_html
+from django.utils.text import Truncator
 from django.views.decorators.debug import sensitive_post_parameters
 from simple_history.admin import SimpleHistoryAdmin
 
@@ -113,21 +116,64 @@ class MembershipInlineForm(forms.ModelForm):
         return user
 
 
+class _KnownUserWidget(ForeignKeyRawIdWidget):
+    """The raw-id user box, naming a user the formset already loaded without a query of its own per row."""
+
+    known: dict[str, Any] = {}
+
+    def label_and_url_for_value(self, value):
+        user = self.known.get(str(value))
+        if user is None:
+            return super().label_and_url_for_value(value)
+        return Truncator(user).words(14), reverse(f"{self.admin_site.name}:auth_user_change", args=(user.pk,))
+
+
+class MembershipFormSet(BaseInlineFormSet):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        known = {str(form.instance.user_id): form.instance.user for form in self.initial_forms}
+        for form in self.forms:
+            widget = form.fields["user"].widget
+            if isinstance(widget, _KnownUserWidget):
+                widget.known = known
+
+
+class QuotaFormSet(BaseInlineFormSet):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        choices = list(self.form.base_fields["pool"].choices) if "pool" in self.form.base_fields else None
+        for form in self.forms if choices is not None else ():
+            form.fields["pool"].widget.choices = choices  # the pools listed once, not once per row
+
+
 class MembershipInline(StaffAdminMixin, admin.TabularInline):
     model = Membership
     form = MembershipInlineForm
+    formset = MembershipFormSet
     extra = 0
     fields = ("user", "role", "created_at")
     readonly_fields = ("created_at",)
     raw_id_fields = ("user",)
 
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("user", "tenant")  # each row's name: user @ tenant
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        if db_field.name == "user":
+            kwargs["widget"] = _KnownUserWidget(db_field.remote_field, self.admin_site, using=kwargs.get("using"))
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
 
 class QuotaInline(StaffAdminMixin, admin.TabularInline):
     model = Quota
+    formset = QuotaFormSet
     extra = 0
     fields = ("pool", "max_nodes", "burst_nodes", "max_duration_hours", "updated_at")
     readonly_fields = ("updated_at",)
     show_change_link = True
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("tenant", "pool")  # each row's name: tenant/pool
 
 
 # --- tenants -------------------------------------------------------------------------------

@@ -190,3 +190,32 @@ def test_the_one_statement_peaks_agree_with_tenant_peak_usage_per_pool():
         got = selectors.tenant_peak_usage_by_pool(tenant_id=tenant.pk, start=now, end=end)
         want = selectors.tenant_peak_usage(tenant_id=tenant.pk, pool_id=world.pool.pk, start=now, end=end)
         assert got.get(world.pool.pk, 0) == want == 6
+
+
+# --- the tenant page's member and quota rows ----------------------------------------------------------
+
+
+def test_tenant_admin_page_runs_the_same_queries_for_3_and_13_members_and_quotas():
+    from django.contrib.auth import get_user_model
+
+    from reservations.models import Pool
+    from tenants.models import Membership, Quota
+
+    world = make_world()
+    client = _client(world, "staff")
+    tenant = world.tenants["alpha"]
+    url = f"/admin/tenants/tenant/{tenant.pk}/change/"
+
+    def more(names):
+        for name in names:
+            user = get_user_model().objects.create_user(f"user-{name}")
+            Membership.objects.create(tenant=tenant, user=user, role="member")
+            pool = Pool.objects.create(name=name, gpu_model="A100", gpus_per_node=8)
+            Quota.objects.create(tenant=tenant, pool=pool, max_nodes=1)
+
+    small = _count(client, url)
+    more([f"p{i}" for i in range(10)])
+    big = _count(client, url)
+    assert big == small, f"{small} queries for 3 members and 1 quota, {big} for 13 and 11 (per inline row)"
+    page = client.get(url).content.decode()
+    assert "user-p9" in page and ">p9</option>" in page  # the rows still name their user and list the pools
