@@ -16,10 +16,11 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.contrib.admin.options import IncorrectLookupParameters, csrf_protect_m
 from django.contrib.admin.utils import model_ngettext
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import DataError, transaction
 from django.http import HttpResponseRedirect
 from django.utils import timezone
@@ -58,6 +59,17 @@ class ListLookupsMixin:
                 return super().get_changelist_instance(request)
         except (ValueError, OverflowError, DataError) as exc:
             raise IncorrectLookupParameters(exc) from exc
+
+    def response_action(self, request, queryset):
+        # Django filters the list by the posted ids as given: one that is no key ("abc") was a ValueError.
+        try:
+            for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
+                self.model._meta.pk.to_python(value)
+        except ValidationError:
+            self.message_user(request, "No such rows: the selection names rows that do not exist.",
+                              messages.WARNING)
+            return HttpResponseRedirect(request.get_full_path())
+        return super().response_action(request, queryset)
 
 
 class StaffAdminMixin(ListLookupsMixin):

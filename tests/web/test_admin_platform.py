@@ -468,3 +468,16 @@ def test_a_network_the_service_refuses_is_a_form_error_on_the_tenant_page(world,
     assert add.status_code == 200, add.status_code
     assert "cidr" in add.context["adminform"].form.errors
     assert Tenant.objects.get(pk=tenant.pk).name == "Team Alpha" and not Tenant.objects.filter(slug="gamma").exists()
+
+
+@pytest.mark.parametrize("action,page", [("drain", "admin:reservations_node_changelist"),
+                                         ("bulk_change", "admin:tenants_quota_changelist"),
+                                         ("delete_selected", "admin:auth_user_changelist")])
+def test_an_action_on_a_selection_that_names_no_row_is_a_message_not_a_500(world, root, action, page):
+    # Django filtered the list by the posted ids as given: "abc" for a numeric key was a ValueError (a 500).
+    root.raise_request_exception = False
+    audited = AuditLog.objects.count()
+    response = root.post(reverse(page), {"action": action, "_selected_action": ["abc"], "post": "yes"}, follow=True)
+    assert response.status_code == 200, response.status_code
+    assert any("no such" in str(m).lower() for m in response.context["messages"])
+    assert AuditLog.objects.count() == audited
