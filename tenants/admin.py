@@ -463,8 +463,9 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
         services.quota_delete(actor=request.user, quota=obj)
 
     def delete_queryset(self, request, queryset):
+        # Each refusal (a quota another admin deleted meanwhile) is a message; the others still go.
         for quota in queryset:
-            services.quota_delete(actor=request.user, quota=quota)
+            self.run_service(request, services.quota_delete, actor=request.user, quota=quota)
 
     # in-place edits on the list
 

@@ -282,3 +282,26 @@ def test_a_token_issued_while_its_account_is_deleted_is_refused():
     assert isinstance(result, DomainError), result
     assert result.status in (403, 404)
     assert not ApiToken.objects.filter(user_id=user.pk).exists()
+
+
+def test_a_bulk_quota_delete_that_meets_a_concurrent_delete_deletes_the_rest():
+    """The quota admin's "Delete selected" called quota_delete row by row without run_service: a quota deleted
+    by another admin meanwhile raised NotFound out of the action (a 500), and the quotas after it stayed."""
+    from django.contrib.auth import get_user_model
+    from django.urls import reverse
+
+    from tenants.models import Quota
+
+    world = make_world()
+    first = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    second = Quota.objects.get(tenant=world.tenants["beta"], pool=world.pool)
+    admin_user = get_user_model().objects.create_user(username="root-admin", password="pw-Long-enough-1",
+                                                       is_staff=True, is_superuser=True)
+    client = _browser(admin_user)
+    client.raise_request_exception = False
+    response = behind_a_lock(_delete(Quota, first.pk), lambda: client.post(
+        reverse("admin:tenants_quota_changelist"),
+        {"action": "delete_selected", "_selected_action": [first.pk, second.pk], "post": "yes"}),
+        waits_on="tenants_quota")
+    assert response.status_code == 302, response.status_code
+    assert not Quota.objects.filter(pk__in=[first.pk, second.pk]).exists()
