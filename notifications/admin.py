@@ -115,8 +115,7 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
 
     def delete_queryset(self, request, queryset):
         # Each refusal (the platform channel) is a message; the other selected channels still go.
-        for channel in queryset.select_related("tenant"):
-            self.run_service(request, services.channel_delete, actor=request.user, channel=channel)
+        super().delete_queryset(request, queryset.select_related("tenant"))
 
     @admin.action(description="Send a test message")
     def send_test(self, request, queryset):

@@ -126,6 +126,3 @@ class PoolCapabilityAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def delete_model(self, request, obj):
         services.pool_capability_delete(actor=request.user, capability=obj)
 
-    def delete_queryset(self, request, queryset):
-        for capability in queryset:
-            services.pool_capability_delete(actor=request.user, capability=capability)

@@ -462,11 +462,6 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
     def delete_model(self, request, obj):
         services.quota_delete(actor=request.user, quota=obj)
 
-    def delete_queryset(self, request, queryset):
-        # Each refusal (a quota another admin deleted meanwhile) is a message; the others still go.
-        for quota in queryset:
-            self.run_service(request, services.quota_delete, actor=request.user, quota=quota)
-
     # in-place edits on the list
 
     def changelist_view(self, request, extra_context=None):
@@ -613,10 +608,6 @@ class UserAdmin(ServiceTransactionMixin, DjangoUserAdmin):
     def delete_model(self, request, obj):
         services.user_delete(actor=request.user, user=obj)
 
-    def delete_queryset(self, request, queryset):
-        for user in queryset:
-            self.run_service(request, services.user_delete, actor=request.user, user=user)
-
     def get_deleted_objects(self, objs, request):
         # user_delete removes the account's memberships (keeping each tenant a lead) and its API tokens:
         # their own pages offering no "delete" must not stop the account's deletion here.
@@ -670,6 +661,3 @@ class GroupAdmin(ServiceTransactionMixin, DjangoGroupAdmin):
     def delete_model(self, request, obj):
         services.group_delete(actor=request.user, group=obj)
 
-    def delete_queryset(self, request, queryset):
-        for group in queryset:
-            self.run_service(request, services.group_delete, actor=request.user, group=group)

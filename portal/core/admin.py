@@ -149,6 +149,11 @@ class ServiceTransactionMixin(ListLookupsMixin):
             self.message_user(request, exc.detail, messages.ERROR)
             return HttpResponseRedirect(request.get_full_path())
 
+    def delete_queryset(self, request, queryset):
+        # Each row through delete_model (the admin's service); a refusal is a message, the others still go.
+        for obj in queryset:
+            self.run_service(request, self.delete_model, request, obj)
+
     def run_service(self, request, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call a service for an admin action; report a domain error as a message, return None."""
         try:
