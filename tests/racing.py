@@ -1,8 +1,9 @@
-"""One race, run for real: a transaction holds its locks while a request or a service call meets them.
+"""One race, run for real: a transaction holds its locks while requests or service calls meet them.
 
-Two threads on the real database: ``hold`` runs in a transaction of its own and keeps it open (its locks
-held) until ``act``, in the second thread, is seen waiting on a lock (or has finished without waiting);
-then the holder commits and ``act`` goes on. What ``act`` returned, or the exception it raised, comes back.
+Threads on the real database: ``hold`` runs in a transaction of its own and keeps it open (its locks
+held) until each call, started in turn in a thread of its own, is seen waiting on a lock (or has finished
+without waiting); then the holder commits and the calls go on. What each returned, or the exception it
+raised, comes back.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from typing import Any
 
 from django.db import connection, transaction
 
-__all__ = ["behind_a_lock", "demoting", "waiting_on_a_lock"]
+__all__ = ["behind_a_lock", "demoting", "in_turn", "lock_waiters"]
 
 
-def waiting_on_a_lock(table: str | None = None) -> bool:
-    """Whether another session of this database waits on a lock (in a statement naming table, when given):
+def lock_waiters(table: str | None = None) -> int:
+    """How many other sessions of this database wait on a lock (in a statement naming table, when given):
     sessions of other databases on the same server (another test run) do not count."""
     with connection.cursor() as cur:
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
                     " AND datname = current_database() AND query ILIKE %s", [f"%{table or ''}%"])
-        return bool(cur.fetchone()[0])
+        return int(cur.fetchone()[0])
 
 
 def behind_a_lock(hold: Callable[[], Callable[[], None] | None], act: Callable[[], Any], *,
@@ -32,8 +33,15 @@ def behind_a_lock(hold: Callable[[], Callable[[], None] | None], act: Callable[[
     hold may return a function, run after act was seen waiting and before the commit (a write that must
     come after act read the clock, say). waits_on: the table act's waiting statement names (None: any).
     """
+    return in_turn(hold, [act], waits_on=waits_on, timeout=timeout)[0]
+
+
+def in_turn(hold: Callable[[], Callable[[], None] | None], calls: list[Callable[[], Any]], *,
+            waits_on: str | None = None, timeout: float = 30) -> list[Any]:
+    """Hold hold's locks in a transaction; start calls one by one, each once the ones before it wait on a lock
+    (or have finished); then commit. Return what each call returned, or the exception it raised."""
     locked, release = threading.Event(), threading.Event()
-    outcome: dict[str, Any] = {}
+    outcome: dict[Any, Any] = {}
 
     def holder() -> None:
         try:
@@ -49,11 +57,11 @@ def behind_a_lock(hold: Callable[[], Callable[[], None] | None], act: Callable[[
         finally:
             connection.close()
 
-    def actor() -> None:
+    def runner(index: int, call: Callable[[], Any]) -> None:
         try:
-            outcome["act"] = act()
+            outcome[index] = call()
         except Exception as exc:  # noqa: BLE001 - the caller asserts on it
-            outcome["act"] = exc
+            outcome[index] = exc
         finally:
             connection.close()
 
@@ -62,18 +70,21 @@ def behind_a_lock(hold: Callable[[], Callable[[], None] | None], act: Callable[[
     assert locked.wait(timeout / 3), "the holding transaction never took its locks"
     if "hold" in outcome:
         raise outcome["hold"]
-    acting = threading.Thread(target=actor)
-    acting.start()
-    # Either act queues on the lock (then the holder commits first), or it ran past it.
-    while acting.is_alive() and not waiting_on_a_lock(waits_on):
-        acting.join(0.02)
+    threads: list[threading.Thread] = []
+    for index, call in enumerate(calls):
+        thread = threading.Thread(target=runner, args=(index, call))
+        thread.start()
+        threads.append(thread)
+        # Either it queues on a lock (then the holder commits first), or it ran past it.
+        while thread.is_alive() and lock_waiters(waits_on) < sum(t.is_alive() for t in threads):
+            thread.join(0.02)
     release.set()
-    holding.join(timeout)
-    acting.join(timeout)
-    assert not holding.is_alive() and not acting.is_alive(), "the race did not finish"
+    for thread in (holding, *threads):
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in (holding, *threads)), "the race did not finish"
     if "hold" in outcome:
         raise outcome["hold"]
-    return outcome["act"]
+    return [outcome[index] for index in range(len(calls))]
 
 
 def demoting(membership_pk: int, role: str | None) -> Callable[[], None]:

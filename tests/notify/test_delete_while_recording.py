@@ -13,12 +13,10 @@ commits, the delete is first in line for the channel while the recording already
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
 from django.utils import timezone
 
 from notifications import services, transport
@@ -27,63 +25,9 @@ from notifications.models import Channel, Delivery
 from tenants.services import tenant_slack_webhook_set
 
 from ..conftest import make_world
+from ..racing import in_turn
 
 URL = "https://93.184.216.34/hook"
-
-
-def _waiting() -> int:
-    """How many other sessions of this database wait on a lock."""
-    with connection.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                    " AND pid <> pg_backend_pid() AND datname = current_database()")
-        return int(cur.fetchone()[0])
-
-
-def _in_turn(gate: Callable[[], None], calls: list[Callable[[], Any]], *, timeout: float = 30) -> list[Any]:
-    """Hold gate's locks in a transaction; start calls one by one, each once the one before waits on a lock
-    (or has finished); then commit the gate. Return what each call returned, or the exception it raised."""
-    locked, release = threading.Event(), threading.Event()
-    outcome: dict[Any, Any] = {}
-
-    def holder() -> None:
-        try:
-            with transaction.atomic():
-                gate()
-                locked.set()
-                release.wait(timeout)
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            outcome["gate"] = exc
-            locked.set()
-        finally:
-            connection.close()
-
-    def runner(index: int, call: Callable[[], Any]) -> None:
-        try:
-            outcome[index] = call()
-        except Exception as exc:  # noqa: BLE001 - the caller asserts on it
-            outcome[index] = exc
-        finally:
-            connection.close()
-
-    holding = threading.Thread(target=holder)
-    holding.start()
-    assert locked.wait(timeout / 3), "the gate never took its locks"
-    if "gate" in outcome:
-        raise outcome["gate"]
-    threads = []
-    for index, call in enumerate(calls):
-        thread = threading.Thread(target=runner, args=(index, call))
-        thread.start()
-        threads.append(thread)
-        while thread.is_alive() and _waiting() < sum(t.is_alive() for t in threads):
-            thread.join(0.02)
-    release.set()
-    for thread in (holding, *threads):
-        thread.join(timeout)
-    assert not any(t.is_alive() for t in (holding, *threads)), "the race did not finish"
-    if "gate" in outcome:
-        raise outcome["gate"]
-    return [outcome[index] for index in range(len(calls))]
 
 
 def _sending(world, *, broken: bool) -> tuple[Channel, Delivery, Any]:
@@ -123,7 +67,7 @@ def test_a_channel_deleted_while_a_send_outcome_is_recorded_is_deleted_and_the_o
     world = make_world()
     channel, delivery, (token, attempt) = _sending(world, broken=broken)
     lead = world.users["alpha-lead"]
-    deleted, recorded = _in_turn(_gate(channel.pk), [
+    deleted, recorded = in_turn(_gate(channel.pk), [
         lambda: services.channel_delete(actor=lead, channel=channel),
         lambda: services._record(delivery.pk, token=token, attempt=attempt, url=URL, outcome=result),
     ])
@@ -147,7 +91,7 @@ def test_the_tenant_slack_channel_deleted_while_a_send_outcome_is_recorded(notif
     delivery = services.channel_send_test(actor=staff, channel=channel)
     token, attempt = services._claim(delivery.pk, now=timezone.now(), worker="test-worker")
     result = transport.Outcome(verdict=transport.Verdict.PERMANENT, status=404, error="channel_not_found")
-    deleted, recorded = _in_turn(_gate(channel.pk), [
+    deleted, recorded = in_turn(_gate(channel.pk), [
         lambda: services.channel_delete(actor=world.users["alpha-lead"], channel=channel),
         lambda: services._record(delivery.pk, token=token, attempt=attempt, url=channel.target_url(),
                                  outcome=result),
