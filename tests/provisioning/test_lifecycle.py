@@ -569,11 +569,9 @@ def test_a_failed_teardown_keeps_its_nodes_out_of_service_until_a_retry_succeeds
     assert statuses(reservation) == ReservationStatus.COMPLETED
 
 
-def test_releasing_held_nodes_leaves_a_node_staff_moved_on_alone(world, settings, django_capture_on_commit_callbacks):
-    from reservations.models import Node
-
-    start = now_slot(world)
-    reservation = book(world, "alpha-lead", start, hours=4)
+def _held_after_a_failed_teardown(world, settings):
+    """alpha's running cluster, torn down early with a fatal fault: (the cluster, the node it still holds)."""
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4)
     services.lifecycle_tick()
     cluster = VirtualCluster.objects.get(reservation=reservation)
     services.cluster_provision(cluster_id=cluster.pk)
@@ -581,6 +579,13 @@ def test_releasing_held_nodes_leaves_a_node_staff_moved_on_alone(world, settings
     services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
     settings.PORTAL_PROVISIONING_FAULTS = "teardown=fatal"
     services.cluster_teardown(cluster_id=cluster.pk)
+    return cluster, node
+
+
+def test_releasing_held_nodes_leaves_a_node_staff_moved_on_alone(world, settings, django_capture_on_commit_callbacks):
+    from reservations.models import Node
+
+    cluster, node = _held_after_a_failed_teardown(world, settings)
     node_update(actor=world.users["staff"], node=Node.objects.get(pk=node.pk), state=NodeState.FAILED,
                 reason="PSU replaced, awaiting burn-in")
     settings.PORTAL_PROVISIONING_FAULTS = ""
@@ -597,15 +602,7 @@ def test_releasing_held_nodes_leaves_a_node_an_open_repair_owns_to_its_repair(
     from provisioning.health.services import repair_open, repairs_reconcile
     from reservations.models import Node
 
-    start = now_slot(world)
-    reservation = book(world, "alpha-lead", start, hours=4)
-    services.lifecycle_tick()
-    cluster = VirtualCluster.objects.get(reservation=reservation)
-    services.cluster_provision(cluster_id=cluster.pk)
-    node = Allocation.objects.get(reservation=reservation, active=True).node
-    services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
-    settings.PORTAL_PROVISIONING_FAULTS = "teardown=fatal"
-    services.cluster_teardown(cluster_id=cluster.pk)
+    cluster, node = _held_after_a_failed_teardown(world, settings)
     assert Node.objects.get(pk=node.pk).state == NodeState.MAINTENANCE
     repair = repair_open(actor=world.users["staff"], node=Node.objects.get(pk=node.pk), reason="Xid 79 on GPU 3")
 
@@ -616,4 +613,4 @@ def test_releasing_held_nodes_leaves_a_node_an_open_repair_owns_to_its_repair(
     # was: available again, with repair #N still open: the health upkeep took it out a minute later
     assert Node.objects.get(pk=node.pk).state == NodeState.MAINTENANCE
     assert repair.node_id == node.pk and repairs_reconcile() == 0
-    assert statuses(reservation) == ReservationStatus.COMPLETED
+    assert statuses(cluster.reservation) == ReservationStatus.COMPLETED
