@@ -228,11 +228,10 @@ def test_a_node_lost_with_no_spare_loses_the_tenants_claim(world, t0, k8s):
     assert k8s.nodes[kept]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
 
 
-def test_reconcile_puts_the_claims_on_the_node_set_a_failed_swap_left_behind(world, t0, k8s, capsys):
-    """A swap that failed half-way (releasing the failed node got a 500) degraded the cluster and left the
-    claim on the failed node and none on the spare; reconcile checked only that the namespace existed."""
-    from django.core.management import call_command
-
+def half_failed_swap(world, t0, k8s):
+    """A ready cluster whose node failed and whose swap failed half-way (releasing the failed node got a 500):
+    the cluster is degraded, the claim still on the failed node and none on the spare.
+    Returns (reservation, cluster, failed host, spare host)."""
     reservation, cluster = ready_k8s_cluster(world, t0)
     before = held_hosts(reservation)
     bad = before[0]
@@ -240,6 +239,15 @@ def test_reconcile_puts_the_claims_on_the_node_set_a_failed_swap_left_behind(wor
     [spare] = set(held_hosts(reservation)) - set(before)
     k8s.inject[("PATCH", f"/api/v1/nodes/{bad}")] = [500]
     assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad, spare=spare) == "degraded"
+    return reservation, cluster, bad, spare
+
+
+def test_reconcile_puts_the_claims_on_the_node_set_a_failed_swap_left_behind(world, t0, k8s, capsys):
+    """A swap that failed half-way (releasing the failed node got a 500) degraded the cluster and left the
+    claim on the failed node and none on the spare; reconcile checked only that the namespace existed."""
+    from django.core.management import call_command
+
+    reservation, cluster, bad, spare = half_failed_swap(world, t0, k8s)
     assert is_claimed(k8s, bad) and not is_claimed(k8s, spare)
 
     with pytest.raises(SystemExit):
@@ -293,13 +301,7 @@ def test_reconcile_fix_reports_a_refused_claim_and_still_makes_the_other_repairs
     out of reconcile ('backend unreachable'), hiding the stale claim it had just lifted."""
     from django.core.management import call_command
 
-    reservation, cluster = ready_k8s_cluster(world, t0)
-    before = held_hosts(reservation)
-    bad = before[0]
-    assert fail_node(world, bad) == {"replaced": 1}
-    [spare] = set(held_hosts(reservation)) - set(before)
-    k8s.inject[("PATCH", f"/api/v1/nodes/{bad}")] = [500]
-    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad, spare=spare) == "degraded"
+    reservation, cluster, bad, spare = half_failed_swap(world, t0, k8s)
     foreign = {"key": "dedicated", "value": "ops-team", "effect": "NoSchedule"}
     k8s.nodes[spare]["spec"]["taints"].append(foreign)
 
@@ -597,13 +599,7 @@ def test_teardown_lifts_every_claim_of_the_reservation_also_on_a_node_it_no_long
     it no longer holds. Teardown released only the nodes the booking holds now: that node kept the tenant's
     label and dedicated taint after the cluster was deleted, and a booking given it could not claim it until
     the old window ended (or someone ran reconcile --fix)."""
-    reservation, cluster = ready_k8s_cluster(world, t0)
-    before = held_hosts(reservation)
-    bad = before[0]
-    assert fail_node(world, bad) == {"replaced": 1}
-    [spare] = set(held_hosts(reservation)) - set(before)
-    k8s.inject[("PATCH", f"/api/v1/nodes/{bad}")] = [500]
-    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad, spare=spare) == "degraded"
+    reservation, cluster, bad, spare = half_failed_swap(world, t0, k8s)
     assert is_claimed(k8s, bad)
 
     services.lifecycle_tick(now=t0 + timedelta(hours=4))
