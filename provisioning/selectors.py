@@ -31,6 +31,7 @@ __all__ = [
     "can_download_credentials",
     "can_manage_cluster",
     "can_retry_cluster",
+    "retry_refusal",
 ]
 
 
@@ -116,11 +117,17 @@ def can_manage_cluster(*, user, cluster: VirtualCluster) -> bool:
     return role == "member" and cluster.reservation.created_by_id == user.pk
 
 
+def retry_refusal(*, cluster: VirtualCluster, now: datetime) -> str:
+    """Why services.cluster_retry refuses the cluster ('' when it takes it): only a failed cluster, and one
+    that failed provisioning only while its booking's window is not over (a failed teardown is retried
+    whenever)."""
+    if cluster.status != ClusterStatus.FAILED:
+        return f"Cluster #{cluster.pk} is {cluster.status}; only a failed cluster can be retried."
+    if cluster.failed_during != FailedDuring.TEARDOWN and cluster.reservation.period.upper <= now:
+        return f"Reservation #{cluster.reservation_id} has ended; there is nothing to provision."
+    return ""
+
+
 def can_retry_cluster(*, user, cluster: VirtualCluster, now: datetime | None = None) -> bool:
-    """Offer the retry (what services.cluster_retry accepts): staff, a failed cluster, and either its
-    teardown failed (retried whenever) or its booking's window is not over (something to provision)."""
-    if not getattr(user, "is_staff", False) or cluster.status != ClusterStatus.FAILED:
-        return False
-    if cluster.failed_during == FailedDuring.TEARDOWN:
-        return True
-    return cluster.reservation.period.upper > (now or timezone.now())
+    """Offer the retry where services.cluster_retry would take it: staff, and no retry_refusal."""
+    return bool(getattr(user, "is_staff", False)) and not retry_refusal(cluster=cluster, now=now or timezone.now())

@@ -78,7 +78,7 @@ from .choices import (
 from .conf import setting, setting_float, setting_int
 from .constants import LOCK_BOOKING, LOCK_CLUSTER, LOCK_NODE_SYNC, LOCK_TENANT_NETWORK, LOCK_TICK
 from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
-from .selectors import can_download_credentials, can_manage_cluster, pool_capabilities
+from .selectors import can_download_credentials, can_manage_cluster, pool_capabilities, retry_refusal
 
 __all__ = [
     "RetryLater",
@@ -998,8 +998,9 @@ def cluster_retry(*, actor: Any, cluster: VirtualCluster, source: str = Transiti
     now = timezone.now()
     with transaction.atomic(durable=True):
         cluster = _lock_cluster(cluster.pk)
-        if cluster.status != ClusterStatus.FAILED:
-            raise InvalidState(f"Cluster #{cluster.pk} is {cluster.status}; only a failed cluster can be retried.")
+        refusal = retry_refusal(cluster=cluster, now=now)
+        if refusal:
+            raise InvalidState(refusal)
         reservation = cluster.reservation
         cluster.attempts = 0
         cluster.next_attempt_at = None
@@ -1009,8 +1010,6 @@ def cluster_retry(*, actor: Any, cluster: VirtualCluster, source: str = Transiti
             _transition(cluster, ClusterStatus.TEARING_DOWN, actor=actor, source=source, detail="teardown retried")
             _enqueue("teardown_cluster", cluster.pk)
         else:
-            if reservation.period.upper <= now:
-                raise InvalidState(f"Reservation #{reservation.pk} has ended; there is nothing to provision.")
             if reservation.status == ReservationStatus.FAILED:
                 reservation_reopen(reservation_id=reservation.pk, actor=actor, reason="cluster retried by staff")
             cluster.failed_during = ""
