@@ -98,9 +98,13 @@ class ReservationUpdateSerializer(serializers.Serializer):
     }
 
     def validate(self, attrs):
-        fixed = {name: why for name, why in self.FIXED.items() if name in self.initial_data}
-        if fixed:
-            raise serializers.ValidationError(fixed)
+        refused = {name: why for name, why in self.FIXED.items() if name in self.initial_data}
+        # A field this PATCH does not know (a typo: "node_cont", "nmae") is refused by name too, as the
+        # cluster spec PATCH refuses one, rather than dropped while the rest applies and 200 answered.
+        refused.update({name: "Unknown field; only end, start and name can be changed."
+                        for name in sorted(set(self.initial_data) - set(self.fields) - set(self.FIXED))})
+        if refused:
+            raise serializers.ValidationError(refused)
         if not attrs:
             raise serializers.ValidationError({"end": "Give end, start or name to change."})
         return attrs
