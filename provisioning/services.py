@@ -1349,8 +1349,12 @@ def _tick_redispatch(now: datetime) -> int:
 # --- credentials ---------------------------------------------------------------------------
 
 
-def credential_download(*, actor: Any, cluster: VirtualCluster, kind: str) -> tuple[str, bytes]:
-    """Return (filename, plaintext) of a current credential, for the tenant's leads and members only."""
+def credential_download(*, actor: Any, cluster: VirtualCluster, kind: str, record: bool = True) -> tuple[str, bytes]:
+    """Return (filename, plaintext) of a current credential, for the tenant's leads and members only.
+
+    record=False is for a HEAD request: the same checks and answer, but no body goes out, so no download
+    is audited (a link checker or a client probing the size would otherwise fill the log with downloads).
+    """
     if not can_download_credentials(user=actor, cluster=cluster):
         raise PermissionDenied("Only the tenant's leads and members can download its credentials.")
     credential = ClusterCredential.objects.current().filter(cluster=cluster, kind=kind).first()
@@ -1361,9 +1365,10 @@ def credential_download(*, actor: Any, cluster: VirtualCluster, kind: str) -> tu
     except crypto.SecretUnreadable:
         raise InvalidState("This credential cannot be decrypted with the portal's current keys; ask platform "
                            "staff to restore the key it was stored with (PORTAL_FERNET_KEYS).") from None
-    with transaction.atomic(durable=True):
-        audit_record(actor=actor, action="cluster.credential_download", obj=credential, tenant_id=cluster.tenant_id,
-                     after={"kind": kind, "fingerprint": credential.fingerprint})
+    if record:
+        with transaction.atomic(durable=True):
+            audit_record(actor=actor, action="cluster.credential_download", obj=credential,
+                         tenant_id=cluster.tenant_id, after={"kind": kind, "fingerprint": credential.fingerprint})
     filename = f"{cluster.tenant.slug}-r{cluster.reservation_id}-{CREDENTIAL_FILENAMES[kind]}"
     return filename, plaintext
 

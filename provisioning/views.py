@@ -93,7 +93,8 @@ def cluster_credential(request, pk: int, kind: str):
         raise Http404
     cluster = _cluster(request, pk)
     try:
-        filename, data = services.credential_download(actor=request.user, cluster=cluster, kind=kind)
+        filename, data = services.credential_download(actor=request.user, cluster=cluster, kind=kind,
+                                                      record=request.method != "HEAD")
     except DomainError as exc:
         if exc.status == 404:
             raise Http404 from None

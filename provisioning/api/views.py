@@ -71,7 +71,8 @@ class ClusterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         """Download a credential (the tenant's leads and members only)."""
         if kind not in CredentialKind.values:
             raise NotFound("Unknown credential kind.")
-        filename, data = services.credential_download(actor=request.user, cluster=self.get_object(), kind=kind)
+        filename, data = services.credential_download(actor=request.user, cluster=self.get_object(), kind=kind,
+                                                      record=request.method != "HEAD")
         response = HttpResponse(data, content_type="application/octet-stream")
         response["Content-Disposition"] = f'attachment; filename="{filename}"'
         response["Cache-Control"] = "no-store"

@@ -120,6 +120,27 @@ def test_credentials_download_for_leads_and_members_only(world, clusters):
     assert downloads.count() == 2 and {a.actor.username for a in downloads} == {"alpha-lead", "alpha-member"}
 
 
+def test_a_head_request_for_a_credential_is_answered_but_recorded_as_no_download(world, clusters):
+    """HEAD (a link checker, a download manager probing the size, curl -I) gets GET's status and headers but
+    no body: nothing is downloaded, so nothing may be audited as a credential download. Its refusals stay
+    the same as GET's (a viewer 403, another tenant 404) and are not recorded either."""
+    cluster = clusters["alpha"]
+    api = f"/api/v1/clusters/{cluster.pk}/credentials/ssh_key/"
+    page = f"/clusters/{cluster.pk}/credentials/ssh_key/"
+    for response in (world.client("alpha-member").head(api), page_client(world, "alpha-member").head(page)):
+        assert response.status_code == 200
+        assert response.content == b""
+        assert response["Content-Disposition"] == f'attachment; filename="alpha-r{cluster.reservation_id}-id_ed25519"'
+        assert response["Cache-Control"] == "no-store"
+    assert world.client("alpha-viewer").head(api).status_code == 403
+    assert page_client(world, "alpha-viewer").head(page).status_code == 403
+    assert world.client("beta-lead").head(api).status_code == 404
+    assert not AuditLog.objects.filter(action="cluster.credential_download").exists()
+    # A GET still downloads, and is recorded once.
+    assert world.client("alpha-member").get(api).content.decode() == private_key_of(cluster)
+    assert AuditLog.objects.filter(action="cluster.credential_download").count() == 1
+
+
 def test_spec_patch_while_pending(world, clusters):
     pending = clusters["alpha2"]
     url = f"/api/v1/clusters/{pending.pk}/"
