@@ -106,6 +106,44 @@ def test_issue_token_prints_a_working_token_last(world):
     assert c.get("/api/v1/reservations/").status_code == 200
 
 
+# What a shell can pass that PostgreSQL text cannot hold: a byte that is not UTF-8 reaches Python as a lone
+# surrogate (os.fsdecode), and a NUL can come from call_command. Each was a traceback out of psycopg.
+UNSTORABLE = ["bad\x00name", "bad\udcffname"]
+
+
+@pytest.mark.parametrize("text", UNSTORABLE, ids=["NUL", "not UTF-8"])
+@pytest.mark.parametrize("args", [
+    lambda t: ["issue_token", t],
+    lambda t: ["issue_token", "alpha-lead", "--name", t],
+    lambda t: ["revoke_token", t],
+    lambda t: ["revoke_token", "--user", t],
+], ids=["issue username", "issue --name", "revoke prefix", "revoke --user"])
+def test_token_commands_refuse_unstorable_text_with_a_message(world, args, text):
+    from django.core.management.base import CommandError
+
+    before = list(ApiToken.objects.order_by("pk").values_list("pk", "revoked"))
+    with pytest.raises(CommandError) as refused:
+        call_command(*args(text), stdout=io.StringIO(), stderr=io.StringIO())
+    assert "\\x00" in str(refused.value) or "UTF-8" in str(refused.value), refused.value
+    assert list(ApiToken.objects.order_by("pk").values_list("pk", "revoked")) == before
+
+
+def test_issue_token_with_undecodable_bytes_exits_1_with_a_message_not_a_traceback(tmp_path):
+    """From a real shell: the bytes are refused before any database work (here: none reachable)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "DATABASE_URL": "postgres://nobody@127.0.0.1:1/none"}
+    for argv in ([b"issue_token", b"bad\xffname"], [b"revoke_token", b"--user", b"bad\xffname"]):
+        done = subprocess.run([sys.executable, "manage.py", *argv], cwd=Path(__file__).resolve().parent.parent,
+                              env=env, capture_output=True, timeout=120)  # noqa: S603
+        err = done.stderr.decode(errors="replace")
+        assert done.returncode == 1, err
+        assert "Traceback" not in err and err.startswith("CommandError: "), err
+
+
 def test_revoked_token_is_refused(world):
     ApiToken.objects.filter(user=world.users["alpha-lead"]).update(revoked=True)
     r = world.client("alpha-lead").get("/api/v1/pools/")

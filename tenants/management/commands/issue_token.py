@@ -1,6 +1,7 @@
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from portal.core.cli import storable_text
 from portal.core.exceptions import DomainError
 from tenants.services import token_issue
 
@@ -15,6 +16,7 @@ class Command(BaseCommand):
                             help="valid for this many days (default: until revoked with revoke_token)")
 
     def handle(self, *args, username, name, expires_in_days, **options):
+        username, name = storable_text(username, what="username"), storable_text(name, what="--name")
         try:
             user = get_user_model().objects.get(username=username)
         except get_user_model().DoesNotExist:

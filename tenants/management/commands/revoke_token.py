@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError
 
+from portal.core.cli import storable_text
 from tenants.models import ApiToken
 from tenants.services import token_revoke
 
@@ -15,6 +16,7 @@ class Command(BaseCommand):
     def handle(self, *args, prefix, user, **options):
         if bool(prefix) == bool(user):
             raise CommandError("Give a token prefix or --user USERNAME (one of the two).")
+        prefix, user = storable_text(prefix, what="prefix"), storable_text(user, what="--user")
         tokens = ApiToken.objects.filter(revoked=False).select_related("user")
         tokens = tokens.filter(user__username=user) if user else tokens.filter(prefix=prefix[:12])
         found = list(tokens)
