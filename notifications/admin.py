@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
+from django.template.defaultfilters import pluralize
 from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
@@ -126,9 +127,32 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
 
     @admin.action(description="Clear the broken flag (after fixing the receiver)")
     def clear_broken(self, request, queryset):
-        for channel in queryset:
-            self.run_service(request, services.channel_clear_broken, actor=request.user, channel=channel)
-        self.message_user(request, "Cleared; the channels send again.", messages.SUCCESS)
+        cleared, not_broken = [], 0
+        for channel in queryset.select_related("tenant"):
+            result = self.run_service(request, services.channel_clear_broken, actor=request.user, channel=channel)
+            if result is None:
+                continue  # refused: run_service reported why
+            channel, was_broken = result
+            if was_broken:
+                cleared.append(channel)
+            else:
+                not_broken += 1
+        # Say what was done: which flags were cleared, what had none, and which of those cleared still
+        # send nothing (disabled), rather than "the channels send again" whatever the selection held.
+        if cleared:
+            names = ", ".join(c.label for c in cleared)
+            self.message_user(request, f"Cleared the broken flag of {len(cleared)} channel{pluralize(len(cleared))}: "
+                                       f"{names}.", messages.SUCCESS)
+            disabled = [c.label for c in cleared if not c.enabled]
+            if disabled:
+                self.message_user(request, f"Still disabled, so nothing is sent to: {', '.join(disabled)}.",
+                                  messages.WARNING)
+        if not_broken and cleared:
+            self.message_user(request, f"{not_broken} selected channel{pluralize(not_broken)} "
+                                       f"{pluralize(not_broken, 'was,were')} not broken (nothing to clear).")
+        elif not_broken:
+            self.message_user(request, "None of the selected channels was broken; nothing was cleared.",
+                              messages.WARNING)
 
     @admin.action(description="Rotate the signing secret (signed webhooks)")
     def rotate_secret(self, request, queryset):

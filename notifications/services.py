@@ -450,16 +450,23 @@ def channel_delete(*, actor: Any, channel: Channel) -> None:
         channel.delete()
 
 
-def channel_clear_broken(*, actor: Any, channel: Channel) -> Channel:
-    """Let a broken channel send again (after fixing the receiving end)."""
+def channel_clear_broken(*, actor: Any, channel: Channel) -> tuple[Channel, bool]:
+    """Let a broken channel send again (after fixing the receiving end).
+
+    Return the channel and whether there was a broken flag to clear: one that is not broken (a second
+    click, a delivered message repaired it meanwhile) is left as it is, with no "repaired" audit row.
+    """
     with transaction.atomic(durable=True):
         channel = _lock_channel(channel, actor=actor)
+        if (channel.broken_at is None and not channel.broken_error and channel.broken_status is None
+                and not channel.broken_url_fp):
+            return channel, False
         before = {"broken_error": channel.broken_error}
         channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = None, "", None, ""
         channel.save()
         audit_record(actor=actor, action="notifications.channel.repaired", obj=channel, tenant_id=channel.tenant_id,
                      before=before, after={"broken_error": ""})
-    return channel
+    return channel, True
 
 
 # --- building deliveries ------------------------------------------------------------------

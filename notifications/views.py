@@ -182,10 +182,16 @@ def channel_test(request, pk: int):
 def channel_clear(request, pk: int):
     tenant = _lead_tenant(request)
     try:
-        services.channel_clear_broken(actor=request.user, channel=_channel(request, tenant, pk))
+        channel, cleared = services.channel_clear_broken(actor=request.user, channel=_channel(request, tenant, pk))
     except DomainError as exc:
         return _error(request, exc)
-    messages.success(request, "The channel sends again.")
+    if not cleared:
+        messages.info(request, "The channel was not broken; nothing to clear.")
+    elif not channel.enabled:
+        messages.success(request, "The broken flag is cleared; the channel is disabled, so nothing is sent until "
+                                  "it is enabled.")
+    else:
+        messages.success(request, "The channel sends again.")
     return _back()
 
 

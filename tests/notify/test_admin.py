@@ -420,3 +420,45 @@ def test_a_bulk_quota_number_the_column_cannot_hold_is_a_form_error(world, staff
     assert response.status_code == 200 and b"Change the numbers" in response.content
     assert field in response.context["form"].errors
     assert not _audits("quota.update")
+
+
+def _break(channel: Channel) -> None:
+    from django.utils import timezone
+
+    from notifications.models import url_fingerprint
+
+    Channel.objects.filter(pk=channel.pk).update(broken_at=timezone.now(), broken_error="http_410", broken_status=410,
+                                                 broken_url_fp=url_fingerprint(channel.target_url()))
+
+
+def test_clearing_the_broken_flag_reports_which_channels_it_cleared(world, staff, webhook_for):
+    # The action said "Cleared; the channels send again." whatever the selection held, and wrote a
+    # "repaired" audit row for every selected channel, broken or not: staff could not tell whether it did
+    # anything, and a disabled channel does not send again for its flag being cleared.
+    broken, _ = webhook_for("alpha", "https://ci.alpha.example/broken")
+    healthy, _ = webhook_for("alpha", "https://ci.alpha.example/healthy")
+    off, _ = webhook_for("beta", "https://ci.beta.example/off")
+    notify.webhook_update(actor=world.users["staff"], channel=off, enabled=False)
+    _break(broken)
+    _break(off)
+    untouched = Channel.objects.get(pk=healthy.pk).updated_at
+    response = staff.post(reverse("admin:notifications_channel_changelist"),
+                          {"action": "clear_broken", "_selected_action": [broken.pk, healthy.pk, off.pk]}, follow=True)
+    shown = " | ".join(str(m) for m in response.context["messages"])
+    assert "Cleared the broken flag of 2 channels" in shown, shown
+    assert "1 selected channel was not broken" in shown, shown
+    assert "disabled" in shown and Channel.objects.get(pk=off.pk).label in shown, shown
+    assert "the channels send again" not in shown.lower(), shown
+    assert not any(c.is_broken for c in Channel.objects.filter(pk__in=[broken.pk, off.pk]))
+    assert Channel.objects.get(pk=healthy.pk).updated_at == untouched
+    assert sorted(a.object_id for a in _audits("notifications.channel.repaired")) == sorted(
+        [str(broken.pk), str(off.pk)])
+
+
+def test_clearing_channels_none_of_which_is_broken_claims_nothing(world, staff, webhook_for):
+    healthy, _ = webhook_for("alpha", "https://ci.alpha.example/healthy")
+    response = staff.post(reverse("admin:notifications_channel_changelist"),
+                          {"action": "clear_broken", "_selected_action": [healthy.pk]}, follow=True)
+    shown = [str(m) for m in response.context["messages"]]
+    assert shown == ["None of the selected channels was broken; nothing was cleared."], shown
+    assert not _audits("notifications.channel.repaired")

@@ -186,3 +186,21 @@ def test_a_slack_url_that_is_not_a_url_gets_one_reason_not_two(as_user):
     html = response.content.decode()
     assert "Enter a valid URL." in html
     assert "Paste the new URL" not in html  # they did paste one; it is just not a URL
+
+
+def test_resume_sending_on_a_channel_that_is_not_broken_says_so_and_records_nothing(world, as_user, slack_for):
+    # A second click, or a page left open while a delivered message repaired the channel: the answer was
+    # "The channel sends again." and a "repaired" audit row by the lead although nothing was broken.
+    channel = slack_for("alpha", SLACK_URL)
+    lead = as_user("alpha-lead")
+    response = lead.post(reverse("notifications:channel-clear", args=[channel.pk]), follow=True)
+    shown = [str(m) for m in response.context["messages"]]
+    assert shown == ["The channel was not broken; nothing to clear."], shown
+    assert not AuditLog.objects.filter(action="notifications.channel.repaired").exists()
+    Channel.objects.filter(pk=channel.pk).update(
+        broken_at="2026-01-01T00:00:00Z", broken_error="channel_is_archived", broken_status=410,
+        broken_url_fp=url_fingerprint(SLACK_URL))
+    response = lead.post(reverse("notifications:channel-clear", args=[channel.pk]), follow=True)
+    assert [str(m) for m in response.context["messages"]] == ["The channel sends again."]
+    assert not Channel.objects.get(pk=channel.pk).is_broken
+    assert AuditLog.objects.filter(action="notifications.channel.repaired").count() == 1
