@@ -9,7 +9,7 @@ import logging
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_GET, require_safe
 
 from . import health, metrics
 
@@ -20,14 +20,14 @@ DEFAULT_ALLOWED_NETWORKS = ("127.0.0.0/8", "::1/128")
 
 
 @never_cache
-@require_GET
+@require_safe  # GET or HEAD: uptime monitors and load balancers often probe with HEAD
 def healthz(request: HttpRequest) -> JsonResponse:
     """Liveness: the process answers. Touches nothing else, so a database outage never restarts web."""
     return JsonResponse({"status": "ok"})
 
 
 @never_cache
-@require_GET
+@require_safe
 def readyz(request: HttpRequest) -> JsonResponse:
     """Readiness: PostgreSQL, Redis and a Celery worker answer; 503 with the failing checks otherwise."""
     results = health.readiness()

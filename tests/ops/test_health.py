@@ -48,6 +48,25 @@ def test_healthz_answers_without_touching_anything(settings):
     assert "no-cache" in response["Cache-Control"] or "max-age=0" in response["Cache-Control"]
 
 
+def test_healthz_and_readyz_answer_head_as_get(settings):
+    """Uptime monitors and load balancers probe with HEAD (UptimeRobot's default, `curl -I`): it was a
+    405 (require_GET), so such a monitor reported a healthy portal as down and each probe logged a warning."""
+    from .servers import RedisServer
+
+    live = Client().head("/healthz")
+    assert live.status_code == 200 and live.content == b""
+    assert "no-cache" in live["Cache-Control"] or "max-age=0" in live["Cache-Control"]
+    lonely = RedisServer().start()  # a broker nobody consumes from: not ready
+    try:
+        settings.REDIS_URL = lonely.url
+        settings.CELERY_BROKER_URL = lonely.url
+        settings.PORTAL_READYZ_TIMEOUT = 0.5
+        assert Client().head("/readyz").status_code == 503
+    finally:
+        lonely.close()
+    assert Client().post("/healthz").status_code == 405  # still no writes
+
+
 def test_readyz_ok_when_postgres_redis_and_a_worker_answer(stack):
     status, body = wait_ready(Client())
     assert status == 200, body
