@@ -316,6 +316,16 @@ def test_rebuild_command_repairs_and_checks(t0):
     assert_exact(*fleet.pools)
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("name", ["h1\x0000", "h100\udcff"], ids=["NUL", "not UTF-8 (a byte from the shell)"])
+def test_rebuild_command_refuses_an_unstorable_pool_name_with_a_message(name):
+    # --pool went straight into the query: psycopg's DataError / UnicodeEncodeError traceback, not a message.
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match="--pool"):
+        call_command("rebuild_slot_usage", "--pool", name, verbosity=0)
+
+
 # --- races ----------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 
+from portal.core.cli import storable_text
 from reservations.models import Pool
 from reservations.services import slot_usage_compact, slot_usage_rebuild
 
@@ -34,7 +35,7 @@ class Command(BaseCommand):
     def handle(self, *args, **o):
         pools = Pool.objects.order_by("id")
         if o["pool"]:
-            pools = pools.filter(name=o["pool"])
+            pools = pools.filter(name=storable_text(o["pool"], what="--pool"))
             if not pools.exists():
                 raise CommandError(f"No pool named {o['pool']!r}.")
         pool_ids = list(pools.values_list("id", flat=True))
