@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, close_old_connections
 
 from notifications import signing
@@ -44,6 +44,11 @@ class Command(BaseCommand):
         parser.add_argument("--retry-after", default="1", help="Retry-After seconds sent with --reply 429.")
 
     def handle(self, *args, host: str, port: int, reply: int, retry_after: str, **options):
+        # Refused here with a line saying why, not as a traceback from bind() or a nonsense status line.
+        if not 0 <= port <= 65535:
+            raise CommandError(f"--port {port}: not a TCP port (0 to 65535).")
+        if not 100 <= reply <= 599:
+            raise CommandError(f"--reply {reply}: not an HTTP status (100 to 599).")
         out = self.stdout
         style = self.style
 
@@ -103,7 +108,10 @@ class Command(BaseCommand):
             def log_message(self, format, *args):  # noqa: A002
                 pass
 
-        server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # the port is taken (an earlier receiver still runs), an unknown host, …
+            raise CommandError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}.") from None
         out.write(f"Listening on http://{host}:{port}/ (answering {reply}); Ctrl-C stops.\n")
         try:
             server.serve_forever()
