@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -139,5 +138,16 @@ def down() -> None:
     ENV_FILE.unlink(missing_ok=True)
 
 
+def main(argv: list[str] | None = None) -> None:
+    # argparse: an unknown command (`stop`) is a usage line and exit 2, not a KeyError traceback.
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="devservices.py", description="Start or stop the embedded PostgreSQL "
+                                     "and Redis of `make run` / `make test`.")
+    parser.add_argument("command", nargs="?", default="up", choices=["up", "down"],
+                        help="up (the default): start what is missing and write var/dev.env; down: stop them")
+    {"up": up, "down": down}[parser.parse_args(argv).command]()
+
+
 if __name__ == "__main__":
-    {"up": up, "down": down}[sys.argv[1] if len(sys.argv) > 1 else "up"]()
+    main()

@@ -58,3 +58,23 @@ def test_a_pid_file_naming_another_process_starts_a_real_redis_and_leaves_that_p
                 os.kill(started, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.parametrize("argv", [["stop"], ["UP"], ["-x"]])
+def test_an_unknown_command_prints_the_usage_and_exits_2_without_a_traceback(argv):
+    # `python bin/devservices.py stop` (it is `down`) died with a KeyError traceback.
+    import sys
+
+    done = subprocess.run([sys.executable, str(BASE_DIR / "bin" / "devservices.py"), *argv],  # noqa: S603
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and "usage:" in done.stderr and "up" in done.stderr, done.stderr
+    assert done.stdout == ""
+
+
+def test_help_prints_the_usage_and_starts_nothing():
+    import sys
+
+    done = subprocess.run([sys.executable, str(BASE_DIR / "bin" / "devservices.py"), "--help"],  # noqa: S603
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "usage:" in done.stdout and "down" in done.stdout, done
