@@ -36,11 +36,18 @@ def readyz(request: HttpRequest) -> JsonResponse:
     return JsonResponse(body, status=200 if ready else 503)
 
 
-def _client_ip(request: HttpRequest):
+def _client_ips(request: HttpRequest) -> list:
+    """REMOTE_ADDR as an address, plus the IPv4 address it maps where it is one (::ffff:a.b.c.d).
+
+    gunicorn bound to [::] reports an IPv4 peer as an IPv4-mapped IPv6 address, which is in no IPv4
+    network: the IPv4 networks listed for the scraper would never match it.
+    """
     try:
-        return ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+        ip = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
     except ValueError:
-        return None
+        return []
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return [ip] if mapped is None else [ip, mapped]
 
 
 def metrics_access_allowed(request: HttpRequest) -> tuple[bool, int]:
@@ -56,14 +63,14 @@ def metrics_access_allowed(request: HttpRequest) -> tuple[bool, int]:
         if hmac.compare_digest(header[len("Bearer "):].strip().encode(), token.encode()):
             return True, 200
         return False, 401
-    ip = _client_ip(request)
+    ips = _client_ips(request)
     networks = getattr(settings, "PORTAL_METRICS_ALLOWED_NETWORKS", DEFAULT_ALLOWED_NETWORKS)
-    if ip is not None:
+    if ips:
         for network in networks:
             if not network:
                 continue
             try:
-                if ip in ipaddress.ip_network(network, strict=False):
+                if any(ip in ipaddress.ip_network(network, strict=False) for ip in ips):
                     return True, 200
             except ValueError:
                 logger.error("PORTAL_METRICS_ALLOWED_NETWORKS: %r is not a network", network)

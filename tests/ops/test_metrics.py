@@ -228,6 +228,20 @@ def test_metrics_access_by_token_or_network(ops, settings, token, networks, remo
         assert b"portal_" not in response.content
 
 
+@pytest.mark.parametrize(("networks", "remote", "expected"), [
+    (["127.0.0.0/8"], "::ffff:127.0.0.1", 200),
+    (["10.0.0.0/8"], "::ffff:10.1.2.3", 200),
+    (["10.0.0.0/8"], "::ffff:192.0.2.10", 403),
+    (["::ffff:10.0.0.0/104"], "::ffff:10.1.2.3", 200),  # a mapped network listed as a workaround still works
+])
+def test_metrics_networks_match_an_ipv4_peer_on_a_dual_stack_socket(ops, settings, networks, remote, expected):
+    """gunicorn bound to [::] (GUNICORN_BIND) sees an IPv4 scraper as ::ffff:a.b.c.d: the IPv4 network
+    listed for it never matched (an IPv6 address is in no IPv4 network), so Prometheus got 403."""
+    settings.PORTAL_METRICS_TOKEN = ""
+    settings.PORTAL_METRICS_ALLOWED_NETWORKS = networks
+    assert Client().get("/metrics", REMOTE_ADDR=remote).status_code == expected
+
+
 def test_observe_booking_maps_unknown_outcomes_to_error():
     before = counter("portal_booking_requests_total", outcome="error")
     metrics.observe_booking("something-new", 0.01)
