@@ -144,6 +144,20 @@ def test_issue_token_with_undecodable_bytes_exits_1_with_a_message_not_a_traceba
         assert "Traceback" not in err and err.startswith("CommandError: "), err
 
 
+def test_issue_token_for_a_disabled_account_is_refused_instead_of_printing_a_dead_token(world):
+    # Bearer authentication refuses every token of an inactive user: the command printed one anyway (exit 0),
+    # which the caller then found answering 401 with nothing saying why.
+    from django.core.management.base import CommandError
+
+    user = world.users["alpha-lead"]
+    user.is_active = False
+    user.save(update_fields=["is_active"])
+    before = ApiToken.objects.count()
+    with pytest.raises(CommandError, match="disabled"):
+        call_command("issue_token", "alpha-lead", stdout=io.StringIO(), stderr=io.StringIO())
+    assert ApiToken.objects.count() == before
+
+
 def test_revoked_token_is_refused(world):
     ApiToken.objects.filter(user=world.users["alpha-lead"]).update(revoked=True)
     r = world.client("alpha-lead").get("/api/v1/pools/")

@@ -21,6 +21,9 @@ class Command(BaseCommand):
             user = get_user_model().objects.get(username=username)
         except get_user_model().DoesNotExist:
             raise CommandError(f"No user named {username!r}.")
+        if not user.is_active:
+            # Bearer authentication refuses every token of a disabled account: printing one would hand out a 401.
+            raise CommandError(f"User {username!r} is disabled; enable the account first (its tokens are refused).")
         try:
             token, key = token_issue(user=user, name=name, expires_in_days=expires_in_days)
         except DomainError as exc:
