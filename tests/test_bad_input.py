@@ -202,6 +202,35 @@ def test_bad_staff_writes(world, url, body, field):
     assert counts == [m.objects.count() for m in (Pool, Node, Quota, Tenant, Membership, get_user_model())]
 
 
+@pytest.mark.parametrize("url,body,field", [
+    ("quota", {"max_node": 0}, "max_node"),
+    ("quota", {"burst_nodes": 2, "max_node": 0}, "max_node"),
+    ("node", {"stat": "draining"}, "stat"),
+    ("node", {"state_reason": "vendor", "pool": "other"}, "pool"),
+    ("tenant", {"burst_enable": False}, "burst_enable"),
+    ("tenant", {"name": "Alpha Team", "vlan": 7}, "vlan"),
+])
+def test_a_staff_patch_naming_an_unknown_field_is_refused_and_changes_nothing(world, url, body, field):
+    # As the reservation and cluster PATCHes: a typo is a 400 naming it, not a 200 with it dropped (a staff
+    # script cutting a quota with {"max_node": 0} was told it worked, and an audit row said so).
+    from reservations.models import Node
+    from tenants.models import Quota, Tenant
+
+    quota = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    path = {"quota": f"/api/v1/quotas/{quota.pk}/", "node": f"/api/v1/nodes/{world.nodes[0].pk}/",
+            "tenant": "/api/v1/tenants/alpha/"}[url]
+
+    def state():
+        return (list(Quota.objects.order_by("pk").values()), list(Node.objects.order_by("pk").values()),
+                list(Tenant.objects.order_by("pk").values()), AuditLog.objects.count())
+
+    before = state()
+    r = world.client("staff").patch(path, body, format="json")
+    assert r.status_code == 400, r.content
+    assert r.json()["code"] == "invalid" and field in r.json()["fields"] and field in r.json()["detail"], r.json()
+    assert state() == before
+
+
 @pytest.mark.parametrize("cidr", ["fe80::%eth0/64", "fe80::%1/128"])
 def test_a_scoped_ipv6_network_is_refused_on_a_tenant_change(world, cidr):
     from tenants.models import Tenant

@@ -106,4 +106,12 @@ def validated(serializer_class, request, **kwargs) -> Any:
         raise DomainError("The body must be a JSON object.", fields={"body": "Expected a JSON object."})
     serializer = serializer_class(data=request.data, context={"request": request}, **kwargs)
     serializer.is_valid(raise_exception=True)
+    if kwargs.get("partial"):
+        # A PATCH changes only what it names: one naming a field it does not know (a typo, "max_node") is
+        # refused by name, not answered 200 with that field dropped and the caller believing it applied.
+        unknown = sorted(set(request.data) - set(serializer.fields))
+        if unknown:
+            known = ", ".join(name for name, f in serializer.fields.items() if not f.read_only)
+            why = f"Unknown field; this change takes {known}."
+            raise DomainError(f"{unknown[0]}: {why}", fields={name: why for name in unknown})
     return serializer.validated_data
