@@ -347,3 +347,17 @@ def test_dashboard_queries_return_data_from_a_real_scrape(ops, tmp_path, django_
     result = subprocess.run([tool("promtool"), "test", "rules", str(path)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_the_hosts_the_health_check_and_prometheus_send_are_allowed_by_the_example():
+    """The container health check calls 127.0.0.1:PORT/healthz and Prometheus web:PORT/metrics; Django
+    answers a Host outside ALLOWED_HOSTS with 400, so .env.example must keep both (its comment says why)."""
+    from urllib.parse import urlsplit
+
+    allowed = env_example()["ALLOWED_HOSTS"].split(",")
+    check = " ".join(SERVICES["web"]["healthcheck"]["test"])
+    probe_host = urlsplit(check[check.index("http://"):].split("'")[0]).hostname
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    portal_job = next(j for j in prom["scrape_configs"] if j["job_name"] == "portal")
+    scrape_hosts = {t.rsplit(":", 1)[0] for c in portal_job["static_configs"] for t in c["targets"]}
+    assert probe_host in allowed and scrape_hosts <= set(allowed), (probe_host, scrape_hosts, allowed)
