@@ -27,10 +27,16 @@ def main() -> int:
     os.environ.setdefault("PORTAL_FAKE_NVML", "@provisioning/health/simulated/demo_fleet.json")
     # Links in notifications (Slack, reminders) point at the address this portal listens on.
     os.environ.setdefault("PORTAL_BASE_URL", f"http://{HOST}:{PORT}")
-    subprocess.run([PY, "bin/devservices.py", "up"], check=True)
-    subprocess.run([PY, "manage.py", "migrate", "--no-input", "-v", "0"], check=True)
-    subprocess.run([PY, "manage.py", "seed_demo"], check=True)
-    subprocess.run([PY, "manage.py", "collectstatic", "--no-input", "-v", "0"], check=True)
+    try:
+        subprocess.run([PY, "bin/devservices.py", "up"], check=True)
+        subprocess.run([PY, "manage.py", "migrate", "--no-input", "-v", "0"], check=True)
+        subprocess.run([PY, "manage.py", "seed_demo"], check=True)
+        subprocess.run([PY, "manage.py", "collectstatic", "--no-input", "-v", "0"], check=True)
+    except subprocess.CalledProcessError as exc:
+        # The step printed why; name it and keep its status, without a traceback of this script under it.
+        step = " ".join(str(a) for a in exc.cmd[1:])
+        print(f"make run: `{step}` failed (exit status {exc.returncode}); see its output above.", file=sys.stderr)
+        return exc.returncode if exc.returncode > 0 else 1
     celery = [PY, "-m", "celery", "-A", "portal"]
     procs = {
         "web": subprocess.Popen([PY, "manage.py", "runserver", f"{HOST}:{PORT}", "--noreload"]),
