@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -818,7 +818,8 @@ class _NodeLeftAvailable(Exception):
     """node_update skipped the return blockers for an available node that had left that state by its locks."""
 
 
-def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str | None = None) -> Node:
+def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str | None = None,
+                only_from: Collection[str] | None = None) -> Node:
     """Change a node's state; only available nodes are given to new bookings.
 
     A state change takes the node's booking lock first: it waits for a booking that is handing the
@@ -829,16 +830,23 @@ def node_update(*, actor: Any, node: Node, state: str | None = None, reason: str
     (the rules wait for a health step in flight on the node): a no-op or a reason edit does not
     queue; should the node have left available before its locks are ours, the change starts
     over and asks them.
+
+    ``only_from``: a caller that decided on the state it read earlier (a health drain, a repair's
+    step) names the states it may change; if someone else (staff) moved the node elsewhere before
+    its locks were ours, nothing is written and the node comes back as it is now.
     """
     ask_blockers = state == NodeState.AVAILABLE and not Node.objects.filter(
         pk=node.pk, state=NodeState.AVAILABLE).exists()
     try:
-        return _node_update(actor=actor, node=node, state=state, reason=reason, ask_blockers=ask_blockers)
+        return _node_update(actor=actor, node=node, state=state, reason=reason, ask_blockers=ask_blockers,
+                            only_from=only_from)
     except _NodeLeftAvailable:
-        return _node_update(actor=actor, node=node, state=state, reason=reason, ask_blockers=True)
+        return _node_update(actor=actor, node=node, state=state, reason=reason, ask_blockers=True,
+                            only_from=only_from)
 
 
-def _node_update(*, actor: Any, node: Node, state: str | None, reason: str | None, ask_blockers: bool) -> Node:
+def _node_update(*, actor: Any, node: Node, state: str | None, reason: str | None, ask_blockers: bool,
+                 only_from: Collection[str] | None = None) -> Node:
     with transaction.atomic(durable=True):
         if ask_blockers:
             for blocker in node_return_blockers:
@@ -848,6 +856,8 @@ def _node_update(*, actor: Any, node: Node, state: str | None, reason: str | Non
         if state is not None:
             _lock_nodes([node.pk])  # before the row lock, as bookers take them
         node = Node.objects.select_for_update().get(pk=node.pk)
+        if only_from is not None and node.state not in only_from:
+            return node  # moved on by someone else meanwhile: their change stands
         if state == NodeState.AVAILABLE and not ask_blockers and node.state != NodeState.AVAILABLE:
             raise _NodeLeftAvailable  # nothing written yet: rolled back, and asked again with the blockers
         before = {"state": node.state, "state_reason": node.state_reason}

@@ -531,7 +531,7 @@ def _fail_consequences(check: HealthCheck) -> None:
     repair = Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).order_by("-pk").first()
     if node.state in IN_SERVICE_STATES and repair is None:
         repair = _take_out_of_service(node=node, actor=None, reason=reason, check=check)
-        took_out = True
+        took_out = repair is not None
     elif repair is not None and repair.triggering_check_id == check.pk:
         # This check opened the repair in a run that died before it finished (moving the bookings,
         # announcing): finish it now. Moving again finds only what is left to move.
@@ -556,10 +556,17 @@ def _fail_consequences(check: HealthCheck) -> None:
         )
 
 
-def _take_out_of_service(*, node: Node, actor: Any, reason: str, check: HealthCheck | None) -> Repair:
-    """Drain the node, open its repair and move its bookings; return the repair. Hold the node lock."""
+def _take_out_of_service(*, node: Node, actor: Any, reason: str, check: HealthCheck | None) -> Repair | None:
+    """Drain the node, open its repair and move its bookings; return the repair. Hold the node lock.
+
+    Return None, changing nothing, when the node left service (staff retired or failed it) between the
+    caller's read and the drain's locks: that change stands, as it would had it come first.
+    """
     if node.state == NodeState.AVAILABLE:
-        node = node_update(actor=actor, node=node, state=NodeState.DRAINING, reason=reason[:255])
+        node = node_update(actor=actor, node=node, state=NodeState.DRAINING, reason=reason[:255],
+                           only_from=(NodeState.AVAILABLE,))
+        if node.state not in IN_SERVICE_STATES:
+            return None
     repair = _repair_create(node=node, actor=actor, reason=reason, check=check)
     _move_bookings_of(repair, node=node, actor=actor, reason=reason)
     return repair
@@ -633,7 +640,11 @@ def repair_open(*, actor: Any, node: Node, reason: str) -> Repair:
             raise InvalidState(f"{node.hostname} is {node.state}.")
         if Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).exists():
             raise InvalidState(f"{node.hostname} already has an open repair.")
-        return _take_out_of_service(node=node, actor=actor, reason=reason, check=None)
+        repair = _take_out_of_service(node=node, actor=actor, reason=reason, check=None)
+        if repair is None:
+            node = Node.objects.get(pk=node.pk)
+            raise InvalidState(f"{node.hostname} is {node.state}.")
+        return repair
 
 
 def repair_advance(*, actor: Any, repair: Repair, to: str, note: str = "") -> Repair:
@@ -709,7 +720,12 @@ def _node_follows(repair: Repair, *, actor: Any) -> bool:
         if latest.first() != repair.pk:
             return False  # a newer repair owns the node now
     reason = "" if wanted == NodeState.AVAILABLE else f"repair #{repair.pk}: {repair.state}"
-    node = node_update(actor=actor, node=node, state=wanted, reason=reason)
+    # The same rules again under the node's locks: a change staff made since the read above stands.
+    allowed = ((NodeState.AVAILABLE,) if wanted == NodeState.DRAINING
+               else tuple(s for s in NodeState.values if s != NodeState.RETIRED))
+    node = node_update(actor=actor, node=node, state=wanted, reason=reason, only_from=allowed)
+    if node.state != wanted:
+        return False
     if wanted != NodeState.AVAILABLE:
         outcomes = _move_bookings(node=node, actor=actor, reason=reason)
         if outcomes:

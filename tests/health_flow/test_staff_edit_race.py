@@ -1,0 +1,59 @@
+"""A health step racing a staff edit of the same node (real threads, real PostgreSQL): the node's state
+is decided under its lock, so what staff committed first stands — a retired node is never drained back
+into service by a failing check, nor made available by its repair's rejoin."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from provisioning.health.models import HealthCheck, Repair
+from provisioning.health.services import health_check_handle, repair_advance, repair_open
+from reservations.models import Node
+from reservations.services import _lock_nodes
+from tests.racing import behind_a_lock
+
+
+def staff_retires(node_id: int):
+    """A hold for behind_a_lock: staff's node_update to retired, under the node's locks, not yet committed."""
+
+    def hold() -> None:
+        _lock_nodes([node_id])
+        node = Node.objects.select_for_update().get(pk=node_id)
+        node.state, node.state_reason = "retired", "decommissioned"
+        node.save()
+
+    return hold
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failing_check_does_not_drain_a_node_staff_retired_meanwhile(fleet):
+    node = fleet.nodes[0]
+    check = HealthCheck.objects.create(
+        node=node, level="quick", trigger="schedule", status="done", verdict="fail",
+        recommended_action="drain_and_reset", summary="gpu2 ecc_uncorrected_volatile: 1 error",
+        finished_at=timezone.now(),
+    )
+    # The check's consequences read the node as available, then wait for staff's retirement to commit.
+    outcome = behind_a_lock(staff_retires(node.pk), lambda: health_check_handle(check.pk))
+    assert outcome is None, outcome
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("retired", "decommissioned")
+    assert not Repair.objects.filter(node=node).exists()  # as for a node found retired: nothing to repair
+    assert HealthCheck.objects.get(pk=check.pk).handled_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rejoin_does_not_bring_back_a_node_staff_retired_meanwhile(fleet):
+    staff = fleet.users["staff"]
+    node = fleet.nodes[1]
+    repair = repair_open(actor=staff, node=node, reason="NCCL hangs")
+    for to in ("accepted", "cordoned", "remediating", "retesting"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    HealthCheck.objects.filter(pk=repair.retest_check_id).update(
+        status="done", verdict="pass", finished_at=timezone.now(), handled_at=timezone.now())
+    outcome = behind_a_lock(staff_retires(node.pk),
+                            lambda: repair_advance(actor=staff, repair=repair, to="rejoined"))
+    assert isinstance(outcome, Repair) and outcome.state == "rejoined", outcome
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("retired", "decommissioned")  # never given to bookings
