@@ -45,6 +45,7 @@ from django.utils.module_loading import import_string
 from portal.core import events
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
 from portal.core.locks import advisory_lock, locked_keys
+from portal.core.models import AuditLog
 from portal.core.services import audit_record
 from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Pool, Reservation
@@ -1154,8 +1155,9 @@ def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, faile
     holding = reservation.status in HOLDING_STATUSES and reservation.period.upper > timezone.now()
     built = cluster.status in LIVE_STATUSES or cluster.status in PROVISION_PHASES
     with transaction.atomic():
-        audit_record(actor=None, action="cluster.node_swapped" if spare else "cluster.node_lost", obj=cluster,
-                     tenant_id=cluster.tenant_id, before={"node": failed}, after={"node": spare})
+        if not _swap_audited(cluster, reservation_id=reservation_id, failed=failed, spare=spare):
+            audit_record(actor=None, action="cluster.node_swapped" if spare else "cluster.node_lost", obj=cluster,
+                         tenant_id=cluster.tenant_id, before={"node": failed}, after={"node": spare})
     try:
         with _backend(cluster.backend) as backend:
             ctx = build_context(cluster.pk)
@@ -1174,6 +1176,23 @@ def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, faile
         _degrade(cluster.pk, f"{failed} failed and no spare node is free ({missing} missing)", failed)
         return "degraded"
     return "replaced"
+
+
+def _swap_audited(cluster: VirtualCluster, *, reservation_id: int, failed: str, spare: str | None) -> bool:
+    """Whether the cluster's audit already holds this swap (the task runs again: a redelivered message, a
+    worker that died in the backend's call). Hold the cluster's lock.
+
+    The reservation records each swap once (reservation.replace_node, in the swap's own transaction): the
+    cluster has its row for each of those, so the same pair swapped twice (the node came back and failed
+    again) is two rows, and a late copy of the first message adds none.
+    """
+    swapped = AuditLog.objects.filter(
+        action="reservation.replace_node", object_type=Reservation._meta.label_lower, object_id=str(reservation_id),
+        after__failed=failed, **({"after__spare": spare} if spare else {"after__result": "degraded"}))
+    audited = AuditLog.objects.filter(
+        action="cluster.node_swapped" if spare else "cluster.node_lost", object_type=cluster._meta.label_lower,
+        object_id=str(cluster.pk), before__node=failed, after__node=spare)
+    return audited.count() >= max(1, swapped.count())
 
 
 def _degrade(cluster_id: int, reason: str, hostname: str) -> None:

@@ -448,6 +448,52 @@ def test_a_failed_node_is_swapped_for_a_spare_or_the_cluster_is_degraded(world, 
     assert degraded and degraded[0]["node"] == second.hostname and "1 missing" in degraded[0]["reason"]
 
 
+def test_a_node_swap_run_twice_is_audited_once(world, captured, django_capture_on_commit_callbacks):
+    """cluster_nodes_changed is a task (acks late): a redelivered message, or a run again after a worker died
+    in the backend's call, brings the cluster along again but is the same swap, not a second one."""
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=2)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    services.cluster_provision(cluster_id=cluster.pk)
+
+    def fail_one() -> dict:
+        host = Allocation.objects.filter(reservation=reservation, active=True).order_by("node__hostname").values_list(
+            "node__hostname", flat=True).first()
+        node = type(world.nodes[0]).objects.get(hostname=host)
+        with django_capture_on_commit_callbacks(execute=True):
+            node_update(actor=world.users["staff"], node=node, state=NodeState.FAILED, reason="XID 79")
+            services.node_sync(node_id=node.pk)
+        return [p for name, p in captured if name == "node.replaced"][-1]
+
+    def swaps() -> list[tuple[str, str]]:
+        return list(AuditLog.objects.filter(action="cluster.node_swapped", object_id=str(cluster.pk))
+                    .order_by("id").values_list("before__node", "after__node"))
+
+    first = fail_one()
+    for _ in range(2):  # the message, then its redelivery
+        assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=first["failed"],
+                                              spare=first["spare"]) == "replaced"
+    assert swaps() == [(first["failed"], first["spare"])]
+    # Another swap of the same booking is another row.
+    second = fail_one()
+    assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=second["failed"],
+                                          spare=second["spare"]) == "replaced"
+    assert swaps() == [(first["failed"], first["spare"]), (second["failed"], second["spare"])]
+    # No spare left: the node lost is audited once as well.
+    held = list(Allocation.objects.filter(reservation=reservation, active=True).values_list("node_id", flat=True))
+    type(world.nodes[0]).objects.exclude(pk__in=held).exclude(state=NodeState.FAILED).update(
+        state=NodeState.MAINTENANCE)
+    host = Allocation.objects.filter(reservation=reservation, active=True).values_list("node__hostname", flat=True)[0]
+    with django_capture_on_commit_callbacks(execute=True):
+        node_update(actor=world.users["staff"], node=type(world.nodes[0]).objects.get(hostname=host),
+                    state=NodeState.FAILED, reason="ECC")
+        services.node_sync(node_id=type(world.nodes[0]).objects.get(hostname=host).pk)
+    for _ in range(2):
+        assert services.cluster_nodes_changed(reservation_id=reservation.pk, failed=host, spare=None) == "degraded"
+    assert list(AuditLog.objects.filter(action="cluster.node_lost", object_id=str(cluster.pk))
+                .values_list("before__node", "after__node")) == [(host, None)]
+
+
 def test_extending_a_live_cluster_is_applied_to_the_backend(world):
     start = now_slot(world)
     reservation = book(world, "alpha-lead", start, hours=2)
