@@ -9,10 +9,12 @@ everything. The scope comes from ``Allocation.objects.for_user`` / ``Reservation
 from __future__ import annotations
 
 from collections import Counter
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
+from django.contrib.postgres.fields.ranges import RangeStartsWith
+from django.db.models import Case, DateTimeField, Exists, OuterRef, Q, QuerySet, Subquery, When
+from django.db.models.functions import Cast, Substr
 from django.utils import timezone
 
 from reservations.choices import HOLDING_STATUSES, AllocationKind
@@ -37,18 +39,35 @@ __all__ = [
 ]
 
 
+# When a node swap released an allocation: its note reads "replaced at 2026-01-05T09:00:00Z: …" (the cut,
+# reservations.services format_utc). A running allocation is also cut there, but one moved whole before
+# its start (or released by a failure, then found gone on a retry) keeps its booked window although its
+# team never held the node in it: what it held is its period up to this instant.
+_RELEASED_AT = Case(
+    When(note__regex=r"^replaced at [0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z",
+         then=Cast(Substr("note", len("replaced at ") + 1, len("2026-01-05T09:00:00Z")), DateTimeField())),
+    output_field=DateTimeField(),
+)
+
+
+def _held_allocations(user) -> QuerySet[Allocation]:
+    """The user's tenants' allocations that held (or hold) their node for a while: active ones, and the
+    part before the cut of those a node swap released."""
+    return (
+        Allocation.objects.for_user(user)
+        .filter(kind=AllocationKind.RESERVATION, reservation__status__in=HOLDING_STATUSES)
+        .annotate(released_at=_RELEASED_AT)
+        .filter(Q(active=True) | Q(note__startswith="replaced", released_at__gt=RangeStartsWith("period")))
+    )
+
+
 def visible_node_ids(user) -> QuerySet | None:
     """Return a subquery of node ids the user may see health of; None means every node (staff)."""
     if not getattr(user, "is_authenticated", False):
         return Node.objects.none().values("pk")
     if user.is_staff:
         return None
-    return (
-        Allocation.objects.for_user(user)
-        .filter(kind=AllocationKind.RESERVATION, reservation__status__in=HOLDING_STATUSES)
-        .filter(Q(active=True) | Q(note__startswith="replaced"))
-        .values("node_id")
-    )
+    return _held_allocations(user).values("node_id")
 
 
 def checks_for_user(user) -> QuerySet[HealthCheck]:
@@ -62,11 +81,10 @@ def checks_for_user(user) -> QuerySet[HealthCheck]:
     if nodes is None:
         return qs
     own = Reservation.objects.for_user(user).values("pk")
-    held_then = (
-        Allocation.objects.for_user(user)
-        .filter(kind=AllocationKind.RESERVATION, reservation__status__in=HOLDING_STATUSES)
-        .filter(Q(active=True) | Q(note__startswith="replaced"))
-        .filter(node_id=OuterRef("node_id"), period__contains=OuterRef("created_at"))
+    held_then = _held_allocations(user).filter(
+        # The note names the cut to the second: a check in that second was still the team's.
+        Q(active=True) | Q(released_at__gt=OuterRef("created_at") - timedelta(seconds=1)),
+        node_id=OuterRef("node_id"), period__contains=OuterRef("created_at"),
     )
     return qs.filter(node_id__in=nodes).filter(
         Q(reservation_id__in=own) | Q(Exists(held_then), reservation__isnull=True)

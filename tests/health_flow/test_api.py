@@ -201,3 +201,59 @@ def test_a_check_staff_ran_on_a_teams_cluster_names_the_platform_not_the_staff_m
     # Staff still see who it was.
     staff_view = fleet.client("staff").get("/api/v1/health-checks/").json()["results"]
     assert [r["requested_by"] for r in staff_view] == [fleet.users["staff"].username]
+
+
+@pytest.mark.django_db
+def test_a_booking_moved_off_a_node_before_its_start_never_reads_the_nodes_checks(
+        fleet, tomorrow, settings, eager, django_capture_on_commit_callbacks):
+    """A future booking moved whole to a spare (node_replace_allocations) keeps its released allocation on
+    the failed node, with its whole window: its team never held that node, yet read every fleet check of it
+    during that window — after the node's repair, the checks of the team that booked it next (their
+    processes: pids, memory)."""
+    from provisioning.health.services import repair_advance, repair_open
+
+    staff = fleet.users["staff"]
+    end = tomorrow + timedelta(hours=4)
+    alpha = fleet.book("alpha", ["gpu-001"], tomorrow, end, status="confirmed")
+    repair = repair_open(actor=staff, node=fleet.node("gpu-001"), reason="XID 79")
+    moved = alpha.allocations.get(node__hostname="gpu-001")
+    assert not moved.active and moved.note.startswith("replaced")  # alpha now holds a spare
+    for to in ("accepted", "cordoned", "remediating", "retesting"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    HealthCheck.objects.filter(pk=repair.retest_check_id).update(status="done", verdict="pass")
+    repair_advance(actor=staff, repair=repair, to="rejoined")
+    fleet.book("beta", ["gpu-001"], tomorrow, end, status="confirmed")  # the repaired node, booked by beta
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "stray_process", "gpu": 0, "pid": 31337}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        during_beta = health_checks_request(nodes=[fleet.node("gpu-001")], level="quick", trigger="schedule")[0]
+    HealthCheck.objects.filter(pk=during_beta.pk).update(created_at=tomorrow + timedelta(hours=1))
+
+    def listed(who, **params):
+        response = fleet.client(who).get("/api/v1/health-checks/", params)
+        assert response.status_code == 200, response.content
+        return {r["id"] for r in response.json()["results"]}
+
+    assert during_beta.pk in listed("beta-lead", node="gpu-001")
+    assert during_beta.pk not in listed("alpha-lead")
+    envelope(fleet.client("alpha-lead").get(f"/api/v1/health-checks/{during_beta.pk}/"), 404, "not_found")
+    envelope(fleet.client("alpha-lead").get("/api/v1/health-checks/", {"node": "gpu-001"}), 400, "invalid")
+
+
+@pytest.mark.django_db
+def test_a_team_swapped_off_a_running_node_reads_its_checks_up_to_the_swap(
+        fleet, now_slot, settings, eager, django_capture_on_commit_callbacks):
+    """Why the node was swapped stays readable to the team; what the node ran after the swap does not."""
+    from django.utils import timezone
+
+    fleet.book("alpha", ["gpu-002"], now_slot, now_slot + timedelta(hours=4))
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-002": [{"kind": "ecc_uncorrected", "gpu": 2}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        failing = health_checks_request(nodes=[fleet.node("gpu-002")], level="quick", trigger="schedule")[0]
+    failing.refresh_from_db()
+    assert failing.verdict == "fail" and fleet.node("gpu-002").state == "draining"
+    later = health_checks_request(nodes=[fleet.node("gpu-002")], level="quick", trigger="staff",
+                                  actor=fleet.users["staff"])[0]
+    HealthCheck.objects.filter(pk=later.pk).update(created_at=timezone.now() + timedelta(minutes=5))
+    listed = fleet.client("alpha-lead").get("/api/v1/health-checks/", {"node": "gpu-002"})
+    assert listed.status_code == 200, listed.content
+    assert {r["id"] for r in listed.json()["results"]} == {failing.pk}
