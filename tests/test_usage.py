@@ -13,6 +13,7 @@ import pytest
 from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
+from portal.core.timefmt import format_utc
 from reservations.choices import Billing, ReservationStatus
 from reservations.models import Allocation, Node, Pool, Reservation
 from reservations.selectors import usage_for_period
@@ -43,8 +44,11 @@ def _reservation(tenant, pool, nodes: list[Node], start, end, *, status=Reservat
         billing=billing, cancelled_at=cancelled_at)
     active = status not in (ReservationStatus.CANCELLED, ReservationStatus.FAILED)
     for i, node in enumerate(nodes):
-        upper = cut if (cut is not None and i == 0) else end
-        Allocation.objects.create(reservation=reservation, node=node, period=DateTimeTZRange(start, upper, "[)"),
+        if cut is not None and i == 0:  # as node_replace_allocations leaves it: cut, released, noted
+            Allocation.objects.create(reservation=reservation, node=node, period=DateTimeTZRange(start, cut, "[)"),
+                                      active=False, note=f"replaced at {format_utc(cut)}: XID 79")
+            continue
+        Allocation.objects.create(reservation=reservation, node=node, period=DateTimeTZRange(start, end, "[)"),
                                   active=active)
     if cut is not None and spare is not None:
         Allocation.objects.create(reservation=reservation, node=spare, period=DateTimeTZRange(cut, end, "[)"),
@@ -141,6 +145,37 @@ def test_the_rules_one_by_one(world):
     assert line.committed_used == Decimal("200.00")  # 160 + 16 (cancelled after 2 h) + 16 (from Nov 1) + 8
     assert line.burst_used == Decimal("40.00") and line.burst_cost_used == Decimal("120.00")
     assert line.committed_ahead == line.burst_ahead == Decimal("0.00")
+
+
+def test_a_node_swapped_by_the_service_counts_up_to_the_swap(world):
+    """The rules above hold for a swap as node_replace_allocations leaves it: the failed node's allocation
+    cut at the swap and released (inactive), the spare's from there; the hours the failed node served count
+    (they were not counted at all), and a booking moved whole before its start counts once."""
+    from reservations.services import node_replace_allocations
+
+    pool, nodes = _pool(name="usage-swap", nodes=6, gpus=8)
+    alpha = world.tenants["alpha"]
+    now = timezone.now()
+    month = Month(now.year, now.month)
+    start = max(month.start, now - 3 * HOUR).replace(microsecond=0)
+    end = start + 6 * HOUR
+    running = Reservation.objects.create(tenant=alpha, pool=pool, node_count=1, period=DateTimeTZRange(start, end),
+                                         status=ReservationStatus.ACTIVE)
+    Allocation.objects.create(reservation=running, node=nodes[0], period=DateTimeTZRange(start, end))
+    later = month.end + 2 * HOUR  # next month: counted in neither line below
+    ahead = Reservation.objects.create(tenant=alpha, pool=pool, node_count=1,
+                                       period=DateTimeTZRange(later, later + HOUR), status=ReservationStatus.CONFIRMED)
+    Allocation.objects.create(reservation=ahead, node=nodes[0], period=DateTimeTZRange(later, later + HOUR))
+    Node.objects.filter(pk=nodes[0].pk).update(state="failed")
+    outcomes = node_replace_allocations(node=Node.objects.get(pk=nodes[0].pk), reason="XID 79")
+    assert sorted(o["result"] for o in outcomes) == ["replaced", "replaced"]
+    cut = Allocation.objects.get(reservation=running, node=nodes[0]).period.upper
+
+    (line,) = usage_for_period(start=month.start, end=month.end, tenant_ids=[alpha.pk], now=cut)
+    assert line.committed_used == (Decimal((cut - start).total_seconds()) / 3600 * 8).quantize(Decimal("0.01"))
+    assert line.committed_ahead == (Decimal((end - cut).total_seconds()) / 3600 * 8).quantize(Decimal("0.01"))
+    (line,) = usage_for_period(start=month.end, end=month.next.end, tenant_ids=[alpha.pk], now=cut)
+    assert line.committed_ahead == Decimal("8.00")  # the booking moved whole: its hour once, on the spare
 
 
 def test_cancelling_records_when(world, t0):
