@@ -423,8 +423,31 @@ def _clean(report: Any) -> tuple[dict[str, Any], str]:
     problems = report.get("problems") if isinstance(report.get("problems"), list) else []
     report["problems"] = [_clean_problem(p) for p in problems if isinstance(p, Mapping)]
     gpus = report.get("gpus") if isinstance(report.get("gpus"), list) else []
-    report["gpus"] = [gpu for gpu in gpus if isinstance(gpu, Mapping)]
+    report["gpus"] = [_clean_gpu(gpu) for gpu in gpus if isinstance(gpu, Mapping)]
     return report, error
+
+
+def _clean_gpu(gpu: Mapping[str, Any]) -> dict[str, Any]:
+    """Return one GPU's results with the shape pages and the API read: a known verdict and action, text
+    identity fields, its checks as objects with text fields, the names of its passed checks."""
+    out = dict(gpu)
+    index = gpu.get("index")
+    out["index"] = index if isinstance(index, int) and not isinstance(index, bool) else None
+    for key in ("uuid", "serial", "name", "pci_bus_id"):
+        value = gpu.get(key)
+        out[key] = None if value is None else str(value)
+    if gpu.get("verdict") not in Verdict.values:
+        out["verdict"] = Verdict.UNKNOWN
+    if gpu.get("action") not in RecommendedAction.values:
+        out["action"] = "none" if out["verdict"] == Verdict.PASS else "investigate"
+    checks = gpu.get("checks") if isinstance(gpu.get("checks"), list) else []
+    # Each check keeps its readings (value, threshold) as posted; the fields pages print are text.
+    out["checks"] = [{**check, **{key: _text(check.get(key)) for key in ("name", "status", "message", "action")}}
+                     for check in checks if isinstance(check, Mapping)]
+    if "passed" in gpu:  # a compact report's (runner.compact_report)
+        passed = gpu["passed"] if isinstance(gpu["passed"], list) else []
+        out["passed"] = [name for name in passed if isinstance(name, str)]
+    return out
 
 
 def _clean_problem(problem: Mapping[str, Any]) -> dict[str, Any]:
@@ -432,9 +455,12 @@ def _clean_problem(problem: Mapping[str, Any]) -> dict[str, Any]:
     gpu = problem.get("gpu")
     out: dict[str, Any] = {"gpu": gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None}
     for key in ("check", "status", "action", "message"):
-        value = problem.get(key)
-        out[key] = value if isinstance(value, str) else ("" if value is None else str(value))
+        out[key] = _text(problem.get(key))
     return out
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ("" if value is None else str(value))
 
 
 def _row(check_id: int, report: Any) -> tuple:

@@ -162,6 +162,10 @@ def test_worker_entry_point_serves_the_right_queue(monkeypatch):
     {"verdict": "fail", "problems": ["disk on fire", 7]},
     {"verdict": "warn", "problems": [{"gpu": [0], "check": {}, "status": ["warn"], "message": None}]},
     {"verdict": "pass", "gpus": ["x", 3, None]},
+    {"verdict": "warn", "gpus": [{"index": 0, "verdict": {"worst": "fail"}, "action": ["reseat"], "checks": 5,
+                                  "passed": 3},
+                                 {"index": "1", "checks": [7, {"name": "temperature", "status": "warn"}],
+                                  "passed": [None, "power"]}]},
 ])
 def test_malformed_entries_in_a_report_are_stored_and_shown_without_an_error(report, fleet):
     """A report whose problems or GPUs are not objects crashed the recording (AttributeError/TypeError:
