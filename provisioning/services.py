@@ -695,8 +695,11 @@ def _hold_nodes_of_failed_teardown(cluster_id: int, hostnames: tuple[str, ...], 
     spares (node_sync). A staff retry that tears the cluster down gives them back."""
     reason = f"{_teardown_hold_reason(cluster_id)}: {error}"[:255]
     for node in Node.objects.filter(hostname__in=hostnames, state=NodeState.AVAILABLE).order_by("pk"):
-        node_update(actor=None, node=node, state=NodeState.MAINTENANCE, reason=reason)
-        logger.error("node %s held in maintenance: %s", node.hostname, reason)
+        # Only from available, compared under the node's locks: a change staff made since the read stands.
+        node = node_update(actor=None, node=node, state=NodeState.MAINTENANCE, reason=reason,
+                           only_from=(NodeState.AVAILABLE,))
+        if node.state == NodeState.MAINTENANCE:
+            logger.error("node %s held in maintenance: %s", node.hostname, reason)
 
 
 def _release_nodes_of_failed_teardown(cluster_id: int) -> None:
@@ -706,7 +709,8 @@ def _release_nodes_of_failed_teardown(cluster_id: int) -> None:
     prefix = _teardown_hold_reason(cluster_id) + ":"
     for node in Node.objects.filter(state=NodeState.MAINTENANCE, state_reason__startswith=prefix).order_by("pk"):
         try:
-            node_update(actor=None, node=node, state=NodeState.AVAILABLE, reason="")
+            # Only from maintenance, compared under the node's locks: staff retiring it meanwhile stands.
+            node_update(actor=None, node=node, state=NodeState.AVAILABLE, reason="", only_from=(NodeState.MAINTENANCE,))
         except InvalidState as exc:
             logger.warning("node %s stays out of service after cluster %s's teardown: %s", node.hostname,
                            cluster_id, exc.detail)

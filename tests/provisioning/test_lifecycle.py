@@ -641,6 +641,28 @@ def test_releasing_held_nodes_leaves_a_node_staff_moved_on_alone(world, settings
     assert (node.state, node.state_reason) == (NodeState.FAILED, "PSU replaced, awaiting burn-in")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_releasing_held_nodes_leaves_a_node_staff_retire_meanwhile_alone(world, settings):
+    """The same, racing: staff retire the held node while the retried teardown gives its nodes back (the
+    release read the node as held, then waited for staff's change): the node stays retired, never bookable."""
+    from reservations.models import Node
+    from reservations.services import _lock_nodes
+    from tests.racing import behind_a_lock
+
+    cluster, node = _held_after_a_failed_teardown(world, settings)
+    settings.PORTAL_PROVISIONING_FAULTS = ""
+    services.cluster_retry(actor=world.users["staff"], cluster=cluster)
+
+    def staff_retires() -> None:
+        _lock_nodes([node.pk])
+        Node.objects.select_for_update().filter(pk=node.pk).update(state=NodeState.RETIRED, state_reason="scrapped")
+
+    assert behind_a_lock(staff_retires, lambda: services.cluster_teardown(cluster_id=cluster.pk)) \
+        == ClusterStatus.DELETED
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == (NodeState.RETIRED, "scrapped")
+
+
 def test_releasing_held_nodes_leaves_a_node_an_open_repair_owns_to_its_repair(
         world, settings, django_capture_on_commit_callbacks):
     """A node held after a failed teardown that staff then sent to repair: the teardown's retry gives back
