@@ -698,6 +698,16 @@ def repair_advance(*, actor: Any, repair: Repair, to: str, note: str = "") -> Re
                     raise InvalidState(f"Repair #{repair.pk} needs a passing re-test before the node rejoins.")
             now = _now()
             if to == RepairState.RETESTING:
+                # A medium check of the node still open from before the remediation (the last re-test, or
+                # staff's) would be reused as this one, its result read before the fix: close it first.
+                HealthCheck.objects.filter(
+                    node_id=repair.node_id, level=CheckLevel.MEDIUM, reservation__isnull=True,
+                    status__in=OPEN_CHECK_STATUSES, created_at__lt=repair.remediated_at,
+                ).update(
+                    status=CheckStatus.ERROR, verdict=Verdict.UNKNOWN, recommended_action="investigate",
+                    error=f"superseded: queued before repair #{repair.pk}'s remediation; a new re-test replaces it",
+                    summary="superseded by a re-test", finished_at=now, handled_at=now,
+                )
                 retest = health_checks_request(
                     nodes=[repair.node_id], level=CheckLevel.MEDIUM, trigger=CheckTrigger.REPAIR, actor=actor
                 )[0]

@@ -262,3 +262,35 @@ def test_reconcile_leaves_a_node_staff_changed_after_its_repair_closed(fleet, ca
     assert Node.objects.get(pk=broken.pk).state == "available"
     assert Node.objects.get(pk=rejoined.pk).state == "maintenance"
     assert sum(1 for name, _ in captured_events if name == "node.failed") == failed_before
+
+
+@pytest.mark.django_db
+def test_a_retest_is_a_check_queued_after_the_remediation(fleet):
+    """Back to remediation while the re-test was still queued, then re-test again: the open check from
+    before the second remediation was reused as the re-test (its result, read before the fix, rejoined the
+    node or sent it back). It is closed as superseded and a new check is the re-test."""
+    staff = fleet.users["staff"]
+    node = fleet.nodes[2]
+    repair = repair_open(actor=staff, node=node, reason="manual")
+    for to in ("accepted", "cordoned", "remediating", "retesting"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    first = repair.retest_check  # queued, not run yet (the node's agent is busy, or the node is down)
+    repair = repair_advance(actor=staff, repair=repair, to="remediating", note="forgot the riser")
+    repair = repair_advance(actor=staff, repair=repair, to="retesting")
+    assert repair.retest_check_id != first.pk
+    assert repair.retest_check.created_at >= repair.remediated_at and repair.retest_check.is_open
+    first.refresh_from_db()
+    assert (first.status, first.verdict) == ("error", "unknown") and "superseded" in first.error
+    assert first.handled_at is not None
+    # Its agent's late report changes nothing; the new check's result moves the repair.
+    from provisioning.health.runner import SimulatedFleet
+    from provisioning.health.services import health_check_record
+
+    report = SimulatedFleet("").run({"id": first.pk, "host": node.hostname, "level": "medium",
+                                     "model": "H100-SXM", "gpus": 8})
+    health_check_record(first.pk, report)
+    first.refresh_from_db()
+    repair.refresh_from_db()
+    assert first.status == "error" and repair.state == "retesting"
+    with pytest.raises(InvalidState, match="passing re-test"):
+        repair_advance(actor=staff, repair=repair, to="rejoined")
