@@ -970,24 +970,28 @@ def node_replace_allocations(*, node: Node, actor: Any = None, reason: str = "")
         raise InvalidState(f"{node.hostname} is still available; drain or fail it before moving its bookings.")
     now = timezone.now()
     outcomes: list[dict[str, Any]] = []
-    allocation_ids = list(
+    listed = list(
         Allocation.objects.filter(
             node=node, active=True, kind=AllocationKind.RESERVATION, period__endswith__gt=now,
             reservation__status__in=[s for s in ReservationStatus.values if s not in FINAL_STATUSES],
-        ).values_list("id", flat=True)
+        ).values_list("id", "reservation_id")
     )
-    for allocation_id in allocation_ids:
-        outcomes.append(_replace_one(allocation_id=allocation_id, now=now, actor=actor, reason=reason))
+    for allocation_id, reservation_id in listed:
+        outcomes.append(_replace_one(allocation_id=allocation_id, reservation_id=reservation_id, now=now,
+                                     actor=actor, reason=reason))
     return outcomes
 
 
-def _replace_one(*, allocation_id: int, now: datetime, actor: Any, reason: str) -> dict[str, Any]:
+def _replace_one(*, allocation_id: int, reservation_id: int, now: datetime, actor: Any,
+                 reason: str) -> dict[str, Any]:
     with transaction.atomic(durable=True):
-        reservation_id = Allocation.objects.values_list("reservation_id", flat=True).get(pk=allocation_id)
         # Lock order as in reservation_update: the reservation, then its allocations.
         reservation = Reservation.objects.select_for_update().get(pk=reservation_id)
-        allocation = Allocation.objects.select_for_update(of=("self",)).select_related("node").get(pk=allocation_id)
-        if not allocation.active or allocation.period.upper <= now or reservation.status in FINAL_STATUSES:
+        # A move that re-picked the booking's nodes meanwhile deleted the row: nothing left on the node.
+        allocation = (Allocation.objects.select_for_update(of=("self",)).select_related("node")
+                      .filter(pk=allocation_id).first())
+        if allocation is None or not allocation.active or allocation.period.upper <= now \
+                or reservation.status in FINAL_STATUSES:
             return {"reservation_id": reservation.pk, "result": "unchanged"}
         old = allocation.node
         cut = max(allocation.period.lower, now)

@@ -98,3 +98,29 @@ def test_bookings_racing_a_swap_never_double_book(t0):
     assert len(booked) + (1 if swap[0]["result"] == "replaced" else 0) == 4
     assert victim.missing_nodes == (0 if swap[0]["result"] == "replaced" else 1)
     assert overlapping_allocations() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_swap_racing_a_move_that_re_picks_the_nodes_finds_nothing_left(world, t0):
+    """The team moves its future booking while a failed node's bookings are moved off it: the move re-picks
+    the nodes (its allocations deleted, new ones inserted) after the swap listed them. The swap crashed on the
+    vanished allocation (DoesNotExist: the health step or node_sync failed, and the node's other bookings
+    waited for a retry); it is nothing left to move."""
+    from reservations.services import _lock_nodes
+    from tests.racing import behind_a_lock
+
+    r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                           node_count=1, start=t0, end=t0 + timedelta(hours=2))
+    failed = Node.objects.get(hostname=r.node_hostnames[0])
+    other = Node.objects.filter(pool=world.pool, state="available").exclude(pk=failed.pk).order_by("pk").first()
+    Node.objects.filter(pk=failed.pk).update(state="failed")
+
+    def moves_and_re_picks() -> None:  # what reservation_update's re-pick writes, under the booking's lock
+        Reservation.objects.select_for_update().get(pk=r.pk)
+        Allocation.objects.filter(reservation=r).delete()
+        _lock_nodes([other.pk])
+        Allocation.objects.create(reservation=r, node=other, period=r.period)
+
+    outcomes = behind_a_lock(moves_and_re_picks, lambda: node_replace_allocations(node=failed, reason="XID 79"))
+    assert outcomes == [{"reservation_id": r.pk, "result": "unchanged"}], outcomes
+    assert list(Allocation.objects.filter(reservation=r, active=True).values_list("node_id", flat=True)) == [other.pk]
