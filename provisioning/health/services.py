@@ -41,7 +41,7 @@ from django.utils import timezone
 from portal.core import events
 from portal.core.exceptions import InvalidInput, InvalidState, PermissionDenied
 from portal.core.services import audit_record
-from reservations.choices import HOLDING_STATUSES, AllocationKind, NodeState
+from reservations.choices import HOLDING_STATUSES, AllocationKind, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
 from reservations.services import node_replace_allocations, node_update
 from tenants.choices import BOOKING_ROLES
@@ -296,12 +296,25 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
     """Return the agent job (JSON) of each queued check, in id order.
 
     ``idle`` says whether the node should be idle: it is not when a holding reservation's
-    window covers now (its tenant's jobs may run; stray processes are then not a fault).
+    window covers now (its tenant's jobs may run; stray processes are then not a fault), nor while
+    a cluster whose window is over is still on the node (until the tick ends it and its teardown
+    stops the tenant's jobs).
     """
+    from provisioning.choices import ClusterStatus  # the cluster app may load after this one
+    from provisioning.models import VirtualCluster
+
     now = now or _now()
     busy = Allocation.objects.filter(
         node_id=OuterRef("node_id"), active=True, kind=AllocationKind.RESERVATION, period__contains=now,
         reservation__status__in=HOLDING_STATUSES,
+    )
+    still_on_it = Allocation.objects.filter(
+        Q(active=True) | Q(reservation__status=ReservationStatus.CANCELLED),  # a cancel releases at once
+        Exists(VirtualCluster.objects.filter(
+            reservation_id=OuterRef("reservation_id"),
+            status__in=(ClusterStatus.READY, ClusterStatus.DEGRADED, ClusterStatus.TEARING_DOWN),
+        )),
+        node_id=OuterRef("node_id"), kind=AllocationKind.RESERVATION, period__startswith__lte=now,
     )
     healed = (
         Repair.objects.filter(node_id=OuterRef("node_id"), remediated_at__isnull=False)
@@ -309,7 +322,7 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
     )
     rows = (
         HealthCheck.objects.filter(pk__in=list(check_ids), status=CheckStatus.QUEUED)
-        .annotate(busy=Exists(busy), healed=Subquery(healed))
+        .annotate(busy=Exists(busy) | Exists(still_on_it), healed=Subquery(healed))
         .values_list(
             "pk", "level", "trigger", "reservation_id", "node__hostname", "node__pool__gpu_model",
             "node__pool__gpus_per_node", "busy", "healed",

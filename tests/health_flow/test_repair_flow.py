@@ -294,3 +294,33 @@ def test_a_retest_is_a_check_queued_after_the_remediation(fleet):
     assert first.status == "error" and repair.state == "retesting"
     with pytest.raises(InvalidState, match="passing re-test"):
         repair_advance(actor=staff, repair=repair, to="rejoined")
+
+
+@pytest.mark.django_db
+def test_a_sweep_at_a_bookings_end_does_not_drain_the_node_its_cluster_still_runs_on(
+        fleet, settings, eager, now_slot, django_capture_on_commit_callbacks):
+    """A booking's window is over, but its cluster is still on the node (the minute's tick has not ended it,
+    or its teardown runs): the tenant's jobs still run there. The sweep told the agent the node should be
+    idle, read those jobs as stray processes, failed the node and drained it into a repair."""
+    from provisioning.models import VirtualCluster
+
+    from .test_api import make_cluster
+
+    node = fleet.nodes[0]
+    ended = fleet.book("alpha", [node.hostname], now_slot - timedelta(hours=3), now_slot)  # still "active"
+    cluster = make_cluster(ended)
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: [{"kind": "stray_process", "gpu": 0, "pid": 4242}]})
+    for status, reservation_status in (("ready", "active"), ("tearing_down", "ending")):
+        VirtualCluster.objects.filter(pk=cluster.pk).update(status=status)
+        type(ended).objects.filter(pk=ended.pk).update(status=reservation_status)
+        [check] = _run(django_capture_on_commit_callbacks, nodes=[node], level="quick", trigger="schedule")
+        check.refresh_from_db()
+        assert check.verdict == "pass", (status, check.summary)
+        assert Node.objects.get(pk=node.pk).state == "available" and not Repair.objects.filter(node=node).exists()
+    # Torn down: a process left on the node now is a stray one.
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="deleted")
+    type(ended).objects.filter(pk=ended.pk).update(status="completed")
+    [check] = _run(django_capture_on_commit_callbacks, nodes=[node], level="quick", trigger="schedule")
+    check.refresh_from_db()
+    assert check.verdict == "fail" and "compute_processes" in check.summary
+    assert Node.objects.get(pk=node.pk).state == "draining"
