@@ -215,7 +215,7 @@ def _allocated_hostnames(reservation_id: int) -> tuple[str, ...]:
     if active:
         return tuple(active)
     # A failed reservation's allocations were released; its cluster still ran on them.
-    return tuple(Allocation.objects.filter(reservation_id=reservation_id).exclude(note__startswith="replaced")
+    return tuple(Allocation.objects.filter(reservation_id=reservation_id, replaced_at__isnull=True)
                  .order_by("node__hostname").values_list("node__hostname", flat=True).distinct())
 
 

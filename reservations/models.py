@@ -146,6 +146,10 @@ class Allocation(models.Model):
     kind = models.CharField(max_length=16, choices=AllocationKind.choices, default=AllocationKind.RESERVATION)
     active = models.BooleanField(default=True)
     note = models.CharField(max_length=255, blank=True, default="")
+    # When a node swap took the node from the booking (a spare, or nothing, took the rest of the
+    # window): the booking held the node over its period up to this instant — nothing, when it is at
+    # or before the period's start (moved before it began). Null for every other allocation.
+    replaced_at = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -172,6 +176,11 @@ class Allocation(models.Model):
                 | Q(kind=AllocationKind.RESERVATION, reservation__isnull=False),
                 name="%(app_label)s_%(class)s_kind_matches_owner",
                 violation_error_message="Reservation allocations belong to a reservation; maintenance ones do not.",
+            ),
+            models.CheckConstraint(
+                condition=Q(replaced_at__isnull=True) | Q(active=False, kind=AllocationKind.RESERVATION),
+                name="%(app_label)s_%(class)s_replaced_is_released",
+                violation_error_message="A replaced allocation is a released booking allocation.",
             ),
         ]
 

@@ -608,8 +608,7 @@ __all__ += [
 
 # Node-hours in [start, end) per tenant, pool and billing, split at `now` into used and booked ahead.
 # What counts is what a tenant held: a reservation's active allocations, and those a node swap
-# released up to the swap (node_replace_allocations cuts a running one there and notes the instant,
-# "replaced at 2026-01-05T09:00:00Z: …"; one moved whole before its start held nothing) — so a node
+# released up to the swap (replaced_at; one moved whole before its start held nothing) — so a node
 # swapped for a spare counts once, and the hours a degraded booking went without a node do not
 # count — whether it ran to its end, was torn down early (its nodes stay booked: paid for) or is
 # still ahead. A cancelled one counts from its start to its cancel (its allocations are released
@@ -617,15 +616,10 @@ __all__ += [
 USAGE_SQL = """
 WITH spans AS (
     SELECT r.tenant_id, r.pool_id, r.billing,
-           CASE WHEN a.active THEN a.period
-                ELSE a.period * tstzrange(NULL, x.released + interval '1 second') END AS span, 1 AS nodes
+           CASE WHEN a.active THEN a.period ELSE a.period * tstzrange(NULL, a.replaced_at) END AS span,
+           1 AS nodes
     FROM reservations_allocation a JOIN reservations_reservation r ON r.id = a.reservation_id
-    CROSS JOIN LATERAL (
-        SELECT CASE WHEN NOT a.active
-                         AND a.note ~ '^replaced at [0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z'
-                    THEN substr(a.note, 13, 20)::timestamptz END AS released
-    ) x
-    WHERE (a.active OR x.released > lower(a.period)) AND a.kind = 'reservation'
+    WHERE (a.active OR a.replaced_at > lower(a.period)) AND a.kind = 'reservation'
       AND r.status NOT IN ('cancelled', 'failed')
       AND a.period && tstzrange(%(start)s, %(end)s)
       AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))

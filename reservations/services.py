@@ -1001,8 +1001,9 @@ def _replace_one(*, allocation_id: int, reservation_id: int, now: datetime, acto
         if allocation.period.lower < cut:
             allocation.period = DateTimeTZRange(allocation.period.lower, cut, "[)")
         allocation.active = False
+        allocation.replaced_at = cut
         allocation.note = f"replaced at {format_utc(cut)}: {reason}"[:255]
-        allocation.save(update_fields=["period", "active", "note"])
+        allocation.save(update_fields=["period", "active", "replaced_at", "note"])
         spare = _insert_spare(reservation=reservation, period=remaining, actor=actor)
         before = _snapshot(reservation)
         if spare is None:
@@ -1062,18 +1063,19 @@ def reservation_reopen(*, reservation_id: int, actor: Any, reason: str = "") -> 
         now = timezone.now()
         try:
             with transaction.atomic():
-                # Allocations a node swap replaced stay released ("replaced …" note).
-                reopened = reservation.allocations.filter(active=False, kind=AllocationKind.RESERVATION).exclude(
-                    note__startswith="replaced")
+                # Allocations a node swap replaced stay released.
+                reopened = reservation.allocations.filter(active=False, kind=AllocationKind.RESERVATION,
+                                                          replaced_at__isnull=True)
                 _lock_nodes(list(reopened.values_list("node_id", flat=True)))  # as bookers of them do
                 # Read after the locks, so a node taken out of service since the failure is seen: its
                 # allocation stays released and a spare of the pool takes the rest of the window.
                 gone = list(reopened.exclude(node__state=NodeState.AVAILABLE).select_related("node"))
                 reopened.filter(node__state=NodeState.AVAILABLE).update(active=True)
                 for allocation in gone:
+                    allocation.replaced_at = now
                     allocation.note = f"replaced at {format_utc(now)}: {allocation.node.hostname} is " \
                                       f"{allocation.node.state}"[:255]
-                    allocation.save(update_fields=["note"])
+                    allocation.save(update_fields=["replaced_at", "note"])
                     remaining = DateTimeTZRange(max(allocation.period.lower, now), allocation.period.upper, "[)")
                     if _insert_spare(reservation=reservation, period=remaining, actor=actor) is None:
                         raise CapacityUnavailable(

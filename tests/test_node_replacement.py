@@ -3,6 +3,7 @@
 from datetime import timedelta
 
 import pytest
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from portal.core.exceptions import CapacityUnavailable, InvalidState
@@ -36,6 +37,7 @@ def test_running_booking_moves_the_rest_of_its_window_to_a_spare(world, captured
     assert spare not in r.node_hostnames
     old = Allocation.objects.get(reservation=r, node=failed)
     assert old.active is False and old.period.lower == now_slot and old.period.upper <= timezone.now()
+    assert old.replaced_at == old.period.upper  # the instant the node stopped being the booking's
     new = Allocation.objects.get(reservation=r, node__hostname=spare)
     assert new.active and new.period.upper == now_slot + timedelta(hours=4)
     assert new.period.lower == old.period.upper
@@ -64,6 +66,23 @@ def test_future_booking_moves_whole_and_without_spare_it_degrades(world, t0, cap
     assert [p["missing_nodes"] for n, p in captured_events if n == "reservation.degraded"] == [1]
     assert Allocation.objects.filter(reservation=r, active=True).count() == 2
     assert not Allocation.objects.filter(node=failed, active=True).exists()
+    moved = Allocation.objects.get(reservation=r, node=failed)  # held nothing: replaced at its start
+    assert moved.replaced_at == moved.period.lower == t0
+
+
+@pytest.mark.django_db
+def test_only_a_released_booking_allocation_can_be_replaced(world, t0):
+    """replaced_at marks what a swap released: the database refuses it on a held or maintenance allocation."""
+    r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                           node_count=1, start=t0, end=t0 + timedelta(hours=2))
+    held = Allocation.objects.filter(reservation=r)
+    with pytest.raises(IntegrityError, match="replaced_is_released"), transaction.atomic():
+        held.update(replaced_at=t0)
+    node = world.pool.nodes.exclude(pk=held.get().node_id).first()
+    with pytest.raises(IntegrityError, match="replaced_is_released"), transaction.atomic():
+        Allocation.objects.create(node=node, kind="maintenance", active=False, replaced_at=t0,
+                                  period=(t0, t0 + timedelta(hours=1)))
+    assert held.get().replaced_at is None
 
 
 @pytest.mark.django_db(transaction=True)

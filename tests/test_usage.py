@@ -46,7 +46,7 @@ def _reservation(tenant, pool, nodes: list[Node], start, end, *, status=Reservat
     for i, node in enumerate(nodes):
         if cut is not None and i == 0:  # as node_replace_allocations leaves it: cut, released, noted
             Allocation.objects.create(reservation=reservation, node=node, period=DateTimeTZRange(start, cut, "[)"),
-                                      active=False, note=f"replaced at {format_utc(cut)}: XID 79")
+                                      active=False, replaced_at=cut, note=f"replaced at {format_utc(cut)}: XID 79")
             continue
         Allocation.objects.create(reservation=reservation, node=node, period=DateTimeTZRange(start, end, "[)"),
                                   active=active)

@@ -9,12 +9,11 @@ everything. The scope comes from ``Allocation.objects.for_user`` / ``Reservation
 from __future__ import annotations
 
 from collections import Counter
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.contrib.postgres.fields.ranges import RangeStartsWith
-from django.db.models import Case, DateTimeField, Exists, OuterRef, Q, QuerySet, Subquery, When
-from django.db.models.functions import Cast, Substr
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
 from django.utils import timezone
 
 from reservations.choices import HOLDING_STATUSES, AllocationKind
@@ -39,25 +38,15 @@ __all__ = [
 ]
 
 
-# When a node swap released an allocation: its note reads "replaced at 2026-01-05T09:00:00Z: …" (the cut,
-# reservations.services format_utc). A running allocation is also cut there, but one moved whole before
-# its start (or released by a failure, then found gone on a retry) keeps its booked window although its
-# team never held the node in it: what it held is its period up to this instant.
-_RELEASED_AT = Case(
-    When(note__regex=r"^replaced at [0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z",
-         then=Cast(Substr("note", len("replaced at ") + 1, len("2026-01-05T09:00:00Z")), DateTimeField())),
-    output_field=DateTimeField(),
-)
-
-
 def _held_allocations(user) -> QuerySet[Allocation]:
     """The user's tenants' allocations that held (or hold) their node for a while: active ones, and the
     part before the cut of those a node swap released."""
+    # A swap moving a booking whole before its start (replaced_at at or before the period's start)
+    # left it a released row with its booked window, although its team never held the node in it.
     return (
         Allocation.objects.for_user(user)
         .filter(kind=AllocationKind.RESERVATION, reservation__status__in=HOLDING_STATUSES)
-        .annotate(released_at=_RELEASED_AT)
-        .filter(Q(active=True) | Q(note__startswith="replaced", released_at__gt=RangeStartsWith("period")))
+        .filter(Q(active=True) | Q(replaced_at__gt=RangeStartsWith("period")))
     )
 
 
@@ -82,8 +71,7 @@ def checks_for_user(user) -> QuerySet[HealthCheck]:
         return qs
     own = Reservation.objects.for_user(user).values("pk")
     held_then = _held_allocations(user).filter(
-        # The note names the cut to the second: a check in that second was still the team's.
-        Q(active=True) | Q(released_at__gt=OuterRef("created_at") - timedelta(seconds=1)),
+        Q(active=True) | Q(replaced_at__gt=OuterRef("created_at")),
         node_id=OuterRef("node_id"), period__contains=OuterRef("created_at"),
     )
     return qs.filter(node_id__in=nodes).filter(
@@ -138,7 +126,7 @@ def cluster_node_ids(cluster) -> list[int]:
 def cluster_checks_q(reservation) -> Q:
     """Checks of a cluster: those run for its booking, and its nodes' checks during its window."""
     node_ids = Allocation.objects.filter(reservation=reservation).filter(
-        Q(active=True) | Q(note__startswith="replaced")
+        Q(active=True) | Q(replaced_at__isnull=False)
     ).values("node_id")
     return Q(reservation_id=reservation.pk) | Q(
         node_id__in=node_ids, created_at__gte=reservation.start, created_at__lt=reservation.end
