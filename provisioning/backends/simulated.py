@@ -65,7 +65,7 @@ class SimulatedBackend(ProvisioningBackend):
         state = self._load(ctx)
         state.update(changes)
         state.update(nodes=list(ctx.nodes), start=format_utc(ctx.start), end=format_utc(ctx.end),
-                     tenant=ctx.tenant_slug)
+                     tenant=ctx.tenant_slug, reservation=ctx.reservation_id)
         pipe = _redis().pipeline()
         pipe.set(_key(ctx.cluster_id), json.dumps(state), ex=_TTL)
         pipe.sadd(_index(), ctx.cluster_id)
@@ -142,15 +142,22 @@ class SimulatedBackend(ProvisioningBackend):
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
                   tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
         drifts: list[Drift] = []
-        live = [ctx for ctx in wanted if ctx.status in ("ready", "degraded")]
+        built = [ctx for ctx in wanted if ctx.status in ("ready", "degraded")]
         wanted_ids = {ctx.cluster_id for ctx in wanted}
+        # One cluster per reservation: an entry naming a wanted reservation under another cluster id is a stray.
+        wanted_reservations = {ctx.reservation_id for ctx in wanted}
         index = {int(member) for member in _redis().smembers(_index())}
         for cluster_id in sorted(index - wanted_ids):
-            if _redis().exists(_key(cluster_id)):
+            raw = _redis().get(_key(cluster_id))
+            reservation_id = json.loads(raw).get("reservation") if raw else None
+            if (live is not None and isinstance(reservation_id, int) and reservation_id not in wanted_reservations
+                    and live(reservation_id)):
+                continue  # provisioned after `wanted` was read: not an orphan
+            if raw:
                 drifts.append(Drift("orphan", f"cluster-{cluster_id}", "simulated cluster no longer wanted", fix))
             if fix:
                 self._forget(cluster_id)
-        for ctx in live:
+        for ctx in built:
             status = self.status(ctx)
             if not status.exists:
                 if fix:
