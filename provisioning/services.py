@@ -62,6 +62,7 @@ from .backends.base import (
     Drift,
     PhaseResult,
     ProvisioningBackend,
+    RepairGuard,
 )
 from .backends.registry import backend_for_orchestrator, configured_backends, get_backend, holds_bookings
 from .choices import (
@@ -1466,7 +1467,8 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
         # repaired before, and the next backend is still compared.
         try:
             with _backend(name) as backend:
-                drifts += backend.reconcile(wanted, fix=fix, tenants=tenants, live=live)
+                drifts += backend.reconcile(wanted, fix=fix, tenants=tenants, live=live,
+                                            guard=_repair_guard(wanted_q))
                 drifts += backend.reconcile_nodes(node_states, fix=fix)
         except BackendError as exc:
             drifts.append(Drift("unreachable", name, f"backend unreachable: {exc.message}"))
@@ -1479,6 +1481,29 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
         logger.warning("reconcile %s: %s %s: %s%s", drift["backend"], drift["kind"], drift["name"], drift["detail"],
                        " (repaired)" if drift["repaired"] else "")
     return out
+
+
+def _repair_guard(wanted_q: Q) -> RepairGuard:
+    """How reconcile --fix repairs one wanted cluster: under the cluster's lock, as provisioning, teardown, syncs
+    and swaps run, and only while the cluster is as `wanted` read it.
+
+    Without it a teardown that ran between that read and the repair (the tenant's button, a cancel, the
+    window's end) had its work undone: the repair built the cluster again as "missing". A cluster a running
+    task holds, or that moved on or changed since, is left alone (reported unrepaired; the next run compares
+    it again)."""
+
+    def guard(ctx: ClusterContext, repair: Callable[[], object]) -> object:
+        with advisory_lock(LOCK_CLUSTER, ctx.cluster_id) as held:
+            if not held:
+                raise BackendError(f"left alone: a task holds cluster #{ctx.cluster_id} ({_CLUSTER_BUSY})")
+            if not VirtualCluster.objects.filter(wanted_q, pk=ctx.cluster_id).exists():
+                raise BackendError(f"left alone: cluster #{ctx.cluster_id} is being torn down or no longer wanted")
+            fresh = build_context(ctx.cluster_id)
+            if (fresh.nodes, fresh.start, fresh.end, fresh.status) != (ctx.nodes, ctx.start, ctx.end, ctx.status):
+                raise BackendError(f"left alone: cluster #{ctx.cluster_id} changed while reconcile ran")
+            return repair()
+
+    return guard
 
 
 # --- pool capabilities (staff, from the admin) ---------------------------------------------

@@ -23,6 +23,7 @@ __all__ = [
     "BackendStatus",
     "Drift",
     "ProvisioningBackend",
+    "RepairGuard",
     "repaired_drift",
 ]
 
@@ -119,18 +120,26 @@ class Drift:
     secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
 
+# reconcile's caller decides whether a repair of one wanted cluster may run now: guard(ctx, repair) returns what
+# repair() returned, or raises BackendError saying why it was left alone (a task holds the cluster, it is being
+# torn down, it changed since ctx was read).
+RepairGuard = Callable[[ClusterContext, Callable[[], object]], object]
+
+
 def repaired_drift(kind: str, name: str, detail: str, *, fix: bool, repair: Callable[[], object],
-                   cluster_id: int | None = None) -> Drift:
+                   cluster_id: int | None = None, ctx: ClusterContext | None = None,
+                   guard: RepairGuard | None = None) -> Drift:
     """Return the drift, running ``repair`` first when fix; a repair that fails is reported, not raised.
 
     One repair refused (an overlap, a node the backend does not know) or a backend that stops
     answering half-way must neither hide the drifts found so far nor the repairs already made. A
-    repair returning a PhaseResult hands its secrets on (for cluster_id).
+    repair returning a PhaseResult hands its secrets on (for cluster_id). A repair of the wanted
+    cluster ctx goes through guard, when given.
     """
     if not fix:
         return Drift(kind, name, detail)
     try:
-        outcome = repair()
+        outcome = guard(ctx, repair) if guard is not None and ctx is not None else repair()
     except BackendError as exc:
         return Drift(kind, name, f"{detail}; repair failed: {exc.message}")
     secrets = dict(outcome.secrets) if isinstance(outcome, PhaseResult) else {}
@@ -200,7 +209,8 @@ class ProvisioningBackend(abc.ABC):
 
     @abc.abstractmethod
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None,
+                  guard: RepairGuard | None = None) -> list[Drift]:
         """Compare the backend with what the portal wants; repair if fix.
 
         ``wanted`` holds every cluster whose artefacts may exist (being built, live, or a
@@ -210,7 +220,8 @@ class ProvisioningBackend(abc.ABC):
         operator's, never reported or deleted. ``live``, when given, is asked (with the
         reservation id) about each would-be orphan after the backend was read: ``wanted`` was read
         before, so a booking made meanwhile is in the backend but not in it, and must not be
-        deleted as an orphan.
+        deleted as an orphan. ``guard``, when given, runs each repair of a cluster of ``wanted``
+        (repaired_drift's ctx): the caller's say on whether it may run now.
         """
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:

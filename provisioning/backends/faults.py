@@ -116,8 +116,8 @@ class FaultyBackend(ProvisioningBackend):
     def resume_node(self, hostname: str) -> None:
         self.inner.resume_node(hostname)
 
-    def reconcile(self, wanted, *, fix, tenants=None, live=None):
-        return self.inner.reconcile(wanted, fix=fix, tenants=tenants, live=live)
+    def reconcile(self, wanted, *, fix, tenants=None, live=None, guard=None):
+        return self.inner.reconcile(wanted, fix=fix, tenants=tenants, live=live, guard=guard)
 
     def reconcile_nodes(self, states, *, fix):
         return self.inner.reconcile_nodes(states, fix=fix)

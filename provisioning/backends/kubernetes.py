@@ -28,6 +28,7 @@ from .base import (
     Drift,
     PhaseResult,
     ProvisioningBackend,
+    RepairGuard,
     repaired_drift,
 )
 from .k8s_apply import K8sApplyError, TenantClusterApplier
@@ -214,18 +215,19 @@ class KubernetesBackend(ProvisioningBackend):
                              detail=spec.namespace)
 
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None,
+                  guard: RepairGuard | None = None) -> list[Drift]:
         if self.render_only:
             return []
         drifts: list[Drift] = []
         # Built clusters must be complete: their namespace, and a claim on exactly their nodes.
         built: dict[str, TenantClusterSpec] = {}
-        cluster_of: dict[str, int] = {}
+        ctx_of: dict[str, ClusterContext] = {}
         for ctx in wanted:
             if ctx.status in ("ready", "degraded"):
                 try:
                     built[str(ctx.reservation_id)] = self.spec(ctx, allow_no_nodes=True)
-                    cluster_of[str(ctx.reservation_id)] = ctx.cluster_id
+                    ctx_of[str(ctx.reservation_id)] = ctx
                 except BackendError as exc:
                     drifts.append(Drift("unknown", f"reservation-{ctx.reservation_id}", exc.message))
         wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
@@ -243,7 +245,8 @@ class KubernetesBackend(ProvisioningBackend):
         for holder in sorted(missing):
             spec = built[holder]
             drifts.append(repaired_drift("missing", spec.namespace, "namespace missing", fix=fix,
-                                         repair=lambda spec=spec: self._rebuild(spec), cluster_id=cluster_of[holder]))
+                                         repair=lambda spec=spec: self._rebuild(spec),
+                                         cluster_id=ctx_of[holder].cluster_id, ctx=ctx_of[holder], guard=guard))
         orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
         terminating: set[str] = set()  # namespaces already going when listed (a teardown in progress)
         for ns in listed:
@@ -257,7 +260,8 @@ class KubernetesBackend(ProvisioningBackend):
                 drifts.append(repaired_drift(
                     "orphan", meta["name"], "namespace has no live booking", fix=fix,
                     repair=lambda name=meta["name"]: self._call("delete orphan", self.applier.delete_namespace, name)))
-        drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, terminating, fix=fix)
+        drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, terminating, fix=fix,
+                                         ctx_of=ctx_of, guard=guard)
         return drifts
 
     # --- nodes the portal took out of service ---
@@ -345,7 +349,8 @@ class KubernetesBackend(ProvisioningBackend):
     def _reconcile_claims(self, claimed: list[dict[str, Any]], wanted_ids: set[str],
                           built: dict[str, TenantClusterSpec], rebuilt: set[str],
                           orphan_namespaces: dict[str, list[str]], terminating: set[str], *,
-                          fix: bool) -> list[Drift]:
+                          fix: bool, ctx_of: dict[str, ClusterContext] | None = None,
+                          guard: RepairGuard | None = None) -> list[Drift]:
         """Node claims (labels, window-end annotation, ``dedicated`` taint) both ways.
 
         A claim of a reservation that is not live is lifted, and so is a built cluster's claim on a
@@ -353,9 +358,11 @@ class KubernetesBackend(ProvisioningBackend):
         but does not claim is claimed. Only the portal's claims (a node labelled with a reservation)
         are looked at, and only the ``dedicated`` taint of the claim's own tenant is removed. As in
         teardown, a dead reservation's claim is lifted only once its namespace is gone, so no tenant
-        pod is on a node handed back.
+        pod is on a node handed back. A claim made or renewed for a built cluster goes through guard
+        (see reconcile): a teardown lifting the claims meanwhile must not find them put back.
         """
         drifts: list[Drift] = []
+        ctx_of = ctx_of or {}
         holder_of: dict[str, str] = {}
 
         def release(hostname: str, holder: str) -> Any:
@@ -383,7 +390,8 @@ class KubernetesBackend(ProvisioningBackend):
                         "mismatch", hostname, f"claim for reservation {holder} ends {ends}, "
                         f"the booking {spec.window_end_rfc3339}", fix=fix,
                         repair=lambda spec=spec, hostname=hostname: self._call(
-                            "claim node", self.applier.claim_node, spec, hostname)))
+                            "claim node", self.applier.claim_node, spec, hostname),
+                        ctx=ctx_of.get(holder), guard=guard))
             if holder in wanted_ids:
                 continue
             detail = f"claimed for reservation {holder} (tenant {labels.get(TENANT_LABEL, '?')}), which is not live"
@@ -405,5 +413,6 @@ class KubernetesBackend(ProvisioningBackend):
                     "missing", hostname, f"not claimed for reservation {holder}"
                     + (f" (claimed for reservation {other})" if other else ""), fix=fix,
                     repair=lambda spec=spec, hostname=hostname: self._call(
-                        "claim node", self.applier.claim_node, spec, hostname)))
+                        "claim node", self.applier.claim_node, spec, hostname),
+                    ctx=ctx_of.get(holder), guard=guard))
         return drifts

@@ -21,7 +21,15 @@ from django.conf import settings
 from portal.core.timefmt import format_utc
 
 from ..conf import phase_seconds, setting
-from .base import BackendStatus, ClusterContext, Drift, PhaseResult, ProvisioningBackend
+from .base import (
+    BackendStatus,
+    ClusterContext,
+    Drift,
+    PhaseResult,
+    ProvisioningBackend,
+    RepairGuard,
+    repaired_drift,
+)
 
 __all__ = ["SimulatedBackend"]
 
@@ -140,7 +148,8 @@ class SimulatedBackend(ProvisioningBackend):
         )
 
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None,
+                  guard: RepairGuard | None = None) -> list[Drift]:
         drifts: list[Drift] = []
         built = [ctx for ctx in wanted if ctx.status in ("ready", "degraded")]
         wanted_ids = {ctx.cluster_id for ctx in wanted}
@@ -160,12 +169,11 @@ class SimulatedBackend(ProvisioningBackend):
         for ctx in built:
             status = self.status(ctx)
             if not status.exists:
-                if fix:
-                    self._store(ctx, phase="verified")
-                drifts.append(Drift("missing", f"cluster-{ctx.cluster_id}", "simulated cluster missing", fix))
+                drifts.append(repaired_drift("missing", f"cluster-{ctx.cluster_id}", "simulated cluster missing",
+                                             fix=fix, repair=lambda ctx=ctx: self._store(ctx, phase="verified"),
+                                             ctx=ctx, guard=guard))
             elif set(status.nodes) != set(ctx.nodes) or status.end != ctx.end:
-                if fix:
-                    self._store(ctx)
-                drifts.append(Drift("mismatch", f"cluster-{ctx.cluster_id}",
-                                    f"nodes/end differ: {asdict(status)}", fix))
+                drifts.append(repaired_drift("mismatch", f"cluster-{ctx.cluster_id}",
+                                             f"nodes/end differ: {asdict(status)}", fix=fix,
+                                             repair=lambda ctx=ctx: self._store(ctx), ctx=ctx, guard=guard))
         return drifts

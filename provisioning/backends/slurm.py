@@ -31,6 +31,7 @@ from .base import (
     Drift,
     PhaseResult,
     ProvisioningBackend,
+    RepairGuard,
     repaired_drift,
 )
 from .slurm_client import (
@@ -236,7 +237,8 @@ class SlurmBackend(ProvisioningBackend):
             raise BackendError(f"Slurm: {exc.message}")
 
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
-                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None) -> list[Drift]:
+                  tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None,
+                  guard: RepairGuard | None = None) -> list[Drift]:
         drifts: list[Drift] = []
         try:
             existing = self.client.show_reservations()
@@ -280,7 +282,8 @@ class SlurmBackend(ProvisioningBackend):
                                             f"for {','.join(sorted(res.accounts)) or 'no account'}{where}")
             else:
                 continue
-            drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._hold(ctx)))
+            drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._hold(ctx),
+                                         ctx=ctx, guard=guard))
         return drifts + self._reconcile_partition(partitions, wanted, now, fix=fix)
 
     def _reconcile_partition(self, partitions: dict[str, Partition], wanted: list[ClusterContext], now: datetime,
