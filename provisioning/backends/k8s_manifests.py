@@ -97,7 +97,15 @@ _POD_SECURITY_LEVELS = ("privileged", "baseline", "restricted")
 
 
 class NodeClaimConflict(Exception):
-    """The node is dedicated to someone else whose window has not ended."""
+    """The node is dedicated to someone else whose window has not ended.
+
+    ``public`` says so without naming the other booking (its id, its window, a taint's value): it is what
+    the tenant whose cluster could not claim the node is shown; the full message is for the operators.
+    """
+
+    def __init__(self, message: str, *, public: str = "") -> None:
+        super().__init__(message)
+        self.public = public or message
 
 
 # --- Names ---
@@ -553,12 +561,14 @@ def node_claim_patch(spec: TenantClusterSpec, node: Mapping[str, Any], *, now: d
         if held_until is None or held_until > now:
             raise NodeClaimConflict(
                 f"node {name} is held by reservation {holder} until "
-                f"{annotations.get(WINDOW_END_ANNOTATION, 'an unknown time')}"
+                f"{annotations.get(WINDOW_END_ANNOTATION, 'an unknown time')}",
+                public=f"node {name} is held by another booking (its teardown has not finished)",
             )
     elif holder is None:
         foreign = [t for t in taints if t.get("key") == TAINT_KEY and t.get("value") != spec.tenant_label]
         if foreign:
-            raise NodeClaimConflict(f"node {name} carries a {TAINT_KEY} taint the portal did not set: {foreign}")
+            raise NodeClaimConflict(f"node {name} carries a {TAINT_KEY} taint the portal did not set: {foreign}",
+                                    public=f"node {name} carries a {TAINT_KEY} taint the portal did not set")
 
     new_labels: dict[str, str] = {
         TENANT_LABEL: spec.tenant_label,

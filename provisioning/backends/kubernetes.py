@@ -11,6 +11,7 @@ kubeconfig. See ``k8s_apply`` for what was and was not tried against a live API 
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from .k8s_manifests import (
 )
 
 __all__ = ["KubernetesBackend"]
+
+logger = logging.getLogger(__name__)
 
 # Node states in which the portal keeps work off a node (reservations.choices.OUT_OF_SERVICE, by value).
 OUT_OF_SERVICE = frozenset({"failed", "draining", "maintenance", "retired"})
@@ -121,8 +124,10 @@ class KubernetesBackend(ProvisioningBackend):
         try:
             return fn(*args, **kwargs)
         except NodeClaimConflict as exc:
-            # Usually the previous holder's teardown has not finished: retry, then fail.
-            raise BackendError(f"{what}: {exc}")
+            # Usually the previous holder's teardown has not finished: retry, then fail. The error is shown to
+            # the tenant (the cluster's reason, its page, Slack): the other booking is named in the log only.
+            logger.warning("%s: %s", what, exc)
+            raise BackendError(f"{what}: {exc.public}")
         except (K8sApplyError, ApiException) as exc:
             raise BackendError(f"{what}: {exc}")
         except urllib3.exceptions.HTTPError as exc:

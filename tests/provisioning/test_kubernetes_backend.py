@@ -644,3 +644,32 @@ def test_reconcile_fix_never_rebuilds_a_namespace_or_claims_a_teardown_removed_m
     assert seen["teardown"] == "deleted"
     assert namespace not in k8s.namespaces
     assert not any(is_claimed(k8s, node.hostname) for node in world.nodes)
+
+
+def test_a_claim_conflict_never_shows_the_tenant_another_tenants_booking(world, t0, k8s, settings):
+    """A node still claimed by another tenant's booking (its teardown has not lifted the claim yet) failed the
+    cluster with "node h100-001 is held by reservation <theirs> until <their window's end>": the cluster's
+    status_reason (API), its page and the cluster.failed event (Slack) showed this tenant another tenant's
+    booking and window. The tenant is told the node is held by another booking; the details go to the log."""
+    from rest_framework.test import APIClient
+
+    settings.PORTAL_PROVISIONING_MAX_ATTEMPTS = "1"
+    theirs = book(world, "beta-lead", t0 + timedelta(days=2), hours=5, nodes=1, orchestrator="kubernetes")
+    their_end = "2099-03-04T05:06:07Z"
+    reservation = book(world, "alpha-lead", t0, hours=4, nodes=1, orchestrator="kubernetes")
+    [host] = held_hosts(reservation)
+    claim_by_hand(k8s, host, reservation_id=theirs.pk, tenant="beta", window_end=their_end)
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "failed"
+    cluster.refresh_from_db()
+    assert f"node {host} is held by another booking" in cluster.status_reason
+
+    client = APIClient()
+    client.force_authenticate(world.users["alpha-lead"])
+    shown = [json.dumps(client.get(f"/api/v1/clusters/{cluster.pk}/").json()),
+             client.get(f"/clusters/{cluster.pk}/").content.decode()]
+    client.force_login(world.users["alpha-lead"])
+    shown.append(client.get(f"/clusters/{cluster.pk}/").content.decode())
+    for text in shown + [cluster.status_reason, cluster.last_error]:
+        assert their_end not in text and f"reservation {theirs.pk}" not in text and "2099" not in text
