@@ -1282,11 +1282,14 @@ def _tick_activate(now: datetime) -> int:
 def _tick_end(now: datetime) -> int:
     def end(rid: int) -> bool:
         with transaction.atomic():
+            # The cluster's row before the reservation's, in the order the tenant's teardown and a failing run
+            # take them: the other order deadlocked with the teardown button pressed as the window ended.
+            cluster_id = (VirtualCluster.objects.select_for_update().filter(reservation_id=rid)
+                          .values_list("id", flat=True).first())
             if reservation_set_status(reservation_id=rid, status=ReservationStatus.ENDING,
                                       expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
                                       reason="window ended") is None:
                 return False
-            cluster_id = VirtualCluster.objects.filter(reservation_id=rid).values_list("id", flat=True).first()
             if cluster_id is not None:
                 VirtualCluster.objects.filter(pk=cluster_id).update(dispatched_at=now)
                 _enqueue("teardown_cluster", cluster_id)

@@ -1,0 +1,74 @@
+"""The tenant's teardown beside the lifecycle tick, on the real database (found in a review of the provisioning
+side; each test failed on the code before its fix)."""
+
+import threading
+
+import pytest
+from django.db import connection
+
+from provisioning import services
+from provisioning.choices import ClusterStatus
+from provisioning.models import VirtualCluster
+from reservations.choices import ReservationStatus
+from tests.provisioning.conftest import book, now_slot
+from tests.racing import lock_waiters
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _ready_cluster(world):
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=1)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.READY
+    return reservation, cluster
+
+
+def test_the_teardown_button_as_the_window_ends_is_no_deadlock(world, monkeypatch):
+    """The tick ending a window locked the reservation, then the cluster; the tenant's teardown locks the cluster,
+    then the reservation. Pressed as the window ended, the two deadlocked and PostgreSQL aborted the tenant's
+    request (a 500). The tick now takes the cluster's row first, as every other path does."""
+    reservation, cluster = _ready_cluster(world)
+    real_set_status = services.reservation_set_status
+    locked, go = threading.Event(), threading.Event()
+    outcome = {}
+
+    def set_status_then_pause(**kwargs):
+        result = real_set_status(**kwargs)
+        if kwargs.get("status") == ReservationStatus.ENDING and not locked.is_set():
+            locked.set()  # the tick holds what it locked so far; the tenant presses the button now
+            go.wait(30)
+        return result
+
+    def tick():
+        try:
+            outcome["tick"] = services._tick_end(reservation.period.upper)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            outcome["tick"] = exc
+        finally:
+            connection.close()
+
+    def press():
+        try:
+            outcome["press"] = services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            outcome["press"] = exc
+        finally:
+            connection.close()
+
+    monkeypatch.setattr(services, "reservation_set_status", set_status_then_pause)
+    ticking = threading.Thread(target=tick)
+    ticking.start()
+    assert locked.wait(10)
+    pressing = threading.Thread(target=press)
+    pressing.start()
+    while pressing.is_alive() and lock_waiters() < 1:
+        pressing.join(0.02)
+    go.set()
+    for thread in (ticking, pressing):
+        thread.join(30)
+    assert outcome["tick"] == 1
+    assert isinstance(outcome["press"], VirtualCluster), outcome["press"]
+    cluster.refresh_from_db()
+    reservation.refresh_from_db()
+    assert cluster.status == ClusterStatus.TEARING_DOWN and reservation.status == ReservationStatus.ENDING
