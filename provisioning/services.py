@@ -983,9 +983,16 @@ def cluster_request_teardown(*, actor: Any, cluster: VirtualCluster) -> VirtualC
         if reservation.status not in (ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE):
             raise InvalidState(f"Reservation #{reservation.pk} is {reservation.status}; "
                                "cancel a booking that has not started instead.")
-        reservation_set_status(reservation_id=reservation.pk, status=ReservationStatus.ENDING,
-                               expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
-                               reason=f"torn down early by {getattr(actor, 'username', 'staff')}", actor=actor)
+        if cluster.status in _ARTEFACTS_RELEASED:
+            # The reservation above was read with the cluster, before its row lock was granted: a run that
+            # failed (or a teardown that began) meanwhile is seen here, on the locked row.
+            raise InvalidState(f"Cluster #{cluster.pk} is {cluster.status}; there is no running cluster to tear down.")
+        if reservation_set_status(reservation_id=reservation.pk, status=ReservationStatus.ENDING,
+                                  expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
+                                  reason=f"torn down early by {getattr(actor, 'username', 'staff')}",
+                                  actor=actor) is None:
+            status = Reservation.objects.values_list("status", flat=True).get(pk=reservation.pk)
+            raise InvalidState(f"Reservation #{reservation.pk} is {status}; its cluster is not torn down early.")
         _transition(cluster, ClusterStatus.TEARING_DOWN, actor=actor, source=TransitionSource.API,
                     detail=f"requested by {getattr(actor, 'username', '?')}")
         cluster.dispatched_at = timezone.now()

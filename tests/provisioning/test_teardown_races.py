@@ -6,6 +6,7 @@ import threading
 import pytest
 from django.db import connection
 
+from portal.core.exceptions import InvalidState
 from provisioning import services
 from provisioning.choices import ClusterStatus
 from provisioning.models import VirtualCluster
@@ -68,7 +69,38 @@ def test_the_teardown_button_as_the_window_ends_is_no_deadlock(world, monkeypatc
     for thread in (ticking, pressing):
         thread.join(30)
     assert outcome["tick"] == 1
-    assert isinstance(outcome["press"], VirtualCluster), outcome["press"]
+    # The tick ended the window first; the button is refused (a 409), its teardown is the tick's.
+    assert isinstance(outcome["press"], InvalidState), outcome["press"]
+    reservation.refresh_from_db()
+    assert reservation.status == ReservationStatus.ENDING
+    assert services.cluster_teardown(cluster_id=cluster.pk) == ClusterStatus.DELETED  # the tick's task
+
+
+def test_the_teardown_button_behind_a_failing_run_leaves_the_failed_cluster_to_staff(world, settings):
+    """Pressed while a provisioning run recorded its failure (the cluster's row locked), the teardown read the
+    reservation as it was before (provisioning), waited, and moved the now failed cluster to tearing_down
+    (failed is no state a teardown request starts from): the tenant was told the teardown started, and the
+    failed cluster staff could retry was gone. It is now refused, and the cluster stays failed."""
+    from provisioning.backends.base import BackendError
+    from provisioning.choices import FailedDuring
+    from tests.racing import behind_a_lock
+
+    settings.PORTAL_PROVISIONING_MAX_ATTEMPTS = "1"
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4, nodes=1)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    services._step(cluster.pk, done=None, enter=ClusterStatus.ALLOCATING_NODES)  # a run is under way
+
+    def fail_the_run():
+        services._record_failure(cluster.pk, BackendError("node h100-001 did not answer"),
+                                 during=FailedDuring.PROVISIONING)
+
+    outcome = behind_a_lock(
+        fail_the_run,
+        lambda: services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster),
+        waits_on="provisioning_virtualcluster")
+    assert isinstance(outcome, InvalidState), outcome
     cluster.refresh_from_db()
     reservation.refresh_from_db()
-    assert cluster.status == ClusterStatus.TEARING_DOWN and reservation.status == ReservationStatus.ENDING
+    assert cluster.status == ClusterStatus.FAILED and reservation.status == ReservationStatus.FAILED
+    assert not cluster.transitions.filter(phase=ClusterStatus.TEARING_DOWN).exists()
