@@ -1293,6 +1293,10 @@ def _tick_end(now: datetime) -> int:
             # take them: the other order deadlocked with the teardown button pressed as the window ended.
             cluster_id = (VirtualCluster.objects.select_for_update().filter(reservation_id=rid)
                           .values_list("id", flat=True).first())
+            # The window read ended before these locks: an extension committed since keeps the booking going.
+            if Reservation.objects.select_for_update(of=("self",)).filter(
+                    pk=rid, period__endswith__lte=now).values_list("pk", flat=True).first() is None:
+                return False
             if reservation_set_status(reservation_id=rid, status=ReservationStatus.ENDING,
                                       expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
                                       reason="window ended") is None:

@@ -104,3 +104,51 @@ def test_the_teardown_button_behind_a_failing_run_leaves_the_failed_cluster_to_s
     reservation.refresh_from_db()
     assert cluster.status == ClusterStatus.FAILED and reservation.status == ReservationStatus.FAILED
     assert not cluster.transitions.filter(phase=ClusterStatus.TEARING_DOWN).exists()
+
+
+def test_an_extension_just_before_the_tick_ends_the_window_is_kept(world):
+    """The tick picked the reservations whose window had ended, then moved each to ending by its status alone: an
+    extension committed in between (accepted, 200, the new end shown) was torn down at the old end anyway.
+    The tick now checks the end again under the reservation's lock."""
+    from datetime import timedelta
+
+    from django.db import transaction
+
+    from reservations.services import reservation_update
+
+    reservation, cluster = _ready_cluster(world)
+    old_end = reservation.period.upper
+    holding, release = threading.Event(), threading.Event()
+    outcome = {}
+
+    def a_swap_holds_the_cluster_row():
+        try:
+            with transaction.atomic():
+                VirtualCluster.objects.select_for_update().get(pk=cluster.pk)
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    def tick():
+        try:
+            outcome["tick"] = services._tick_end(old_end)  # the tick of the minute the window ends
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=a_swap_holds_the_cluster_row)
+    holder.start()
+    assert holding.wait(10)
+    ticking = threading.Thread(target=tick)
+    ticking.start()
+    while ticking.is_alive() and lock_waiters() < 1:  # the tick has read the ended windows and waits
+        ticking.join(0.02)
+    reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=old_end + timedelta(hours=2))
+    release.set()
+    for thread in (holder, ticking):
+        thread.join(30)
+    reservation.refresh_from_db()
+    assert reservation.period.upper == old_end + timedelta(hours=2)
+    assert reservation.status == ReservationStatus.ACTIVE and outcome["tick"] == 0
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.READY
