@@ -431,7 +431,14 @@ def begin_provisioning(*, reservation_id: int, now: datetime | None = None, disp
                        actor: Any = None) -> VirtualCluster | None:
     """Move a confirmed reservation to provisioning and send its cluster's provisioning task."""
     now = now or timezone.now()
+    lead = timedelta(minutes=setting_int("PORTAL_PROVISION_LEAD_MINUTES", 30))
     with transaction.atomic():
+        # Due by its window as it is under the reservation's lock: the caller read it before, and a start moved
+        # later since (allowed while confirmed) must not be provisioned ahead of its new lead time.
+        if Reservation.objects.select_for_update(of=("self",)).filter(
+                pk=reservation_id, period__startswith__lte=now + lead, period__endswith__gt=now,
+        ).values_list("pk", flat=True).first() is None:
+            return None
         reservation = reservation_set_status(
             reservation_id=reservation_id, status=ReservationStatus.PROVISIONING,
             expected=(ReservationStatus.CONFIRMED,), reason="provisioning lead time reached", actor=actor)

@@ -152,3 +152,28 @@ def test_an_extension_just_before_the_tick_ends_the_window_is_kept(world):
     assert reservation.status == ReservationStatus.ACTIVE and outcome["tick"] == 0
     cluster.refresh_from_db()
     assert cluster.status == ClusterStatus.READY
+
+
+def test_a_start_moved_just_before_the_tick_provisions_is_not_provisioned_early(world, t0, monkeypatch):
+    """The tick picked the confirmed bookings due to provision, then moved each to provisioning by its status
+    alone: a start moved a day later in between was provisioned a day early (its cluster claiming nodes other
+    bookings may hold until then), and the booking could no longer move. begin_provisioning now checks the
+    window again under the reservation's lock."""
+    from datetime import timedelta
+
+    from reservations.services import reservation_update
+
+    reservation = book(world, "alpha-lead", t0, hours=2)
+    services.lifecycle_tick(now=t0 - timedelta(hours=3))  # its pending cluster
+    real_begin = services.begin_provisioning
+
+    def moved_then_begin(**kwargs):
+        reservation_update(actor=world.users["alpha-lead"], reservation=reservation, start=t0 + timedelta(days=1),
+                           end=t0 + timedelta(days=1, hours=2))
+        return real_begin(**kwargs)
+
+    monkeypatch.setattr(services, "begin_provisioning", moved_then_begin)
+    assert services._tick_start_provisioning(t0 - timedelta(minutes=10)) == 0
+    reservation.refresh_from_db()
+    assert reservation.status == ReservationStatus.CONFIRMED
+    assert VirtualCluster.objects.get(reservation=reservation).status == ClusterStatus.PENDING
