@@ -1490,7 +1490,7 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
             with _backend(name) as backend:
                 drifts += backend.reconcile(wanted, fix=fix, tenants=tenants, live=live,
                                             guard=_repair_guard(wanted_q))
-                drifts += backend.reconcile_nodes(node_states, fix=fix)
+                drifts += backend.reconcile_nodes(node_states, fix=fix, guard=_node_repair_guard)
         except BackendError as exc:
             drifts.append(Drift("unreachable", name, f"backend unreachable: {exc.message}"))
         for drift in drifts:
@@ -1525,6 +1525,23 @@ def _repair_guard(wanted_q: Q) -> RepairGuard:
             return repair()
 
     return guard
+
+
+def _node_repair_guard(hostname: str, state: str, repair: Callable[[], object]) -> object:
+    """How reconcile --fix drains or resumes one node: under the node's sync lock (node_sync's), and only while
+    the node is in (or out of) service as reconcile read it before reading the backend. Without it a node that
+    failed after that read, and that its sync had drained, was resumed by the old state (and one put back
+    was drained). One whose sync is running, or whose state moved across, is left alone (reported)."""
+    node_id = Node.objects.filter(hostname=hostname).values_list("pk", flat=True).first()
+    if node_id is None:
+        raise BackendError(f"left alone: {hostname} is no longer a portal node")
+    with advisory_lock(LOCK_NODE_SYNC, node_id) as held:
+        if not held:
+            raise BackendError(f"left alone: a sync of {hostname} is running")
+        now = Node.objects.values_list("state", flat=True).get(pk=node_id)
+        if (now in OUT_OF_SERVICE) != (state in OUT_OF_SERVICE):
+            raise BackendError(f"left alone: {hostname} is {now} now")
+        return repair()
 
 
 # --- pool capabilities (staff, from the admin) ---------------------------------------------

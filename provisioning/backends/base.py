@@ -23,7 +23,9 @@ __all__ = [
     "BackendStatus",
     "Drift",
     "ProvisioningBackend",
+    "NodeRepairGuard",
     "RepairGuard",
+    "guarded_node_repair",
     "repaired_drift",
 ]
 
@@ -126,6 +128,19 @@ class Drift:
 RepairGuard = Callable[[ClusterContext, Callable[[], object]], object]
 
 
+# reconcile_nodes' caller decides likewise whether a repair of one node may run now: guard(hostname, state,
+# repair), state being the portal's state of the node as the caller read it.
+NodeRepairGuard = Callable[[str, str, Callable[[], object]], object]
+
+
+def guarded_node_repair(guard: NodeRepairGuard | None, hostname: str, state: str,
+                        repair: Callable[[], object]) -> Callable[[], object]:
+    """The repair of one node, run through guard when given (for repaired_drift)."""
+    if guard is None:
+        return repair
+    return lambda: guard(hostname, state, repair)
+
+
 def repaired_drift(kind: str, name: str, detail: str, *, fix: bool, repair: Callable[[], object],
                    cluster_id: int | None = None, ctx: ClusterContext | None = None,
                    guard: RepairGuard | None = None) -> Drift:
@@ -224,8 +239,10 @@ class ProvisioningBackend(abc.ABC):
         (repaired_drift's ctx): the caller's say on whether it may run now.
         """
 
-    def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
-        """Compare node states (hostname → portal state) with the backend; repair if fix."""
+    def reconcile_nodes(self, states: dict[str, str], *, fix: bool,
+                        guard: NodeRepairGuard | None = None) -> list[Drift]:
+        """Compare node states (hostname → portal state) with the backend; repair if fix, each repair of a
+        node through guard when given (guarded_node_repair): states were read before the backend."""
         return []
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -119,8 +119,8 @@ class FaultyBackend(ProvisioningBackend):
     def reconcile(self, wanted, *, fix, tenants=None, live=None, guard=None):
         return self.inner.reconcile(wanted, fix=fix, tenants=tenants, live=live, guard=guard)
 
-    def reconcile_nodes(self, states, *, fix):
-        return self.inner.reconcile_nodes(states, fix=fix)
+    def reconcile_nodes(self, states, *, fix, guard=None):
+        return self.inner.reconcile_nodes(states, fix=fix, guard=guard)
 
     def close(self) -> None:
         self.inner.close()

@@ -27,9 +27,11 @@ from .base import (
     ClusterContext,
     DrainIncomplete,
     Drift,
+    NodeRepairGuard,
     PhaseResult,
     ProvisioningBackend,
     RepairGuard,
+    guarded_node_repair,
     repaired_drift,
 )
 from .k8s_apply import K8sApplyError, TenantClusterApplier
@@ -299,7 +301,8 @@ class KubernetesBackend(ProvisioningBackend):
         if not self.render_only:
             self._call("uncordon node", self.applier.uncordon_node, hostname)
 
-    def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
+    def reconcile_nodes(self, states: dict[str, str], *, fix: bool,
+                        guard: NodeRepairGuard | None = None) -> list[Drift]:
         """Cordon and empty what the portal took out of service; uncordon what it cordoned and put back."""
         if self.render_only:
             return []
@@ -325,15 +328,18 @@ class KubernetesBackend(ProvisioningBackend):
             if out_of_service and not cordoned:
                 drifts.append(repaired_drift(
                     "node", hostname, f"portal says {state}, the node is schedulable{still}", fix=fix,
-                    repair=lambda hostname=hostname, state=state: self.drain_node(
-                        hostname, f"node is {state} in the portal")))
+                    repair=guarded_node_repair(guard, hostname, state, lambda hostname=hostname, state=state:
+                                               self.drain_node(hostname, f"node is {state} in the portal"))))
             elif out_of_service and pods:
                 drifts.append(repaired_drift(
                     "node", hostname, f"portal says {state}, cordoned{still}", fix=fix,
-                    repair=lambda hostname=hostname: self._evict(hostname, namespaces)))
+                    repair=guarded_node_repair(guard, hostname, state,
+                                               lambda hostname=hostname: self._evict(hostname, namespaces))))
             elif not out_of_service and cordoned and ours:
-                drifts.append(repaired_drift("node", hostname, f"portal says {state}, cordoned for us", fix=fix,
-                                             repair=lambda hostname=hostname: self.resume_node(hostname)))
+                drifts.append(repaired_drift(
+                    "node", hostname, f"portal says {state}, cordoned for us", fix=fix,
+                    repair=guarded_node_repair(guard, hostname, state,
+                                               lambda hostname=hostname: self.resume_node(hostname))))
             elif not out_of_service and cordoned:
                 drifts.append(Drift("node", hostname, f"portal says {state}, cordoned by someone else: set the "
                                     "node's state in the portal or uncordon it"))

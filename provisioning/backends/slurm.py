@@ -29,9 +29,11 @@ from .base import (
     BackendStatus,
     ClusterContext,
     Drift,
+    NodeRepairGuard,
     PhaseResult,
     ProvisioningBackend,
     RepairGuard,
+    guarded_node_repair,
     repaired_drift,
 )
 from .slurm_client import (
@@ -317,7 +319,8 @@ class SlurmBackend(ProvisioningBackend):
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
 
-    def reconcile_nodes(self, states: dict[str, str], *, fix: bool) -> list[Drift]:
+    def reconcile_nodes(self, states: dict[str, str], *, fix: bool,
+                        guard: NodeRepairGuard | None = None) -> list[Drift]:
         """Drain in Slurm what the portal took out of service; resume what it put back."""
         # Read every node before changing any: a controller that stops answering half-way
         # leaves a report, not repairs nobody was told about.
@@ -336,13 +339,14 @@ class SlurmBackend(ProvisioningBackend):
             if out_of_service and not info.drained:
                 drifts.append(repaired_drift(
                     "node", hostname, f"portal says {state}, Slurm says {info.state}", fix=fix,
-                    repair=lambda hostname=hostname, state=state: self.drain_node(
-                        hostname, f"node is {state} in the portal")))
+                    repair=guarded_node_repair(guard, hostname, state, lambda hostname=hostname, state=state:
+                                               self.drain_node(hostname, f"node is {state} in the portal"))))
             elif (not out_of_service and info.drained
                   and (info.reason or "").startswith(DRAIN_REASON_PREFIX)):
                 drifts.append(repaired_drift(
                     "node", hostname, f"portal says {state}, Slurm drained it for us", fix=fix,
-                    repair=lambda hostname=hostname: self.resume_node(hostname)))
+                    repair=guarded_node_repair(guard, hostname, state,
+                                               lambda hostname=hostname: self.resume_node(hostname))))
             elif not out_of_service and info.drained:
                 # Drained by Slurm itself or an operator: the portal still books it, and jobs will not
                 # start there. Not ours to resume: reported until someone decides.

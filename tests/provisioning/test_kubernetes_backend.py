@@ -673,3 +673,46 @@ def test_a_claim_conflict_never_shows_the_tenant_another_tenants_booking(world, 
     shown.append(client.get(f"/clusters/{cluster.pk}/").content.decode())
     for text in shown + [cluster.status_reason, cluster.last_error]:
         assert their_end not in text and f"reservation {theirs.pk}" not in text and "2099" not in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reconcile_fix_never_uncordons_a_node_that_failed_after_it_read_the_states(world, t0, k8s, monkeypatch):
+    """reconcile --fix read the portal's node states first; a node that failed after that read was cordoned by
+    its sync, and reconcile then uncordoned it by the old state ("available, cordoned for us"): the failed node
+    took the tenants' pods until the next run. A node repair now runs under the node's sync lock, and only
+    while the node is still in or out of service as reconcile read it."""
+    import threading
+
+    from django.db import connection
+
+    from provisioning.backends.kubernetes import KubernetesBackend
+    from reservations.choices import NodeState
+    from reservations.models import Node
+    from reservations.services import node_update
+
+    host = world.nodes[0].hostname
+    fail_node(world, host)  # cordoned for the portal
+    node_update(actor=world.users["staff"], node=Node.objects.get(hostname=host), state=NodeState.AVAILABLE,
+                reason="")  # back in service; its sync (the uncordon) has not run yet
+    real = KubernetesBackend.reconcile_nodes
+    seen = {}
+
+    def fails_again_in_other_worker():
+        try:
+            seen["sync"] = fail_node(world, host)
+        finally:
+            connection.close()
+
+    def reconcile_nodes_while_it_fails_again(self, states, **kwargs):
+        if not seen:
+            worker = threading.Thread(target=fails_again_in_other_worker)
+            worker.start()
+            worker.join(30)
+        return real(self, states, **kwargs)
+
+    monkeypatch.setattr(KubernetesBackend, "reconcile_nodes", reconcile_nodes_while_it_fails_again)
+    drifts = services.reconcile(fix=True, backend_name="kubernetes")
+    assert Node.objects.get(hostname=host).state == NodeState.FAILED
+    assert k8s.nodes[host]["spec"].get("unschedulable") is True, drifts
+    [drift] = [d for d in drifts if d["name"] == host]
+    assert not drift["repaired"] and "left alone" in drift["detail"]
