@@ -1073,6 +1073,11 @@ def _reservation_sync_locked(cluster: VirtualCluster, reservation_id: int, *, ho
     now = timezone.now()
     holding = reservation.status in HOLDING_STATUSES and reservation.period.upper > now
     if not holds and cluster.status not in LIVE_STATUSES:
+        if holding and cluster.status in PROVISION_PHASES:
+            # Half built (a run backing off, or waiting on its acceptance checks, lets go of the lock): what the
+            # finished phases made holds the old window (a Kubernetes node claim's end), and nothing applies the
+            # new one once it is ready. The change follows the build: the caller asks again.
+            raise RetryLater(_backoff(1), "the cluster is being built; its window changes once it is ready")
         return "nothing to sync"
     with _backend(cluster.backend) as backend:
         ctx = build_context(cluster.pk)

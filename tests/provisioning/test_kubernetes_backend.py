@@ -716,3 +716,42 @@ def test_reconcile_fix_never_uncordons_a_node_that_failed_after_it_read_the_stat
     assert k8s.nodes[host]["spec"].get("unschedulable") is True, drifts
     [drift] = [d for d in drifts if d["name"] == host]
     assert not drift["repaired"] and "left alone" in drift["detail"]
+
+
+_CHECKS_RUNNING = {"on": True}
+
+
+def gate_checks_running_then_pass(*, cluster):
+    if _CHECKS_RUNNING["on"]:
+        raise services.RetryLater(0.05, "health checks still running")
+    return services.GateResult(True, "checks passed")
+
+
+def test_a_window_change_while_the_cluster_is_built_reaches_its_claims(world, t0, k8s, settings):
+    """Kubernetes holds no booking, so a window change that reached a cluster being built ("nothing to sync")
+    was done with: the nodes claimed in allocating_nodes kept the old window end (past it, another booking's
+    claim takes a node over) and nothing applied the new one once the cluster was ready. The sync now waits
+    for the build (the outbox runs it again after its backoff), then applies the window to the ready cluster."""
+    from portal.core import events
+    from portal.core.models import OutboxEvent
+    from reservations.services import reservation_update
+
+    settings.PORTAL_ACCEPTANCE_GATE = f"{__name__}.gate_checks_running_then_pass"
+    _CHECKS_RUNNING["on"] = True
+    reservation = book(world, "alpha-lead", t0, hours=4, nodes=1, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    with pytest.raises(services.RetryLater):  # claimed, applied; the acceptance checks run (the lock is free)
+        services.cluster_provision(cluster_id=cluster.pk)
+    settings.PORTAL_EVENTS_INLINE = False  # as in production: the sync runs from the outbox
+    new_end = reservation.end + timedelta(hours=2)
+    reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=new_end)
+    row = OutboxEvent.objects.get(event="reservation.changed", payload__reservation_id=reservation.pk)
+    events.outbox_dispatch(row.pk)
+    _CHECKS_RUNNING["on"] = False
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    if OutboxEvent.objects.filter(pk=row.pk).exists():
+        assert events.outbox_dispatch(row.pk) == "done"  # the outbox's next try, after its backoff
+    [host] = held_hosts(reservation)
+    ends = k8s.nodes[host]["metadata"]["annotations"][m.WINDOW_END_ANNOTATION]
+    assert ends == new_end.strftime("%Y-%m-%dT%H:%M:%SZ"), ends
