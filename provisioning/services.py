@@ -701,13 +701,16 @@ def _hold_nodes_of_failed_teardown(cluster_id: int, hostnames: tuple[str, ...], 
     node whose cleanup failed: the next tenant's booking must not get them with this tenant's cluster,
     credentials or mounts still there. The state change moves their running and future bookings to
     spares (node_sync). A staff retry that tears the cluster down gives them back."""
-    reason = f"{_teardown_hold_reason(cluster_id)}: {error}"[:255]
+    # The reason is shown to the tenants booked on the node (their nodes, in the API) until node_sync moves
+    # their bookings: it names the cluster staff retry, never the backend's error, which names the failed
+    # tenant's objects (its namespace, its Slurm reservation). The error stays on that cluster and in the log.
+    reason = f"{_teardown_hold_reason(cluster_id)}: held until its teardown is retried"
     for node in Node.objects.filter(hostname__in=hostnames, state=NodeState.AVAILABLE).order_by("pk"):
         # Only from available, compared under the node's locks: a change staff made since the read stands.
         node = node_update(actor=None, node=node, state=NodeState.MAINTENANCE, reason=reason,
                            only_from=(NodeState.AVAILABLE,))
         if node.state == NodeState.MAINTENANCE:
-            logger.error("node %s held in maintenance: %s", node.hostname, reason)
+            logger.error("node %s held in maintenance: %s (%s)", node.hostname, reason, error)
 
 
 def _release_nodes_of_failed_teardown(cluster_id: int) -> None:

@@ -755,3 +755,33 @@ def test_a_window_change_while_the_cluster_is_built_reaches_its_claims(world, t0
     [host] = held_hosts(reservation)
     ends = k8s.nodes[host]["metadata"]["annotations"][m.WINDOW_END_ANNOTATION]
     assert ends == new_end.strftime("%Y-%m-%dT%H:%M:%SZ"), ends
+
+
+def test_a_node_held_after_a_failed_teardown_never_shows_the_next_tenant_the_failed_tenants_error(
+        world, t0, k8s, settings):
+    """A teardown that failed for good holds its nodes in maintenance with the reason "teardown of cluster #N
+    failed: <the backend's error>", and that error names the tenant's namespace (tenant-alpha-r1). The next
+    tenant booked on the node sees it (GET /api/v1/nodes/, its own nodes) until its booking is moved off: it
+    read another tenant's name and booking. The reason now names only the cluster to retry; the error stays on
+    that cluster (staff see it there)."""
+    from reservations.choices import NodeState
+    from reservations.models import Node
+
+    settings.PORTAL_PROVISIONING_MAX_ATTEMPTS = "1"
+    reservation, cluster = ready_k8s_cluster(world, t0, nodes=1)
+    [host] = held_hosts(reservation)
+    Node.objects.exclude(hostname=host).update(state=NodeState.MAINTENANCE)  # beta can only get alpha's node
+    theirs = book(world, "beta-lead", reservation.end, hours=2, nodes=1, orchestrator="kubernetes")
+    assert held_hosts(theirs) == [host]
+    services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
+    k8s.inject[("DELETE", f"/api/v1/namespaces/tenant-alpha-r{reservation.pk}")] = [500]
+    assert services.cluster_teardown(cluster_id=cluster.pk) == "failed"
+    cluster.refresh_from_db()
+    assert f"tenant-alpha-r{reservation.pk}" in cluster.last_error  # the cluster keeps the error for staff
+    node = Node.objects.get(hostname=host)
+    assert node.state == NodeState.MAINTENANCE
+    assert node.state_reason.startswith(f"teardown of cluster #{cluster.pk} failed")
+
+    seen = world.client("beta-lead").get("/api/v1/nodes/").json()  # before its booking is moved off the node
+    assert [n["hostname"] for n in seen["results"]] == [host]
+    assert "alpha" not in json.dumps(seen), seen
