@@ -114,3 +114,38 @@ def test_audit_changes_give_times_in_the_readers_zone(world, web, book):
     assert "T10:00:00Z" not in html and "T12:00:00Z" not in html and "T13:00:00Z" not in html
     assert f"{day:%Y-%m-%d} 19:00 JST" in html  # the start, 10:00 UTC
     assert f"end: {day:%Y-%m-%d} 21:00 JST → {day:%Y-%m-%d} 22:00 JST" in html
+
+
+def test_audit_views_say_what_happened_in_words_not_action_codes(world, web, book, t0):
+    """The audit page, the dashboard's recent activity and a reservation's status timeline showed the stored
+    action codes ("reservation.create", "quota.update", "create") where a lead reads what happened."""
+    from tenants.services import quota_update
+
+    reservation = book("alpha-lead", t0, hours=2)
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=reservation,
+                                end=t0 + timedelta(hours=3))
+    quota = world.tenants["alpha"].quotas.get(pool=world.pool)
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=quota.max_nodes + 1)
+    client = web("alpha-lead")
+
+    def text(html: str) -> str:
+        return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+    audit = client.get("/audit/").content.decode()
+    body = text(audit[audit.index("<tbody>"):audit.index("</tbody>")])
+    assert "reservation.create" not in body and "reservation.update" not in body and "quota.update" not in body
+    assert "Booked" in body and "Changed" in body and "Quota changed" in body
+    # The codes stay in the markup (the Action filter takes their prefixes), just not as the words shown.
+    assert 'data-action="reservation.create"' in audit
+
+    dashboard = client.get("/").content.decode()
+    activity = text(dashboard[dashboard.index('id="activity-title"'):])
+    activity = activity[:activity.index("Nothing yet") if "Nothing yet" in activity else len(activity)]
+    assert "reservation.create" not in activity and "reservation.update" not in activity, activity[:500]
+    assert f"Booked #{reservation.pk}" in activity
+
+    detail = client.get(f"/reservations/{reservation.pk}/").content.decode()
+    timeline = detail[detail.index('id="timeline-title"'):]
+    timeline = text(timeline[:timeline.index("</section>")])
+    assert "— create" not in timeline and "— update" not in timeline, timeline
+    assert "— Booked by alpha-lead" in timeline and "— Changed by alpha-lead" in timeline

@@ -20,7 +20,7 @@ def test_page_shows_nodes_timeline_and_the_cluster_block(world, web, book, t0):
     page = web("alpha-viewer").get(f"/reservations/{r.pk}/").content.decode()
     for hostname in r.allocations.values_list("node__hostname", flat=True):
         assert hostname in page
-    assert "Status timeline" in page and "create" in page and "by alpha-lead" in page
+    assert "Status timeline" in page and "Booked" in page and "by alpha-lead" in page
     assert 'aria-current="step">confirmed' in page
     assert 'data-placeholder="cluster-phases"' in page and 'data-placeholder="credentials"' in page
     assert 'data-placeholder="health"' in page
@@ -118,7 +118,7 @@ def test_dashboard_shows_upcoming_quota_meters_and_activity(world, web, book, t0
     assert f'data-reservation-id="{r.pk}"' in page
     assert 'aria-valuenow="2"' in page  # peak over the next 14 days: the 2-node booking
     assert 'aria-valuemax="4"' in page  # 3 guaranteed + 1 burst
-    assert "reservation.create" in page
+    assert f"Booked <a href=\"/reservations/{r.pk}/\">#{r.pk}</a>" in page  # the activity, in words
 
 
 def test_pages_work_for_a_user_without_tenants(world, django_user_model, client):
