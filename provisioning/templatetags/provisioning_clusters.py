@@ -35,3 +35,26 @@ def cluster_badge(reservation):
     else:
         cluster = VirtualCluster.objects.filter(reservation_id=reservation.pk).only("id", "status").first()
     return {"cluster": cluster, "reservation": reservation}
+
+
+# The connection details' keys as the backends write them (the API returns them as they are), in words.
+CONNECTION_LABELS = {
+    "login_host": "Login host",
+    "ssh_user": "SSH user",
+    "ssh_key": "SSH key fingerprint",
+    "slurm_account": "Slurm account",
+    "slurm_reservation": "Slurm reservation",
+    "submit_hint": "Submit a job",
+    "api_server": "API server",
+    "namespace": "Namespace",
+    "kubectl_hint": "Try it",
+    "shared_storage": "Shared storage",
+    "shared_pvc": "Shared volume claim",
+}
+
+
+@register.filter
+def connection_label(key: str) -> str:
+    """A connection detail's label: "login_host" -> "Login host"; a key not listed reads as its words."""
+    key = str(key)
+    return CONNECTION_LABELS.get(key) or key.replace("_", " ").strip().capitalize()

@@ -202,7 +202,7 @@ def test_cluster_page_shows_phases_connection_and_downloads_for_members(world, c
     cluster = clusters["alpha"]
     html = page_client(world, "alpha-member").get(f"/clusters/{cluster.pk}/").content.decode()
     assert '<a class="brand" href="/">GPU Portal</a>' in html  # the portal's own layout
-    for text in ("Allocating nodes", "Running acceptance tests", "Ready", "slurm_account",
+    for text in ("Allocating nodes", "Running acceptance tests", "Ready", "Slurm account",
                  f"/clusters/{cluster.pk}/credentials/ssh_key/", "Tear down now"):
         assert text in html, text
     assert "PRIVATE KEY" not in html
@@ -221,6 +221,24 @@ def test_cluster_page_shows_phases_connection_and_downloads_for_members(world, c
     partial = page_client(world, "alpha-viewer").get(f"/clusters/{cluster.pk}/", HTTP_HX_REQUEST="true")
     assert partial.content.decode().lstrip().startswith('<section class="card" id="cluster-status"')
     assert Client().get(f"/clusters/{cluster.pk}/").status_code == 302
+
+
+def test_the_cluster_pages_connection_details_are_labelled_in_words(world, clusters):
+    """The Connection table showed the backend's keys as labels ("login_host", "ssh_user", "slurm_account"),
+    on the cluster page and in the reservation page's cluster section."""
+    import re
+
+    cluster = clusters["alpha"]
+    assert {"login_host", "ssh_user", "slurm_account"} <= set(cluster.connection)
+    client = page_client(world, "alpha-member")
+    for url in (f"/clusters/{cluster.pk}/", f"/reservations/{cluster.reservation_id}/"):
+        html = client.get(url).content.decode()
+        table = html[html.index('<table class="kv">'):]
+        labels = re.findall(r"<th[^>]*>(.*?)</th>", table[:table.index("</table>")])
+        assert labels and not [label for label in labels if "_" in label], (url, labels)
+        for words in ("Login host", "SSH user", "Slurm account"):
+            assert words in labels, (url, labels)
+        assert f"<code>{cluster.connection['login_host']}</code>" in html  # the values themselves unchanged
 
 
 def test_the_cluster_page_and_its_polled_fragment_are_cached_apart(world, clusters):
