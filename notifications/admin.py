@@ -14,7 +14,8 @@ from django.utils.html import format_html
 
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
 from portal.core.crypto import mask
-from tenants.services import tenant_slack_webhook_set
+from portal.core.exceptions import InvalidInput
+from tenants.services import slack_webhook_url_check, tenant_slack_webhook_set
 
 from . import services
 from .choices import EVENT_LABELS, SUBSCRIBABLE_EVENTS, ChannelKind, DeliveryStatus
@@ -36,6 +37,20 @@ class ChannelForm(forms.ModelForm):
     class Meta:
         model = Channel
         fields = ("name", "events", "enabled")
+
+    def clean_new_url(self) -> str:
+        # Asked here, as the service will: refused only in save_model, staff got a message over an emptied form
+        # (the URL, name and events they had typed gone).
+        url = self.cleaned_data.get("new_url") or ""
+        if url:
+            check = services.webhook_url_check if self.instance.kind == ChannelKind.WEBHOOK else slack_webhook_url_check
+            try:
+                check(url)
+            except InvalidInput as exc:
+                reason = exc.detail.split(": ", 1)[-1]  # the service names its field ("url: …")
+                hints = " ".join(t for t in (exc.fields or {}).values() if t and t not in reason)
+                raise forms.ValidationError(f"{reason[:1].upper()}{reason[1:]} {hints}".strip()) from None
+        return url
 
 
 class AttemptInline(ReadOnlyAdminMixin, admin.TabularInline):

@@ -71,6 +71,7 @@ __all__ = [
     "platform_channel_update",
     "webhook_create",
     "webhook_update",
+    "webhook_url_check",
     "webhook_rotate_secret",
     "channel_delete",
     "channel_clear_broken",
@@ -158,6 +159,12 @@ def _enqueue(delivery_ids: list[int], *, countdown: float | None = None) -> None
 
 def _validate_url(url: str, field: str = "url") -> str:
     return egress.checked_url(url, field=field, hint="Give a public http(s) URL.")
+
+
+def webhook_url_check(url: Any) -> str:
+    """The endpoint URL as webhook_create / webhook_update would store it, or InvalidInput: for a form to ask
+    first."""
+    return _validate_url(url)
 
 
 def _validate_channel_name(name: Any) -> str:

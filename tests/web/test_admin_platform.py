@@ -481,3 +481,34 @@ def test_an_action_on_a_selection_that_names_no_row_is_a_message_not_a_500(world
     assert response.status_code == 200, response.status_code
     assert any("no such" in str(m).lower() for m in response.context["messages"])
     assert AuditLog.objects.count() == audited
+
+
+@pytest.mark.parametrize("kind", ["slack", "webhook"])
+def test_a_new_channel_url_the_service_refuses_keeps_the_form_with_the_reason(world, staff, settings, kind):
+    # The channel page's "New URL" went to the service only in save_model: its refusal (a private address)
+    # became a message over a redirect to an emptied form, and the name and events typed with it were lost.
+    from notifications import services as notify
+    from notifications.models import Channel
+    from tenants.services import tenant_slack_webhook_set
+
+    settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = False
+    tenant = world.tenants["alpha"]
+    if kind == "slack":
+        tenant = tenant_slack_webhook_set(actor=world.users["alpha-lead"], tenant=tenant,
+                                          url="https://hooks.slack.com/services/T0/B0/old")
+        channel = notify.slack_channel_ensure(tenant)
+    else:
+        channel, _ = notify.webhook_create(actor=world.users["alpha-lead"], tenant=tenant,
+                                           url="https://ci.example.com/hook", name="ci", events=[])
+    before = (Channel.objects.get(pk=channel.pk).url, Channel.objects.get(pk=channel.pk).name)
+    audited = AuditLog.objects.count()
+    typed = "https://10.1.2.3/services/T0/B0/new"
+    response = staff.post(reverse("admin:notifications_channel_change", args=[channel.pk]),
+                          {"name": "renamed", "new_url": typed, "events": [], "enabled": "on", "_save": "Save"})
+    assert response.status_code == 200, (response.status_code, response.get("Location"))
+    form = response.context["adminform"].form
+    assert "new_url" in form.errors and "public" in " ".join(form.errors["new_url"]).lower()
+    html = response.content.decode()
+    assert f'value="{typed}"' in html and 'value="renamed"' in html  # what was typed, beside the reason
+    saved = Channel.objects.get(pk=channel.pk)
+    assert (saved.url, saved.name) == before and AuditLog.objects.count() == audited
