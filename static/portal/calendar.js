@@ -28,6 +28,21 @@
     return whenFormat.format(new Date(iso));
   }
 
+  var timeFormat = new Intl.DateTimeFormat(undefined, { timeZone: cfg.tz, hour: "2-digit", minute: "2-digit",
+                                                        hour12: false });
+
+  // An event's whole label, for its tooltip: its box may be too small for the time and title it shows.
+  function fullLabel(event) {
+    if (!event.start) { return event.title; }
+    var start = when(event.start.toISOString());
+    var end = "";
+    if (event.end) {
+      var sameDay = dayKeyFormat.format(event.start) === dayKeyFormat.format(event.end);
+      end = " – " + (sameDay ? timeFormat.format(event.end) : when(event.end.toISOString()));
+    }
+    return start + end + " · " + event.title;
+  }
+
   // The API gives the times in its refusals in UTC ("2026-12-04 10:00Z"); the page says every time in the
   // user's zone, so those are shown the way this page shows times.
   function localTimes(text) {
@@ -248,6 +263,7 @@
       // Events are links to their page (focusable, Enter opens the panel); tests and scripts find them by id.
       if (arg.event.display !== "background" && !arg.event.extendedProps.more) {
         arg.el.setAttribute("data-reservation-id", arg.event.id);
+        arg.el.setAttribute("title", fullLabel(arg.event));
       }
     },
     // FullCalendar's prev/next buttons are named by their title; the icon inside is an unnamed role="img"

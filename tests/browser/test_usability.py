@@ -105,3 +105,52 @@ def test_closing_the_booking_panel_puts_focus_back_where_it_came_from(world, liv
     expect(page.locator("#booking-form")).to_have_count(0)
     # Not lost on <body> (the next Tab would start over at the top of the page): back on the button.
     expect(opener).to_be_focused()
+
+
+# Every reservation event's time and title: how far each overflows its box, its ellipsis and its tooltip.
+_EVENT_LABELS = """() => Array.from(document.querySelectorAll('.fc-event[data-reservation-id]')).map(e => {
+  const time = e.querySelector('.fc-event-time'), title = e.querySelector('.fc-event-title');
+  return {
+    id: e.getAttribute('data-reservation-id'), tooltip: e.getAttribute('title') || '',
+    time: time ? time.textContent : '',
+    timeHidden: time ? Math.max(time.scrollWidth - time.clientWidth,
+                                time.getBoundingClientRect().right - e.getBoundingClientRect().right) : 0,
+    titleHidden: title ? title.scrollWidth - title.clientWidth : 0,
+    ellipsis: title ? getComputedStyle(title).textOverflow : '',
+  };
+})"""
+
+
+@pytest.mark.parametrize("viewport", ["desktop", "phone"])
+def test_calendar_event_labels_are_not_cut_off_mid_word_and_say_it_all_on_hover(
+        world, live_server, new_page, sign_in, day, viewport):
+    """The month view cut a booking's start time mid-digit ("18:0", "21") and its title at the cell's edge with
+    nothing to say there was more; the phone's week view cut "10:00 - 12:00" the same way. Times are never cut
+    now, a title too long for its box ends in an ellipsis, and every event's tooltip says the whole of it."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from .conftest import DESKTOP
+
+    sunday = day + timedelta(days=(6 - day.weekday()) % 7)  # a week's last column: the shortest segment
+    names = {}
+    for start, name in ((at(sunday, 21), "hyperparameter-sweep-for-the-long-context-model"), (at(day, 10), "eval")):
+        booking = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                              pool=world.pool, node_count=1, start=start,
+                                              end=start + timedelta(hours=2), name=name)
+        names[str(booking.pk)] = name
+    assert sunday > timezone.now().date()
+    page = sign_in(new_page(viewport=DESKTOP if viewport == "desktop" else PHONE), "alpha-lead")
+    for view, when in (("dayGridMonth", sunday), ("timeGridWeek", day)):
+        page.goto(f"{live_server.url}/calendar/?view={view}&date={when.isoformat()}&pool=h100")
+        page.wait_for_selector("#calendar[data-ready='1']")
+        labels = page.evaluate(_EVENT_LABELS)
+        assert {label["id"] for label in labels} == set(names), (view, labels)
+        for label in labels:
+            assert label["timeHidden"] <= 1, (view, label)  # "21:00", never "21:0"
+            if label["titleHidden"] > 1:
+                assert label["ellipsis"] == "ellipsis", (view, label)
+            assert f"{names[label['id']]} · 1× h100" in label["tooltip"], (view, label)
+            assert label["time"].replace(" ", "")[:5] in label["tooltip"].replace(" ", ""), (view, label)
+    assert page.errors == []
