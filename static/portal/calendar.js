@@ -218,7 +218,9 @@
     buttonText: { today: "Today", month: "Month", week: "Week", day: "Day" },
     firstDay: 1,
     // "Week" is the next seven days from the shown date: the days worth booking, not a half-gone calendar week.
-    views: { timeGridWeek: { duration: { days: 7 }, buttonText: "Week" } },
+    // Column headings name the month ("Fri, Dec 4"): FullCalendar's default "Fri 12/4" reads as 12 April to most.
+    views: { timeGridWeek: { duration: { days: 7 }, buttonText: "Week",
+                             dayHeaderFormat: { weekday: "short", month: "short", day: "numeric" } } },
     eventDisplay: "block",
     height: "auto",
     expandRows: true,

@@ -185,3 +185,15 @@ def test_a_days_free_node_counts_are_not_hidden_under_its_bookings(world, live_s
     page.wait_for_selector("#calendar[data-ready='1']")
     assert page.locator(".fc-bg-event .fc-event-title").count() > 0
     assert page.evaluate(_COVERED_COUNTS) == []
+
+
+def test_the_week_views_day_headings_name_the_month(world, live_server, new_page, sign_in, day):
+    """The week's column headings were FullCalendar's US default, "Fri 12/4": 4 December or 12 April? Every
+    other date on the portal names its month ("Fri 4 Dec")."""
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=timeGridWeek&date={day.isoformat()}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    headings = page.locator(".fc-col-header-cell-cushion").all_inner_texts()
+    assert len(headings) == 7
+    assert not [h for h in headings if "/" in h], headings
+    assert f"{day:%b}" in headings[0] and str(day.day) in headings[0], headings
