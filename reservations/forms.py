@@ -203,6 +203,12 @@ class FleetWindowForm(forms.Form):
     pool = forms.ModelChoiceField(queryset=Pool.objects.order_by("name"), to_field_name="name", required=False,
                                   empty_label="All pools", label="Pool")
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The filter shows the window window() falls back to, not an empty date and the first span ("1 day").
+        self.fields["start"].initial = timezone.localdate
+        self.fields["days"].initial = 3
+
     def clean_start(self):
         day = self.cleaned_data.get("start")
         if day is not None and not DATETIME_MIN.date() <= day < DATETIME_MAX.date():

@@ -79,6 +79,25 @@ def test_fleet_page_keeps_the_valid_filters_and_names_the_invalid_one(world, web
     assert "Pool: " in bad_pool and 'data-node="h100-001"' in bad_pool
 
 
+def test_the_fleet_pages_filter_shows_the_window_the_page_shows(world, web):
+    """Opened without a query, the page showed three days from today while its Span box read "1 day" (the first
+    option) and From was empty: pressing Show then changed the window to one day, unasked."""
+    import re
+
+    client = web("staff")
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    body = client.get("/fleet/").content.decode()
+    (selected,) = re.findall(r'<option value="(\d+)" selected>', body)
+    assert selected == "3", selected
+    today = timezone.now().astimezone(zoneinfo.ZoneInfo("Asia/Tokyo")).date()
+    assert re.search(rf'<input type="date" name="start" value="{today.isoformat()}"', body), \
+        re.findall(r'<input type="date"[^>]*>', body)
+    seven = client.get("/fleet/", {"days": "7"}).content.decode()  # what was asked stays asked
+    assert re.findall(r'<option value="(\d+)" selected>', seven) == ["7"]
+
+
 def test_fleet_timeline_shows_nodes_reservations_maintenance_and_state(world, web, book, t0):
     book("alpha-lead", t0, name="alpha-run")
     book("beta-lead", t0, name="beta-run")
