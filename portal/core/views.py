@@ -12,6 +12,8 @@ from django.apps import apps
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.shortcuts import render
+from django.urls import NoReverseMatch, reverse
+from django.utils.text import capfirst
 from django.views.decorators.http import require_GET
 
 from .admin import format_change
@@ -49,7 +51,8 @@ def audit_log(request):
         qs = qs.filter(action__startswith=action)
     page = Paginator(qs, PAGE_SIZE).get_page(request.GET.get("page"))
     rows = [
-        {"entry": e, "tenant": tenants.get(e.tenant_id, ""), "change": format_change(e.before or {}, e.after or {})}
+        {"entry": e, "tenant": tenants.get(e.tenant_id, ""), "change": format_change(e.before or {}, e.after or {}),
+         "object": object_name(e.object_type), "url": _object_url(e.object_type, e.object_id)}
         for e in page.object_list
     ]
     return render(request, "core/audit_list.html", {
@@ -57,6 +60,28 @@ def audit_log(request):
         "tenants": sorted(tenants.items(), key=lambda t: t[1]), "selected": selected, "action": action,
         "page_query": page_query(request),
     })
+
+
+# The pages an audited object has, by its model label: named by URL, as the core app imports no app above it.
+_OBJECT_PAGES = {"reservations.reservation": "reservation-page", "provisioning.virtualcluster": "cluster-page"}
+
+
+def object_name(label: str) -> str:
+    """An audit row's object type in words: "reservations.reservation" -> "Reservation"."""
+    try:
+        return capfirst(apps.get_model(label)._meta.verbose_name)
+    except (LookupError, ValueError):
+        return label
+
+
+def _object_url(label: str, object_id: str) -> str:
+    name = _OBJECT_PAGES.get(label)
+    if name is None or not (object_id.isascii() and object_id.isdigit()):
+        return ""
+    try:
+        return reverse(name, args=[int(object_id)])
+    except NoReverseMatch:
+        return ""
 
 
 def page_query(request) -> str:

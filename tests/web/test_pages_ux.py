@@ -149,3 +149,12 @@ def test_audit_views_say_what_happened_in_words_not_action_codes(world, web, boo
     timeline = text(timeline[:timeline.index("</section>")])
     assert "— create" not in timeline and "— update" not in timeline, timeline
     assert "— Booked by alpha-lead" in timeline and "— Changed by alpha-lead" in timeline
+
+
+def test_the_audit_page_names_objects_in_words_and_links_reservations(world, web, book, t0):
+    """The Object column read "reservations.reservation #12" (the model's label) and led nowhere."""
+    reservation = book("alpha-lead", t0, hours=2)
+    html = web("alpha-lead").get("/audit/").content.decode()
+    body = html[html.index("<tbody>"):html.index("</tbody>")]
+    assert "reservations.reservation" not in body
+    assert f'<a href="/reservations/{reservation.pk}/">Reservation #{reservation.pk}</a>' in body
