@@ -197,3 +197,29 @@ def test_the_week_views_day_headings_name_the_month(world, live_server, new_page
     assert len(headings) == 7
     assert not [h for h in headings if "/" in h], headings
     assert f"{day:%b}" in headings[0] and str(day.day) in headings[0], headings
+
+
+_SCROLLING_TABLES = """() => Array.from(document.querySelectorAll('.table-wrap'))
+  .filter(w => w.scrollWidth > w.clientWidth + 1)
+  .map(w => ({table: w.querySelector('table') && w.querySelector('table').className,
+              tabindex: w.getAttribute('tabindex'), role: w.getAttribute('role'),
+              named: !!(w.getAttribute('aria-label') ||
+                        (w.getAttribute('aria-labelledby') &&
+                         document.getElementById(w.getAttribute('aria-labelledby'))))}))"""
+
+
+def test_tables_that_scroll_sideways_on_a_phone_can_be_scrolled_from_the_keyboard(world, live_server, new_page,
+                                                                                  sign_in, day):
+    """On a phone the notifications page's recent messages, the delivery log, the cluster list and the audit
+    log scroll sideways inside a box a keyboard cannot reach (axe: scrollable-region-focusable, serious): the
+    other pages' tables are focusable named regions; these were plain divs."""
+    services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                node_count=1, start=at(day, 10), end=at(day, 12), name="a-rather-long-run-name")
+    page = sign_in(new_page(viewport=PHONE), "alpha-lead")
+    scrolling = []
+    for path in ("/notifications/", "/notifications/deliveries/", "/clusters/", "/audit/", "/"):
+        page.goto(live_server.url + path)
+        for table in page.evaluate(_SCROLLING_TABLES):
+            scrolling.append(path)
+            assert (table["tabindex"], table["role"], table["named"]) == ("0", "region", True), (path, table)
+    assert {"/notifications/", "/clusters/"} <= set(scrolling), scrolling  # the check above did run
