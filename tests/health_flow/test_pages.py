@@ -144,3 +144,29 @@ def test_the_check_button_is_offered_only_while_the_booking_holds_its_nodes(flee
     # Still offered, and accepted, while it holds them.
     live = make_cluster(fleet.book("alpha", ["gpu-002"], now_slot, now_slot + timedelta(hours=2)))
     assert "Check my nodes" in browser(fleet.users["alpha-lead"]).get(f"/health/clusters/{live.pk}/").content.decode()
+
+
+@pytest.mark.django_db
+def test_health_pages_say_which_zone_their_times_are_in(fleet, checked):
+    """The health pages render times in the reader's zone (every portal page does), but their labels said
+    "(UTC)": a lead in Tokyo read "Times (UTC) queued … 18:30" for a check queued at 09:30 UTC."""
+    import re
+    from zoneinfo import ZoneInfo
+
+    check = HealthCheck.objects.get(node__hostname="gpu-002")
+    tokyo = check.created_at.astimezone(ZoneInfo("Asia/Tokyo"))
+    for who, path in (("alpha-viewer", f"/health/checks/{check.pk}/"),
+                      ("alpha-viewer", f"/health/clusters/{checked.pk}/"),
+                      ("staff", "/health/?verdict=all"), ("staff", "/health/nodes/gpu-002/")):
+        client = browser(fleet.users[who])
+        session = client.session
+        session["portal_tz"] = "Asia/Tokyo"
+        session.save()
+        html = client.get(path).content.decode()
+        assert not re.search(r"\(UTC\)|\d\d:\d\d(:\d\d)? UTC\b", html), (path, re.findall(r".{0,120}UTC.{0,20}", html))
+        assert "JST" in html, path
+    page = browser(fleet.users["alpha-viewer"])
+    session = page.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    assert f"{tokyo:%Y-%m-%d %H:%M:%S}" in page.get(f"/health/checks/{check.pk}/").content.decode()

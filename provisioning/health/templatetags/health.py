@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from django import template
+from django.utils import timezone
 
 from ..choices import CheckStatus
 from ..models import HealthCheck
@@ -38,6 +39,12 @@ def _badge_context(verdict: str | None, *, title: str = "", check_id: int | None
             "style": f"background:{background};color:{colour}", "running": running and bool(verdict)}
 
 
+def _local(when) -> str:
+    """An instant in the reader's zone (the page's), as the rest of the page gives its times."""
+    local = timezone.localtime(when)
+    return f"{local:%Y-%m-%d %H:%M} {local.tzname()}"
+
+
 @register.inclusion_tag("health/_badge.html")
 def health_badge(value: Any) -> dict[str, Any]:
     """Render a verdict badge for a node, a check or a verdict string."""
@@ -49,7 +56,7 @@ def health_badge(value: Any) -> dict[str, Any]:
         return _badge_context(value.verdict, title=value.summary, check_id=value.pk)
     if hasattr(value, "health_verdict"):  # annotated by selectors.nodes_with_health
         when = getattr(value, "health_checked_at", None)
-        title = (value.health_summary or "") + (f" · {when:%Y-%m-%d %H:%M} UTC" if when else "")
+        title = (value.health_summary or "") + (f" · {_local(when)}" if when else "")
         return _badge_context(value.health_verdict, title=title, check_id=value.health_check_id,
                               running=bool(getattr(value, "health_running", False)))
     latest = (
@@ -58,7 +65,7 @@ def health_badge(value: Any) -> dict[str, Any]:
     )
     if latest is None:
         return _badge_context(None)
-    return _badge_context(latest.verdict, title=f"{latest.summary} · {latest.finished_at:%Y-%m-%d %H:%M} UTC",
+    return _badge_context(latest.verdict, title=f"{latest.summary} · {_local(latest.finished_at)}",
                           check_id=latest.pk)
 
 
