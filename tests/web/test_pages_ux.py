@@ -158,3 +158,13 @@ def test_the_audit_page_names_objects_in_words_and_links_reservations(world, web
     body = html[html.index("<tbody>"):html.index("</tbody>")]
     assert "reservations.reservation" not in body
     assert f'<a href="/reservations/{reservation.pk}/">Reservation #{reservation.pk}</a>' in body
+
+
+def test_an_audit_filter_that_matches_nothing_says_so_and_offers_the_way_back(world, web, book, t0):
+    """With an Action filter that matched no row the page said "Nothing recorded yet." though the tenant's log
+    was full: the lead took the log for empty rather than the filter for wrong."""
+    book("alpha-lead", t0, hours=2)
+    html = web("alpha-lead").get("/audit/", {"action": "quota"}).content.decode()
+    assert "Nothing recorded yet" not in html
+    assert "No entries match" in html and 'href="/audit/"' in html
+    assert "Nothing recorded yet" in web("beta-lead").get("/audit/").content.decode()  # truly empty: as before
