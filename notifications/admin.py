@@ -79,6 +79,14 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
             fields.remove("new_url")
         return fields
 
+    def get_readonly_fields(self, request, obj=None):
+        # Only a webhook's name is saved (webhook_update): a Slack channel's edit passes the URL, events and
+        # enabled flag, so a Name box there was an edit silently dropped.
+        fields = super().get_readonly_fields(request, obj)
+        if obj is not None and obj.kind != ChannelKind.WEBHOOK:
+            fields = (*fields, "name")
+        return fields
+
     def has_add_permission(self, request, *args):
         return False  # leads add webhooks on their notifications page (staff can open any tenant's)
 

@@ -509,6 +509,27 @@ def test_a_new_channel_url_the_service_refuses_keeps_the_form_with_the_reason(wo
     form = response.context["adminform"].form
     assert "new_url" in form.errors and "public" in " ".join(form.errors["new_url"]).lower()
     html = response.content.decode()
-    assert f'value="{typed}"' in html and 'value="renamed"' in html  # what was typed, beside the reason
+    assert f'value="{typed}"' in html  # what was typed, beside the reason
+    assert kind == "slack" or 'value="renamed"' in html  # (a Slack channel's name is not editable)
     saved = Channel.objects.get(pk=channel.pk)
     assert (saved.url, saved.name) == before and AuditLog.objects.count() == audited
+
+
+def test_a_slack_channels_name_is_not_offered_for_an_edit_that_is_never_saved(world, staff, settings):
+    # The change page offered a Name box for a tenant's Slack channel (and the platform channel), but their save
+    # passes only the URL, events and enabled flag to the services: a new name was dropped and the page said
+    # "changed successfully". The name is shown, not offered, there; a webhook's stays editable.
+    from notifications import services as notify
+    from tenants.services import tenant_slack_webhook_set
+
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    tenant = tenant_slack_webhook_set(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                      url="https://hooks.slack.com/services/T0/B0/old")
+    slack, platform = notify.slack_channel_ensure(tenant), notify.platform_channel_ensure()
+    webhook, _ = notify.webhook_create(actor=world.users["alpha-lead"], tenant=tenant,
+                                       url="https://ci.example.com/hook", name="ci", events=[])
+    for channel in (slack, platform):
+        html = staff.get(reverse("admin:notifications_channel_change", args=[channel.pk])).content.decode()
+        assert 'name="name"' not in html, channel.label
+    html = staff.get(reverse("admin:notifications_channel_change", args=[webhook.pk])).content.decode()
+    assert 'name="name"' in html
