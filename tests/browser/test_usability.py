@@ -223,3 +223,18 @@ def test_tables_that_scroll_sideways_on_a_phone_can_be_scrolled_from_the_keyboar
             scrolling.append(path)
             assert (table["tabindex"], table["role"], table["named"]) == ("0", "region", True), (path, table)
     assert {"/notifications/", "/clusters/"} <= set(scrolling), scrolling  # the check above did run
+
+
+def test_the_sign_in_page_puts_the_cursor_in_the_username_field(world, live_server, new_page):
+    """Reported as missing; it holds (Django's form autofocuses the username): this keeps it so, on the page
+    itself, on the way to a page that needs a session, and after a refused password (username kept)."""
+    page = new_page()
+    for path in ("/accounts/login/", "/calendar/"):
+        page.goto(live_server.url + path)
+        expect(page.get_by_label("Username")).to_be_focused()
+    page.get_by_label("Username").fill("alpha-lead")
+    page.get_by_label("Password").fill("not-the-password")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator(".login [role=alert]")).to_be_visible()
+    expect(page.get_by_label("Username")).to_be_focused()
+    expect(page.get_by_label("Username")).to_have_value("alpha-lead")
