@@ -229,3 +229,19 @@ def test_new_end_in_the_repeated_hour_says_which_one_it_is(world, web, settings)
     assert response.status_code == 302, _end_field(response.content.decode(), r.pk)
     r.refresh_from_db()
     assert r.end == first_one + timedelta(hours=1)  # 01:00 EST, the second one
+
+
+def test_a_cancelled_booking_without_a_cluster_does_not_promise_one(world, web, book, t0):
+    """The reservation page of a booking cancelled before its cluster was made still said its phases "will be
+    shown here once the cluster is being built", its credentials "will be available here when the cluster is
+    ready" and health results "will appear here": nothing will ever be built for it."""
+    from reservations import services
+
+    r = book("alpha-lead", t0, nodes=1, name="changed-my-mind")
+    services.reservation_cancel(actor=world.users["alpha-lead"], reservation=r)
+    html = web("alpha-lead").get(f"/reservations/{r.pk}/").content.decode()
+    cluster = html[html.index('id="cluster-title"'):]
+    cluster = cluster[:cluster.index("</section>")]
+    assert "will be shown here" not in cluster and "will be available" not in cluster, cluster
+    assert "will appear here" not in cluster
+    assert "No cluster" in cluster and "cancelled" in cluster
