@@ -195,10 +195,17 @@ class ExtendForm(forms.Form):
     end = ZonedDateTimeField(label="New end")
 
 
+class _DefaultedDateField(forms.DateField):
+    """A date box that shows its initial value when the query leaves it out (?days=7 starts today)."""
+
+    def bound_data(self, data, initial):
+        return data or initial
+
+
 class FleetWindowForm(forms.Form):
     DAYS = ((1, "1 day"), (3, "3 days"), (7, "7 days"), (14, "14 days"))
 
-    start = forms.DateField(label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}))
+    start = _DefaultedDateField(label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}))
     days = forms.TypedChoiceField(label="Span", choices=DAYS, coerce=int, required=False, empty_value=3)
     pool = forms.ModelChoiceField(queryset=Pool.objects.order_by("name"), to_field_name="name", required=False,
                                   empty_label="All pools", label="Pool")

@@ -96,6 +96,8 @@ def test_the_fleet_pages_filter_shows_the_window_the_page_shows(world, web):
         re.findall(r'<input type="date"[^>]*>', body)
     seven = client.get("/fleet/", {"days": "7"}).content.decode()  # what was asked stays asked
     assert re.findall(r'<option value="(\d+)" selected>', seven) == ["7"]
+    # … and From, left out of that query, still shows the day the window starts on (it was empty)
+    assert re.search(rf'<input type="date" name="start" value="{today.isoformat()}"', seven)
 
 
 def test_fleet_timeline_shows_nodes_reservations_maintenance_and_state(world, web, book, t0):
