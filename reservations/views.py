@@ -20,6 +20,7 @@ from django.shortcuts import get_object_or_404
 from django.template.loader import select_template
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.formats import date_format
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST, require_safe
 from django.views.decorators.vary import vary_on_headers
@@ -666,11 +667,16 @@ def fleet(request):
     tz = timezone.get_current_timezone()
     ticks = []
     day = timezone.localtime(lo).date()
+    # Every 6 hours a line; a label only where it fits (at the timeline's 960 px minimum): over a week or two
+    # the hours' labels ran into one another, so there only the days are named (shorter past a week).
+    days_shown = span / 86400
+    hour_labels, day_format = days_shown <= 3.1, "D j M" if days_shown <= 7.1 else "D j"
     while True:
         for hour in (0, 6, 12, 18):
             t = datetime.combine(day, datetime.min.time(), tzinfo=tz).replace(hour=hour)
             if lo <= t < hi:
-                ticks.append({"left": pct(t), "at": t, "day": hour == 0})
+                label = date_format(t, day_format) if hour == 0 else (date_format(t, "H:i") if hour_labels else "")
+                ticks.append({"left": pct(t), "at": t, "day": hour == 0, "label": label})
         day += timedelta(days=1)
         if datetime.combine(day, datetime.min.time(), tzinfo=tz) >= hi:
             break

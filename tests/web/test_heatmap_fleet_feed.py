@@ -100,6 +100,25 @@ def test_the_fleet_pages_filter_shows_the_window_the_page_shows(world, web):
     assert re.search(rf'<input type="date" name="start" value="{today.isoformat()}"', seven)
 
 
+@pytest.mark.parametrize("days", ["1", "3", "7", "14"])
+def test_the_fleet_timelines_time_labels_do_not_run_into_each_other(world, web, days):
+    """Over 7 or 14 days the head kept a label every 6 hours: at the timeline's narrowest (960 px) they ran into
+    one another ("Thu 3 Dec06:0012:00…"), unreadable. Labels now sit at least their own width apart."""
+    import itertools
+    import re
+
+    body = web("staff").get("/fleet/", {"days": days}).content.decode()
+    head = body[body.index('class="fleet-row fleet-head"'):]
+    head = head[:head.index('class="fleet-row state-')]
+    ticks = [(float(left), re.sub(r"<[^>]+>", "", text).strip())
+             for left, text in re.findall(r'<span class="tick[^"]*" style="left: ([\d.]+)%">(.*?)</span>', head)]
+    labelled = sorted((left, text) for left, text in ticks if text)
+    assert len(labelled) >= int(days), ticks  # at least every day is named
+    for (left, text), (right, _) in itertools.pairwise(labelled):
+        room_px = (right - left) / 100 * 960  # .fleet-inner's min-width
+        assert room_px >= 7.5 * len(text), (days, text, round(room_px))  # ~7 px a character at .7rem
+
+
 def test_fleet_timeline_shows_nodes_reservations_maintenance_and_state(world, web, book, t0):
     book("alpha-lead", t0, name="alpha-run")
     book("beta-lead", t0, name="beta-run")
