@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib import messages
 from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_POST, require_safe
 from django.views.decorators.vary import vary_on_headers
 
 from portal.core.exceptions import DomainError
@@ -46,6 +46,7 @@ def panel_context(user, cluster) -> dict:
     }
 
 
+@require_safe
 @portal_view
 def cluster_list(request):
     # Only the columns the table shows: no phases, credentials or nodes for 200 rows.
@@ -54,6 +55,7 @@ def cluster_list(request):
     return render_page(request, "provisioning/cluster_list.html", {"clusters": clusters})
 
 
+@require_safe
 @vary_on_headers("HX-Request")  # one URL, two answers: a browser must not cache the polled fragment as the page
 @portal_view
 def cluster_detail(request, pk: int):
@@ -87,6 +89,7 @@ def cluster_retry(request, pk: int):
     return redirect("cluster-page", pk=pk)
 
 
+@require_safe
 @portal_view
 def cluster_credential(request, pk: int, kind: str):
     if kind not in CredentialKind.values:

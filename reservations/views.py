@@ -104,6 +104,7 @@ def _require_booking(request) -> None:
 # --- dashboard --------------------------------------------------------------------------------
 
 
+@require_safe
 @portal_view
 def dashboard(request):
     portal = request.portal
@@ -167,6 +168,7 @@ def _utc_offset_minutes(tz, day: str | None) -> int:
     return int(noon.utcoffset().total_seconds() // 60)
 
 
+@require_safe
 @portal_view
 def calendar(request):
     portal = request.portal
@@ -476,12 +478,14 @@ def reservation_list(request):
     return render_page(request, "reservations/list.html", context, status=400 if form.is_bound and form.errors else 200)
 
 
+@require_safe
 @portal_view
 def reservation_detail(request, pk: int):
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
     return render_page(request, "reservations/detail.html", _detail_context(request, reservation))
 
 
+@require_safe
 @portal_view
 def reservation_panel(request, pk: int):
     """The calendar's side panel for one event."""
@@ -617,11 +621,13 @@ def _heatmap_context(*, refresh: int = HEATMAP_REFRESH_SECONDS) -> dict:
     return {"heatmap": pools, "hours": range(24), "updated": now, "refresh": refresh}
 
 
+@require_safe
 @portal_view
 def heatmap(request):
     return render_page(request, "reservations/heatmap.html", _heatmap_context(refresh=_refresh_seconds(request)))
 
 
+@require_safe
 @portal_view
 def heatmap_grid(request):
     """The part of the heatmap page that htmx polls."""
@@ -635,6 +641,7 @@ def _hue(slug: str) -> int:
     return zlib.crc32(slug.encode()) % 360
 
 
+@require_safe
 @portal_view(staff_only=True)
 def fleet(request):
     form = FleetWindowForm(request.GET or None)

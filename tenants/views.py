@@ -25,7 +25,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import add_never_cache_headers
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseClientRedirect
 
 from portal.core.exceptions import DomainError
@@ -321,6 +321,7 @@ def _team_page(request, *, add_form=None, status: int = 200):
     return render_page(request, "tenants/team.html", context, status=status)
 
 
+@require_safe
 @portal_view
 def team(request):
     """The current tenant's members and roles; its leads (and staff) add, change and remove them."""

@@ -356,3 +356,30 @@ def test_a_spec_patch_naming_a_field_that_cannot_change_is_refused_not_ignored(w
     pending.refresh_from_db()
     assert pending.orchestrator == "slurm" and pending.cuda_version == "12.8"
     assert AuditLog.objects.filter(action="cluster.configure").count() == audits
+
+
+def test_read_only_pages_answer_only_get_and_head(world, clusters):
+    """The portal's read-only pages and the credential download answered any method: OPTIONS (which passes the
+    CSRF check, as a safe method) on the credential URL returned the key and was audited as a download, and
+    PUT or DELETE to a page answered 200 with the page. They now answer 405 naming GET and HEAD, and nothing
+    is downloaded or recorded."""
+    cluster = clusters["alpha"]
+    client = page_client(world, "alpha-member")  # the test client skips the CSRF check: the view answers
+    credential = f"/clusters/{cluster.pk}/credentials/ssh_key/"
+    pages = ["/", "/calendar/", f"/reservations/{cluster.reservation_id}/",
+             f"/reservations/{cluster.reservation_id}/panel/", "/availability/", "/availability/grid/", "/team/",
+             "/clusters/", f"/clusters/{cluster.pk}/", credential]
+    for url in pages:
+        assert client.get(url).status_code == 200, url
+        for method in ("options", "put", "delete", "patch"):
+            response = getattr(client, method)(url)
+            assert response.status_code == 405, (method, url, response.status_code)
+            assert response["Allow"] == "GET, HEAD", (method, url)
+            assert b"BEGIN OPENSSH PRIVATE KEY" not in response.content
+    browser = Client(enforce_csrf_checks=True)  # as a browser meets it: OPTIONS, a safe method, passes CSRF
+    browser.force_login(world.users["alpha-member"])
+    response = browser.options(credential)
+    assert response.status_code == 405 and b"BEGIN OPENSSH PRIVATE KEY" not in response.content
+    staff = page_client(world, "staff")
+    assert staff.get("/fleet/").status_code == 200 and staff.options("/fleet/").status_code == 405
+    assert AuditLog.objects.filter(action="cluster.credential_download").count() == 1  # the one GET above
