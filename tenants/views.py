@@ -25,7 +25,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import add_never_cache_headers
-from django.views.decorators.http import require_POST, require_safe
+from django.views.decorators.http import require_http_methods, require_POST, require_safe
 from django_htmx.http import HttpResponseClientRedirect
 
 from portal.core.exceptions import DomainError
@@ -225,6 +225,7 @@ def tenant_switch(request):
     return HttpResponseRedirect(_safe_next(request, settings.LOGIN_REDIRECT_URL))
 
 
+@require_http_methods(["GET", "POST"])
 @portal_view
 def account(request):
     if request.method == "POST":

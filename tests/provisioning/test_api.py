@@ -382,4 +382,6 @@ def test_read_only_pages_answer_only_get_and_head(world, clusters):
     assert response.status_code == 405 and b"BEGIN OPENSSH PRIVATE KEY" not in response.content
     staff = page_client(world, "staff")
     assert staff.get("/fleet/").status_code == 200 and staff.options("/fleet/").status_code == 405
+    account = client.options("/account/")  # a page with a form: GET and POST
+    assert account.status_code == 405 and account["Allow"] == "GET, POST"
     assert AuditLog.objects.filter(action="cluster.credential_download").count() == 1  # the one GET above
