@@ -277,7 +277,8 @@ def health_sweep(*, level: str = CheckLevel.QUICK) -> list[int]:
     """Queue a scheduled check of every node in service and send them; return the new check ids.
 
     One INSERT … SELECT for the whole fleet; nodes whose previous scheduled check is still
-    open are skipped by the unique constraint, so a slow agent never piles up checks.
+    open are skipped by the unique constraint, so a slow agent never piles up checks. Nodes staff
+    put in maintenance are checked too, but a failure there opens no repair (_staff_maintenance).
     """
     level = _validate_level(level)
     ids = _insert_checks(
@@ -568,7 +569,9 @@ def _fail_consequences(check: HealthCheck) -> None:
     reason = f"health check #{check.pk} ({check.level}) failed: {check.summary}"
     took_out = False
     repair = Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).order_by("-pk").first()
-    if node.state in IN_SERVICE_STATES and repair is None:
+    # A scheduled check of a node staff put in maintenance is recorded (the node's page shows it) and
+    # nothing more: staff's hands-on work is not turned into a repair (see _staff_maintenance).
+    if node.state in IN_SERVICE_STATES and repair is None and not _staff_maintenance(node, check):
         repair = _take_out_of_service(node=node, actor=None, reason=reason, check=check)
         took_out = repair is not None
     elif repair is not None and repair.triggering_check_id == check.pk:
@@ -595,6 +598,13 @@ def _fail_consequences(check: HealthCheck) -> None:
         )
 
 
+def _staff_maintenance(node: Node, check: HealthCheck | None) -> bool:
+    """Tell whether a scheduled check's failure finds the node in maintenance with no repair (staff's hands-on
+    work): the sweep records it but opens no repair, which would hold the node from staff's own return of it.
+    """
+    return check is not None and check.trigger == CheckTrigger.SCHEDULE and node.state == NodeState.MAINTENANCE
+
+
 def _take_out_of_service(*, node: Node, actor: Any, reason: str, check: HealthCheck | None) -> Repair | None:
     """Drain the node, open its repair and move its bookings; return the repair. Hold the node lock.
 
@@ -604,7 +614,7 @@ def _take_out_of_service(*, node: Node, actor: Any, reason: str, check: HealthCh
     if node.state == NodeState.AVAILABLE:
         node = node_update(actor=actor, node=node, state=NodeState.DRAINING, reason=reason[:255],
                            only_from=(NodeState.AVAILABLE,))
-        if node.state not in IN_SERVICE_STATES:
+        if node.state not in IN_SERVICE_STATES or _staff_maintenance(node, check):
             return None
     repair = _repair_create(node=node, actor=actor, reason=reason, check=check)
     _move_bookings_of(repair, node=node, actor=actor, reason=reason)

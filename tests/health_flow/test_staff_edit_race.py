@@ -57,3 +57,32 @@ def test_a_rejoin_does_not_bring_back_a_node_staff_retired_meanwhile(fleet):
     assert isinstance(outcome, Repair) and outcome.state == "rejoined", outcome
     node.refresh_from_db()
     assert (node.state, node.state_reason) == ("retired", "decommissioned")  # never given to bookings
+
+
+def staff_sets(node_id: int, state: str, reason: str):
+    """A hold for behind_a_lock: staff's node_update to state, under the node's locks, not yet committed."""
+
+    def hold() -> None:
+        _lock_nodes([node_id])
+        node = Node.objects.select_for_update().get(pk=node_id)
+        node.state, node.state_reason = state, reason
+        node.save()
+
+    return hold
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failing_sweep_check_opens_no_repair_on_a_node_staff_put_in_maintenance_meanwhile(fleet):
+    node = fleet.nodes[2]
+    check = HealthCheck.objects.create(
+        node=node, level="quick", trigger="schedule", status="done", verdict="fail",
+        recommended_action="drain_and_reset", summary="gpu2 ecc_uncorrected_volatile: 1 error",
+        finished_at=timezone.now(),
+    )
+    # The consequences read the node as available, then wait for staff's maintenance to commit.
+    outcome = behind_a_lock(staff_sets(node.pk, "maintenance", "PSU swap"), lambda: health_check_handle(check.pk))
+    assert outcome is None, outcome
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("maintenance", "PSU swap")
+    assert not Repair.objects.filter(node=node).exists()
+    assert HealthCheck.objects.get(pk=check.pk).handled_at is not None

@@ -185,3 +185,33 @@ def test_malformed_entries_in_a_report_are_stored_and_shown_without_an_error(rep
     browser.force_login(fleet.users["staff"])
     for url in (f"/health/checks/{check.pk}/", f"/health/nodes/{check.node.hostname}/", "/health/"):
         assert browser.get(url).status_code == 200, url
+
+
+@pytest.mark.django_db
+def test_the_sweep_records_a_failing_node_in_staff_maintenance_without_opening_a_repair(
+        fleet, settings, eager, captured_events, django_capture_on_commit_callbacks):
+    """Staff put a node in maintenance to work on it by hand; the sweep checked it, the check failed (the
+    node is mid-work), a repair opened, and that repair then refused staff's own return of the node to
+    available. The sweep's result is kept (staff read it on the node's page) but opens no repair."""
+    from reservations.services import node_update
+
+    staff = fleet.users["staff"]
+    node = fleet.nodes[1]
+    node_update(actor=staff, node=node, state="maintenance", reason="PSU swap")
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: [{"kind": "ecc_uncorrected", "gpu": 2}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        health_sweep()
+    check = HealthCheck.objects.get(node=node)
+    assert (check.status, check.verdict, check.handled_at is not None) == ("done", "fail", True)
+    assert not Repair.objects.filter(node=node).exists()
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("maintenance", "PSU swap")
+    assert not [name for name, p in captured_events if name in ("node.failed", "health_check.failed")]
+    # Staff finish their work and give the node back.
+    node = node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="available", reason="")
+    assert node.state == "available"
+    # Back in service, the next sweep's failure takes it out as usual.
+    with django_capture_on_commit_callbacks(execute=True):
+        health_sweep()
+    assert Repair.objects.filter(node=node, state="recommended").exists()
+    assert Node.objects.get(pk=node.pk).state == "draining"
