@@ -762,15 +762,16 @@ _NODE_STATE_FOR_REPAIR: dict[str, str | None] = {
 }
 
 
-def _node_follows(repair: Repair, *, actor: Any) -> bool:
+def _node_follows(repair: Repair, *, actor: Any, stands: tuple[str, ...] = (NodeState.RETIRED,)) -> bool:
     """Bring the node to the state its repair implies; return whether it changed. Hold the node lock.
 
     Runs after the repair's own transaction (node_update is durable); :func:`repairs_reconcile`
-    repeats it for any repair whose worker died in between.
+    repeats it for any repair whose worker died in between. A node in one of ``stands`` is left as it is
+    (retired always; the upkeep adds failed, see there).
     """
     node = Node.objects.get(pk=repair.node_id)
     wanted = _NODE_STATE_FOR_REPAIR[repair.state]
-    if wanted is None or node.state == wanted or node.state == NodeState.RETIRED:
+    if wanted is None or node.state == wanted or node.state in stands:
         return False
     if wanted == NodeState.DRAINING and node.state != NodeState.AVAILABLE:
         return False  # already further out of service than draining
@@ -781,7 +782,7 @@ def _node_follows(repair: Repair, *, actor: Any) -> bool:
     reason = "" if wanted == NodeState.AVAILABLE else f"repair #{repair.pk}: {repair.state}"
     # The same rules again under the node's locks: a change staff made since the read above stands.
     allowed = ((NodeState.AVAILABLE,) if wanted == NodeState.DRAINING
-               else tuple(s for s in NodeState.values if s != NodeState.RETIRED))
+               else tuple(s for s in NodeState.values if s not in stands))
     node = node_update(actor=actor, node=node, state=wanted, reason=reason, only_from=allowed)
     if node.state != wanted:
         return False
@@ -842,9 +843,12 @@ def node_return_blocker(node_id: int) -> str | None:
 def repairs_reconcile() -> int:
     """Bring every node to the state its open (or just closed) repair implies; return how many moved.
 
-    An open repair owns its node. A closed one only finishes what its step left undone (the worker
-    died before the node followed): once the node was changed after the repair closed (staff put a
-    failed node back, or sent a rejoined one to maintenance), that change stands.
+    An open repair owns its node, but a node staff marked ``failed`` (or ``retired``) stays so: no open
+    repair's step sets failed, so a failed node under one is staff's decision, never a step left undone
+    (the repair stays open; staff's own steps of it still move the node). A closed repair only finishes
+    what its step left undone (the worker died before the node followed): once the node was changed
+    after the repair closed (staff put a failed node back, or sent a rejoined one to maintenance),
+    that change stands.
     """
     moved = 0
     recent = _now() - timedelta(days=1)
@@ -856,7 +860,8 @@ def repairs_reconcile() -> int:
                 pk=repair.node_id, updated_at__gt=repair.closed_at
             ).exists():
                 continue
-            if _node_follows(repair, actor=None):
+            stands = (NodeState.RETIRED, NodeState.FAILED) if repair.is_open else (NodeState.RETIRED,)
+            if _node_follows(repair, actor=None, stands=stands):
                 moved += 1
     return moved
 

@@ -324,3 +324,31 @@ def test_a_sweep_at_a_bookings_end_does_not_drain_the_node_its_cluster_still_run
     check.refresh_from_db()
     assert check.verdict == "fail" and "compute_processes" in check.summary
     assert Node.objects.get(pk=node.pk).state == "draining"
+
+
+@pytest.mark.django_db
+def test_upkeep_leaves_a_node_staff_failed_while_its_repair_is_open(fleet, captured_events,
+                                                                    django_capture_on_commit_callbacks):
+    """Staff marked a node under an open repair failed (the board goes back to the vendor): within a minute
+    the upkeep's reconcile moved it back to maintenance, as the repair's step implies; only retired stood.
+    Staff's failed stands; the repair stays open (staff close or continue it)."""
+    from provisioning.health.services import health_maintain
+
+    staff = fleet.users["staff"]
+    node = fleet.nodes[0]
+    repair = repair_open(actor=staff, node=node, reason="NCCL hangs")
+    for to in ("accepted", "cordoned"):
+        repair = repair_advance(actor=staff, repair=repair, to=to)
+    assert Node.objects.get(pk=node.pk).state == "maintenance"
+    node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="failed", reason="RMA")
+    with django_capture_on_commit_callbacks(execute=True):
+        health_maintain()
+        assert repairs_reconcile() == 0
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("failed", "RMA")
+    repair.refresh_from_db()
+    assert repair.is_open and repair.state == "cordoned"
+    assert not [p for name, p in captured_events if name == "node.state_changed" and p["old"] == "failed"]
+    # Staff's own step of the repair still moves the node (an explicit decision on the repair).
+    repair = repair_advance(actor=staff, repair=repair, to="remediating")
+    assert Node.objects.get(pk=node.pk).state == "maintenance"

@@ -86,3 +86,19 @@ def test_a_failing_sweep_check_opens_no_repair_on_a_node_staff_put_in_maintenanc
     assert (node.state, node.state_reason) == ("maintenance", "PSU swap")
     assert not Repair.objects.filter(node=node).exists()
     assert HealthCheck.objects.get(pk=check.pk).handled_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reconcile_does_not_undo_a_failed_staff_commit_meanwhile(fleet):
+    from provisioning.health.services import repairs_reconcile
+
+    staff = fleet.users["staff"]
+    node = fleet.nodes[3]
+    repair = repair_open(actor=staff, node=node, reason="NCCL hangs")
+    Repair.objects.filter(pk=repair.pk).update(state="cordoned")  # the node's move to maintenance was lost
+    # Reconcile reads the node as draining, then waits for staff's failed to commit.
+    outcome = behind_a_lock(staff_sets(node.pk, "failed", "RMA"), repairs_reconcile)
+    assert outcome == 0, outcome
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("failed", "RMA")
+    assert Repair.objects.get(pk=repair.pk).state == "cordoned"
