@@ -14,7 +14,8 @@
   unanswered check becomes an ``unknown`` error.
 - PORTAL_HEALTH_ACCEPTANCE_LEVEL (``medium``), PORTAL_HEALTH_ACCEPTANCE_POLL (5 s between gate
   calls while checks run), PORTAL_HEALTH_ACCEPTANCE_MAX_AGE (21600 s a result stays good for the
-  same booking), PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS (10: an unknown result is re-run after).
+  same booking), PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS (10: an unknown result is re-run after; the gate
+  waits for it until one check's timeout of the level since it began checking the node).
 - PORTAL_HEALTH_RETENTION_DAYS (14): older scheduled checks are pruned (each node's latest and
   any a repair names stay).
 - PORTAL_HEALTH_MOVE_BOOKINGS (true): a node taken out of service has its bookings moved to

@@ -35,7 +35,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError, IntegrityError, connection, transaction
-from django.db.models import Exists, Max, OuterRef, Q, Subquery
+from django.db.models import Exists, Max, Min, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from portal.core import events
@@ -942,6 +942,10 @@ def health_maintain(*, now: datetime | None = None) -> dict[str, int]:
 # --- the acceptance gate --------------------------------------------------------------------------
 
 
+# An acceptance node state: its check came back unknown and is run again once retry_after old.
+RERUN_SOON = "rerun"
+
+
 def acceptance_verdict(
     node_ids: Sequence[int], *, level: str = CheckLevel.MEDIUM, reservation_id: int | None = None
 ) -> tuple[bool, dict[str, Any]]:
@@ -950,10 +954,13 @@ def acceptance_verdict(
     Runs (queues) the checks that are missing and records them against the booking; returns
     ``(passed, summary)`` at once, summary = {"state": "passed" | "failed" | "pending",
     "detail": str, "nodes": {hostname: verdict or status}, "check_ids": [...]}. Call again
-    while ``pending``. A node still serving another booking right now gets a quick check only
-    (active tests would disturb that tenant); a failing node is drained and its booking moved
-    to a spare, after which it is no longer among the caller's nodes (until that is done, its
-    failing check reads as still running).
+    while ``pending``. An ``unknown`` result is run again once it is
+    PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS old and waited for meanwhile (``pending``), until the gate's
+    deadline for the node (one check's timeout of the level since the gate began checking it); after
+    that ``unknown`` fails, as a node never answering does. A node still serving another booking
+    right now gets a quick check only (active tests would disturb that tenant); a failing node is
+    drained and its booking moved to a spare, after which it is no longer among the caller's nodes
+    (until that is done, its failing check reads as still running).
     """
     level = _validate_level(level)
     now = _now()
@@ -973,6 +980,13 @@ def acceptance_verdict(
         .order_by("node_id", "-created_at", "-pk").distinct("node_id")
     )
     latest = {c.node_id: c for c in recent}
+    # When the gate began checking each node for this booking: it waits for an unknown result's re-run
+    # for as long as one check of the level may take from there (its deadline), then fails on it.
+    first_checked = dict(
+        HealthCheck.objects.filter(node_id__in=nodes, reservation_id=reservation_id, trigger=CheckTrigger.ACCEPTANCE,
+                                   created_at__gte=now - max_age)
+        .order_by().values("node_id").annotate(first=Min("created_at")).values_list("node_id", "first")
+    )
     to_queue: dict[str, list[int]] = {}
     states: dict[str, str] = {}
     check_ids: list[int] = []
@@ -993,6 +1007,12 @@ def acceptance_verdict(
             # Stored, but its consequences (drain, the swap to a spare) are still to run: wait for them.
             states[node.hostname] = CheckStatus.RUNNING
             continue
+        deadline = first_checked.get(node_id, check.created_at) + timedelta(seconds=conf.level_timeout_s(wanted))
+        if not check.is_open and check.verdict == Verdict.UNKNOWN and now < deadline:
+            # Too fresh to run again yet (stale_bad above re-queues it once it is retry_after old): wait for
+            # that re-run rather than fail the provisioning attempt on an answer that is run again anyway.
+            states[node.hostname] = RERUN_SOON
+            continue
         states[node.hostname] = check.status if check.is_open else check.verdict
     reservation = Reservation.objects.filter(pk=reservation_id).first() if reservation_id else None
     for wanted, ids in to_queue.items():
@@ -1000,13 +1020,15 @@ def acceptance_verdict(
                                            reservation=reservation):
             check_ids.append(check.pk)
     bad = {host: s for host, s in states.items() if s in (Verdict.FAIL, Verdict.UNKNOWN)}
-    waiting = {host: s for host, s in states.items() if s in OPEN_CHECK_STATUSES}
+    waiting = {host: s for host, s in states.items() if s in OPEN_CHECK_STATUSES or s == RERUN_SOON}
     if bad:
         state, passed = "failed", False
         detail = "health checks failed: " + ", ".join(f"{h} ({s})" for h, s in sorted(bad.items()))
     elif waiting:
         state, passed = "pending", False
-        detail = f"health checks running on {len(waiting)} of {len(states)} nodes"
+        reruns = sorted(host for host, s in waiting.items() if s == RERUN_SOON)
+        detail = f"health checks running on {len(waiting)} of {len(states)} nodes" + (
+            f" ({', '.join(reruns)}: unknown, run again shortly)" if reruns else "")
     else:
         state, passed = "passed", True
         warned = sorted(h for h, s in states.items() if s == Verdict.WARN)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from provisioning.health.models import HealthCheck, Repair
 from provisioning.health.services import acceptance_verdict, health_acceptance_gate
@@ -87,6 +88,9 @@ def test_unknown_results_fail_then_run_again(fleet, settings, eager, tomorrow, d
     nodes = _node_ids(booking)
     _verdict(django_capture_on_commit_callbacks, nodes, booking)
     settings.PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS = 3600
+    # Within the gate's deadline (a medium check's timeout since it began checking the node) it waits for
+    # the re-run (test_a_fresh_unknown_result_is_waited_for_and_run_again_not_failed); past it, unknown fails.
+    HealthCheck.objects.update(created_at=timezone.now() - timedelta(hours=2))
     passed, summary = _verdict(django_capture_on_commit_callbacks, nodes, booking)
     assert not passed and summary["nodes"] == {"gpu-001": "unknown"}  # never a silent pass
     assert fleet.node("gpu-001").state == "available"  # unknown is not a failure: no drain
@@ -179,3 +183,36 @@ def test_gate_waits_for_a_failing_nodes_swap_instead_of_failing_the_cluster(flee
     with pytest.raises(RetryLater):
         health_acceptance_gate(cluster=cluster)
     assert health_acceptance_gate(cluster=cluster).passed
+
+
+@pytest.mark.django_db
+def test_a_fresh_unknown_result_is_waited_for_and_run_again_not_failed(fleet, settings, eager, tomorrow,
+                                                                       django_capture_on_commit_callbacks):
+    """An acceptance check that just finished unknown (NVML could not start, a tool timed out) failed the
+    provisioning attempt at once (counted against PORTAL_PROVISIONING_MAX_ATTEMPTS), though the gate runs
+    it again once it is PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS old. The gate now waits for that re-run."""
+    from provisioning.models import VirtualCluster
+    from provisioning.services import RetryLater
+
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "init_failure", "error": "NoPermission"}]})
+    settings.PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS = 3600
+    booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    cluster = VirtualCluster.objects.create(
+        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )
+    with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)  # queued and run (eagerly): gpu-001 unknown, gpu-002 pass
+    assert HealthCheck.objects.get(node__hostname="gpu-001").verdict == "unknown"
+    with pytest.raises(RetryLater, match="1 of 2 nodes .gpu-001: unknown, run again"):  # waits, does not fail
+        health_acceptance_gate(cluster=cluster)
+    assert HealthCheck.objects.count() == 2  # not run again before it is RETRY_SECONDS old
+    # Whatever made it unknown is gone when it is run again: the cluster passes.
+    settings.PORTAL_FAKE_NVML = fleet_spec()
+    settings.PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS = 0
+    with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)
+    result = health_acceptance_gate(cluster=cluster)
+    assert result.passed and result.nodes == {"gpu-001": "pass", "gpu-002": "pass"}
+    assert HealthCheck.objects.count() == 3
