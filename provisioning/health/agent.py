@@ -198,6 +198,7 @@ def run_checks(
     tool_timeouts: Mapping[str, float] | None = None,
     ib_device: str | None = None,
     tool_runner: tools.ToolRunner | None = None,
+    xid_receipt: str | None = None,
 ) -> dict[str, Any]:
     """Run one level of health checks on this node and return the report (see report.schema.json).
 
@@ -206,6 +207,9 @@ def run_checks(
     - ``model`` / ``thresholds``: the pool's GPU model; by default detected from NVML's names.
     - ``state`` / ``state_path``: XIDs already reported and counter baselines; the file is
       read before and written after the run. Without either, nothing is remembered.
+    - ``xid_receipt``: the report is sent on (the node agent: the check's id); the kernel-log XIDs it
+      carries are held under it and count as reported only once the portal stored it
+      (``HealthState.accept``). Without it (the CLI prints its report) they count once the run ends.
     - ``kernel_log``: a callable returning kernel-log lines (default: the fake's log, else dmesg).
     - ``expect_idle``: processes on a GPU fail the check (before hand-over); pass False while a
       tenant's jobs run.
@@ -395,8 +399,11 @@ def run_checks(
     for worker in workers:
         if worker.done and worker.identity:
             state.record(worker.identity.uuid, worker.ctx.readings)
-    for xid in new_xids:
-        state.mark_reported(xid.key)
+    if xid_receipt is not None:
+        state.hold(xid_receipt, [xid.key for xid in new_xids])
+    else:
+        for xid in new_xids:
+            state.mark_reported(xid.key)
     if state_path:
         state.save(state_path)
 

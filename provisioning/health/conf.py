@@ -9,7 +9,8 @@
 - PORTAL_HEALTH_THRESHOLDS (none): JSON per-model threshold overrides (``thresholds_from_config``).
 - PORTAL_HEALTH_EVENT_WAIT_MS (500 on real nodes, 0 simulated): how long to listen for live XIDs.
 - PORTAL_HEALTH_NVML_TIMEOUT (20): seconds one GPU's NVML calls may take.
-- PORTAL_HEALTH_STATE_DIR (``/var/lib/gpu-portal``): a real agent's reported XIDs and baselines.
+- PORTAL_HEALTH_STATE_DIR (``/var/lib/gpu-portal``): a real agent's reported XIDs and baselines (a
+  demo agent with a fake NVML keeps them only when it is set).
 - PORTAL_HEALTH_TIMEOUT_QUICK / _MEDIUM / _FULL (300 / 3600 / 14400): seconds before an
   unanswered check becomes an ``unknown`` error.
 - PORTAL_HEALTH_ACCEPTANCE_LEVEL (``medium``), PORTAL_HEALTH_ACCEPTANCE_POLL (5 s between gate

@@ -71,11 +71,13 @@ def run_job(
     state_path: str | os.PathLike[str] | None = None,
     event_wait_ms: int = 500,
     nvml_timeout_s: float = 20.0,
+    xid_receipt: str | None = None,
 ) -> dict[str, Any]:
     """Run the job's level on this node (nvml: pynvml by default) and return the report to post back.
 
     Never raises for a node problem: an agent error becomes an ``unknown`` report, so the portal
-    always hears back.
+    always hears back. ``xid_receipt``: see :func:`agent.run_checks` (the kernel-log XIDs sent wait
+    for the portal's word that it stored the report).
     """
     level, host = job["level"], job["host"]
     pins = job.get("pins") or {}
@@ -95,6 +97,7 @@ def run_job(
             event_wait_ms=event_wait_ms,
             nvml_timeout_s=nvml_timeout_s,
             tool_runner=tool_runner,
+            xid_receipt=xid_receipt,
         )
     except Exception as exc:  # noqa: BLE001 - the portal must get a report whatever broke here
         report = _error_report(level, host, exc)

@@ -5,7 +5,10 @@ sent with an explicit ``queue=``):
 
 - ``node.<hostname>``: :func:`agent_run` in the Celery worker on the GPU node itself
   (``python -m provisioning.health.worker node``). It needs the broker, not the database: it
-  posts the report back by id (:func:`record_report`, queue ``health``).
+  posts the report back by id (:func:`record_report`, queue ``health``), which answers with
+  :func:`xids_accepted` on the node's queue once the report is stored: only then do the
+  kernel-log XIDs it carried count as reported on the node (a report that never arrived, or
+  came after its check expired, leaves them to the next check).
 - ``fleet``: :func:`fleet_run`, the simulated fleet's worker (``python -m
   provisioning.health.worker fleet``), many nodes per message with FakeNvml. One queue because
   a worker polls every queue it serves: 10,000 per-node queues would cost more than the checks.
@@ -26,7 +29,7 @@ from django.db import DatabaseError
 
 from . import conf
 
-__all__ = ["agent_run", "fleet_run", "record_report", "checks_started", "sweep", "maintain"]
+__all__ = ["agent_run", "fleet_run", "record_report", "xids_accepted", "checks_started", "sweep", "maintain"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +57,18 @@ def _threshold_table() -> Any:
     return thresholds_from_config(overrides) if overrides else None
 
 
+def _state_file(host: str) -> Path:
+    return Path(conf.setting("PORTAL_HEALTH_STATE_DIR", "/var/lib/gpu-portal")) / f"health-state-{host}.json"
+
+
 def _state_path(host: str) -> str | None:
     """Where a real agent keeps reported XIDs and counter baselines; None when not writable."""
-    folder = Path(conf.setting("PORTAL_HEALTH_STATE_DIR", "/var/lib/gpu-portal"))
+    folder = _state_file(host).parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    return str(folder / f"health-state-{host}.json") if os.access(folder, os.W_OK) else None
+    return str(_state_file(host)) if os.access(folder, os.W_OK) else None
 
 
 # Acknowledged on receipt: a redelivery would run a long burn-in twice, and a check whose agent
@@ -74,15 +81,18 @@ def agent_run(job: dict[str, Any]) -> str:
 
     checks_started.apply_async(args=[[job["id"]]], queue=conf.health_queue())
     fake = fake_from_env(job["host"])  # a demo node without GPUs; real nodes leave it unset
+    # A demo node keeps no state unless told where (PORTAL_HEALTH_STATE_DIR set).
+    keep_state = fake is None or conf.setting("PORTAL_HEALTH_STATE_DIR", None) is not None
     report = run_job(
         job,
         nvml=fake,
         threshold_table=_threshold_table(),
-        state_path=None if fake is not None else _state_path(job["host"]),
+        state_path=_state_path(job["host"]) if keep_state else None,
         event_wait_ms=conf.setting_int("PORTAL_HEALTH_EVENT_WAIT_MS", 0 if fake is not None else 500),
         nvml_timeout_s=conf.setting_float("PORTAL_HEALTH_NVML_TIMEOUT", 20.0),
+        xid_receipt=str(job["id"]),  # its XIDs count as reported once the portal stored the report
     )
-    record_report.apply_async(args=[job["id"], report], queue=conf.health_queue())
+    record_report.apply_async(args=[job["id"], report], kwargs={"agent": job["host"]}, queue=conf.health_queue())
     return report["verdict"]
 
 
@@ -118,11 +128,37 @@ def fleet_run(jobs: list[dict[str, Any]]) -> dict[str, int]:
     name="provisioning.health.record_report", ignore_result=True, autoretry_for=(DatabaseError,),
     retry_backoff=True, max_retries=8,
 )
-def record_report(check_id: int, report: dict[str, Any]) -> dict[str, int]:
-    """Store a node agent's report and apply its verdict."""
+def record_report(check_id: int, report: dict[str, Any], agent: str | None = None) -> dict[str, int]:
+    """Store a node agent's report and apply its verdict; tell the agent (its hostname) once it is stored.
+
+    A report for a check no longer open (it expired, a redelivery) is not stored and not acknowledged:
+    the agent then reports its XIDs again with the next check.
+    """
     from .services import health_checks_record
 
-    return health_checks_record([(check_id, report)])
+    result = health_checks_record([(check_id, report)])
+    if agent and result["recorded"]:
+        try:
+            xids_accepted.apply_async(args=[agent, check_id], queue=f"node.{agent}")
+        except Exception:  # noqa: BLE001 - the report is stored; unacknowledged XIDs are only reported again
+            logger.warning("could not acknowledge check %s to %s", check_id, agent, exc_info=True)
+    return result
+
+
+@shared_task(name="provisioning.health.xids_accepted", ignore_result=True)
+def xids_accepted(host: str, check_id: int) -> bool:
+    """On the node: the portal stored check_id's report, so the XIDs it carried count as reported."""
+    from .xid import HealthState
+
+    path = _state_file(host)
+    if not path.exists():  # an agent that keeps no state (a demo node) held nothing
+        return False
+    state = HealthState.load(path)
+    if str(check_id) not in state.pending_xids:  # it carried no new XID
+        return False
+    state.accept(str(check_id))
+    state.save(path)
+    return True
 
 
 @shared_task(name="provisioning.health.checks_started", ignore_result=True)

@@ -148,6 +148,10 @@ class HealthState:
     reported_xids: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
     counters: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     max_xids: int = 5000
+    # XIDs sent in a report the portal has not yet said it stored, by receipt (the check's id): they
+    # count as reported only once it has (accept); until then every run reports them again.
+    pending_xids: dict[str, list[str]] = field(default_factory=dict)
+    max_receipts: int = 100
 
     def is_reported(self, key: str) -> bool:
         """Tell whether this XID line was already reported."""
@@ -158,6 +162,22 @@ class HealthState:
         self.reported_xids[key] = None
         while len(self.reported_xids) > self.max_xids:
             del self.reported_xids[next(iter(self.reported_xids))]
+
+    def hold(self, receipt: str, keys: Iterable[str]) -> None:
+        """Remember the XIDs sent under receipt, forgetting the oldest receipts beyond max_receipts (their
+        XIDs are not lost: never marked reported, a later run reports them again)."""
+        keys = list(keys)
+        if not keys:
+            return
+        self.pending_xids.pop(receipt, None)
+        self.pending_xids[receipt] = keys
+        while len(self.pending_xids) > self.max_receipts:
+            del self.pending_xids[next(iter(self.pending_xids))]
+
+    def accept(self, receipt: str) -> None:
+        """The portal stored the report sent under receipt: its XIDs are reported now."""
+        for key in self.pending_xids.pop(receipt, []):
+            self.mark_reported(key)
 
     def baseline(self, uuid: str | None) -> dict[str, list[float]]:
         """Return the previous counter readings of a GPU as {name: [value, unix_time]}."""
@@ -172,14 +192,18 @@ class HealthState:
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form written to the state file."""
-        return {"version": 1, "reported_xids": list(self.reported_xids), "counters": self.counters}
+        return {"version": 1, "reported_xids": list(self.reported_xids), "counters": self.counters,
+                "pending_xids": self.pending_xids}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HealthState:
         """Build a state from its JSON form."""
+        pending = data.get("pending_xids")
         return cls(
             reported_xids=dict.fromkeys(data.get("reported_xids", [])),
             counters={str(k): dict(v) for k, v in data.get("counters", {}).items()},
+            pending_xids={str(k): [str(key) for key in v] for k, v in pending.items() if isinstance(v, list)}
+            if isinstance(pending, dict) else {},
         )
 
     @classmethod

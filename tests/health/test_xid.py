@@ -151,3 +151,43 @@ def test_ecc_events_unsupported_still_listen_for_xids() -> None:
     # both registrations fail with NotSupported: unknown, never a pass
     assert check(report, "xid", 1)["status"] == "unknown"
     assert fake.call_counts["nvmlDeviceRegisterEvents"] == 8 + 1  # one retry with XIDs only
+
+
+def test_an_xid_sent_for_a_check_counts_as_reported_only_once_the_portal_accepted_it(tmp_path: Path) -> None:
+    """The node agent marked kernel-log XIDs reported as soon as it ran, before its report reached the
+    portal: a report that never arrived (the check had expired, the post failed) took them with it, and
+    they were never reported. An agent run for a check holds them under that check until the portal says
+    it stored the report (HealthState.accept); until then every run reports them again."""
+    spec = {"model": "H100-SXM", "seed": 9, "faults": [{"kind": "xid", "gpu": 6, "xid": 95}]}
+    path = tmp_path / "state" / "health.json"
+
+    def run(receipt: str) -> dict:
+        return validate_report(run_checks("quick", FakeNvml.from_spec(spec), state_path=path, event_wait_ms=0,
+                                          xid_receipt=receipt, **PINS))
+
+    assert check(run("41"), "xid", 6)["status"] == "fail"
+    assert HealthState.load(path).reported_xids == {}  # held for check 41, not reported yet
+    # Check 41's report never reached the portal: the next check reports the XID again.
+    assert check(run("42"), "xid", 6)["status"] == "fail"
+    state = HealthState.load(path)
+    state.accept("42")  # the portal stored check 42's report
+    state.accept("999")  # a receipt the agent never held changes nothing
+    state.save(path)
+    assert len(HealthState.load(path).reported_xids) == 1
+    assert run("43")["verdict"] == "pass"
+    # Without a receipt (the CLI, printing its report) an XID counts as reported once the run ends.
+    plain = tmp_path / "plain.json"
+    validate_report(run_checks("quick", FakeNvml.from_spec(spec), state_path=plain, event_wait_ms=0, **PINS))
+    assert len(HealthState.load(plain).reported_xids) == 1
+
+
+def test_the_state_keeps_only_the_latest_unaccepted_receipts() -> None:
+    state = HealthState(max_receipts=2)
+    for receipt, key in (("1", "a"), ("2", "b"), ("3", "c")):
+        state.hold(receipt, [key])
+    assert list(state.pending_xids) == ["2", "3"]
+    state.accept("1")  # dropped: its XID is simply reported again by a later run
+    assert state.reported_xids == {}
+    state.accept("3")
+    assert list(state.reported_xids) == ["c"] and list(state.pending_xids) == ["2"]
+    assert HealthState.from_dict(state.to_dict()).pending_xids == {"2": ["b"]}

@@ -1,0 +1,55 @@
+"""A node agent (provisioning.health.tasks.agent_run, run eagerly here with a fake NVML) counts a kernel-log XID
+as reported only once the portal stored the report that carried it."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from provisioning.health import tasks
+from provisioning.health.models import HealthCheck
+from provisioning.health.services import health_checks_expire, health_checks_request, jobs_for
+from provisioning.health.xid import HealthState
+
+XID = {"nodes": {"gpu-001": [{"kind": "xid", "gpu": 3, "xid": 79}]}}
+
+
+def _check(node):
+    [check] = health_checks_request(nodes=[node], level="quick", trigger="staff")
+    return check
+
+
+@pytest.mark.django_db
+def test_an_xid_whose_report_the_portal_refused_is_reported_by_the_next_check(fleet, eager, settings, tmp_path,
+                                                                                monkeypatch):
+    """The agent marked the XID reported when it ran; its report arrived after the check had expired (the
+    portal stored nothing), and no later check ever saw the XID: the GPU that fell off the bus passed."""
+    monkeypatch.setenv("PORTAL_FAKE_NVML", json.dumps(XID))
+    settings.PORTAL_HEALTH_STATE_DIR = str(tmp_path)
+    node = fleet.nodes[0]
+    state_file = tmp_path / f"health-state-{node.hostname}.json"
+
+    late = _check(node)
+    [job] = jobs_for([late.pk])
+    HealthCheck.objects.filter(pk=late.pk).update(created_at=timezone.now() - timedelta(hours=1))
+    assert health_checks_expire() == [late.pk]
+    assert tasks.agent_run(job) == "fail"  # the agent ran late; the portal refuses the report
+    late.refresh_from_db()
+    assert (late.status, late.verdict) == ("error", "unknown")
+    assert HealthState.load(state_file).reported_xids == {}
+
+    second = _check(node)
+    [job] = jobs_for([second.pk])
+    assert tasks.agent_run(job) == "fail"
+    second.refresh_from_db()
+    assert second.verdict == "fail" and "xid" in second.summary.lower(), second.summary
+    assert len(HealthState.load(state_file).reported_xids) == 1  # the portal stored it: acknowledged
+
+    third = _check(node)
+    [job] = jobs_for([third.pk])
+    tasks.agent_run(job)
+    third.refresh_from_db()
+    assert "xid" not in third.summary.lower(), third.summary  # reported once
