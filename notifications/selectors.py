@@ -333,6 +333,10 @@ def _cluster_notice(slack_event: str) -> Translator:
                 data["access"] = _access_text(connection)
         if slack_event == Event.CLUSTER_DEGRADED and (payload.get("nodes") or payload.get("node")):
             data["nodes"] = list(payload.get("nodes") or [payload["node"]])
+        elif slack_event == Event.CLUSTER_DEGRADED:
+            # Degraded for no one node (a window change its backend refused): the reason says why; the
+            # booking's nodes are not "affected nodes".
+            data.pop("nodes", None)
         if slack_event == Event.CLUSTER_DEGRADED and payload.get("node"):
             # The same node failure may also arrive as reservation.degraded: one message for both.
             key = f"{slack_event}:r{reservation.pk}:{payload['node']}"

@@ -477,10 +477,13 @@ def _cluster_failed(c: _Ctx) -> _Msg:
 
 def _cluster_degraded(c: _Ctx) -> _Msg:
     c.need("tenant", "reservation_id")
-    lead = (
-        f"The cluster for {c.cluster_link()} of *{c.tenant}* is running degraded: "
-        f"some nodes are unhealthy and no spare was free to replace them."
-    )
+    if c.get("nodes") or not c.get("reason"):
+        lead = (
+            f"The cluster for {c.cluster_link()} of *{c.tenant}* is running degraded: "
+            f"some nodes are unhealthy and no spare was free to replace them."
+        )
+    else:  # not a node (a window change the backend refused): the reason says what and what to do
+        lead = f"The cluster for {c.cluster_link()} of *{c.tenant}* is running degraded; the reason says why."
     blocks = [
         _section(lead, _cluster_fields(c)),
         *c.nodes_blocks(title="Affected nodes"),

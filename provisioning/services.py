@@ -18,7 +18,8 @@ How the pieces fit (DESIGN §5):
   its reservation are ``failed`` with the reason, and staff can :func:`cluster_retry`.
 
 Events (after commit): ``cluster.ready``, ``cluster.failed`` (+ phase, reason),
-``cluster.degraded`` (+ node, reason), ``cluster.deleted`` — each with cluster_id,
+``cluster.degraded`` (+ reason; + node when one was lost, none when the backend refused a window
+change), ``cluster.deleted`` — each with cluster_id,
 reservation_id, tenant_id, status — and ``reservation.starting_soon`` /
 ``reservation.ending_soon`` (reservation_id, tenant_id, cluster_id, start/end).
 """
@@ -33,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -1086,7 +1087,13 @@ def _reservation_sync_locked(cluster: VirtualCluster, reservation_id: int, *, ho
         ctx = build_context(cluster.pk)
         try:
             if holding and cluster.status in LIVE_STATUSES:
-                _keep_secrets(cluster.pk, backend.update_window(ctx))
+                try:
+                    _keep_secrets(cluster.pk, backend.update_window(ctx))
+                except BackendError as exc:
+                    if not exc.transient:
+                        _window_refused(cluster.pk, ctx, exc.message)
+                    raise
+                _window_held(cluster.pk)
                 return "updated"
             if holding and holds and cluster.status in PROVISIONING_STATUSES:
                 _book(backend, ctx, repair=repair)
@@ -1101,6 +1108,46 @@ def _reservation_sync_locked(cluster: VirtualCluster, reservation_id: int, *, ho
                 return "refused"
             raise RetryLater(_backoff(1), exc.message)
     return "nothing to sync"
+
+
+# The start of a live cluster's status_reason when its backend refused the booking's window for good.
+_WINDOW_REFUSED = "the {backend} backend refused the window change"
+
+
+def _window_refused(cluster_id: int, ctx: ClusterContext, error: str) -> None:
+    """A live cluster whose backend refused its booking's new window for good: the portal shows the new end
+    while the backend keeps the old one (the tenant's jobs stop then). Degrade it with the reason, as a failed
+    node swap does, so the team and the platform channel hear of it (cluster.degraded); a cluster already
+    degraded gets the refusal as its reason. The same refusal again (a redelivered sync) changes nothing."""
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        if cluster.status not in LIVE_STATUSES:
+            return
+        reason = (f"{_WINDOW_REFUSED.format(backend=cluster.backend)}: the booking ends "
+                  f"{ctx.end.astimezone(UTC):%Y-%m-%d %H:%M} UTC, but the backend still holds the cluster's previous "
+                  f"window (its jobs stop at that end). "
+                  f"Change the end again, or ask the platform team (reconcile --fix once the cause is cleared). "
+                  f"Backend: {error}")[:500]
+        if cluster.status == ClusterStatus.DEGRADED and cluster.status_reason == reason:
+            return
+        _transition(cluster, ClusterStatus.DEGRADED, source=TransitionSource.LIFECYCLE, detail=reason)
+
+
+def _window_held(cluster_id: int) -> None:
+    """The backend took the booking's window: a cluster degraded only by an earlier refusal of it is whole again
+    (one degraded before that, by a lost node, stays degraded)."""
+    with transaction.atomic():
+        cluster = _lock_cluster(cluster_id)
+        if cluster.status != ClusterStatus.DEGRADED or not cluster.status_reason.startswith(
+                _WINDOW_REFUSED.format(backend=cluster.backend)):
+            return
+        # Degraded from ready by refusals alone: each refusal since the last ready was degraded → degraded.
+        since_ready = cluster.transitions.filter(
+            pk__gt=cluster.transitions.filter(phase=ClusterStatus.READY).order_by("-pk").values("pk")[:1])
+        if cluster.reservation.missing_nodes or since_ready.exclude(
+                detail__startswith=_WINDOW_REFUSED.format(backend=cluster.backend)).exists():
+            return
+        _transition(cluster, ClusterStatus.READY, detail="the backend holds the window again")
 
 
 def _book(backend: ProvisioningBackend, ctx: ClusterContext, *, repair: bool) -> None:
