@@ -1326,11 +1326,16 @@ def _tick_start_provisioning(now: datetime) -> int:
 def _tick_fail_missed(now: datetime) -> int:
     def fail(rid: int) -> bool:
         with transaction.atomic():
+            # The cluster's row before the reservation's, as _tick_end and the tenant's teardown take them.
+            cluster = VirtualCluster.objects.select_for_update().filter(reservation_id=rid).first()
+            # The window read ended before these locks: an extension committed since keeps the booking.
+            if Reservation.objects.select_for_update(of=("self",)).filter(
+                    pk=rid, period__endswith__lte=now).values_list("pk", flat=True).first() is None:
+                return False
             if reservation_set_status(reservation_id=rid, status=ReservationStatus.FAILED,
                                       expected=(ReservationStatus.CONFIRMED,),
                                       reason="the window ended before provisioning could start") is None:
                 return False
-            cluster = VirtualCluster.objects.select_for_update().filter(reservation_id=rid).first()
             if cluster is not None and cluster.status == ClusterStatus.PENDING:
                 cluster.failed_during = FailedDuring.PROVISIONING
                 _transition(cluster, ClusterStatus.FAILED, detail="the window ended before provisioning started")

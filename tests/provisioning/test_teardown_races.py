@@ -177,3 +177,38 @@ def test_a_start_moved_just_before_the_tick_provisions_is_not_provisioned_early(
     reservation.refresh_from_db()
     assert reservation.status == ReservationStatus.CONFIRMED
     assert VirtualCluster.objects.get(reservation=reservation).status == ClusterStatus.PENDING
+
+
+def test_an_extension_just_before_the_tick_fails_a_missed_window_is_kept(world, t0, monkeypatch):
+    """The tick picked the confirmed bookings whose window had ended before provisioning started, then failed each
+    by its status alone: an extension committed in between (accepted, 200, the new end shown) was failed anyway,
+    its nodes released and its cluster failed. The tick now checks the end again under the booking's lock."""
+    from datetime import timedelta
+
+    from reservations.services import reservation_update
+
+    reservation = book(world, "alpha-lead", t0, hours=2)
+    services.lifecycle_tick(now=t0 - timedelta(hours=3))  # its pending cluster
+    old_end = reservation.period.upper
+    real_each = services._each
+
+    def extended_then_each(ids, fn, what):
+        ids = list(ids)  # the tick has read the ended windows …
+        reservation_update(actor=world.users["alpha-lead"], reservation=reservation,
+                           end=old_end + timedelta(hours=2))  # … and the tenant's extension commits
+        return real_each(ids, fn, what)
+
+    monkeypatch.setattr(services, "_each", extended_then_each)
+    assert services._tick_fail_missed(old_end + timedelta(minutes=1)) == 0
+    reservation.refresh_from_db()
+    assert reservation.status == ReservationStatus.CONFIRMED
+    assert reservation.period.upper == old_end + timedelta(hours=2)
+    assert reservation.allocations.filter(active=True).exists()
+    assert VirtualCluster.objects.get(reservation=reservation).status == ClusterStatus.PENDING
+    # Its new end missed too, it fails as before: nodes given back, the pending cluster failed.
+    monkeypatch.setattr(services, "_each", real_each)
+    assert services._tick_fail_missed(old_end + timedelta(hours=2, minutes=1)) == 1
+    reservation.refresh_from_db()
+    assert reservation.status == ReservationStatus.FAILED
+    assert not reservation.allocations.filter(active=True).exists()
+    assert VirtualCluster.objects.get(reservation=reservation).status == ClusterStatus.FAILED
