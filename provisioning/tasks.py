@@ -20,6 +20,8 @@ _BUSY_RETRIES = 60
 # a few times (5 s × 12); bounded, so a duplicate delivery beside a running provisioning stops by
 # itself, and past it the lifecycle tick's resend still catches the cluster.
 _PROVISION_BUSY_RETRIES = 12
+# A failed cluster's cleanup that finds the cluster busy asks again as often (5 s × 12); then the tick's resend.
+_CLEANUP_BUSY_RETRIES = 12
 
 
 @shared_task(name="provisioning.lifecycle_tick", ignore_result=True)
@@ -60,12 +62,18 @@ def teardown_cluster(self, cluster_id: int) -> str:
     return result
 
 
-@shared_task(name="provisioning.cleanup_failed_cluster", ignore_result=True)
-def cleanup_failed_cluster(cluster_id: int) -> str:
+@shared_task(bind=True, name="provisioning.cleanup_failed_cluster", ignore_result=True, max_retries=None)
+def cleanup_failed_cluster(self, cluster_id: int) -> str:
     """Go on removing a failed cluster's backend objects (the service sends the next poll itself)."""
     from . import services
 
-    return services.cluster_cleanup_failed(cluster_id=cluster_id)
+    result = services.cluster_cleanup_failed(cluster_id=cluster_id)
+    # Another task holds the cluster (a sync, a swap: seconds): ask again soon, not at the tick's resend minutes
+    # later while the backend still claims nodes other bookings now hold. Bounded, as provisioning's: a
+    # duplicate beside a running cleanup stops by itself (that cleanup sends its own next poll).
+    if result == "busy" and self.request.retries < _CLEANUP_BUSY_RETRIES:
+        raise self.retry(countdown=_BUSY_RETRY_SECONDS, max_retries=None)
+    return result
 
 
 @shared_task(bind=True, name="provisioning.sync_reservation", ignore_result=True, max_retries=60)

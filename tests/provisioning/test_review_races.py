@@ -317,3 +317,35 @@ def test_a_busy_provisioning_task_retries_a_few_times_then_leaves_it_to_the_tick
     assert countdowns and len(countdowns) == tasks._PROVISION_BUSY_RETRIES
     assert all(0 < c <= 10 for c in countdowns)  # soon, not PORTAL_PROVISIONING_REDISPATCH_SECONDS later
     assert tasks.provision_cluster.apply(args=[cluster.pk]).get() == ClusterStatus.READY
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_failed_cluster_cleanup_asks_again_soon_by_itself(world, t0, settings):
+    """cleanup_failed_cluster gave up on 'busy' (a sync or swap held the cluster) and left the failed cluster's
+    backend objects (and the nodes' claim) to the tick's resend, minutes later. It now retries itself after a
+    few seconds, a bounded number of times, and a retry after the lock is let go cleans up."""
+    from celery.signals import task_retry
+
+    from provisioning import tasks
+    from provisioning.constants import LOCK_CLUSTER
+
+    reservation, cluster = _failed_booking(world, t0, settings)
+    VirtualCluster.objects.filter(pk=cluster.pk).update(backend_state={"cleanup_pending": True})
+    countdowns = []
+
+    def on_retry(request=None, reason=None, **kwargs):
+        countdowns.append(reason.when)
+
+    task_retry.connect(on_retry, weak=False)
+    try:
+        with held_elsewhere(LOCK_CLUSTER, cluster.pk):
+            # Run eagerly, each retry runs at once (the lock is still held) until the bound is reached.
+            assert tasks.cleanup_failed_cluster.apply(args=[cluster.pk]).get() == "busy"
+    finally:
+        task_retry.disconnect(on_retry)
+    assert countdowns and len(countdowns) == tasks._CLEANUP_BUSY_RETRIES
+    assert all(0 < c <= 10 for c in countdowns)  # soon, not PORTAL_PROVISIONING_REDISPATCH_SECONDS later
+    assert tasks.cleanup_failed_cluster.apply(args=[cluster.pk]).get() == "cleaned up"
+    assert "cleanup_pending" not in VirtualCluster.objects.get(pk=cluster.pk).backend_state
+    # Safe to run twice: a late copy finds the cleanup done and changes nothing.
+    assert tasks.cleanup_failed_cluster.apply(args=[cluster.pk]).get() == "cleaned up"
