@@ -1383,25 +1383,34 @@ def _tick_reminders(now: datetime) -> int:
     before_end = timedelta(minutes=setting_int("PORTAL_REMIND_BEFORE_END_MINUTES", 60))
     # Never for a booking made after its reminder's moment (booked 30 minutes ahead: no "starts in 1 h"),
     # as notifications.selectors.reminders_due has it.
-    starting = VirtualCluster.objects.filter(
+    starting = Q(
         reservation__status__in=(ReservationStatus.CONFIRMED, ReservationStatus.PROVISIONING),
         reservation__period__startswith__lte=now + before_start, reservation__period__startswith__gt=now,
         reservation__created_at__lte=F("reservation__period__startswith") - before_start,
-    ).exclude(start_reminded_for=F("reservation__period__startswith"))
-    ending = VirtualCluster.objects.filter(
+    ) & ~Q(start_reminded_for=F("reservation__period__startswith"))
+    ending = Q(
         reservation__status__in=(ReservationStatus.ACTIVE, ReservationStatus.PROVISIONING),
         reservation__period__endswith__lte=now + before_end, reservation__period__endswith__gt=now,
         reservation__created_at__lte=F("reservation__period__endswith") - before_end,
-    ).exclude(end_reminded_for=F("reservation__period__endswith"))
-    return (_each(starting.values_list("id", flat=True), lambda cid: _remind(cid, "start"), "reminding of a start")
-            + _each(ending.values_list("id", flat=True), lambda cid: _remind(cid, "end"), "reminding of an end"))
+    ) & ~Q(end_reminded_for=F("reservation__period__endswith"))
+    return (_each(VirtualCluster.objects.filter(starting).values_list("id", flat=True),
+                  lambda cid: _remind(cid, "start", due=starting), "reminding of a start")
+            + _each(VirtualCluster.objects.filter(ending).values_list("id", flat=True),
+                    lambda cid: _remind(cid, "end", due=ending), "reminding of an end"))
 
 
-def _remind(cluster_id: int, which: str) -> int:
-    """Emit reservation.starting_soon / ending_soon once per start/end instant (a moved one is reminded again)."""
+def _remind(cluster_id: int, which: str, *, due: Q | None = None) -> int:
+    """Emit reservation.starting_soon / ending_soon once per start/end instant (a moved one is reminded again).
+
+    due: the tick's filter, checked again under the cluster's and then the booking's lock (the order _tick_end
+    takes them): a start or end moved (or a booking cancelled) after the tick read it is reminded at its new
+    time, not marked reminded for it now.
+    """
     with transaction.atomic():
         cluster = _lock_cluster(cluster_id)
-        reservation = cluster.reservation
+        reservation = Reservation.objects.select_for_update(of=("self",)).get(pk=cluster.reservation_id)
+        if due is not None and not VirtualCluster.objects.filter(due, pk=cluster_id).exists():
+            return 0
         instant = reservation.period.lower if which == "start" else reservation.period.upper
         field_name = "start_reminded_for" if which == "start" else "end_reminded_for"
         if getattr(cluster, field_name) == instant:

@@ -212,3 +212,36 @@ def test_an_extension_just_before_the_tick_fails_a_missed_window_is_kept(world, 
     assert reservation.status == ReservationStatus.FAILED
     assert not reservation.allocations.filter(active=True).exists()
     assert VirtualCluster.objects.get(reservation=reservation).status == ClusterStatus.FAILED
+
+
+def test_a_start_moved_just_before_the_tick_reminds_is_still_reminded_at_its_new_start(world, t0, monkeypatch):
+    """The tick picked the clusters whose start was under an hour away, then marked each reminded for its start as
+    it read it afterwards: a start moved a day later in between was marked reminded for the new start (and a
+    starting_soon sent that no channel could tell truly), so no reminder came before the real start. The
+    reminder now checks under the locks that the booking is still due, as the tick read it."""
+    from datetime import timedelta
+
+    from reservations.services import reservation_update
+
+    reservation = book(world, "alpha-lead", t0, hours=2)
+    services.lifecycle_tick(now=t0 - timedelta(hours=3))  # its pending cluster
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    moved = t0 + timedelta(days=1)
+    real_each = services._each
+
+    def moved_then_each(ids, fn, what):
+        ids = list(ids)  # the tick has read what is due …
+        if ids and what == "reminding of a start":
+            reservation_update(actor=world.users["alpha-lead"], reservation=reservation, start=moved,
+                               end=moved + timedelta(hours=2))  # … and the tenant's move commits
+        return real_each(ids, fn, what)
+
+    monkeypatch.setattr(services, "_each", moved_then_each)
+    assert services._tick_reminders(t0 - timedelta(minutes=30)) == 0
+    cluster.refresh_from_db()
+    assert cluster.start_reminded_for is None
+    # An hour before the new start, the tenant is reminded of it.
+    monkeypatch.setattr(services, "_each", real_each)
+    assert services._tick_reminders(moved - timedelta(minutes=30)) == 1
+    cluster.refresh_from_db()
+    assert cluster.start_reminded_for == moved
