@@ -361,3 +361,12 @@ def test_the_hosts_the_health_check_and_prometheus_send_are_allowed_by_the_examp
     portal_job = next(j for j in prom["scrape_configs"] if j["job_name"] == "portal")
     scrape_hosts = {t.rsplit(":", 1)[0] for c in portal_job["static_configs"] for t in c["targets"]}
     assert probe_host in allowed and scrape_hosts <= set(allowed), (probe_host, scrape_hosts, allowed)
+
+
+def test_the_image_build_context_leaves_out_secrets_and_local_state():
+    """docker compose build sends the build context to the engine: the production .env (SECRET_KEY,
+    PORTAL_FERNET_KEYS), deploy/secrets/ (the metrics token) and var/ (the embedded database) must not go
+    with it, even though the Dockerfile copies only named folders."""
+    ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".env", "deploy/secrets", "var", ".venv", ".git"} <= ignored, ignored
