@@ -533,3 +533,10 @@ def test_a_slack_channels_name_is_not_offered_for_an_edit_that_is_never_saved(wo
         assert 'name="name"' not in html, channel.label
     html = staff.get(reverse("admin:notifications_channel_change", args=[webhook.pk])).content.decode()
     assert 'name="name"' in html
+
+
+def test_the_admin_names_api_tokens_as_the_docs_do(root):
+    """The admin's index and the token list said "Api tokens" (Django's name from the class ApiToken)."""
+    index = root.get(reverse("admin:index")).content.decode()
+    assert "API tokens" in index and "Api tokens" not in index
+    assert "Select API token to change" in root.get(reverse("admin:tenants_apitoken_changelist")).content.decode()
