@@ -214,6 +214,8 @@ def _event(row: tuple, *, portal, now: datetime, detail_url: str) -> dict:
         "end": format_utc(period.upper),
         "url": detail_url.replace("/0/", f"/{pk}/"),
         "classNames": [f"st-{status}", f"bill-{billing}"],
+        # Said in words too (the tooltip and accessible name), not only by the event's colour (WCAG 1.4.1).
+        "status": ReservationStatus(status).label,
     }
     # Not editable unless said so (the calendar's default); the server still decides on every change.
     # An ending booking (its cluster torn down early) keeps its window: the service refuses any change.

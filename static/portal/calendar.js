@@ -31,16 +31,20 @@
   var timeFormat = new Intl.DateTimeFormat(undefined, { timeZone: cfg.tz, hour: "2-digit", minute: "2-digit",
                                                         hour12: false });
 
-  // An event's whole label, for its tooltip: its box may be too small for the time and title it shows.
+  // An event's whole label, for its tooltip and accessible name: its box may be too small for the time and
+  // title it shows, and its colour alone is no way to say its status (or that it is billed as burst).
   function fullLabel(event) {
-    if (!event.start) { return event.title; }
+    var props = event.extendedProps || {};
+    var status = (props.status ? " · " + props.status : "") +
+                 (event.classNames.indexOf("bill-burst") >= 0 ? " · burst" : "");
+    if (!event.start) { return event.title + status; }
     var start = when(event.start.toISOString());
     var end = "";
     if (event.end) {
       var sameDay = dayKeyFormat.format(event.start) === dayKeyFormat.format(event.end);
       end = " – " + (sameDay ? timeFormat.format(event.end) : when(event.end.toISOString()));
     }
-    return start + end + " · " + event.title;
+    return start + end + " · " + event.title + status;
   }
 
   // The API gives the times in its refusals in UTC ("2026-12-04 10:00Z"); the page says every time in the
@@ -266,6 +270,14 @@
       if (arg.event.display !== "background" && !arg.event.extendedProps.more) {
         arg.el.setAttribute("data-reservation-id", arg.event.id);
         arg.el.setAttribute("title", fullLabel(arg.event));
+        // Its status in its accessible name too: the words it shows, then the status (not a replacement name).
+        var status = arg.event.extendedProps.status;
+        if (status) {
+          var said = document.createElement("span");
+          said.className = "sr-only";
+          said.textContent = " · " + status + (arg.event.classNames.indexOf("bill-burst") >= 0 ? " · burst" : "");
+          arg.el.appendChild(said);
+        }
       }
     },
     // FullCalendar's prev/next buttons are named by their title; the icon inside is an unnamed role="img"

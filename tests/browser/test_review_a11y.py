@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from playwright.sync_api import expect
 
 from reservations import services
 
@@ -119,3 +120,21 @@ def test_focus_rings_stand_out_at_3_to_1_on_every_background(world, live_server,
     check("booking on the fleet timeline")
     assert len(checked) == 10
     assert not problems, "\n".join(problems)
+
+
+def test_calendar_events_say_their_status_in_words_and_the_colours_have_a_legend(world, live_server, new_page,
+                                                                                 sign_in, day):
+    """A booking's status (confirmed, active, ending, ...) was only its event's colour: no text, no legend
+    (WCAG 1.4.1). Each event's tooltip and accessible name say it, and a legend names the colours."""
+    services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                node_count=1, start=at(day, 10), end=at(day, 12), name="status run")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    event = page.locator("#calendar a[data-reservation-id]")
+    expect(event).to_have_count(1)
+    expect(event).to_have_attribute("title", re.compile(r"status run .*Confirmed"))
+    expect(page.get_by_role("link", name=re.compile(r"status run.*Confirmed"))).to_have_count(1)
+    legend = page.get_by_role("group", name="Reservation status legend")
+    expect(legend).to_be_visible()
+    for word in ("Confirmed", "Provisioning", "Active", "Ending", "Completed", "Burst"):
+        expect(legend).to_contain_text(word)
