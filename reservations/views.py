@@ -27,6 +27,7 @@ from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
+from portal.core.fields import DATETIME_MAX, DATETIME_MIN
 from portal.core.timefmt import format_utc
 from portal.core.views import page_query
 from tenants.models import Membership, Quota, Tenant
@@ -59,6 +60,10 @@ __all__ = [
 ]
 
 CALENDAR_VIEWS = ("dayGridMonth", "timeGridWeek", "timeGridDay")
+# The days the calendar opens on: its feeds take 1970 to 8999 (portal.core.fields), and a month view
+# around the day (up to six weeks, any UTC offset) must lie inside. Another ?date= opens on today.
+CALENDAR_FIRST_DAY = DATETIME_MIN.date() + CalendarWindowForm.MAX_SPAN + timedelta(days=1)
+CALENDAR_LAST_DAY = DATETIME_MAX.date() - CalendarWindowForm.MAX_SPAN - timedelta(days=2)
 HEATMAP_DAYS = 14
 HEATMAP_REFRESH_SECONDS = 30
 FEED_HISTORY = timedelta(days=30)
@@ -176,9 +181,11 @@ def calendar(request):
     pool = _pick_pool(request, pools)
     view = request.GET.get("view") if request.GET.get("view") in CALENDAR_VIEWS else None
     try:
-        initial_date = date.fromisoformat(request.GET.get("date", "")).isoformat()
+        asked = date.fromisoformat(request.GET.get("date", ""))
     except ValueError:
-        initial_date = None
+        asked = None
+    out_of_range = asked is not None and not CALENDAR_FIRST_DAY <= asked <= CALENDAR_LAST_DAY
+    initial_date = asked.isoformat() if asked is not None and not out_of_range else None
     config = {
         "tz": portal.tz_name,
         "pool": pool.name if pool else None,
@@ -198,7 +205,10 @@ def calendar(request):
         "panelUrl": reverse("reservation-panel", args=[0]),
         "apiUrl": reverse("reservation-detail", args=[0]),  # the REST API: drag and resize PATCH it
     }
-    return render_page(request, "reservations/calendar.html", {"pools": pools, "pool": pool, "config": config})
+    note = (f"There is no calendar for {asked.isoformat()} (it runs from {CALENDAR_FIRST_DAY:%Y} to "
+            f"{CALENDAR_LAST_DAY:%Y}): showing today." if out_of_range else "")
+    return render_page(request, "reservations/calendar.html",
+                       {"pools": pools, "pool": pool, "config": config, "date_note": note})
 
 
 EVENT_FIELDS = ("pk", "name", "node_count", "pool__name", "period", "status", "billing", "created_by_id")

@@ -138,3 +138,31 @@ def test_calendar_events_say_their_status_in_words_and_the_colours_have_a_legend
     expect(legend).to_be_visible()
     for word in ("Confirmed", "Provisioning", "Active", "Ending", "Completed", "Burst"):
         expect(legend).to_contain_text(word)
+
+
+@pytest.mark.parametrize("asked", ["0001-01-01", "9999-12-31", "1969-12-31"])
+def test_a_calendar_date_out_of_range_shows_today_and_says_so(world, live_server, new_page, sign_in, asked):
+    """?date=0001-01-01 (or 9999-12-31) opened the calendar on that day, whose feeds the portal refuses (it takes
+    1970 to 8999): the page said only "Could not load reservations.". It opens on today and says why."""
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=timeGridDay&date={asked}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    expect(page.locator("#calendar-status")).not_to_contain_text("Could not load")
+    note = page.locator("#calendar-note")
+    expect(note).to_be_visible()
+    expect(note).to_contain_text(asked)
+    expect(note).to_contain_text("today")
+    today = page.evaluate("new Date().toISOString().slice(0, 10)")
+    expect(page.locator(f".fc-timegrid-col[data-date='{today}']")).to_have_count(1)
+
+
+@pytest.mark.parametrize("edge", ["1970-03-05", "8999-10-29"])
+def test_the_calendars_first_and_last_days_load_in_a_month_view_in_any_zone(world, live_server, new_page, sign_in,
+                                                                            edge):
+    page = sign_in(new_page(tz="Pacific/Kiritimati"), "alpha-lead")  # UTC+14: local days start the day before
+    page.goto(f"{live_server.url}/calendar/?view=dayGridMonth&date={edge}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    expect(page.locator("#calendar-note")).to_have_count(0)
+    expect(page.locator(".fc-daygrid-day[data-date='" + edge + "']")).to_have_count(1)
+    page.wait_for_load_state("networkidle")
+    expect(page.locator("#calendar-status")).to_be_empty()
