@@ -75,13 +75,29 @@
     }
   }
 
-  // htmx swaps only 2xx answers, so a refused (403: CSRF after signing in again elsewhere), missing or
-  // failed request would leave the user at a button that does nothing. Say so above what they typed.
+  // The reason a 403 page gives (403.html: a role that does not allow this, say a lead made a viewer while
+  // the page was open); none on a CSRF refusal.
+  function refusalReason(xhr) {
+    try {
+      var doc = new DOMParser().parseFromString(xhr.responseText || "", "text/html");
+      var reason = doc.querySelector("[data-refusal]");
+      return reason ? reason.textContent.trim() : "";
+    } catch (e) {
+      return "";
+    }
+  }
+
+  // htmx swaps only 2xx answers, so a refused (403: CSRF after signing in again elsewhere, or a role that
+  // no longer allows it), missing or failed request would leave the user at a button that does nothing.
+  // Say so above what they typed.
   function onHtmxError(event) {
     var detail = event.detail || {};
     var status = detail.xhr ? detail.xhr.status : 0;
     var text;
-    if (status === 403) {
+    var reason = status === 403 ? refusalReason(detail.xhr) : "";
+    if (reason) {
+      text = "The portal refused this: " + reason + " Reload the page to see what you can do now.";
+    } else if (status === 403) {
       text = "The portal refused this: your session has changed (signed out or in again in another tab?). " +
              "Reload the page, or sign in again, and try once more.";
     } else if (status === 0) {

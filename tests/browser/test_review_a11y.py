@@ -166,3 +166,21 @@ def test_the_calendars_first_and_last_days_load_in_a_month_view_in_any_zone(worl
     expect(page.locator(".fc-daygrid-day[data-date='" + edge + "']")).to_have_count(1)
     page.wait_for_load_state("networkidle")
     expect(page.locator("#calendar-status")).to_be_empty()
+
+
+def test_a_lead_demoted_while_the_calendar_is_open_is_told_the_role_no_longer_allows_booking(
+        world, live_server, new_page, sign_in, day):
+    """The booking form's request answers 403 once the lead is made a viewer; the page said "your session has
+    changed (signed out or in again in another tab?)", which is not what happened. It says the real reason."""
+    from tenants.models import Membership
+
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    Membership.objects.filter(user=world.users["alpha-lead"], tenant=world.tenants["alpha"]).update(role="viewer")
+    with page.expect_response(re.compile(r"/reservations/new/")) as answer:
+        page.get_by_role("button", name="New booking").click()
+    assert answer.value.status == 403
+    alert = page.locator("#side-panel > [role=alert]")
+    expect(alert).to_contain_text("role does not allow booking")
+    expect(alert).not_to_contain_text("session")
+    expect(alert).to_be_focused()
