@@ -203,19 +203,28 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:79] + "…"
 
 
-def format_change(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """Return "field: old → new" for every field that differs (or was set / removed)."""
+def format_change(before: dict[str, Any], after: dict[str, Any], *,
+                  label: Callable[[str], str] | None = None, value: Callable[[str, Any], Any] | None = None) -> str:
+    """Return "field: old → new" for every field that differs (or was set / removed).
+
+    The admin shows the stored field names and values; a portal page passes label (a field's name in
+    words) and value (a coded value in words)."""
+    name = label or str
+
+    def show(key: str, raw: Any) -> str:
+        return _short(value(key, raw) if value else raw)
+
     parts = []
     for key in list(dict.fromkeys([*before.keys(), *after.keys()])):
         old, new = before.get(key), after.get(key)
         if key in before and key in after and old == new:
             continue
         if key not in before:
-            parts.append(f"{key}: {_short(new)}")
+            parts.append(f"{name(key)}: {show(key, new)}")
         elif key not in after:
-            parts.append(f"{key}: {_short(old)} → (removed)")
+            parts.append(f"{name(key)}: {show(key, old)} → (removed)")
         else:
-            parts.append(f"{key}: {_short(old)} → {_short(new)}")
+            parts.append(f"{name(key)}: {show(key, old)} → {show(key, new)}")
     return "; ".join(parts)
 
 

@@ -18,6 +18,7 @@ from django.views.decorators.http import require_GET
 
 from .admin import format_change
 from .models import AuditLog
+from .templatetags.audit import field_value_words, field_words
 
 __all__ = ["audit_log", "page_query"]
 
@@ -51,7 +52,9 @@ def audit_log(request):
         qs = qs.filter(action__startswith=action)
     page = Paginator(qs, PAGE_SIZE).get_page(request.GET.get("page"))
     rows = [
-        {"entry": e, "tenant": tenants.get(e.tenant_id, ""), "change": format_change(e.before or {}, e.after or {}),
+        {"entry": e, "tenant": tenants.get(e.tenant_id, ""),
+         # Field names and coded values in words (the admin shows them as stored).
+         "change": format_change(e.before or {}, e.after or {}, label=field_words, value=field_value_words),
          "object": object_name(e.object_type), "url": _object_url(e.object_type, e.object_id)}
         for e in page.object_list
     ]

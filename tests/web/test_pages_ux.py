@@ -113,7 +113,7 @@ def test_audit_changes_give_times_in_the_readers_zone(world, web, book):
     html = client.get("/audit/", {"action": "reservation."}).content.decode()
     assert "T10:00:00Z" not in html and "T12:00:00Z" not in html and "T13:00:00Z" not in html
     assert f"{day:%Y-%m-%d} 19:00 JST" in html  # the start, 10:00 UTC
-    assert f"end: {day:%Y-%m-%d} 21:00 JST → {day:%Y-%m-%d} 22:00 JST" in html
+    assert f"End: {day:%Y-%m-%d} 21:00 JST → {day:%Y-%m-%d} 22:00 JST" in html
 
 
 def test_audit_views_say_what_happened_in_words_not_action_codes(world, web, book, t0):
@@ -168,3 +168,19 @@ def test_an_audit_filter_that_matches_nothing_says_so_and_offers_the_way_back(wo
     assert "Nothing recorded yet" not in html
     assert "No entries match" in html and 'href="/audit/"' in html
     assert "Nothing recorded yet" in web("beta-lead").get("/audit/").content.decode()  # truly empty: as before
+
+
+def test_the_audit_pages_before_and_after_names_fields_in_words(world, web, book, t0):
+    """The audit page's "Before → after" column gave the stored field names: "node_count: 1",
+    "max_nodes: 3 → 5". A lead reads them in words, as the Action column's codes are."""
+    from tenants.services import quota_update
+
+    book("alpha-lead", t0, hours=2, nodes=1)
+    quota = world.tenants["alpha"].quotas.get(pool=world.pool)
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=5)
+    audit = web("alpha-lead").get("/audit/").content.decode()
+    body = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", audit[audit.index("<tbody>"):audit.index("</tbody>")]))
+    for raw in ("node_count", "max_nodes", "billing:", "status:", "start:", "end:"):
+        assert raw not in body, (raw, body)
+    assert "Max nodes: 3 → 5" in body
+    assert "Nodes: 1" in body and "Status: Confirmed" in body and "Billing: Committed" in body

@@ -1,7 +1,9 @@
-"""What an audit row's action code ("reservation.create") says in words ("Booked"), for the portal's pages.
+"""What an audit row's action code ("reservation.create") says in words ("Booked"), for the portal's pages,
+and the fields of its before and after ("max_nodes" → "Max nodes", status "confirmed" → "Confirmed").
 
-The codes stay what is stored, filtered on and exported; only what a reader sees is worded. A code not
-listed here (a new one) still reads as words: "cluster.allocating_nodes" → "Cluster: allocating nodes".
+The codes stay what is stored, filtered on and exported (the admin shows them as stored); only what a
+reader sees is worded. A code not listed here (a new one) still reads as words:
+"cluster.allocating_nodes" → "Cluster: allocating nodes", "retry_in_s" → "Retry in s".
 """
 
 from __future__ import annotations
@@ -100,3 +102,53 @@ def action_words(code: str) -> str:
 @register.filter
 def action_label(code: str) -> str:
     return action_words(code)
+
+
+# An audited field's name in words, where its name alone does not read well ("node_count" is the nodes booked).
+FIELD_WORDS: dict[str, str] = {
+    "node_count": "Nodes",
+    "max_nodes": "Max nodes",
+    "burst_nodes": "Burst nodes",
+    "max_duration_hours": "Max duration (hours)",
+    "gpus_per_node": "GPUs per node",
+    "gpu_model": "GPU model",
+    "slot_minutes": "Slot (minutes)",
+    "on_demand_rate": "On-demand rate",
+    "storage_quota_tib": "Storage quota (TiB)",
+    "vlan_id": "VLAN",
+    "cidr": "CIDR",
+    "size_gib": "Size (GiB)",
+    "retry_in_s": "Retry in (seconds)",
+    "url": "URL",
+    "slack_webhook_url": "Slack webhook URL",
+    "state_reason": "Reason",
+    "expires_at": "Expires",
+    "previous_valid_until": "Previous valid until",
+    "cuda_version": "CUDA version",
+    "cuda_versions": "CUDA versions",
+    "slurm_versions": "Slurm versions",
+    "kubernetes_versions": "Kubernetes versions",
+    "mig_profiles": "MIG profiles",
+    "is_active": "Active",
+    "is_staff": "Staff",
+    "is_superuser": "Superuser",
+    "burst_enabled": "Burst allowed",
+}
+# Fields whose values are codes from a fixed list (a status, a role): shown as words too.
+CODED_FIELDS = frozenset({"status", "billing", "role", "state", "phase", "kind", "verdict", "level",
+                          "orchestrator", "recommended_action"})
+
+
+def field_words(key: str) -> str:
+    """An audited field's name in words: the table's, else its own ("state_reason" style → "State reason")."""
+    key = str(key or "")
+    if key in FIELD_WORDS:
+        return FIELD_WORDS[key]
+    return key.replace("_", " ").strip().capitalize() or "—"
+
+
+def field_value_words(key: str, value):
+    """A coded value in words ("confirmed" → "Confirmed", "in_progress" → "In progress"); others as they are."""
+    if key in CODED_FIELDS and isinstance(value, str) and value:
+        return value.replace("_", " ").capitalize()
+    return value
