@@ -21,7 +21,7 @@ def test_page_shows_nodes_timeline_and_the_cluster_block(world, web, book, t0):
     for hostname in r.allocations.values_list("node__hostname", flat=True):
         assert hostname in page
     assert "Status timeline" in page and "Booked" in page and "by alpha-lead" in page
-    assert 'aria-current="step">confirmed' in page
+    assert re.search(r'data-status="confirmed"[^>]*aria-current="step">Confirmed<', page)
     assert 'data-placeholder="cluster-phases"' in page and 'data-placeholder="credentials"' in page
     assert 'data-placeholder="health"' in page
     assert "16 GPUs" in page
@@ -245,3 +245,20 @@ def test_a_cancelled_booking_without_a_cluster_does_not_promise_one(world, web, 
     assert "will be shown here" not in cluster and "will be available" not in cluster, cluster
     assert "will appear here" not in cluster
     assert "No cluster" in cluster and "cancelled" in cluster
+
+
+def test_the_lifecycle_pills_are_words_not_status_codes(world, web, book, t0):
+    """The reservation page's lifecycle showed the stored codes ("confirmed", "provisioning") where the status
+    badge beside it says "Confirmed". The pills say the words; each keeps its code in data-status."""
+    r = book("alpha-lead", t0, name="pills")
+    page = web("alpha-lead").get(f"/reservations/{r.pk}/").content.decode()
+    lifecycle = page[page.index('<ol class="lifecycle"'):]
+    lifecycle = lifecycle[:lifecycle.index("</ol>")]
+    pills = re.findall(r'<li data-status="(\w+)"[^>]*>([^<]*)</li>', lifecycle)
+    assert pills == [("confirmed", "Confirmed"), ("provisioning", "Provisioning"), ("active", "Active"),
+                     ("ending", "Ending"), ("completed", "Completed")], lifecycle
+    assert re.search(r'data-status="confirmed"[^>]*aria-current="step"', lifecycle)
+    r.status = "cancelled"
+    r.save(update_fields=["status"])
+    lifecycle = web("alpha-lead").get(f"/reservations/{r.pk}/").content.decode()
+    assert re.search(r'<li data-status="cancelled"[^>]*aria-current="step"[^>]*>Cancelled</li>', lifecycle)
