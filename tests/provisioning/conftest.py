@@ -59,6 +59,41 @@ def now_slot(world) -> datetime:
     return slot_floor(timezone.now(), world.pool.slot_minutes)
 
 
+@contextlib.contextmanager
+def tenant_tears_down_during(cls: type, name: str, *, actor, cluster) -> Iterator[dict]:
+    """Patch cls.name so that its first call, before doing its work, waits for the tenant's teardown of cluster
+    (the button, then the teardown task) run to its end in another thread — another worker, with its own
+    database connection. Yields a dict whose "teardown" is what that teardown task returned."""
+    import threading
+
+    from django.db import connection
+
+    from provisioning import services
+
+    real = getattr(cls, name)
+    seen: dict = {}
+
+    def teardown_in_other_worker():
+        try:
+            services.cluster_request_teardown(actor=actor, cluster=cluster)
+            seen["teardown"] = services.cluster_teardown(cluster_id=cluster.pk)
+        finally:
+            connection.close()
+
+    def patched(self, *args, **kwargs):
+        if not seen:
+            worker = threading.Thread(target=teardown_in_other_worker)
+            worker.start()
+            worker.join(30)
+        return real(self, *args, **kwargs)
+
+    setattr(cls, name, patched)
+    try:
+        yield seen
+    finally:
+        setattr(cls, name, real)
+
+
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.1, what: str = "") -> object:
     deadline = time.monotonic() + timeout
     while True:

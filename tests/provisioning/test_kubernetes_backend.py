@@ -19,7 +19,7 @@ from provisioning.models import ClusterCredential, VirtualCluster
 from reservations.models import Allocation
 from tests.k8s.conftest import api_server, make_node, make_pdb, make_pod, make_spec  # noqa: F401 - the loopback fixture
 
-from .conftest import book, loopback_k8s
+from .conftest import book, loopback_k8s, tenant_tears_down_during
 
 pytestmark = pytest.mark.django_db
 
@@ -608,39 +608,19 @@ def test_teardown_lifts_every_claim_of_the_reservation_also_on_a_node_it_no_long
 
 
 @pytest.mark.django_db(transaction=True)
-def test_reconcile_fix_never_rebuilds_a_namespace_or_claims_a_teardown_removed_meanwhile(world, t0, k8s, monkeypatch):
+def test_reconcile_fix_never_rebuilds_a_namespace_or_claims_a_teardown_removed_meanwhile(world, t0, k8s):
     """reconcile --fix read a ready cluster whose namespace was lost; the tenant's teardown then ran to the end
     (claims lifted, deleted); the repair rebuilt the namespace and claimed the nodes again for a cluster that
     no longer exists, the nodes tainted dedicated to it until its window's end (the next tenant's claims
     refused). Now each repair of a cluster runs under its lock, only while it is still wanted."""
-    import threading
-
-    from django.db import connection
-
     from provisioning.backends.kubernetes import KubernetesBackend
 
     reservation, cluster = ready_k8s_cluster(world, t0)
     namespace = f"tenant-alpha-r{reservation.pk}"
     del k8s.namespaces[namespace]  # lost: reconcile would rebuild it
-    real = KubernetesBackend.reconcile
-    seen = {}
-
-    def teardown_in_other_worker():
-        try:
-            services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
-            seen["teardown"] = services.cluster_teardown(cluster_id=cluster.pk)
-        finally:
-            connection.close()
-
-    def reconcile_while_the_tenant_tears_down(self, wanted, **kwargs):
-        if not seen:
-            worker = threading.Thread(target=teardown_in_other_worker)
-            worker.start()
-            worker.join(30)
-        return real(self, wanted, **kwargs)
-
-    monkeypatch.setattr(KubernetesBackend, "reconcile", reconcile_while_the_tenant_tears_down)
-    services.reconcile(fix=True, backend_name="kubernetes")
+    with tenant_tears_down_during(KubernetesBackend, "reconcile", actor=world.users["alpha-lead"],
+                                  cluster=cluster) as seen:
+        services.reconcile(fix=True, backend_name="kubernetes")
     assert seen["teardown"] == "deleted"
     assert namespace not in k8s.namespaces
     assert not any(is_claimed(k8s, node.hostname) for node in world.nodes)

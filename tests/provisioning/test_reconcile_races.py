@@ -2,16 +2,14 @@
 the provisioning side; each test failed on the code before its fix)."""
 
 
-import threading
 
 import pytest
-from django.db import connection
 
 from provisioning import services
 from provisioning.backends.simulated import SimulatedBackend
 from provisioning.choices import ClusterStatus
 from provisioning.models import VirtualCluster
-from tests.provisioning.conftest import book, now_slot
+from tests.provisioning.conftest import book, now_slot, tenant_tears_down_during
 
 pytestmark = pytest.mark.django_db
 
@@ -37,33 +35,16 @@ def test_simulated_reconcile_leaves_a_cluster_built_after_its_snapshot_alone(wor
 
 
 @pytest.mark.django_db(transaction=True)
-def test_reconcile_fix_never_rebuilds_a_cluster_a_teardown_removes_meanwhile(world, monkeypatch):
+def test_reconcile_fix_never_rebuilds_a_cluster_a_teardown_removes_meanwhile(world):
     """reconcile --fix read the clusters it wants, then repaired them in the backend without the cluster's lock:
     a teardown that ran in between (the tenant's button, a cancel, the window's end) removed the cluster, and
     reconcile built it again as "missing" — the tenant's cluster stood in the backend after its row said
     deleted. Now each repair of a cluster runs under the cluster's lock, and only while the cluster is still
     as reconcile read it: this one is left to its teardown."""
     reservation, cluster = _ready_cluster(world)
-    real = SimulatedBackend.reconcile
-    seen = {}
-
-    def teardown_in_other_worker():
-        try:
-            services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
-            seen["teardown"] = services.cluster_teardown(cluster_id=cluster.pk)
-        finally:
-            connection.close()
-
-    def reconcile_while_the_tenant_tears_down(self, wanted, **kwargs):
-        if not seen:
-            worker = threading.Thread(target=teardown_in_other_worker)
-            worker.start()
-            worker.join(30)
-        return real(self, wanted, **kwargs)
-
-    monkeypatch.setattr(SimulatedBackend, "reconcile", reconcile_while_the_tenant_tears_down)
-    drifts = services.reconcile(fix=True, backend_name="simulated")
-    monkeypatch.setattr(SimulatedBackend, "reconcile", real)
+    with tenant_tears_down_during(SimulatedBackend, "reconcile", actor=world.users["alpha-lead"],
+                                  cluster=cluster) as seen:
+        drifts = services.reconcile(fix=True, backend_name="simulated")
     assert seen["teardown"] == ClusterStatus.DELETED
     [drift] = [d for d in drifts if d["name"] == f"cluster-{cluster.pk}"]
     assert not drift["repaired"] and "is being torn down or no longer wanted" in drift["detail"]
@@ -76,31 +57,14 @@ def test_reconcile_fix_never_rebuilds_a_cluster_a_teardown_removes_meanwhile(wor
 
 
 @pytest.mark.django_db(transaction=True)
-def test_reconcile_fix_waits_for_no_teardown_and_none_runs_beside_its_repair(world, monkeypatch):
+def test_reconcile_fix_waits_for_no_teardown_and_none_runs_beside_its_repair(world):
     """The other order: the teardown starts while reconcile repairs the cluster (under its lock): it finds the
     cluster busy, and its retry removes what the repair built."""
     reservation, cluster = _ready_cluster(world)
     SimulatedBackend()._forget(cluster.pk)  # lost: reconcile rebuilds it
-    real_store = SimulatedBackend._store
-    seen = {}
-
-    def teardown_in_other_worker():
-        try:
-            services.cluster_request_teardown(actor=world.users["alpha-lead"], cluster=cluster)
-            seen["teardown"] = services.cluster_teardown(cluster_id=cluster.pk)
-        finally:
-            connection.close()
-
-    def store_while_the_tenant_tears_down(self, ctx, **changes):
-        if not seen:
-            worker = threading.Thread(target=teardown_in_other_worker)
-            worker.start()
-            worker.join(30)
-        return real_store(self, ctx, **changes)
-
-    monkeypatch.setattr(SimulatedBackend, "_store", store_while_the_tenant_tears_down)
-    drifts = services.reconcile(fix=True, backend_name="simulated")
-    monkeypatch.setattr(SimulatedBackend, "_store", real_store)
+    with tenant_tears_down_during(SimulatedBackend, "_store", actor=world.users["alpha-lead"],
+                                  cluster=cluster) as seen:
+        drifts = services.reconcile(fix=True, backend_name="simulated")
     assert seen["teardown"] == "busy"
     assert [(d["kind"], d["repaired"]) for d in drifts if d["name"] == f"cluster-{cluster.pk}"] == [("missing", True)]
     assert services.cluster_teardown(cluster_id=cluster.pk) == ClusterStatus.DELETED  # its task's next try

@@ -289,19 +289,13 @@ def test_a_booking_sync_waits_while_the_cluster_is_provisioned_or_torn_down(worl
     assert services.reservation_sync(reservation_id=reservation.pk) in ("nothing to sync", "booked", "updated")
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_busy_provisioning_task_retries_a_few_times_then_leaves_it_to_the_tick(world):
-    """A provisioning task that finds the cluster's lock taken (a sync, a swap, or a duplicate delivery while
-    the run itself goes on) asks again a few seconds later, a bounded number of times: duplicate deliveries
-    never each start an endless chain (the tick's resend stays the backstop)."""
+def _retries_while_the_cluster_is_held(task, cluster_id: int) -> tuple[object, list[float]]:
+    """Run task eagerly while another session holds the cluster's lock: each retry runs at once (the lock is
+    still held) until the bound is reached. Return its result and the countdowns its retries asked for."""
     from celery.signals import task_retry
 
-    from provisioning import tasks
     from provisioning.constants import LOCK_CLUSTER
 
-    reservation = book(world, "alpha-lead", now_slot(world), hours=4)
-    services.lifecycle_tick()
-    cluster = VirtualCluster.objects.get(reservation=reservation)
     countdowns = []
 
     def on_retry(request=None, reason=None, **kwargs):
@@ -309,11 +303,25 @@ def test_a_busy_provisioning_task_retries_a_few_times_then_leaves_it_to_the_tick
 
     task_retry.connect(on_retry, weak=False)
     try:
-        with held_elsewhere(LOCK_CLUSTER, cluster.pk):
-            # Run eagerly, each retry runs at once (the lock is still held) until the bound is reached.
-            assert tasks.provision_cluster.apply(args=[cluster.pk]).get() == "busy"
+        with held_elsewhere(LOCK_CLUSTER, cluster_id):
+            result = task.apply(args=[cluster_id]).get()
     finally:
         task_retry.disconnect(on_retry)
+    return result, countdowns
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_provisioning_task_retries_a_few_times_then_leaves_it_to_the_tick(world):
+    """A provisioning task that finds the cluster's lock taken (a sync, a swap, or a duplicate delivery while
+    the run itself goes on) asks again a few seconds later, a bounded number of times: duplicate deliveries
+    never each start an endless chain (the tick's resend stays the backstop)."""
+    from provisioning import tasks
+
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    result, countdowns = _retries_while_the_cluster_is_held(tasks.provision_cluster, cluster.pk)
+    assert result == "busy"
     assert countdowns and len(countdowns) == tasks._PROVISION_BUSY_RETRIES
     assert all(0 < c <= 10 for c in countdowns)  # soon, not PORTAL_PROVISIONING_REDISPATCH_SECONDS later
     assert tasks.provision_cluster.apply(args=[cluster.pk]).get() == ClusterStatus.READY
@@ -324,25 +332,12 @@ def test_a_busy_failed_cluster_cleanup_asks_again_soon_by_itself(world, t0, sett
     """cleanup_failed_cluster gave up on 'busy' (a sync or swap held the cluster) and left the failed cluster's
     backend objects (and the nodes' claim) to the tick's resend, minutes later. It now retries itself after a
     few seconds, a bounded number of times, and a retry after the lock is let go cleans up."""
-    from celery.signals import task_retry
-
     from provisioning import tasks
-    from provisioning.constants import LOCK_CLUSTER
 
     reservation, cluster = _failed_booking(world, t0, settings)
     VirtualCluster.objects.filter(pk=cluster.pk).update(backend_state={"cleanup_pending": True})
-    countdowns = []
-
-    def on_retry(request=None, reason=None, **kwargs):
-        countdowns.append(reason.when)
-
-    task_retry.connect(on_retry, weak=False)
-    try:
-        with held_elsewhere(LOCK_CLUSTER, cluster.pk):
-            # Run eagerly, each retry runs at once (the lock is still held) until the bound is reached.
-            assert tasks.cleanup_failed_cluster.apply(args=[cluster.pk]).get() == "busy"
-    finally:
-        task_retry.disconnect(on_retry)
+    result, countdowns = _retries_while_the_cluster_is_held(tasks.cleanup_failed_cluster, cluster.pk)
+    assert result == "busy"
     assert countdowns and len(countdowns) == tasks._CLEANUP_BUSY_RETRIES
     assert all(0 < c <= 10 for c in countdowns)  # soon, not PORTAL_PROVISIONING_REDISPATCH_SECONDS later
     assert tasks.cleanup_failed_cluster.apply(args=[cluster.pk]).get() == "cleaned up"
