@@ -14,26 +14,35 @@ from reservations.services import _lock_nodes
 from tests.racing import behind_a_lock
 
 
-def staff_retires(node_id: int):
-    """A hold for behind_a_lock: staff's node_update to retired, under the node's locks, not yet committed."""
+def staff_sets(node_id: int, state: str, reason: str):
+    """A hold for behind_a_lock: staff's node_update to state, under the node's locks, not yet committed."""
 
     def hold() -> None:
         _lock_nodes([node_id])
         node = Node.objects.select_for_update().get(pk=node_id)
-        node.state, node.state_reason = "retired", "decommissioned"
+        node.state, node.state_reason = state, reason
         node.save()
 
     return hold
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_failing_check_does_not_drain_a_node_staff_retired_meanwhile(fleet):
-    node = fleet.nodes[0]
-    check = HealthCheck.objects.create(
+def staff_retires(node_id: int):
+    return staff_sets(node_id, "retired", "decommissioned")
+
+
+def failed_sweep_check(node) -> HealthCheck:
+    """A scheduled quick check of node that failed (an uncorrected ECC error), not yet handled."""
+    return HealthCheck.objects.create(
         node=node, level="quick", trigger="schedule", status="done", verdict="fail",
         recommended_action="drain_and_reset", summary="gpu2 ecc_uncorrected_volatile: 1 error",
         finished_at=timezone.now(),
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failing_check_does_not_drain_a_node_staff_retired_meanwhile(fleet):
+    node = fleet.nodes[0]
+    check = failed_sweep_check(node)
     # The check's consequences read the node as available, then wait for staff's retirement to commit.
     outcome = behind_a_lock(staff_retires(node.pk), lambda: health_check_handle(check.pk))
     assert outcome is None, outcome
@@ -59,26 +68,10 @@ def test_a_rejoin_does_not_bring_back_a_node_staff_retired_meanwhile(fleet):
     assert (node.state, node.state_reason) == ("retired", "decommissioned")  # never given to bookings
 
 
-def staff_sets(node_id: int, state: str, reason: str):
-    """A hold for behind_a_lock: staff's node_update to state, under the node's locks, not yet committed."""
-
-    def hold() -> None:
-        _lock_nodes([node_id])
-        node = Node.objects.select_for_update().get(pk=node_id)
-        node.state, node.state_reason = state, reason
-        node.save()
-
-    return hold
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_failing_sweep_check_opens_no_repair_on_a_node_staff_put_in_maintenance_meanwhile(fleet):
     node = fleet.nodes[2]
-    check = HealthCheck.objects.create(
-        node=node, level="quick", trigger="schedule", status="done", verdict="fail",
-        recommended_action="drain_and_reset", summary="gpu2 ecc_uncorrected_volatile: 1 error",
-        finished_at=timezone.now(),
-    )
+    check = failed_sweep_check(node)
     # The consequences read the node as available, then wait for staff's maintenance to commit.
     outcome = behind_a_lock(staff_sets(node.pk, "maintenance", "PSU swap"), lambda: health_check_handle(check.pk))
     assert outcome is None, outcome
