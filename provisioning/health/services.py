@@ -40,6 +40,7 @@ from django.utils import timezone
 
 from portal.core import events
 from portal.core.exceptions import InvalidInput, InvalidState, PermissionDenied
+from portal.core.models import AuditLog
 from portal.core.services import audit_record
 from reservations.choices import HOLDING_STATUSES, AllocationKind, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
@@ -278,7 +279,8 @@ def health_sweep(*, level: str = CheckLevel.QUICK) -> list[int]:
 
     One INSERT … SELECT for the whole fleet; nodes whose previous scheduled check is still
     open are skipped by the unique constraint, so a slow agent never piles up checks. Nodes staff
-    put in maintenance are checked too, but a failure there opens no repair (_staff_maintenance).
+    put in maintenance are checked too, but a failure there opens no repair (_staff_maintenance); staff are
+    told of it (health_check.failed) once per maintenance period and failure (_staff_told).
     """
     level = _validate_level(level)
     ids = _insert_checks(
@@ -567,13 +569,18 @@ def _fail_consequences(check: HealthCheck) -> None:
     node = Node.objects.get(pk=check.node_id)
     tenant_ids = _affected_tenant_ids(node.pk, now)
     reason = f"health check #{check.pk} ({check.level}) failed: {check.summary}"
-    took_out = False
+    took_out = staff_work = False
     repair = Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).order_by("-pk").first()
-    # A scheduled check of a node staff put in maintenance is recorded (the node's page shows it) and
-    # nothing more: staff's hands-on work is not turned into a repair (see _staff_maintenance).
-    if node.state in IN_SERVICE_STATES and repair is None and not _staff_maintenance(node, check):
-        repair = _take_out_of_service(node=node, actor=None, reason=reason, check=check)
-        took_out = repair is not None
+    # A scheduled check of a node staff put in maintenance is recorded (the node's page shows it) and told
+    # to staff, nothing more: staff's hands-on work is not turned into a repair (see _staff_maintenance).
+    if node.state in IN_SERVICE_STATES and repair is None:
+        staff_work = _staff_maintenance(node, check)
+        if not staff_work:
+            repair = _take_out_of_service(node=node, actor=None, reason=reason, check=check)
+            took_out = repair is not None
+            if repair is None:  # staff moved the node meanwhile: to maintenance, or out of service
+                node = Node.objects.get(pk=node.pk)
+                staff_work = _staff_maintenance(node, check)
     elif repair is not None and repair.triggering_check_id == check.pk:
         # This check opened the repair in a run that died before it finished (moving the bookings,
         # announcing): finish it now. Moving again finds only what is left to move.
@@ -585,8 +592,9 @@ def _fail_consequences(check: HealthCheck) -> None:
             check_id=check.pk, repair_id=repair.pk, recommended_action=check.recommended_action,
             tenant_ids=tenant_ids, outcomes=repair.outcomes,
         )
-    # A scheduled check failing again on a node already out of service is old news.
-    if took_out or check.trigger != CheckTrigger.SCHEDULE:
+    # A scheduled check failing again on a node already out of service is old news; on a node in staff's
+    # maintenance it is news once per maintenance period and failure (_staff_told).
+    if took_out or check.trigger != CheckTrigger.SCHEDULE or (staff_work and not _staff_told(node, check)):
         events.emit(
             "health_check.failed", check_id=check.pk, node_id=node.pk, node=node.hostname, level=check.level,
             trigger=check.trigger, verdict=check.verdict, recommended_action=check.recommended_action,
@@ -603,6 +611,32 @@ def _staff_maintenance(node: Node, check: HealthCheck | None) -> bool:
     work): the sweep records it but opens no repair, which would hold the node from staff's own return of it.
     """
     return check is not None and check.trigger == CheckTrigger.SCHEDULE and node.state == NodeState.MAINTENANCE
+
+
+def _failing(check: HealthCheck) -> frozenset[tuple[Any, Any]]:
+    """What fails in a check: its failing (gpu, check) pairs (readings and messages left out)."""
+    return frozenset((p.get("gpu"), p.get("check")) for p in check.problems if p.get("status") == Verdict.FAIL)
+
+
+def _staff_told(node: Node, check: HealthCheck) -> bool:
+    """Tell whether staff already heard of this failure of a node in their maintenance: the node's last
+    scheduled check handled since it went into maintenance (its latest move there) failed the same way.
+    A pass in between, or another failure, is news again; so is the next maintenance period.
+    """
+    since = (
+        AuditLog.objects.filter(object_type=Node._meta.label_lower, object_id=str(node.pk), action="node.update",
+                                after__state=NodeState.MAINTENANCE)
+        .exclude(before__state=NodeState.MAINTENANCE)
+        .order_by("-created_at", "-pk").values_list("created_at", flat=True).first()
+    )
+    earlier = HealthCheck.objects.filter(
+        node_id=node.pk, trigger=CheckTrigger.SCHEDULE, status=CheckStatus.DONE, handled_at__isnull=False,
+        verdict__in=(Verdict.PASS, Verdict.WARN, Verdict.FAIL),
+    ).exclude(pk=check.pk)
+    if since is not None:
+        earlier = earlier.filter(handled_at__gte=since)
+    previous = earlier.order_by("-handled_at", "-pk").first()
+    return previous is not None and previous.verdict == Verdict.FAIL and _failing(previous) == _failing(check)
 
 
 def _take_out_of_service(*, node: Node, actor: Any, reason: str, check: HealthCheck | None) -> Repair | None:

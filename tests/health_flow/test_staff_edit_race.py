@@ -69,7 +69,7 @@ def test_a_rejoin_does_not_bring_back_a_node_staff_retired_meanwhile(fleet):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_failing_sweep_check_opens_no_repair_on_a_node_staff_put_in_maintenance_meanwhile(fleet):
+def test_a_failing_sweep_check_opens_no_repair_on_a_node_staff_put_in_maintenance_meanwhile(fleet, captured_events):
     node = fleet.nodes[2]
     check = failed_sweep_check(node)
     # The consequences read the node as available, then wait for staff's maintenance to commit.
@@ -79,6 +79,9 @@ def test_a_failing_sweep_check_opens_no_repair_on_a_node_staff_put_in_maintenanc
     assert (node.state, node.state_reason) == ("maintenance", "PSU swap")
     assert not Repair.objects.filter(node=node).exists()
     assert HealthCheck.objects.get(pk=check.pk).handled_at is not None
+    # Staff working on the node are told of the failure, as when the node was in maintenance already.
+    told = [(name, p.get("check_id")) for name, p in captured_events if name in ("node.failed", "health_check.failed")]
+    assert told == [("health_check.failed", check.pk)]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -206,7 +206,9 @@ def test_the_sweep_records_a_failing_node_in_staff_maintenance_without_opening_a
     assert not Repair.objects.filter(node=node).exists()
     node.refresh_from_db()
     assert (node.state, node.state_reason) == ("maintenance", "PSU swap")
-    assert not [name for name, p in captured_events if name in ("node.failed", "health_check.failed")]
+    # Staff working on the node are told (health_check.failed, the platform channel's), nothing is drained.
+    assert [name for name, p in captured_events if name in ("node.failed", "health_check.failed")] == [
+        "health_check.failed"]
     # Staff finish their work and give the node back.
     node = node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="available", reason="")
     assert node.state == "available"
@@ -215,3 +217,50 @@ def test_the_sweep_records_a_failing_node_in_staff_maintenance_without_opening_a
         health_sweep()
     assert Repair.objects.filter(node=node, state="recommended").exists()
     assert Node.objects.get(pk=node.pk).state == "draining"
+
+
+def _maintenance_notices(captured_events) -> list[dict]:
+    return [p for name, p in captured_events if name in ("node.failed", "health_check.failed")]
+
+
+@pytest.mark.django_db
+def test_a_failing_sweep_of_a_node_in_staff_maintenance_tells_staff_once_per_failure_and_period(
+        fleet, settings, eager, captured_events, django_capture_on_commit_callbacks):
+    """The sweep's failing check of a node staff put in maintenance opens no repair, but staff still hear of
+    it (health_check.failed, which the platform channel gets): once per maintenance period, and again when
+    the failure changes, not at every sweep of a node that is still failing the same way."""
+    from notifications.selectors import notices_for
+    from reservations.services import node_update
+
+    staff = fleet.users["staff"]
+    node = fleet.nodes[1]
+    node = node_update(actor=staff, node=node, state="maintenance", reason="PSU swap")
+
+    def sweep(faults):
+        settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: faults})
+        captured_events.clear()
+        with django_capture_on_commit_callbacks(execute=True):
+            health_sweep()
+        return _maintenance_notices(captured_events)
+
+    first = sweep([{"kind": "ecc_uncorrected", "gpu": 2}])
+    assert [(p["node"], p["trigger"], p["verdict"]) for p in first] == [(node.hostname, "schedule", "fail")]
+    assert {p["gpu"] for p in first[0]["problems"]} == {2}
+    platform = [n for n in notices_for("health_check.failed", first[0]) if n.to_platform]
+    assert [n.payload["node"] for n in platform] == [node.hostname]
+    assert sweep([{"kind": "ecc_uncorrected", "gpu": 2}]) == []  # still failing the same way: said already
+    changed = sweep([{"kind": "ecc_uncorrected", "gpu": 2}, {"kind": "ecc_uncorrected", "gpu": 5}])
+    assert [{p["gpu"] for p in n["problems"]} for n in changed] == [{2, 5}]
+    assert sweep([{"kind": "ecc_uncorrected", "gpu": 2}, {"kind": "ecc_uncorrected", "gpu": 5}]) == []
+    assert not Repair.objects.filter(node=node).exists()
+    # Staff give the node back and put it in maintenance again before the next sweep: a new period, told again.
+    node = node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="available", reason="")
+    node = node_update(actor=staff, node=Node.objects.get(pk=node.pk), state="maintenance", reason="cabling")
+    again = sweep([{"kind": "ecc_uncorrected", "gpu": 2}, {"kind": "ecc_uncorrected", "gpu": 5}])
+    assert [(p["node"], p["verdict"]) for p in again] == [(node.hostname, "fail")]
+    # A pass in between: the failure coming back is news again.
+    assert sweep([]) == []
+    back = sweep([{"kind": "ecc_uncorrected", "gpu": 2}, {"kind": "ecc_uncorrected", "gpu": 5}])
+    assert [(p["node"], p["verdict"]) for p in back] == [(node.hostname, "fail")]
+    assert not Repair.objects.filter(node=node).exists()
+    assert Node.objects.get(pk=node.pk).state == "maintenance"
