@@ -208,8 +208,9 @@ def run_checks(
     - ``state`` / ``state_path``: XIDs already reported and counter baselines; the file is
       read before and written after the run. Without either, nothing is remembered.
     - ``xid_receipt``: the report is sent on (the node agent: the check's id); the kernel-log XIDs it
-      carries are held under it and count as reported only once the portal stored it
-      (``HealthState.accept``). Without it (the CLI prints its report) they count once the run ends.
+      carries and its counter readings are held under it: the XIDs count as reported, and the readings
+      as the next baseline, only once the portal stored it (``HealthState.accept``). Without it (the CLI
+      prints its report) both count once the run ends.
     - ``kernel_log``: a callable returning kernel-log lines (default: the fake's log, else dmesg).
     - ``expect_idle``: processes on a GPU fail the check (before hand-over); pass False while a
       tenant's jobs run.
@@ -396,12 +397,14 @@ def run_checks(
             nvml.nvmlShutdown()
         except NVML_ERRORS:
             pass  # the report is complete; a failing shutdown changes nothing in it
-    for worker in workers:
-        if worker.done and worker.identity:
-            state.record(worker.identity.uuid, worker.ctx.readings)
+    readings = {worker.identity.uuid: worker.ctx.readings
+                for worker in workers if worker.done and worker.identity and worker.identity.uuid}
     if xid_receipt is not None:
-        state.hold(xid_receipt, [xid.key for xid in new_xids])
+        # Held until the portal stored the report: only then are its XIDs reported and its readings the baseline.
+        state.hold(xid_receipt, [xid.key for xid in new_xids], counters=readings)
     else:
+        for uuid, values in readings.items():
+            state.record(uuid, values)
         for xid in new_xids:
             state.mark_reported(xid.key)
     if state_path:

@@ -76,8 +76,8 @@ def run_job(
     """Run the job's level on this node (nvml: pynvml by default) and return the report to post back.
 
     Never raises for a node problem: an agent error becomes an ``unknown`` report, so the portal
-    always hears back. ``xid_receipt``: see :func:`agent.run_checks` (the kernel-log XIDs sent wait
-    for the portal's word that it stored the report).
+    always hears back. ``xid_receipt``: see :func:`agent.run_checks` (the kernel-log XIDs and counter
+    readings sent wait for the portal's word that it stored the report).
     """
     level, host = job["level"], job["host"]
     pins = job.get("pins") or {}

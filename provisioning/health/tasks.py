@@ -7,7 +7,8 @@ sent with an explicit ``queue=``):
   (``python -m provisioning.health.worker node``). It needs the broker, not the database: it
   posts the report back by id (:func:`record_report`, queue ``health``), which answers with
   :func:`xids_accepted` on the node's queue once the report is stored: only then do the
-  kernel-log XIDs it carried count as reported on the node (a report that never arrived, or
+  kernel-log XIDs it carried count as reported on the node and its counter readings (PCIe
+  replays, NVLink errors, aggregate ECC) become the baseline (a report that never arrived, or
   came after its check expired, leaves them to the next check).
 - ``fleet``: :func:`fleet_run`, the simulated fleet's worker (``python -m
   provisioning.health.worker fleet``), many nodes per message with FakeNvml. One queue because
@@ -90,7 +91,7 @@ def agent_run(job: dict[str, Any]) -> str:
         state_path=_state_path(job["host"]) if keep_state else None,
         event_wait_ms=conf.setting_int("PORTAL_HEALTH_EVENT_WAIT_MS", 0 if fake is not None else 500),
         nvml_timeout_s=conf.setting_float("PORTAL_HEALTH_NVML_TIMEOUT", 20.0),
-        xid_receipt=str(job["id"]),  # its XIDs count as reported once the portal stored the report
+        xid_receipt=str(job["id"]),  # its XIDs and counter readings count once the portal stored the report
     )
     record_report.apply_async(args=[job["id"], report], kwargs={"agent": job["host"]}, queue=conf.health_queue())
     return report["verdict"]
@@ -132,7 +133,7 @@ def record_report(check_id: int, report: dict[str, Any], agent: str | None = Non
     """Store a node agent's report and apply its verdict; tell the agent (its hostname) once it is stored.
 
     A report for a check no longer open (it expired, a redelivery) is not stored and not acknowledged:
-    the agent then reports its XIDs again with the next check.
+    the agent then reports its XIDs and counter increases again with the next check.
     """
     from .services import health_checks_record
 
@@ -147,14 +148,15 @@ def record_report(check_id: int, report: dict[str, Any], agent: str | None = Non
 
 @shared_task(name="provisioning.health.xids_accepted", ignore_result=True)
 def xids_accepted(host: str, check_id: int) -> bool:
-    """On the node: the portal stored check_id's report, so the XIDs it carried count as reported."""
+    """On the node: the portal stored check_id's report, so the XIDs it carried count as reported and its
+    counter readings are the baseline the next runs are judged against."""
     from .xid import HealthState
 
     path = _state_file(host)
     if not path.exists():  # an agent that keeps no state (a demo node) held nothing
         return False
     state = HealthState.load(path)
-    if str(check_id) not in state.pending_xids:  # it carried no new XID
+    if not state.holds(str(check_id)):  # it carried no new XID and no readings (or was superseded)
         return False
     state.accept(str(check_id))
     state.save(path)

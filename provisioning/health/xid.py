@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,6 +151,10 @@ class HealthState:
     # XIDs sent in a report the portal has not yet said it stored, by receipt (the check's id): they
     # count as reported only once it has (accept); until then every run reports them again.
     pending_xids: dict[str, list[str]] = field(default_factory=dict)
+    # Likewise the counter readings of a run sent under a receipt, {receipt: {uuid: {name: [value, time]}}}:
+    # they become the baseline only once the portal stored the report (accept); until then every run is
+    # judged against the last accepted baseline, so an increase a lost report carried is reported again.
+    pending_counters: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     max_receipts: int = 100
 
     def is_reported(self, key: str) -> bool:
@@ -163,21 +167,46 @@ class HealthState:
         while len(self.reported_xids) > self.max_xids:
             del self.reported_xids[next(iter(self.reported_xids))]
 
-    def hold(self, receipt: str, keys: Iterable[str]) -> None:
-        """Remember the XIDs sent under receipt, forgetting the oldest receipts beyond max_receipts (their
-        XIDs are not lost: never marked reported, a later run reports them again)."""
+    def hold(self, receipt: str, keys: Iterable[str],
+             counters: Mapping[str, Mapping[str, Sequence[float]]] | None = None) -> None:
+        """Remember the XIDs and counter readings ({uuid: readings}) sent under receipt, forgetting the oldest
+        receipts beyond max_receipts (nothing is lost: their XIDs were never marked reported and their
+        readings never became the baseline, so a later run reports both again)."""
         keys = list(keys)
-        if not keys:
-            return
-        self.pending_xids.pop(receipt, None)
-        self.pending_xids[receipt] = keys
-        while len(self.pending_xids) > self.max_receipts:
-            del self.pending_xids[next(iter(self.pending_xids))]
+        if keys:
+            self.pending_xids.pop(receipt, None)
+            self.pending_xids[receipt] = keys
+            while len(self.pending_xids) > self.max_receipts:
+                del self.pending_xids[next(iter(self.pending_xids))]
+        readings = {uuid: {name: [float(v) for v in r] for name, r in values.items()}
+                    for uuid, values in (counters or {}).items() if uuid and values}
+        if readings:
+            self.pending_counters.pop(receipt, None)
+            self.pending_counters[receipt] = readings
+            while len(self.pending_counters) > self.max_receipts:
+                del self.pending_counters[next(iter(self.pending_counters))]
+
+    def holds(self, receipt: str) -> bool:
+        """Tell whether anything sent under receipt waits for the portal's word."""
+        return receipt in self.pending_xids or receipt in self.pending_counters
 
     def accept(self, receipt: str) -> None:
-        """The portal stored the report sent under receipt: its XIDs are reported now."""
+        """The portal stored the report sent under receipt: its XIDs are reported now and its counter
+        readings the baseline. Readings held before it are dropped: this report was judged against the
+        same or an older baseline, so it carried their increases too. A reading never replaces a newer one."""
         for key in self.pending_xids.pop(receipt, []):
             self.mark_reported(key)
+        if receipt not in self.pending_counters:
+            return
+        for held in list(self.pending_counters):
+            readings = self.pending_counters.pop(held)
+            if held == receipt:
+                for uuid, values in readings.items():
+                    current = self.counters.setdefault(uuid, {})
+                    for name, reading in values.items():
+                        if name not in current or len(current[name]) < 2 or reading[1] >= current[name][1]:
+                            current[name] = reading
+                break
 
     def baseline(self, uuid: str | None) -> dict[str, list[float]]:
         """Return the previous counter readings of a GPU as {name: [value, unix_time]}."""
@@ -193,17 +222,21 @@ class HealthState:
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON form written to the state file."""
         return {"version": 1, "reported_xids": list(self.reported_xids), "counters": self.counters,
-                "pending_xids": self.pending_xids}
+                "pending_xids": self.pending_xids, "pending_counters": self.pending_counters}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HealthState:
         """Build a state from its JSON form."""
         pending = data.get("pending_xids")
+        held = data.get("pending_counters")
         return cls(
             reported_xids=dict.fromkeys(data.get("reported_xids", [])),
             counters={str(k): dict(v) for k, v in data.get("counters", {}).items()},
             pending_xids={str(k): [str(key) for key in v] for k, v in pending.items() if isinstance(v, list)}
             if isinstance(pending, dict) else {},
+            pending_counters={str(k): {str(uuid): dict(r) for uuid, r in v.items() if isinstance(r, dict)}
+                              for k, v in held.items() if isinstance(v, dict)}
+            if isinstance(held, dict) else {},
         )
 
     @classmethod

@@ -191,3 +191,49 @@ def test_the_state_keeps_only_the_latest_unaccepted_receipts() -> None:
     state.accept("3")
     assert list(state.reported_xids) == ["c"] and list(state.pending_xids) == ["2"]
     assert HealthState.from_dict(state.to_dict()).pending_xids == {"2": ["b"]}
+
+
+def test_a_counter_increase_sent_for_a_check_stays_news_until_the_portal_accepted_it(tmp_path: Path) -> None:
+    """Counter baselines (aggregate ECC, PCIe replays, NVLink errors) were saved as the run ended, like the
+    XIDs were: a report that never reached the portal took the increase with it, the next run compared
+    against the new baseline and passed. They are held under the receipt and become the baseline only once
+    the portal stored the report."""
+    clean = {"model": "H100-SXM", "seed": 9, "faults": []}
+    broken = {**clean, "faults": [{"kind": "ecc_uncorrected_aggregate", "gpu": 4, "count": 3}]}
+    path = tmp_path / "health.json"
+
+    def run(spec: dict, receipt: str) -> dict:
+        return validate_report(run_checks("quick", FakeNvml.from_spec(spec), state_path=path, event_wait_ms=0,
+                                          xid_receipt=receipt, **PINS))
+
+    assert run(clean, "40")["verdict"] == "pass"
+    assert HealthState.load(path).counters == {}  # held for check 40, no baseline yet
+    state = HealthState.load(path)
+    state.accept("40")
+    state.save(path)
+    baseline = HealthState.load(path).counters
+    assert len(baseline) == 8
+    # Three new uncorrected errors on GPU 4; check 41's report never reaches the portal.
+    assert check(run(broken, "41"), "ecc_uncorrected_aggregate", 4)["status"] == "fail"
+    assert HealthState.load(path).counters == baseline
+    # The next check still compares against the accepted baseline: the errors are reported again.
+    result = check(run(broken, "42"), "ecc_uncorrected_aggregate", 4)
+    assert (result["status"], result["value"]["new"]) == ("fail", 3)
+    state = HealthState.load(path)
+    state.accept("42")  # stored: its readings are the baseline now, check 41's (older) are dropped
+    state.save(path)
+    assert HealthState.load(path).pending_counters == {}
+    assert check(run(broken, "43"), "ecc_uncorrected_aggregate", 4)["status"] == "pass"
+
+
+def test_an_older_receipt_accepted_late_never_moves_a_baseline_back() -> None:
+    state = HealthState()
+    state.hold("1", [], counters={"GPU-a": {"pcie_replay": [5.0, 100.0]}})
+    state.hold("2", [], counters={"GPU-a": {"pcie_replay": [9.0, 200.0]}})
+    state.accept("2")
+    state.accept("1")  # superseded by 2 (dropped) — and would be older anyway
+    assert state.counters == {"GPU-a": {"pcie_replay": [9.0, 200.0]}}
+    state.hold("3", ["x"], counters={"GPU-a": {"pcie_replay": [12.0, 300.0]}})
+    restored = HealthState.from_dict(state.to_dict())
+    assert restored.pending_counters == {"3": {"GPU-a": {"pcie_replay": [12.0, 300.0]}}}
+    assert restored.pending_xids == {"3": ["x"]}

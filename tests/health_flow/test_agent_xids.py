@@ -53,3 +53,42 @@ def test_an_xid_whose_report_the_portal_refused_is_reported_by_the_next_check(fl
     tasks.agent_run(job)
     third.refresh_from_db()
     assert "xid" not in third.summary.lower(), third.summary  # reported once
+
+
+@pytest.mark.django_db
+def test_a_counter_increase_whose_report_the_portal_refused_is_reported_by_the_next_check(
+        fleet, eager, settings, tmp_path, monkeypatch):
+    """The agent saved its counter readings as the new baseline when it ran; the report carrying three new
+    uncorrected ECC errors arrived after its check had expired, and the next check, comparing against that
+    baseline, passed the GPU. The readings become the baseline only once the portal stored the report."""
+    settings.PORTAL_HEALTH_STATE_DIR = str(tmp_path)
+    node = fleet.nodes[0]
+    state_file = tmp_path / f"health-state-{node.hostname}.json"
+
+    monkeypatch.setenv("PORTAL_FAKE_NVML", json.dumps({"nodes": {}}))
+    first = _check(node)
+    [job] = jobs_for([first.pk])
+    assert tasks.agent_run(job) == "pass"  # stored and acknowledged: the baseline (no errors)
+    assert len(HealthState.load(state_file).counters) == 8
+
+    ecc = {"nodes": {node.hostname: [{"kind": "ecc_uncorrected_aggregate", "gpu": 5, "count": 3}]}}
+    monkeypatch.setenv("PORTAL_FAKE_NVML", json.dumps(ecc))
+    late = _check(node)
+    [job] = jobs_for([late.pk])
+    HealthCheck.objects.filter(pk=late.pk).update(created_at=timezone.now() - timedelta(hours=1))
+    assert health_checks_expire() == [late.pk]
+    assert tasks.agent_run(job) == "fail"  # the portal refuses the report
+
+    second = _check(node)
+    [job] = jobs_for([second.pk])
+    assert tasks.agent_run(job) == "fail"
+    second.refresh_from_db()
+    assert second.verdict == "fail" and "ecc_uncorrected_aggregate" in second.summary, second.summary
+    state = HealthState.load(state_file)
+    assert state.pending_counters == {}  # acknowledged: its readings are the baseline
+
+    third = _check(node)
+    [job] = jobs_for([third.pk])
+    tasks.agent_run(job)
+    third.refresh_from_db()
+    assert "ecc_uncorrected_aggregate" not in third.summary, third.summary  # reported once
