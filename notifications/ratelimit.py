@@ -24,7 +24,7 @@ import time
 
 import redis
 
-__all__ = ["KEY_PREFIX", "acquire", "acquire_blocking", "key_for_url", "client_from_url"]
+__all__ = ["KEY_PREFIX", "acquire", "acquire_blocking", "hold", "key_for_url", "client_from_url"]
 
 KEY_PREFIX = "portal:notify:rl:"
 
@@ -46,6 +46,16 @@ if ttl == 0 then
     return 1
 end
 return ttl
+"""
+
+# KEYS[1]: the webhook's key. ARGV[1]: milliseconds. Keep the slot taken at least that long from now
+# (never shortens a longer hold already there).
+_HOLD_LUA = """
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl < tonumber(ARGV[1]) then
+    redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+end
+return 0
 """
 
 
@@ -72,6 +82,15 @@ def acquire(redis_client: redis.Redis, key: str, interval_s: float = 1.0) -> flo
     script = redis_client.register_script(_ACQUIRE_LUA)
     wait_ms = int(script(keys=[key], args=[interval_ms]))
     return wait_ms / 1000.0
+
+
+def hold(redis_client: redis.Redis, key: str, seconds: float) -> None:
+    """Keep key's slot taken for at least seconds from now: the webhook said to wait (429 with Retry-After),
+    and that holds for every message to it, not only the one that was refused."""
+    if seconds <= 0:
+        return
+    script = redis_client.register_script(_HOLD_LUA)
+    script(keys=[key], args=[max(1, math.ceil(seconds * 1000))])
 
 
 def acquire_blocking(redis_client: redis.Redis, key: str, interval_s: float = 1.0, *, timeout_s: float = 30.0) -> bool:

@@ -918,6 +918,13 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
         with egress.public_session() as session:
             outcome = transport.post(url, body, headers, timeout=http_timeout(),
                                      slack=delivery.kind == ChannelKind.SLACK, session=session)
+    if outcome.status == 429 and outcome.retry_after:
+        # The limit is the webhook's: every message to it waits (capped as the retry itself is), rather than
+        # being posted into the limit one per second, each spending an attempt on another 429.
+        try:
+            ratelimit.hold(_redis(), ratelimit.key_for_url(url), min(outcome.retry_after, _backoff_cap()))
+        except Exception:  # noqa: BLE001 - Redis down: the outcome still has to be recorded
+            logger.warning("could not hold the send slot of a rate-limited webhook", exc_info=True)
     return _record(delivery.pk, token=token, attempt=attempt, url=url, outcome=outcome)
 
 

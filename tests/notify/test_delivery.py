@@ -465,3 +465,23 @@ def test_a_quota_alert_still_unsent_when_use_falls_back_is_skipped(world, t0, bo
     # The first crossing's alert, requeued by hand, is still not true.
     services.delivery_requeue(actor=world.users["alpha-lead"], delivery=alert)
     assert services.delivery_send(delivery_id=alert.pk, worker="w1").status == DeliveryStatus.SKIPPED
+
+
+def test_a_429_holds_every_message_to_that_webhook_until_retry_after(world, receiver, slack_for, book, t0,
+                                                                      notify_settings):
+    """Slack's 429 is about the webhook, not the one message: the next message to the same URL waits
+    for Retry-After too instead of being posted into the limit (and spending an attempt on another 429)."""
+    notify_settings.PORTAL_NOTIFY_MIN_INTERVAL = 0.05
+    slack_for("alpha", receiver.url("/services/T0/B0/alpha"))
+    receiver.script(Reply.rate_limited(2))
+    reservations = [book("alpha", t0 + timedelta(hours=3 * i)) for i in range(2)]
+    first, second = (services.event_fanout(event="reservation.confirmed", payload={"reservation_id": r.pk})[0]
+                     for r in reservations)
+
+    assert services.delivery_send(delivery_id=first.pk).retry_in == 2.0
+    time.sleep(0.2)
+    held = services.delivery_send(delivery_id=second.pk)
+
+    assert not held.posted and held.retry_in >= 1.5
+    assert Delivery.objects.get(pk=second.pk).attempts == 0
+    assert len(receiver.requests) == 1
