@@ -311,6 +311,11 @@ def slack_subscriptions_update(
         channel, created = Channel.objects.get_or_create(
             tenant=tenant, kind=ChannelKind.SLACK, defaults={"name": "slack", "events": list(TENANT_DEFAULT_EVENTS)}
         )
+        # Read again under the row's lock: a worker may be flagging the channel broken (or repaired) right now,
+        # and saving the copy read before its commit wrote the old flag back over it.
+        channel = Channel.objects.select_for_update(of=("self",)).filter(pk=channel.pk).first()
+        if channel is None:
+            raise NotFound("No such channel (it has just been deleted).")
         channel.tenant = tenant
         before = _channel_snapshot(channel)
         was_listening = not created and _hears_quota_alerts(channel)

@@ -65,3 +65,29 @@ def test_slack_subscriptions_do_not_wait_on_a_members_booking_in_flight(notify_s
     assert "error" not in result, result
     assert finished_while_booking_held, "slack_subscriptions_update waited on a booking's key-share lock"
     assert services.slack_channel_ensure(tenant).events == ["reservation.confirmed"]
+
+
+def test_saving_slack_subscriptions_keeps_a_broken_flag_set_meanwhile(notify_settings):
+    """A worker flags the channel broken (Slack answered channel_not_found) while the lead saves its events:
+    the save must not write back the unbroken channel it had read, or the dead URL is posted to again."""
+    from notifications import transport
+    from notifications.models import Channel
+    from tests.racing import behind_a_lock
+
+    world = make_world()
+    lead = world.users["alpha-lead"]
+    url = "https://hooks.slack.com/services/T0/B0/alpha"
+    tenant = tenant_slack_webhook_set(actor=lead, tenant=world.tenants["alpha"], url=url)
+    channel = services.slack_channel_ensure(tenant)
+    gone = transport.Outcome(transport.Verdict.PERMANENT, 404, "channel_not_found")
+
+    result = behind_a_lock(
+        lambda: services._mark_broken(channel.pk, url=url, outcome=gone),  # as _record does, under its lock
+        lambda: services.slack_subscriptions_update(actor=lead, tenant=tenant, events=["reservation.confirmed"]),
+        waits_on="notifications_channel",
+    )
+
+    assert not isinstance(result, Exception), result
+    channel = Channel.objects.select_related("tenant").get(pk=channel.pk)
+    assert channel.events == ["reservation.confirmed"]
+    assert channel.is_broken and channel.broken_error == "channel_not_found"
