@@ -10,7 +10,9 @@ from django import forms
 from django.contrib import admin, messages
 from django.template.defaultfilters import pluralize
 from django.template.response import TemplateResponse
+from django.utils.decorators import method_decorator
 from django.utils.html import format_html
+from django.views.decorators.debug import sensitive_post_parameters
 
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
 from portal.core.crypto import mask
@@ -86,6 +88,10 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
         if obj is not None and obj.kind != ChannelKind.WEBHOOK:
             fields = (*fields, "name")
         return fields
+
+    @method_decorator(sensitive_post_parameters("new_url"))  # a bearer secret: starred out of error reports
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        return super().change_view(request, object_id, form_url, extra_context)
 
     def has_add_permission(self, request, *args):
         return False  # leads add webhooks on their notifications page (staff can open any tenant's)

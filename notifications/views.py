@@ -14,6 +14,7 @@ from django.core.paginator import Paginator
 from django.http import Http404, HttpResponseRedirect
 from django.urls import reverse
 from django.views.decorators.cache import add_never_cache_headers
+from django.views.decorators.debug import sensitive_post_parameters
 from django.views.decorators.http import require_GET, require_POST
 
 from portal.core.crypto import mask
@@ -106,6 +107,7 @@ def settings_page(request):
     return render_page(request, "notifications/settings.html", _settings_context(request, tenant))
 
 
+@sensitive_post_parameters()  # the URL is a bearer secret: starred out of error reports
 @require_POST
 @portal_view
 def slack_url(request):
@@ -195,6 +197,7 @@ def channel_clear(request, pk: int):
     return _back()
 
 
+@sensitive_post_parameters()  # the URL is a bearer secret: starred out of error reports
 @require_POST
 @portal_view
 def webhook_create(request):
@@ -226,6 +229,7 @@ def _secret_page(request, context):
     return response
 
 
+@sensitive_post_parameters()  # the URL is a bearer secret: starred out of error reports
 @require_POST
 @portal_view
 def webhook_edit(request, pk: int):

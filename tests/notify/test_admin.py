@@ -462,3 +462,16 @@ def test_clearing_channels_none_of_which_is_broken_claims_nothing(world, staff, 
     shown = [str(m) for m in response.context["messages"]]
     assert shown == ["None of the selected channels was broken; nothing was cleared."], shown
     assert not _audits("notifications.channel.repaired")
+
+
+def test_a_new_url_typed_in_the_channel_admin_is_hidden_from_error_reports(world, staff):
+    from django.views.debug import SafeExceptionReporterFilter
+
+    tenant_slack_webhook_set(actor=world.users["staff"], tenant=world.tenants["alpha"], url=SLACK_URL)
+    channel = notify.slack_channel_ensure(Tenant.objects.get(slug="alpha"))
+    new = "https://hooks.slack.com/services/T000/B000/another-secret-token"
+    response = staff.post(reverse("admin:notifications_channel_change", args=[channel.pk]),
+                          {"new_url": new, "events": list(channel.events), "enabled": "on"})
+    assert response.status_code in (200, 302)
+    shown = SafeExceptionReporterFilter().get_post_parameters(response.wsgi_request)
+    assert shown["new_url"] != new

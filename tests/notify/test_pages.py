@@ -204,3 +204,24 @@ def test_resume_sending_on_a_channel_that_is_not_broken_says_so_and_records_noth
     assert [str(m) for m in response.context["messages"]] == ["The channel sends again."]
     assert not Channel.objects.get(pk=channel.pk).is_broken
     assert AuditLog.objects.filter(action="notifications.channel.repaired").count() == 1
+
+
+def test_webhook_urls_posted_to_the_pages_are_hidden_from_error_reports(world, as_user, webhook_for):
+    """A Slack or webhook URL is a bearer secret: if saving it ever fails with a 500, Django's error report
+    (logged, mailed to ADMINS) must show the POST with the URL starred out, as it does for passwords."""
+    from django.views.debug import SafeExceptionReporterFilter
+
+    lead = as_user("alpha-lead")
+    channel, _ = webhook_for("alpha", "https://ci.example.com/hooks/one")
+    posts = [
+        (reverse("notifications:slack-url"), {"url": SLACK_URL}, "url"),
+        (reverse("notifications:webhook-create"), {"url": "https://ci.example.com/hooks/secret-path"}, "url"),
+        (reverse("notifications:webhook-edit", args=[channel.pk]),
+         {f"w{channel.pk}-url": "https://ci.example.com/hooks/other-secret", f"w{channel.pk}-enabled": "on"},
+         f"w{channel.pk}-url"),
+    ]
+    for path, data, field in posts:
+        response = lead.post(path, data)
+        assert response.status_code in (200, 302), (path, response.status_code)
+        shown = SafeExceptionReporterFilter().get_post_parameters(response.wsgi_request)
+        assert shown[field] != data[field] and "secret" not in shown[field], path
