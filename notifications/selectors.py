@@ -31,7 +31,7 @@ from reservations.models import Allocation, Node, Reservation
 from tenants.choices import Role
 from tenants.models import Tenant
 
-from .choices import PLATFORM_DEFAULT_EVENTS, TERMINAL_STATUSES, DeliveryStatus
+from .choices import PLATFORM_DEFAULT_EVENTS, TERMINAL_STATUSES, ChannelKind, DeliveryStatus
 from .models import Channel, Delivery, QuotaAlertState, url_fingerprint
 from .slack import Event
 
@@ -592,6 +592,15 @@ def platform_default_events() -> list[str]:
 # --- reminders ------------------------------------------------------------------------------
 
 
+def _platform_hears_reminders() -> bool:
+    """Whether the platform channel (set up, enabled) is subscribed to a reminder: then every tenant's count."""
+    if not platform_url():
+        return False
+    row = Channel.objects.filter(tenant__isnull=True, kind=ChannelKind.SLACK).values("enabled", "events").first()
+    enabled, events = (row["enabled"], row["events"]) if row else (True, platform_default_events())
+    return enabled and any(str(e) in events for e in REMINDER_BOUNDARY)
+
+
 def reminders_due(*, now: datetime) -> list[tuple[str, int, int]]:
     """Return (domain event, reservation id, hours) for every reminder whose moment has come.
 
@@ -603,9 +612,10 @@ def reminders_due(*, now: datetime) -> list[tuple[str, int, int]]:
     hour, day = timedelta(hours=1), timedelta(hours=24)
     lower = Func(F("period"), function="lower", output_field=DateTimeField())
     upper = Func(F("period"), function="upper", output_field=DateTimeField())
-    base = Reservation.objects.filter(status__in=HOLDING_STATUSES, tenant__in=_tenants_listening()).annotate(
-        start=lower, end=upper
-    )
+    base = Reservation.objects.filter(status__in=HOLDING_STATUSES)
+    if not _platform_hears_reminders():
+        base = base.filter(tenant__in=_tenants_listening())
+    base = base.annotate(start=lower, end=upper)
     due: list[tuple[str, int, int]] = []
     for pk in base.filter(start__gt=now, start__lte=now + hour, created_at__lte=F("start") - hour).values_list(
         "pk", flat=True

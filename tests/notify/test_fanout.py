@@ -378,3 +378,21 @@ def test_cluster_ready_tells_the_team_how_to_connect(world, t0, book, slack_for,
     assert cluster.connection["slurm_reservation"] in slack_text
     data = json.loads(by_kind["webhook"].body)["data"]
     assert data["connection"] == cluster.connection and data["access"].startswith(login)
+
+
+def test_a_platform_channel_subscribed_to_reminders_gets_them_for_tenants_without_channels(world, notify_settings):
+    """Staff may tick a reminder on the platform channel (PORTAL_PLATFORM_SLACK_EVENTS, or the admin): the reminder
+    sweep must then find every booking's reminder, not only those of tenants with a channel of their own."""
+    notify_settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    notify_settings.PORTAL_PLATFORM_SLACK_EVENTS = [Event.RESERVATION_STARTING_1H]
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    soon = booking.reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"],
+                                      pool=world.pool, node_count=1, start=hour, end=hour + timedelta(hours=2))
+    type(soon).objects.filter(pk=soon.pk).update(created_at=now - timedelta(days=1))
+    assert not Channel.objects.filter(tenant=world.tenants["beta"]).exists()
+
+    created = services.reminders_emit(now=now)
+
+    assert [(d.event, d.tenant_id, d.channel.is_platform) for d in created] == [
+        (Event.RESERVATION_STARTING_1H, None, True)]
