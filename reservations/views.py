@@ -198,6 +198,9 @@ def calendar(request):
         "tenant": portal.tenant.slug if portal.tenant else None,
         "initialView": view,
         "initialDate": initial_date,
+        # Paging stops at the days it opens on (end exclusive): past them its feeds refuse the range.
+        "validRange": {"start": CALENDAR_FIRST_DAY.isoformat(),
+                       "end": (CALENDAR_LAST_DAY + timedelta(days=1)).isoformat()},
         "showAll": request.GET.get("all") == "1",  # month cells list every event instead of "+N more"
         "eventsUrl": reverse("calendar-events"),
         "availabilityUrl": reverse("calendar-availability"),

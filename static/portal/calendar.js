@@ -215,6 +215,8 @@
     timeZone: cfg.tz === browserTz ? "local" : cfg.tz,
     initialView: cfg.initialView || (narrow ? "timeGridDay" : "timeGridWeek"),
     initialDate: cfg.initialDate || undefined,
+    // The days its feeds take: "Previous" and "Next" are disabled at the edges, not paged into an error.
+    validRange: cfg.validRange || undefined,
     headerToolbar: narrow
       ? { left: "prev,next", center: "title", right: "today" }
       : { left: "prev,next today", center: "title", right: "dayGridMonth,timeGridWeek,timeGridDay" },

@@ -184,3 +184,27 @@ def test_a_lead_demoted_while_the_calendar_is_open_is_told_the_role_no_longer_al
     expect(alert).to_contain_text("role does not allow booking")
     expect(alert).not_to_contain_text("session")
     expect(alert).to_be_focused()
+
+
+@pytest.mark.parametrize(("view", "edge", "away", "button"), [
+    ("timeGridDay", "1970-03-05", "1970-03-04", "Previous day"),
+    ("timeGridDay", "8999-10-29", "8999-10-30", "Next day"),
+    ("dayGridMonth", "1970-03-05", "1970-02-15", "Previous month"),
+    ("dayGridMonth", "8999-10-29", "8999-11-15", "Next month"),
+])
+def test_the_calendar_cannot_be_paged_past_its_first_or_last_day(world, live_server, new_page, sign_in, view, edge,
+                                                                  away, button):
+    """The calendar opens only on 1970-03-05 to 8999-10-29 (its feeds take 1970 to 8999), but "Previous" and
+    "Next" paged on past them until the page said "Could not load reservations.". At the edge the button is
+    disabled, and no day outside the range is shown."""
+    page = sign_in(new_page(tz="Pacific/Kiritimati"), "alpha-lead")  # UTC+14: local days start the day before
+    page.goto(f"{live_server.url}/calendar/?view={view}&date={edge}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    step = page.get_by_role("button", name=button)
+    expect(step).to_be_disabled()
+    step.click(force=True)  # a disabled button does nothing
+    page.wait_for_load_state("networkidle")
+    expect(page.locator(f"[data-date='{edge}']").first).to_be_visible()
+    expect(page.locator(f".fc-day[data-date='{away}']:not(.fc-day-disabled)")).to_have_count(0)
+    expect(page.locator("#calendar-status")).to_be_empty()
+
