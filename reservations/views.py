@@ -180,8 +180,9 @@ def calendar(request):
     pools = list(Pool.objects.order_by("name"))
     pool = _pick_pool(request, pools)
     view = request.GET.get("view") if request.GET.get("view") in CALENDAR_VIEWS else None
+    raw_date = request.GET.get("date", "").strip()
     try:
-        asked = date.fromisoformat(request.GET.get("date", ""))
+        asked = date.fromisoformat(raw_date)
     except ValueError:
         asked = None
     out_of_range = asked is not None and not CALENDAR_FIRST_DAY <= asked <= CALENDAR_LAST_DAY
@@ -208,8 +209,13 @@ def calendar(request):
         "panelUrl": reverse("reservation-panel", args=[0]),
         "apiUrl": reverse("reservation-detail", args=[0]),  # the REST API: drag and resize PATCH it
     }
-    note = (f"There is no calendar for {asked.isoformat()} (it runs from {CALENDAR_FIRST_DAY:%Y} to "
-            f"{CALENDAR_LAST_DAY:%Y}): showing today." if out_of_range else "")
+    note = ""
+    if out_of_range:
+        note = (f"There is no calendar for {asked.isoformat()} (it runs from {CALENDAR_FIRST_DAY:%Y} to "
+                f"{CALENDAR_LAST_DAY:%Y}): showing today.")
+    elif raw_date and asked is None:  # 2026-02-30, a typo: said, not silently replaced by today
+        shown = raw_date if len(raw_date) <= 40 else raw_date[:40] + "…"
+        note = f"There is no day {shown} (dates are written YYYY-MM-DD): showing today."
     return render_page(request, "reservations/calendar.html",
                        {"pools": pools, "pool": pool, "config": config, "date_note": note})
 

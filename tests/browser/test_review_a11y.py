@@ -208,3 +208,24 @@ def test_the_calendar_cannot_be_paged_past_its_first_or_last_day(world, live_ser
     expect(page.locator(f".fc-day[data-date='{away}']:not(.fc-day-disabled)")).to_have_count(0)
     expect(page.locator("#calendar-status")).to_be_empty()
 
+
+@pytest.mark.parametrize("asked", ["2026-02-30", "2026-13-01", "tomorrow", "2026-1-5"])
+def test_an_impossible_calendar_date_shows_today_and_says_so(world, live_server, new_page, sign_in, asked):
+    """?date=2026-02-30 (no such day) opened the calendar on today without a word, where a day out of range
+    says why: it gets the same note."""
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=timeGridDay&date={asked}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    note = page.locator("#calendar-note")
+    expect(note).to_be_visible()
+    expect(note).to_contain_text(asked)
+    expect(note).to_contain_text("today")
+    today = page.evaluate("new Date().toISOString().slice(0, 10)")
+    expect(page.locator(f".fc-timegrid-col[data-date='{today}']")).to_have_count(1)
+
+
+def test_a_calendar_without_a_date_has_no_note(world, live_server, new_page, sign_in):
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=timeGridDay&date=&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    expect(page.locator("#calendar-note")).to_have_count(0)
