@@ -229,3 +229,33 @@ def test_a_calendar_without_a_date_has_no_note(world, live_server, new_page, sig
     page.goto(f"{live_server.url}/calendar/?view=timeGridDay&date=&pool=h100")
     page.wait_for_selector("#calendar[data-ready='1']")
     expect(page.locator("#calendar-note")).to_have_count(0)
+
+
+HEAT_CELLS = """() => Array.from(document.querySelectorAll('table.heat td')).map(td => ({
+  cls: td.className, title: td.getAttribute('title') || '', text: td.textContent.trim()}))"""
+
+
+def test_the_heatmaps_past_hours_are_said_in_words_and_its_legend_names_every_kind_of_cell(world, live_server,
+                                                                                         new_page, sign_in):
+    """The availability heatmap greys out the hours gone by: that grey was the only sign an hour is past (its
+    tooltip and text said only "N of M free"), and the legend, hidden from screen readers, named neither the
+    grey nor the outlined (DST-repeated) or striped (DST-skipped) cells (WCAG 1.4.1). Past cells say "past" in
+    their tooltip and text, and the legend, a named group, names every kind of cell."""
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/availability/")
+    cells = page.evaluate(HEAT_CELLS)
+    past = [c for c in cells if "past" in c["cls"].split()]
+    hours_gone = page.evaluate("new Date().getUTCHours()")  # the world's users see UTC
+    if hours_gone:  # today's hours before this one (none between 00:00 and 01:00)
+        assert past
+    for cell in past:
+        assert "past" in cell["title"], cell
+        assert "past" in cell["text"], cell
+    for cell in cells:
+        if "past" not in cell["cls"].split():
+            assert "past" not in cell["title"] and "past" not in cell["text"], cell
+    legend = page.get_by_role("group", name="Free capacity legend")
+    expect(legend).to_be_visible()
+    for words in ("none free", "all free", "past", "twice", "does not exist"):
+        expect(legend).to_contain_text(words)
+
