@@ -259,3 +259,25 @@ def test_the_heatmaps_past_hours_are_said_in_words_and_its_legend_names_every_ki
     for words in ("none free", "all free", "past", "twice", "does not exist"):
         expect(legend).to_contain_text(words)
 
+
+def test_the_fleet_timelines_legend_is_a_named_group_naming_each_colour_and_each_bar_names_its_tenant(
+        world, live_server, new_page, sign_in, day):
+    """The fleet timeline colours bookings by tenant and shades failed and maintenance/draining nodes' rows.
+    Each bar's accessible name and tooltip name its tenant, and the legend (a named group) names every tenant
+    shown and each row shading: failed, and maintenance or draining (which it left out)."""
+    services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                node_count=1, start=at(day, 10), end=at(day, 12), name="fleet run")
+    page = sign_in(new_page(), "staff")
+    page.goto(f"{live_server.url}/fleet/")
+    bars = page.locator(".fleet a.bar")
+    expect(bars.first).to_be_visible()
+    legend = page.get_by_role("group", name="Fleet timeline legend")
+    expect(legend).to_be_visible()
+    for i in range(bars.count()):
+        bar = bars.nth(i)
+        tenant = bar.get_attribute("data-tenant")
+        expect(bar).to_have_accessible_name(re.compile(rf"^{tenant} · "))
+        expect(bar).to_have_attribute("title", re.compile(rf"^{tenant} · "))
+        expect(legend).to_contain_text(tenant)
+    for words in ("maintenance", "failed node", "maintenance or draining node"):
+        expect(legend).to_contain_text(words)
