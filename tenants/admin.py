@@ -264,6 +264,7 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
         audit = reverse("admin:core_auditlog_changelist") + f"?tenant_id={obj.pk}"
         return format_html('<a href="{}">Audit log</a>', audit)
 
+    @method_decorator(sensitive_post_parameters("new_slack_webhook_url"))  # a bearer secret: out of error reports
     def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
         if request.method == "POST" and object_id:
             try:

@@ -540,3 +540,17 @@ def test_the_admin_names_api_tokens_as_the_docs_do(root):
     index = root.get(reverse("admin:index")).content.decode()
     assert "API tokens" in index and "Api tokens" not in index
     assert "Select API token to change" in root.get(reverse("admin:tenants_apitoken_changelist")).content.decode()
+
+
+def test_a_slack_url_typed_in_the_tenant_admin_is_hidden_from_error_reports(world, staff):
+    """A Slack incoming-webhook URL is a bearer secret: the tenant admin's "new Slack URL" box was not marked
+    sensitive, so a 500 while saving put the full URL in Django's error report (log, admins' mail)."""
+    from django.views.debug import SafeExceptionReporterFilter
+
+    tenant = world.tenants["alpha"]
+    url = "https://hooks.slack.com/services/T000/B000/tenant-admin-secret"
+    data, _ = _tenant_post(world, tenant, new_slack_webhook_url=url)
+    response = staff.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]), data)
+    assert response.status_code in (200, 302)
+    shown = SafeExceptionReporterFilter().get_post_parameters(response.wsgi_request)
+    assert shown["new_slack_webhook_url"] != url
