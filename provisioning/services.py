@@ -436,9 +436,7 @@ def begin_provisioning(*, reservation_id: int, now: datetime | None = None, disp
     with transaction.atomic():
         # Due by its window as it is under the reservation's lock: the caller read it before, and a start moved
         # later since (allowed while confirmed) must not be provisioned ahead of its new lead time.
-        if Reservation.objects.select_for_update(of=("self",)).filter(
-                pk=reservation_id, period__startswith__lte=now + lead, period__endswith__gt=now,
-        ).values_list("pk", flat=True).first() is None:
+        if not _lock_reservation_if(reservation_id, period__startswith__lte=now + lead, period__endswith__gt=now):
             return None
         reservation = reservation_set_status(
             reservation_id=reservation_id, status=ReservationStatus.PROVISIONING,
@@ -1323,14 +1321,26 @@ def _tick_start_provisioning(now: datetime) -> int:
     return _each(ids, lambda rid: begin_provisioning(reservation_id=rid, now=now), "starting provisioning")
 
 
+def _lock_reservation_if(reservation_id: int, **window: Any) -> bool:
+    """Lock the reservation's row and tell whether it still matches window (a tick read it before the lock: a
+    start or end moved since must be judged as it is now)."""
+    return Reservation.objects.select_for_update(of=("self",)).filter(
+        pk=reservation_id, **window).values_list("pk", flat=True).first() is not None
+
+
+def _lock_if_ended(reservation_id: int, now: datetime) -> tuple[VirtualCluster | None, bool]:
+    """Lock the booking's cluster row, then its own — the order the tenant's teardown and a failing run take
+    them (the other order deadlocked with the teardown button pressed as the window ended) — and return the
+    cluster and whether the window has still ended by now (an extension committed since keeps the booking)."""
+    cluster = VirtualCluster.objects.select_for_update().filter(reservation_id=reservation_id).first()
+    return cluster, _lock_reservation_if(reservation_id, period__endswith__lte=now)
+
+
 def _tick_fail_missed(now: datetime) -> int:
     def fail(rid: int) -> bool:
         with transaction.atomic():
-            # The cluster's row before the reservation's, as _tick_end and the tenant's teardown take them.
-            cluster = VirtualCluster.objects.select_for_update().filter(reservation_id=rid).first()
-            # The window read ended before these locks: an extension committed since keeps the booking.
-            if Reservation.objects.select_for_update(of=("self",)).filter(
-                    pk=rid, period__endswith__lte=now).values_list("pk", flat=True).first() is None:
+            cluster, ended = _lock_if_ended(rid, now)
+            if not ended:
                 return False
             if reservation_set_status(reservation_id=rid, status=ReservationStatus.FAILED,
                                       expected=(ReservationStatus.CONFIRMED,),
@@ -1356,21 +1366,16 @@ def _tick_activate(now: datetime) -> int:
 def _tick_end(now: datetime) -> int:
     def end(rid: int) -> bool:
         with transaction.atomic():
-            # The cluster's row before the reservation's, in the order the tenant's teardown and a failing run
-            # take them: the other order deadlocked with the teardown button pressed as the window ended.
-            cluster_id = (VirtualCluster.objects.select_for_update().filter(reservation_id=rid)
-                          .values_list("id", flat=True).first())
-            # The window read ended before these locks: an extension committed since keeps the booking going.
-            if Reservation.objects.select_for_update(of=("self",)).filter(
-                    pk=rid, period__endswith__lte=now).values_list("pk", flat=True).first() is None:
+            cluster, ended = _lock_if_ended(rid, now)
+            if not ended:
                 return False
             if reservation_set_status(reservation_id=rid, status=ReservationStatus.ENDING,
                                       expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
                                       reason="window ended") is None:
                 return False
-            if cluster_id is not None:
-                VirtualCluster.objects.filter(pk=cluster_id).update(dispatched_at=now)
-                _enqueue("teardown_cluster", cluster_id)
+            if cluster is not None:
+                VirtualCluster.objects.filter(pk=cluster.pk).update(dispatched_at=now)
+                _enqueue("teardown_cluster", cluster.pk)
         return True
 
     ids = Reservation.objects.filter(status__in=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
