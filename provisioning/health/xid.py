@@ -172,19 +172,19 @@ class HealthState:
         """Remember the XIDs and counter readings ({uuid: readings}) sent under receipt, forgetting the oldest
         receipts beyond max_receipts (nothing is lost: their XIDs were never marked reported and their
         readings never became the baseline, so a later run reports both again)."""
-        keys = list(keys)
-        if keys:
-            self.pending_xids.pop(receipt, None)
-            self.pending_xids[receipt] = keys
-            while len(self.pending_xids) > self.max_receipts:
-                del self.pending_xids[next(iter(self.pending_xids))]
-        readings = {uuid: {name: [float(v) for v in r] for name, r in values.items()}
-                    for uuid, values in (counters or {}).items() if uuid and values}
-        if readings:
-            self.pending_counters.pop(receipt, None)
-            self.pending_counters[receipt] = readings
-            while len(self.pending_counters) > self.max_receipts:
-                del self.pending_counters[next(iter(self.pending_counters))]
+        self._keep(self.pending_xids, receipt, list(keys))
+        self._keep(self.pending_counters, receipt, {
+            uuid: {name: [float(v) for v in r] for name, r in values.items()}
+            for uuid, values in (counters or {}).items() if uuid and values})
+
+    def _keep(self, pending: dict[str, Any], receipt: str, held: Any) -> None:
+        """Hold a non-empty held under receipt as the newest, forgetting the oldest receipts beyond max_receipts."""
+        if not held:
+            return
+        pending.pop(receipt, None)
+        pending[receipt] = held
+        while len(pending) > self.max_receipts:
+            del pending[next(iter(pending))]
 
     def holds(self, receipt: str) -> bool:
         """Tell whether anything sent under receipt waits for the portal's word."""
