@@ -272,13 +272,21 @@
       if (arg.event.display !== "background" && !arg.event.extendedProps.more) {
         arg.el.setAttribute("data-reservation-id", arg.event.id);
         arg.el.setAttribute("title", fullLabel(arg.event));
-        // Its status in its accessible name too: the words it shows, then the status (not a replacement name).
+        // Its status in words in the box (not only its colour, WCAG 1.4.1), after the time and title, so its
+        // accessible name says it once, last. It never shrinks: a long title gives way to it (ellipsis).
         var status = arg.event.extendedProps.status;
         if (status) {
-          var said = document.createElement("span");
-          said.className = "sr-only";
-          said.textContent = " · " + status + (arg.event.classNames.indexOf("bill-burst") >= 0 ? " · burst" : "");
-          arg.el.appendChild(said);
+          var shown = document.createElement("span");
+          shown.className = "ev-status";
+          shown.textContent = status;
+          if (arg.event.classNames.indexOf("bill-burst") >= 0) {
+            // Shown where there is room (a week or day column); a month cell has only the stripes for it.
+            var burst = document.createElement("span");
+            burst.className = "ev-burst";
+            burst.textContent = " · burst";
+            shown.appendChild(burst);
+          }
+          (arg.el.querySelector(".fc-event-main-frame") || arg.el).appendChild(shown);
         }
       }
     },

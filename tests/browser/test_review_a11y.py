@@ -140,6 +140,50 @@ def test_calendar_events_say_their_status_in_words_and_the_colours_have_a_legend
         expect(legend).to_contain_text(word)
 
 
+# Each booking's status word as the event box shows it: its text, whether the box shows all of it, and whether
+# it is read at a readable size (not the 1-pixel clip of screen-reader-only text).
+_SHOWN_STATUS = """() => Array.from(document.querySelectorAll('.fc-event[data-reservation-id]')).map(e => {
+  const s = e.querySelector('.ev-status'), box = e.getBoundingClientRect();
+  if (!s) { return {id: e.getAttribute('data-reservation-id'), text: null}; }
+  const r = s.getBoundingClientRect();
+  return {id: e.getAttribute('data-reservation-id'), text: s.textContent.trim(), width: r.width, height: r.height,
+          cut: s.scrollWidth - s.clientWidth, inside: r.left >= box.left - 1 && r.right <= box.right + 1,
+          title: (e.querySelector('.fc-event-title') || {}).textContent};
+})"""
+
+
+@pytest.mark.parametrize("view", ["timeGridWeek", "dayGridMonth"])
+def test_calendar_events_show_their_status_in_the_box_not_only_by_colour(world, live_server, new_page, sign_in, day,
+                                                                         view):
+    """A booking's status was said only by its box's colour (with a legend) and in its tooltip and screen-reader
+    text, so a reader who cannot tell the colours apart had to hover each booking (WCAG 1.4.1). Each box now
+    shows its status in words, whole, even when its title is too long for the box and ends in an ellipsis (a
+    month cell leaves "burst" to the stripes and to screen readers)."""
+    long_name = "hyperparameter-sweep-for-the-long-context-model"
+    booking = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                          pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12),
+                                          name=long_name)
+    burst = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                        pool=world.pool, node_count=1, start=at(day, 14), end=at(day, 16),
+                                        name="eval")
+    type(burst).objects.filter(pk=burst.pk).update(billing="burst")
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view={view}&date={day.isoformat()}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    shown = {s["id"]: s for s in page.evaluate(_SHOWN_STATUS)}
+    assert set(shown) == {str(booking.pk), str(burst.pk)}, shown
+    assert shown[str(booking.pk)]["text"] == "Confirmed", shown
+    assert shown[str(burst.pk)]["text"] == "Confirmed · burst", shown
+    for status in shown.values():
+        assert status["cut"] <= 1 and status["inside"], status
+        assert status["width"] > 20 and status["height"] >= 8, status  # read, not a clipped 1-pixel box
+    # Said once to a screen reader too: the accessible name names the status once, after the title.
+    link = page.get_by_role("link", name=re.compile(re.escape(long_name)))
+    expect(link).to_have_count(1)
+    assert link.inner_text().count("Confirmed") == 1
+    assert page.errors == []
+
+
 @pytest.mark.parametrize("asked", ["0001-01-01", "9999-12-31", "1969-12-31",
                                    "2026-02-30", "2026-13-01", "tomorrow", "2026-1-5"])
 def test_a_calendar_date_it_cannot_show_opens_on_today_and_says_so(world, live_server, new_page, sign_in, asked):
