@@ -1,12 +1,14 @@
-"""Create the demo fleet, tenants, users, quotas and two weeks of bookings. Safe to run again."""
+"""Create the demo fleet, tenants, users, quotas and two weeks of bookings. Safe to run again, and a run
+cut off part-way is completed by the next."""
 
 import random
 import secrets
-from datetime import timedelta
+from datetime import UTC, datetime, time, timedelta
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
 from portal.core.exceptions import DomainError
@@ -40,40 +42,16 @@ class Command(BaseCommand):
         parser.add_argument("--no-bookings", action="store_true")
 
     def handle(self, *args, no_bookings=False, **options):
-        User = get_user_model()
+        # Each step is atomic and finds what an earlier run made: a run cut off part-way (an error, a
+        # killed process) leaves whole steps behind, and the next run completes the rest.
         with transaction.atomic():
-            for name, model, count, gpus, rate in POOLS:
-                pool, _ = Pool.objects.get_or_create(
-                    name=name, defaults={"gpu_model": model, "gpus_per_node": gpus, "on_demand_rate": rate}
-                )
-                for i in range(1, count + 1):
-                    Node.objects.get_or_create(
-                        hostname=f"{name}-{i:03d}", defaults={
-                            "pool": pool,
-                            "gpus": [{"index": g, "uuid": f"GPU-{name}-{i:03d}-{g}", "serial": f"SN{i:03d}{g}"}
-                                     for g in range(gpus)],
-                        }
-                    )
-            admin, created = User.objects.get_or_create(username="admin", defaults={"is_staff": True,
-                                                                                    "is_superuser": True})
-            if created:
-                admin.set_password(PASSWORD)
-                admin.save()
-            for slug, tname, burst, vlan, cidr, quotas in TENANTS:
-                tenant, _ = Tenant.objects.get_or_create(slug=slug, defaults={
-                    "name": tname, "burst_enabled": burst, "vlan_id": vlan, "cidr": cidr,
-                    "ical_token": secrets.token_urlsafe(24)})
-                for role in ("lead", "member", "viewer"):
-                    user, created = User.objects.get_or_create(username=f"{slug}-{role}",
-                                                               defaults={"email": f"{slug}-{role}@example.com"})
-                    if created:
-                        user.set_password(PASSWORD)
-                        user.save()
-                    Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": role})
-                for pool_name, (max_nodes, burst_nodes, hours) in quotas.items():
-                    Quota.objects.get_or_create(tenant=tenant, pool=Pool.objects.get(name=pool_name), defaults={
-                        "max_nodes": max_nodes, "burst_nodes": burst_nodes, "max_duration_hours": hours})
-        made = 0 if no_bookings else self._bookings()
+            self._fleet()
+        made = 0
+        for spec in TENANTS:
+            with transaction.atomic():
+                tenant, lead = self._tenant(*spec)
+            if not no_bookings:
+                made += self._bookings(tenant=tenant, lead=lead, quotas=spec[5])
         self.stdout.write(self.style.SUCCESS(
             f"Demo fleet: {Node.objects.count()} nodes in {Pool.objects.count()} pools, "
             f"{Tenant.objects.count()} tenants, {Reservation.objects.count()} reservations ({made} new)."
@@ -81,30 +59,104 @@ class Command(BaseCommand):
         self.stdout.write(f"Logins (password for all: {PASSWORD}): admin (staff), "
                           + ", ".join(f"{t[0]}-lead/-member/-viewer" for t in TENANTS))
 
-    def _bookings(self) -> int:
-        """Book two weeks of sample reservations through the real service (rules and all)."""
-        rng = random.Random(2026)
+    def _fleet(self) -> None:
+        User = get_user_model()
+        for name, model, count, gpus, rate in POOLS:
+            pool, _ = Pool.objects.get_or_create(
+                name=name, defaults={"gpu_model": model, "gpus_per_node": gpus, "on_demand_rate": rate}
+            )
+            for i in range(1, count + 1):
+                Node.objects.get_or_create(
+                    hostname=f"{name}-{i:03d}", defaults={
+                        "pool": pool,
+                        "gpus": [{"index": g, "uuid": f"GPU-{name}-{i:03d}-{g}", "serial": f"SN{i:03d}{g}"}
+                                 for g in range(gpus)],
+                    }
+                )
+        admin, created = User.objects.get_or_create(username="admin", defaults={"is_staff": True,
+                                                                                "is_superuser": True})
+        if created:
+            admin.set_password(PASSWORD)
+            admin.save()
+
+    def _tenant(self, slug, tname, burst, vlan, cidr, quotas):
+        """The tenant, its lead/member/viewer and its quotas, whichever of them are missing."""
+        User = get_user_model()
+        tenant, _ = Tenant.objects.get_or_create(slug=slug, defaults={
+            "name": tname, "burst_enabled": burst, "vlan_id": vlan, "cidr": cidr,
+            "ical_token": secrets.token_urlsafe(24)})
+        users = {}
+        for role in ("lead", "member", "viewer"):
+            user, created = User.objects.get_or_create(username=f"{slug}-{role}",
+                                                       defaults={"email": f"{slug}-{role}@example.com"})
+            if created:
+                user.set_password(PASSWORD)
+                user.save()
+            Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": role})
+            users[role] = user
+        for pool_name, (max_nodes, burst_nodes, hours) in quotas.items():
+            Quota.objects.get_or_create(tenant=tenant, pool=Pool.objects.get(name=pool_name), defaults={
+                "max_nodes": max_nodes, "burst_nodes": burst_nodes, "max_duration_hours": hours})
+        return tenant, users["lead"]
+
+    def _bookings(self, *, tenant: Tenant, lead, quotas: dict) -> int:
+        """Book the tenant's two weeks of sample reservations through the real service (rules and all).
+
+        Each booking is its own transaction (the service's), so the weeks cannot be booked atomically;
+        instead they follow a plan fixed by the day the tenant's current bookings were first made, and
+        a window of the plan already booked is not booked again. A run cut off part-way is completed
+        by the next; a run over complete bookings books nothing; once all of a tenant's bookings have
+        ended, a run books two fresh weeks.
+        """
         now = timezone.now()
         made = 0
-        for slug, _name, _burst, _vlan, _cidr, quotas in TENANTS:
-            tenant = Tenant.objects.get(slug=slug)
-            if Reservation.objects.filter(tenant=tenant, period__endswith__gt=now).exists():
-                continue
-            lead = get_user_model().objects.get(username=f"{slug}-lead")
-            for pool_name, (max_nodes, _b, max_hours) in quotas.items():
-                pool = Pool.objects.get(name=pool_name)
-                cursor = slot_floor(now, pool.slot_minutes) + timedelta(hours=rng.randint(0, 6))
-                while cursor < now + timedelta(days=14):
-                    hours = min(rng.choice([4, 8, 12, 24, 48]), max_hours or 48)
-                    try:
-                        reservation_create(
-                            actor=lead, tenant=tenant, pool=pool, node_count=rng.randint(1, max(1, max_nodes // 2)),
-                            start=cursor, end=cursor + timedelta(hours=hours),
-                            name=rng.choice(["pretrain", "eval sweep", "ablation", "serving canary", "rlhf"]),
-                            orchestrator=rng.choice(["slurm", "kubernetes"]),
-                        )
-                        made += 1
-                    except DomainError:
-                        pass
-                    cursor += timedelta(hours=hours + rng.randint(2, 30))
+        for pool_name, (max_nodes, _b, max_hours) in quotas.items():
+            pool = Pool.objects.get(name=pool_name)
+            for start, end, node_count, name, orchestrator in self._plan(tenant, pool, max_nodes, max_hours, now):
+                if start < slot_floor(now, pool.slot_minutes):
+                    continue  # the plan's past: never booked again
+                if Reservation.objects.filter(tenant=tenant, pool=pool,
+                                              period=DateTimeTZRange(start, end, "[)")).exists():
+                    continue
+                try:
+                    reservation_create(actor=lead, tenant=tenant, pool=pool, node_count=node_count,
+                                       start=start, end=end, name=name, orchestrator=orchestrator)
+                    made += 1
+                except DomainError:
+                    pass
         return made
+
+    def _plan(self, tenant: Tenant, pool: Pool, max_nodes: int, max_hours: int | None, now) -> list[tuple]:
+        """The tenant's windows in pool for the plan of the day its still-running or future bookings
+        were first made (today if it has none): the same list on every run that day's plan is used."""
+        first = (Reservation.objects.filter(tenant=tenant, period__endswith__gt=now)
+                 .order_by("created_at").values_list("created_at", "period", "pool_id").first())
+        if first is None:
+            return _plan_for(tenant.slug, pool, max_nodes, max_hours, now.date())
+        created_at, period, pool_id = first
+        day = created_at.astimezone(UTC).date()
+        # A run that began just before midnight made its first booking after it, under the day before:
+        # the plan is the one that has that booking's window.
+        first_pool = Pool.objects.get(pk=pool_id)
+        first_quota = next((t[5] for t in TENANTS if t[0] == tenant.slug), {}).get(first_pool.name)
+        for candidate in (day, day - timedelta(days=1)):
+            if first_quota and any(
+                    (s, e) == (period.lower, period.upper)
+                    for s, e, *_ in _plan_for(tenant.slug, first_pool, first_quota[0], first_quota[2], candidate)):
+                return _plan_for(tenant.slug, pool, max_nodes, max_hours, candidate)
+        return _plan_for(tenant.slug, pool, max_nodes, max_hours, day)
+
+
+def _plan_for(slug: str, pool: Pool, max_nodes: int, max_hours: int | None, day) -> list[tuple]:
+    """Two weeks of windows from midnight (UTC) of day: the same for the same tenant, pool and day."""
+    rng = random.Random(f"{slug}/{pool.name}/{day.isoformat()}")
+    midnight = datetime.combine(day, time.min, tzinfo=UTC)
+    cursor = slot_floor(midnight, pool.slot_minutes) + timedelta(hours=rng.randint(0, 6))
+    windows = []
+    while cursor < midnight + timedelta(days=14):
+        hours = min(rng.choice([4, 8, 12, 24, 48]), max_hours or 48)
+        windows.append((cursor, cursor + timedelta(hours=hours), rng.randint(1, max(1, max_nodes // 2)),
+                        rng.choice(["pretrain", "eval sweep", "ablation", "serving canary", "rlhf"]),
+                        rng.choice(["slurm", "kubernetes"])))
+        cursor += timedelta(hours=hours + rng.randint(2, 30))
+    return windows

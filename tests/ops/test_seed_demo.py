@@ -1,0 +1,114 @@
+"""`manage.py seed_demo` converges: a run cut off part-way (an error, a killed process) is completed by
+the next run, and a run over a complete seed changes nothing."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+
+from reservations.management.commands import seed_demo
+from reservations.models import Node, Pool, Reservation
+from tenants.models import Membership, Quota, Tenant
+
+pytestmark = pytest.mark.django_db
+
+
+def snapshot() -> dict[str, set]:
+    return {
+        "pools": set(Pool.objects.values_list("name", "gpus_per_node")),
+        "nodes": set(Node.objects.values_list("hostname", "pool__name")),
+        "tenants": set(Tenant.objects.values_list("slug", "vlan_id", "cidr")),
+        "users": set(get_user_model().objects.values_list("username", flat=True)),
+        "memberships": set(Membership.objects.values_list("tenant__slug", "user__username", "role")),
+        "quotas": set(Quota.objects.values_list("tenant__slug", "pool__name", "max_nodes", "burst_nodes")),
+        "bookings": set(Reservation.objects.values_list("tenant__slug", "pool__name", "period", "node_count",
+                                                        "name")),
+    }
+
+
+def assert_fully_seeded() -> None:
+    for slug, _name, _burst, _vlan, _cidr, quotas in seed_demo.TENANTS:
+        tenant = Tenant.objects.get(slug=slug)
+        assert set(Membership.objects.filter(tenant=tenant).values_list("user__username", "role")) == {
+            (f"{slug}-{role}", role) for role in ("lead", "member", "viewer")}
+        assert set(Quota.objects.filter(tenant=tenant).values_list("pool__name", flat=True)) == set(quotas)
+        for pool_name in quotas:
+            assert Reservation.objects.filter(tenant=tenant, pool__name=pool_name).exists(), (slug, pool_name)
+    # Every booking window is booked once: a resumed run never books a window a second time.
+    periods = list(Reservation.objects.values_list("tenant__slug", "pool__name", "period"))
+    assert len(periods) == len(set(periods))
+
+
+def interrupted_run(after_bookings: int) -> None:
+    """seed_demo as if killed once after_bookings bookings had committed."""
+    real = seed_demo.reservation_create
+    made = 0
+
+    def book(**kwargs):
+        nonlocal made
+        if made == after_bookings:
+            raise KeyboardInterrupt
+        reservation = real(**kwargs)
+        made += 1
+        return reservation
+
+    with mock.patch.object(seed_demo, "reservation_create", side_effect=book), pytest.raises(KeyboardInterrupt):
+        call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert made == after_bookings
+
+
+def test_a_run_cut_off_in_the_first_tenants_bookings_is_completed_by_the_next():
+    interrupted_run(after_bookings=3)
+    # The first tenant has a few bookings in its first pool only, the others none.
+    assert Reservation.objects.count() == 3
+    assert set(Reservation.objects.values_list("tenant__slug", "pool__name")) == {("research", "h100-sxm")}
+    kept = set(Reservation.objects.values_list("pk", flat=True))
+
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert_fully_seeded()
+    assert kept <= set(Reservation.objects.values_list("pk", flat=True))
+    seeded = snapshot()
+
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert snapshot() == seeded
+
+
+def test_a_run_cut_off_in_a_later_pool_is_completed():
+    interrupted_run(after_bookings=12)
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert_fully_seeded()
+    seeded = snapshot()
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert snapshot() == seeded
+
+
+def test_a_tenant_left_without_members_or_quotas_is_completed():
+    call_command("seed_demo", no_bookings=True, verbosity=0, stdout=mock.Mock())
+    Membership.objects.filter(tenant__slug="inference").exclude(role="lead").delete()
+    Quota.objects.filter(tenant__slug="inference").delete()
+
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert_fully_seeded()
+    seeded = snapshot()
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert snapshot() == seeded
+
+
+def test_an_error_in_one_tenants_setup_leaves_none_of_that_tenant_behind():
+    real = Quota.objects.get_or_create
+
+    def quota(**kwargs):
+        if kwargs["tenant"].slug == "inference":
+            raise RuntimeError("cut off")
+        return real(**kwargs)
+
+    with mock.patch.object(Quota.objects, "get_or_create", side_effect=quota), pytest.raises(RuntimeError):
+        call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert not Tenant.objects.filter(slug="inference").exists()
+    assert not Membership.objects.filter(user__username__startswith="inference-").exists()
+
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    assert_fully_seeded()
