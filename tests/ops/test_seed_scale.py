@@ -106,3 +106,18 @@ def test_hand_sql_counts_a_node_once_when_two_bookings_share_a_step(db):
         got = bench.hand_availability(cur.cursor, pool_id=pool.pk, start=t0, end=t0 + timedelta(hours=4),
                                       step=timedelta(hours=2))
     assert [free for _, _, free in got] == [1, 2]
+
+
+@pytest.mark.parametrize("days_back", [-1, 0, 3651, 10**9])
+def test_days_back_outside_one_day_to_ten_years_is_refused_before_anything_is_loaded(days_back):
+    with pytest.raises(CommandError, match=rf"--days-back must be between 1 and 3650 days \(got {days_back}\)"):
+        call_command("seed_scale", nodes=8, allocations=10, days_back=days_back, no_vacuum=True, verbosity=0)
+    assert not Pool.objects.filter(name__startswith="scale-").exists()
+
+
+@pytest.mark.parametrize("days_back", [1, 3650])
+def test_days_back_at_the_ends_of_its_range_loads(days_back):
+    call_command("seed_scale", nodes=8, allocations=40, days_back=days_back, no_vacuum=True, verbosity=0)
+    assert Allocation.objects.filter(node__pool__name__startswith="scale-").count() == 40
+    first = Reservation.objects.filter(pool__name__startswith="scale-").order_by("period").first()
+    assert first.period.lower >= timezone.now() - timedelta(days=days_back, hours=1)

@@ -48,6 +48,8 @@ RACK_SPLITS = [[8], [8], [4, 4], [2, 2, 4], [1, 1, 2, 4], [2, 2, 2, 2], [1, 1, 1
 NODE_STATES = [(NodeState.AVAILABLE, 960), (NodeState.DRAINING, 10), (NodeState.MAINTENANCE, 10),
                (NodeState.FAILED, 10), (NodeState.RETIRED, 10)]
 BIG_TABLES = ("reservations_allocation", "reservations_reservation")
+# --days-back: at least a day of history, at most ten years of it.
+MAX_DAYS_BACK = 3650
 
 
 def _weighted(rng: random.Random, table: list[tuple]) -> object:
@@ -76,7 +78,8 @@ class Command(BaseCommand):
         parser.add_argument("--allocations", type=int, default=1_000_000)
         parser.add_argument("--pools", type=int, default=1, help="Split the nodes evenly over this many pools.")
         parser.add_argument("--tenants", type=int, default=40)
-        parser.add_argument("--days-back", type=int, default=60, help="History starts this many days ago.")
+        parser.add_argument("--days-back", type=int, default=60,
+                            help=f"History starts this many days ago (1 to {MAX_DAYS_BACK}).")
         parser.add_argument("--seed", type=int, default=42)
         parser.add_argument("--replace", action="store_true", help="Delete an earlier scale load first.")
         parser.add_argument("--no-vacuum", action="store_true", help="Skip VACUUM ANALYZE after the load.")
@@ -86,6 +89,9 @@ class Command(BaseCommand):
             raise CommandError("--nodes, --pools and --tenants must be positive, --allocations not negative.")
         if o["pools"] > o["nodes"]:
             raise CommandError("More pools than nodes.")
+        if not 1 <= o["days_back"] <= MAX_DAYS_BACK:
+            raise CommandError(f"--days-back must be between 1 and {MAX_DAYS_BACK} days (got {o['days_back']}): "
+                               "the history the load starts with, before now.")
         started = time.monotonic()
         rng = random.Random(o["seed"])
         with transaction.atomic():
