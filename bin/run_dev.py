@@ -18,6 +18,14 @@ PORT = os.environ.get("PORTAL_PORT", "8000")
 # wait behind a burst of provisioning phases, health checks or slow webhook deliveries.
 EVENT_QUEUES = os.environ.get("PORTAL_EVENT_WORKER_QUEUES", "default")
 WORK_QUEUES = os.environ.get("PORTAL_WORKER_QUEUES", "provisioning,health,fleet,notifications")
+SETUP = [
+    ["bin/devservices.py", "up"],
+    ["manage.py", "migrate", "--no-input", "-v", "0"],
+    ["manage.py", "seed_demo"],
+    ["manage.py", "collectstatic", "--no-input", "-v", "0"],
+]
+# Ctrl-C during setup: how long the running step gets after SIGTERM before SIGKILL.
+STOP_GRACE_S = 5
 
 
 def main() -> int:
@@ -27,16 +35,19 @@ def main() -> int:
     os.environ.setdefault("PORTAL_FAKE_NVML", "@provisioning/health/simulated/demo_fleet.json")
     # Links in notifications (Slack, reminders) point at the address this portal listens on.
     os.environ.setdefault("PORTAL_BASE_URL", f"http://{HOST}:{PORT}")
-    try:
-        subprocess.run([PY, "bin/devservices.py", "up"], check=True)
-        subprocess.run([PY, "manage.py", "migrate", "--no-input", "-v", "0"], check=True)
-        subprocess.run([PY, "manage.py", "seed_demo"], check=True)
-        subprocess.run([PY, "manage.py", "collectstatic", "--no-input", "-v", "0"], check=True)
-    except subprocess.CalledProcessError as exc:
-        # The step printed why; name it and keep its status, without a traceback of this script under it.
-        step = " ".join(str(a) for a in exc.cmd[1:])
-        print(f"make run: `{step}` failed (exit status {exc.returncode}); see its output above.", file=sys.stderr)
-        return exc.returncode if exc.returncode > 0 else 1
+    for step in SETUP:
+        code = _setup_step(step)
+        if code:
+            return code
+    # The handlers go in before the first service starts: a Ctrl-C while they start stops those started.
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     celery = [PY, "-m", "celery", "-A", "portal"]
     procs = {
         "web": subprocess.Popen([PY, "manage.py", "runserver", f"{HOST}:{PORT}", "--noreload"]),
@@ -48,14 +59,6 @@ def main() -> int:
     }
     print(f"\n  GPU Portal on http://{HOST}:{PORT}/  (API docs: http://{HOST}:{PORT}/api/docs/, "
           f"admin: http://{HOST}:{PORT}/admin/)\n  Ctrl-C stops web, workers and beat.\n", flush=True)
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
     code = 0
     while not stopping:
         for name, proc in procs.items():
@@ -72,6 +75,48 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return code
+
+
+def _setup_step(args: list[str]) -> int:
+    """Run one setup step: 0 when it succeeded, else the status make run exits with.
+
+    A failing step printed why: it is named and its status kept, without a traceback of this script
+    under it. The step ignores SIGINT, so a Ctrl-C in the terminal (which reaches the whole foreground
+    process group) interrupts only this script, which stops the step (see _stop) and exits 130, as a
+    shell does for SIGINT: one line, no traceback of the step's Python either.
+    """
+    step = " ".join(args)
+    proc = None
+    try:
+        # preexec_fn is safe here: this script starts no threads.
+        proc = subprocess.Popen([PY, *args], preexec_fn=_ignore_sigint)
+        code = proc.wait()
+    except KeyboardInterrupt:
+        if proc is not None:
+            _stop(proc)
+        print(f"\nmake run: interrupted during `{step}`; stopped.", file=sys.stderr, flush=True)
+        return 130
+    if code != 0:
+        print(f"make run: `{step}` failed (exit status {code}); see its output above.", file=sys.stderr)
+        return code if code > 0 else 1
+    return 0
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop an interrupted setup step: SIGTERM (a migrate's or seed_demo's open transaction is rolled
+    back), then SIGKILL if it is still there after STOP_GRACE_S. Another Ctrl-C goes straight to SIGKILL."""
+    try:
+        proc.terminate()
+        proc.wait(STOP_GRACE_S)
+        return
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        pass
+    proc.kill()
+    proc.wait()
 
 
 if __name__ == "__main__":

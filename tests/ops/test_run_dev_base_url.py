@@ -35,6 +35,7 @@ def test_make_run_on_another_port_points_links_at_that_port(monkeypatch):
         seen.append(dict(kwargs.get("env") or os.environ))
         proc = mock.Mock()
         proc.poll.return_value = 0
+        proc.wait.return_value = 0
         proc.returncode = 0
         return proc
 
@@ -46,5 +47,5 @@ def test_make_run_on_another_port_points_links_at_that_port(monkeypatch):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    assert len(seen) == 4  # web, two workers, beat
+    assert len(seen) == 8  # the four setup steps (services, migrate, seed_demo, collectstatic); web, two workers, beat
     assert {env.get("PORTAL_BASE_URL") for env in seen} == {"http://127.0.0.1:8791"}

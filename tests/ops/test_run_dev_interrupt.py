@@ -1,0 +1,113 @@
+"""Ctrl-C while `make run` is still setting up (services, migrate, seed_demo, collectstatic) stops the step
+that is running and exits with status 130 and one line saying so, not a Python traceback of
+bin/run_dev.py.
+
+bin/run_dev.py runs for real from a scratch copy of the checkout's layout: its bin/devservices.py
+returns at once and its manage.py stands in for a long `migrate` (it writes its pid, prints a line and
+waits; a KeyboardInterrupt there prints a traceback, as Django's commands do). The test sends SIGINT
+only once that line is out, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DEVSERVICES = "print('database: fake')\n"
+# A long migrate; with IGNORE_SIGTERM, one that only SIGKILL stops.
+MANAGE = """\
+import os, signal, sys, time
+if sys.argv[1] != "migrate":
+    raise SystemExit("manage.py " + sys.argv[1] + " must not run after Ctrl-C")
+if os.environ.get("IGNORE_SIGTERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open("migrate.pid", "w").write(str(os.getpid()))
+print("migrating", flush=True)
+time.sleep(120)
+"""
+
+
+def scratch(tmp_path: Path) -> Path:
+    (tmp_path / "bin").mkdir()
+    shutil.copy(ROOT / "bin" / "run_dev.py", tmp_path / "bin" / "run_dev.py")
+    (tmp_path / "bin" / "devservices.py").write_text(DEVSERVICES)
+    (tmp_path / "manage.py").write_text(MANAGE)
+    return tmp_path
+
+
+def start(cwd: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(cwd / "bin" / "run_dev.py")], cwd=cwd,  # noqa: S603
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **env})
+
+
+def wait_for_line(proc: subprocess.Popen, line: str, timeout: float = 60) -> None:
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sel.select(deadline - time.monotonic()):
+                got = proc.stdout.readline()
+                if got == "":
+                    break
+                if got.strip() == line:
+                    return
+    proc.kill()
+    pytest.fail(f"never printed {line!r}: {proc.communicate()}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its gone parent) has stopped too.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, stderr
+
+
+def test_ctrl_c_in_a_terminal_stops_the_running_step_and_exits_130(tmp_path):
+    cwd = scratch(tmp_path)
+    proc = start(cwd)
+    wait_for_line(proc, "migrating")
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does: the whole foreground group
+    code, stderr = finish(proc)
+    assert code == 130, (code, stderr)
+    # Neither run_dev.py's traceback nor the step's (Ctrl-C reaches run_dev.py only; it stops the step).
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert stderr.strip() == "make run: interrupted during `manage.py migrate --no-input -v 0`; stopped.", stderr
+    assert not alive(int((cwd / "migrate.pid").read_text()))
+
+
+def test_a_step_that_ignores_sigterm_is_killed(tmp_path):
+    cwd = scratch(tmp_path)
+    proc = start(cwd, IGNORE_SIGTERM="1")
+    wait_for_line(proc, "migrating")
+    pid = int((cwd / "migrate.pid").read_text())
+    os.kill(proc.pid, signal.SIGINT)  # run_dev.py alone (kill -INT)
+    code, stderr = finish(proc)
+    assert code == 130, (code, stderr)
+    assert "Traceback" not in stderr, stderr
+    assert "make run: interrupted during `manage.py migrate --no-input -v 0`" in stderr, stderr
+    assert not alive(pid)
