@@ -273,7 +273,7 @@ def _cluster_lookup(payload: dict[str, Any]) -> tuple[Reservation | None, dict[s
     return reservation, extra
 
 
-_CLUSTER_KEYS = ("phase", "reason", "access", "orchestrator", "cuda_version")
+_CLUSTER_KEYS = ("phase", "reason", "access", "orchestrator", "cuda_version", "recovered")
 
 
 def _optional_model(app_label: str, name: str):
@@ -324,7 +324,7 @@ def _cluster_notice(slack_event: str) -> Translator:
         for key in _CLUSTER_KEYS:
             if payload.get(key) not in (None, ""):
                 data[key] = payload[key]
-        if slack_event == Event.CLUSTER_READY and "access" not in data:
+        if slack_event == Event.CLUSTER_READY and "access" not in data and not data.get("recovered"):
             # Ready means "go ahead": say how (the cluster's non-secret connection details; the
             # credentials themselves are only on the cluster page the message links to).
             connection = _cluster_connection(extra.get("cluster_id"))

@@ -455,6 +455,14 @@ def _cluster_fields(c: _Ctx) -> list[str]:
 def _cluster_ready(c: _Ctx) -> _Msg:
     c.need("tenant", "reservation_id")
     kind = f"{escape(c.p['orchestrator'])} cluster" if c.get("orchestrator") else "cluster"
+    if c.get("recovered"):
+        # Whole again after a degradation (a window change its backend refused, then took): nothing was built.
+        lead = (
+            f"The {kind} for {c.cluster_link()} of *{c.tenant}* is back to normal: its backend now holds the "
+            f"booking's window, so jobs run until the end below. The cluster was not rebuilt; connect as before."
+        )
+        text = f"Cluster back to normal: {c.reservation_label} ({c.tenant_plain})"
+        return _Msg(text, ":white_check_mark: Cluster back to normal", [_section(lead, _cluster_fields(c))])
     lead = f"The {kind} for {c.cluster_link()} of *{c.tenant}* is ready: health checks passed, go ahead."
     blocks = [_section(lead, _cluster_fields(c))]
     if c.get("access"):

@@ -17,7 +17,8 @@ How the pieces fit (DESIGN §5):
   database (not in the message); after PORTAL_PROVISIONING_MAX_ATTEMPTS the cluster and
   its reservation are ``failed`` with the reason, and staff can :func:`cluster_retry`.
 
-Events (after commit): ``cluster.ready``, ``cluster.failed`` (+ phase, reason),
+Events (after commit): ``cluster.ready`` (+ recovered: true when a cluster degraded by a refused window
+change is whole again, not built), ``cluster.failed`` (+ phase, reason),
 ``cluster.degraded`` (+ reason; + node when one was lost, none when the backend refused a window
 change), ``cluster.deleted`` — each with cluster_id,
 reservation_id, tenant_id, status — and ``reservation.starting_soon`` /
@@ -1145,7 +1146,9 @@ def _window_held(cluster_id: int) -> None:
         if cluster.reservation.missing_nodes or since_ready.exclude(
                 detail__startswith=_WINDOW_REFUSED.format(backend=cluster.backend)).exists():
             return
-        _transition(cluster, ClusterStatus.READY, detail="the backend holds the window again")
+        # recovered: the notification says the cluster is whole again, not that one was built.
+        _transition(cluster, ClusterStatus.READY, detail="the backend holds the window again",
+                    event_extra={"recovered": True})
 
 
 def _book(backend: ProvisioningBackend, ctx: ClusterContext, *, repair: bool) -> None:

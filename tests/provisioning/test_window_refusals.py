@@ -97,3 +97,47 @@ def test_a_refused_window_change_keeps_a_cluster_degraded_for_a_lost_node_degrad
         assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
     cluster.refresh_from_db()
     assert cluster.status == ClusterStatus.DEGRADED
+
+
+def _slack_text(event: str, payload: dict) -> tuple[str, str]:
+    """(the notification's fallback text, its blocks as text) for a domain event, as a channel gets them."""
+    notices = notification_selectors.notices_for(event, payload)
+    assert len(notices) == 1
+    message = build_message(notices[0].event, notices[0].payload, "https://portal.example.com")
+    return message["text"], "\n".join(str(block) for block in message["blocks"])
+
+
+def test_the_recovery_from_a_refused_window_change_says_so_and_not_that_a_cluster_was_built(
+        world, captured_events, monkeypatch, django_capture_on_commit_callbacks):
+    """The cluster back to ready after a refused window change sent the team the message a newly built cluster
+    gets ("Cluster ready … health checks passed, go ahead", with the access details again), which reads as if a
+    new cluster had been built. It now says the cluster is back to normal and the backend holds its window."""
+    reservation = book(world, "alpha-lead", now_slot(world), hours=4)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.READY
+    built = [payload for name, payload in captured_events if name == "cluster.ready"]
+    assert len(built) == 1 and not built[0].get("recovered")
+    text, blocks = _slack_text("cluster.ready", built[0])
+    assert text.startswith("Cluster ready:") and "health checks passed, go ahead" in blocks
+    assert "Access" in blocks
+
+    new_end = reservation.period.upper + timedelta(hours=2)
+    reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=new_end)
+    _refusing(monkeypatch)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    monkeypatch.undo()
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
+    cluster.refresh_from_db()
+    assert cluster.status == ClusterStatus.READY
+
+    recovered = [payload for name, payload in captured_events if name == "cluster.ready"][1:]
+    assert len(recovered) == 1 and recovered[0]["recovered"] is True
+    text, blocks = _slack_text("cluster.ready", recovered[0])
+    assert text.startswith("Cluster back to normal:"), text
+    assert "back to normal" in blocks and "holds the booking's window" in blocks and "not rebuilt" in blocks
+    assert "Cluster ready" not in text + blocks and "go ahead" not in blocks and "Access" not in blocks
+    assert "*Ends*" in blocks and new_end.strftime("%Y-%m-%dT%H:%M:%SZ") in blocks  # the window it now holds
