@@ -1583,7 +1583,8 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
 
 def _repair_guard(wanted_q: Q) -> RepairGuard:
     """How reconcile --fix repairs one wanted cluster: under the cluster's lock, as provisioning, teardown, syncs
-    and swaps run, and only while the cluster is as `wanted` read it.
+    and swaps run, and only while the cluster is as `wanted` read it. A repair in a backend that holds
+    bookings gives it the booking's window, so a cluster degraded by a refusal of that window is ready again.
 
     Without it a teardown that ran between that read and the repair (the tenant's button, a cancel, the
     window's end) had its work undone: the repair built the cluster again as "missing". A cluster a running
@@ -1599,7 +1600,12 @@ def _repair_guard(wanted_q: Q) -> RepairGuard:
             fresh = build_context(ctx.cluster_id)
             if (fresh.nodes, fresh.start, fresh.end, fresh.status) != (ctx.nodes, ctx.start, ctx.end, ctx.status):
                 raise BackendError(f"left alone: cluster #{ctx.cluster_id} changed while reconcile ran")
-            return repair()
+            outcome = repair()
+            # A backend that holds bookings (Slurm) was just given this one as the database has it, window
+            # and all, as a sync does: a cluster degraded only because it refused that window is whole again.
+            if holds_bookings(VirtualCluster.objects.values_list("backend", flat=True).get(pk=ctx.cluster_id)):
+                _window_held(ctx.cluster_id)
+            return outcome
 
     return guard
 

@@ -10,6 +10,8 @@ from django.core.management import call_command
 
 from portal.core.exceptions import DomainError
 from provisioning import services
+from provisioning.backends.base import BackendError
+from provisioning.backends.slurm import SlurmBackend
 from provisioning.models import VirtualCluster
 from reservations.choices import HOLDING_STATUSES, NodeState
 from reservations.models import Allocation, Node, Reservation
@@ -451,3 +453,58 @@ def test_a_node_swap_that_arrives_after_the_cluster_failed_books_nothing_again(f
 
     services.cluster_nodes_changed(reservation_id=reservation.pk, failed=bad.hostname, spare=spare)
     assert name not in slurm_backend.show_reservations()
+
+
+def test_reconcile_fix_that_gives_slurm_a_refused_window_makes_the_degraded_cluster_whole(
+        fleet, slurm_backend, captured_events, monkeypatch, capsys, django_capture_on_commit_callbacks):
+    """A running cluster degraded because Slurm refused its booking's new end says "reconcile --fix once the cause
+    is cleared". That fix did put the new end into Slurm, but the cluster stayed degraded (and the alert on
+    degraded clusters firing) until the booking ended: only a sync that Slurm took made it whole again. The
+    repair is such a sync: the cluster is ready again, and the team hears it is back to normal."""
+    reservation = booked(fleet, "alpha-lead", now_slot(fleet), hours=3, nodes=1)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    name = f"alpha-{reservation.pk}"
+    old_end = reservation.period.upper
+    new_end = old_end + timedelta(hours=2)
+    reservation_update(actor=fleet.users["alpha-lead"], reservation=reservation, end=new_end)
+
+    def refuse(self, ctx):
+        raise BackendError("Slurm: Requested reservation is invalid (held by maint-7)", transient=False)
+
+    monkeypatch.setattr(SlurmBackend, "update_window", refuse)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    monkeypatch.undo()
+    cluster.refresh_from_db()
+    assert cluster.status == "degraded" and "reconcile --fix" in cluster.status_reason
+    assert slurm_backend.show_reservation(name).end == old_end
+
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("reconcile", "--fix")
+    assert f"slurm: mismatch {name}" in capsys.readouterr().out
+    assert slurm_backend.show_reservation(name).end == new_end
+    cluster.refresh_from_db()
+    assert cluster.status == "ready" and cluster.status_reason == "the backend holds the window again"
+    recovered = [payload for event, payload in captured_events if event == "cluster.ready" and payload.get("recovered")]
+    assert len(recovered) == 1 and recovered[0]["cluster_id"] == cluster.pk
+
+    # Reconciling again finds nothing and changes nothing.
+    transitions = cluster.transitions.count()
+    call_command("reconcile", "--fix")
+    assert "0 drift(s)" in capsys.readouterr().out
+    assert cluster.transitions.count() == transitions
+
+
+def test_reconcile_fix_leaves_a_cluster_degraded_for_a_lost_node_degraded(fleet, slurm_backend):
+    """The repair gives Slurm the booking's window; a cluster short of a node stays degraded all the same."""
+    reservation = booked(fleet, "alpha-lead", now_slot(fleet), hours=3, nodes=1)
+    services.lifecycle_tick()
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    services._degrade(cluster.pk, "alpha node failed and no spare node is free (1 missing)", hosts(reservation)[0])
+    slurm_backend.update_reservation(f"alpha-{reservation.pk}", end=reservation.period.upper + timedelta(hours=4))
+    call_command("reconcile", "--fix")
+    cluster.refresh_from_db()
+    assert cluster.status == "degraded"
