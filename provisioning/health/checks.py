@@ -3,7 +3,9 @@
 Every per-GPU check is a function ``check(nvml, handle, ctx) -> CheckResult`` where ``nvml`` is
 the real ``pynvml`` module (nvidia-ml-py) or a ``FakeNvml`` with the same names and shapes. The
 one rule that matters most: a reading NVML refuses (NotSupported, FunctionNotFound, any error)
-is ``unknown`` with its reason, never ``pass``; only ``GpuIsLost`` is a finding in itself.
+is ``unknown`` with its reason, never ``pass``; only ``GpuIsLost`` is a finding in itself. The one
+exception is power: a board without power telemetry answers NotSupported there, which DCGM does not
+flag either (``check_power``).
 """
 
 from __future__ import annotations
@@ -526,18 +528,43 @@ def check_temperature(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckResult:
     return CheckResult("temperature", Status.PASS, temperature, threshold, f"{temperature} C")
 
 
+def _power_reading(nvml: Nvml, call: str, handle: Any, ctx: GpuContext, unsupported: list[str]) -> float | None:
+    """Read one power value in watts; None (and the call noted) when the board does not support it.
+
+    Only NotSupported is the board's answer: every other error propagates and makes the check unknown.
+    """
+    try:
+        return ctx.call(nvml, call, handle) / 1000.0
+    except pynvml.NVMLError_NotSupported:
+        unsupported.append(call)
+        return None
+
+
 @nvml_check("power")
 def check_power(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckResult:
-    """Warn when draw exceeds the enforced limit, or the enforced limit sits below the model's TDP."""
+    """Warn when draw exceeds the enforced limit, or the enforced limit sits below the model's TDP.
+
+    A reading the board does not support (NotSupported: boards and modes without power telemetry) is
+    not judged and is no finding, as in DCGM's power watch, which flags a blank power reading only when
+    it is not DCGM_FP64_NOT_SUPPORTED (DH): left unknown, such a GPU could never pass a hand-over check.
+    A power reading that fails any other way stays unknown.
+    """
     t = ctx.thresholds
-    draw_w = ctx.call(nvml, "nvmlDeviceGetPowerUsage", handle) / 1000.0
-    limit_w = ctx.call(nvml, "nvmlDeviceGetEnforcedPowerLimit", handle) / 1000.0
-    value = {"draw_w": round(draw_w, 1), "limit_w": round(limit_w, 1)}
+    unsupported: list[str] = []
+    draw_w = _power_reading(nvml, "nvmlDeviceGetPowerUsage", handle, ctx, unsupported)
+    limit_w = _power_reading(nvml, "nvmlDeviceGetEnforcedPowerLimit", handle, ctx, unsupported)
+    value: dict[str, Any] = {
+        "draw_w": round(draw_w, 1) if draw_w is not None else None,
+        "limit_w": round(limit_w, 1) if limit_w is not None else None,
+    }
+    if unsupported:
+        value["not_supported"] = unsupported
     threshold = {
-        "max_draw_w": round(limit_w * t.power_over_limit_ratio, 1),
+        "max_draw_w": round(limit_w * t.power_over_limit_ratio, 1) if limit_w is not None else None,
         "min_limit_w": round(t.power_limit_w * t.power_limit_min_ratio, 1) if t.power_limit_w else None,
     }
-    if draw_w > limit_w * t.power_over_limit_ratio:
+    note = "; " + ", ".join(f"{call} not supported on this GPU" for call in unsupported) if unsupported else ""
+    if draw_w is not None and limit_w is not None and draw_w > limit_w * t.power_over_limit_ratio:
         return CheckResult(
             "power",
             Status.WARN,
@@ -546,15 +573,23 @@ def check_power(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckResult:
             f"drawing {draw_w:.0f} W over the enforced limit of {limit_w:.0f} W",
             Action.MONITOR,
         )
-    if t.power_limit_w and limit_w < t.power_limit_w * t.power_limit_min_ratio:
+    if limit_w is not None and t.power_limit_w and limit_w < t.power_limit_w * t.power_limit_min_ratio:
         return CheckResult(
             "power",
             Status.WARN,
             value,
             threshold,
-            f"enforced power limit {limit_w:.0f} W is below the model's {t.power_limit_w:.0f} W",
+            f"enforced power limit {limit_w:.0f} W is below the model's {t.power_limit_w:.0f} W{note}",
             Action.INVESTIGATE,
         )
+    if draw_w is None and limit_w is None:
+        return CheckResult(
+            "power", Status.PASS, value, threshold, "power readings not supported on this GPU; not judged"
+        )
+    if draw_w is None:
+        return CheckResult("power", Status.PASS, value, threshold, f"limit {limit_w:.0f} W; draw not judged{note}")
+    if limit_w is None:
+        return CheckResult("power", Status.PASS, value, threshold, f"{draw_w:.0f} W; not judged against a limit{note}")
     return CheckResult("power", Status.PASS, value, threshold, f"{draw_w:.0f} W of {limit_w:.0f} W")
 
 

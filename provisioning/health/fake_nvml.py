@@ -68,6 +68,8 @@ FAULT_KINDS: dict[str, str] = {
     "overtemp": "temperature 2 C above the slowdown threshold",
     "power_over_limit": "draw 15% over the enforced power limit",
     "power_capped": "enforced power limit at 60% of the board's",
+    "power_not_supported": "a board without power telemetry: nvmlDeviceGetPowerUsage and "
+    "nvmlDeviceGetEnforcedPowerLimit raise NotSupported (only= usage | limit for one of them)",
     # 8. PCIe
     "pcie_degraded": "link trained at width= (8) and gen= (the max)",
     "pcie_replay": "PCIe replay counter grows by rate= (500) at every read",
@@ -94,6 +96,10 @@ NODE_CALLS = frozenset({
     "nvmlInit", "nvmlShutdown", "nvmlSystemGetDriverVersion", "nvmlSystemGetCudaDriverVersion", "nvmlDeviceGetCount",
     "nvmlEventSetCreate", "nvmlEventSetWait", "nvmlEventSetFree",
 })
+
+
+# The power readings, by the name power_not_supported's only= gives them.
+POWER_CALLS: dict[str, str] = {"usage": "nvmlDeviceGetPowerUsage", "limit": "nvmlDeviceGetEnforcedPowerLimit"}
 
 
 class Fault:
@@ -546,6 +552,13 @@ class FakeNvml:
         elif kind == "power_capped":
             for gpu in gpus:
                 gpu.power_limit_mw = int(gpu.power_limit_mw * 0.6)
+        elif kind == "power_not_supported":
+            only = fault.get("only")
+            calls = POWER_CALLS if only is None else {k: v for k, v in POWER_CALLS.items() if k == only}
+            if not calls:
+                raise ValueError(f"{fault!r}: only= must be one of {sorted(POWER_CALLS)}")
+            for call in calls.values():
+                self._errors[(call, fault.gpu)] = "NotSupported"
         elif kind == "pcie_degraded":
             for gpu in gpus:
                 gpu.pcie_width = int(fault.get("width", 8))

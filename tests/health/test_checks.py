@@ -45,8 +45,14 @@ def test_the_sweep_covers_every_reading() -> None:
 
 
 ERRORS = ["NotSupported", "Unknown", "NoPermission", "Timeout"]
-# Timeout is nvmlEventSetWait's normal "no event arrived" answer, not an error.
-SWEEP = [(call, error) for call in JUDGED_CALLS for error in ERRORS if (call, error) != ("nvmlEventSetWait", "Timeout")]
+# Not errors: Timeout is nvmlEventSetWait's normal "no event arrived" answer, and NotSupported from a
+# power call is a board without power telemetry, which DCGM does not flag either (tested below).
+EXPECTED_ANSWERS = {
+    ("nvmlEventSetWait", "Timeout"),
+    ("nvmlDeviceGetPowerUsage", "NotSupported"),
+    ("nvmlDeviceGetEnforcedPowerLimit", "NotSupported"),
+}
+SWEEP = [(call, error) for call in JUDGED_CALLS for error in ERRORS if (call, error) not in EXPECTED_ANSWERS]
 
 
 @pytest.mark.parametrize(("call", "error"), SWEEP)
@@ -205,3 +211,48 @@ def test_a_counter_reset_is_not_a_negative_delta() -> None:
     state.counters[uuid]["pcie_replay"] = [10_000.0, state.counters[uuid]["pcie_replay"][1] - 60]
     result = check(quick(fake, state=state), "pcie_replay", 0)
     assert "per_min" not in result["value"]  # treated as "no baseline", not as -9990 replays
+
+
+# --- power readings a board does not support (DCGM: NOT_SUPPORTED is no incident) ----------------
+
+
+def test_power_a_gpu_does_not_support_passes_with_a_note_saying_so() -> None:
+    """DCGM's power watch raises DCGM_FR_POWER_UNREADABLE only for a blank reading that is not
+    DCGM_FP64_NOT_SUPPORTED (DH, MonitorPower): a board without power telemetry is not a finding.
+    Left unknown, such a node could never be handed over."""
+    report = quick(FakeNvml(seed=1, faults=[Fault("power_not_supported", gpu=2)]))
+    power = check(report, "power", 2)
+    assert power["status"] == "pass" and power["action"] == "none"
+    assert power["value"] == {"draw_w": None, "limit_w": None,
+                              "not_supported": ["nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit"]}
+    assert "not supported" in power["message"] and "not judged" in power["message"]
+    assert report["verdict"] == "pass" and report["problems"] == []
+
+
+def test_power_draw_not_supported_still_judges_the_enforced_limit() -> None:
+    fake = FakeNvml(seed=1, faults=[Fault("power_not_supported", gpu=0, only="usage"), Fault("power_capped", gpu=0)])
+    power = check(quick(fake), "power", 0)
+    assert power["status"] == "warn" and power["action"] == "investigate"
+    assert power["value"]["draw_w"] is None and power["value"]["limit_w"] == 420.0
+    assert power["value"]["not_supported"] == ["nvmlDeviceGetPowerUsage"]
+
+
+def test_power_limit_not_supported_passes_the_draw_with_a_note() -> None:
+    power = check(quick(FakeNvml(seed=1, faults=[Fault("power_not_supported", gpu=0, only="limit")])), "power", 0)
+    assert power["status"] == "pass"
+    assert power["value"]["limit_w"] is None and power["value"]["draw_w"] > 0
+    assert "nvmlDeviceGetEnforcedPowerLimit not supported" in power["message"]
+
+
+@pytest.mark.parametrize("call", ["nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit"])
+@pytest.mark.parametrize("error", ["Unknown", "NoPermission", "Timeout"])
+def test_a_power_reading_that_fails_stays_unknown(call: str, error: str) -> None:
+    """Only NotSupported is the board's answer; any other error is a reading we could not take."""
+    power = check(quick(FakeNvml(seed=1, faults=[Fault("nvml_error", gpu=1, call=call, error=error)])), "power", 1)
+    assert power["status"] == "unknown" and power["action"] == "investigate"
+    assert error in power["message"]
+
+
+def test_power_fault_rejects_an_unknown_only() -> None:
+    with pytest.raises(ValueError, match="only="):
+        FakeNvml(faults=[Fault("power_not_supported", only="draw")])

@@ -53,7 +53,7 @@ def fake(*faults: dict[str, Any], **node: Any) -> str:
         ((), "pass", 0),
         (({"kind": "persistence_off", "gpu": 1},), "warn", 1),
         (({"kind": "xid", "gpu": 2, "xid": 79},), "fail", 2),
-        (({"kind": "not_supported", "call": "nvmlDeviceGetPowerUsage"},), "unknown", 3),
+        (({"kind": "not_supported", "call": "nvmlDeviceGetPcieReplayCounter"},), "unknown", 3),
     ],
 )
 def test_exit_code_follows_the_verdict(faults: tuple[dict[str, Any], ...], verdict: str, rc: int) -> None:

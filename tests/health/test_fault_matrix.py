@@ -64,7 +64,7 @@ CASES = [
         options=(("nvml_timeout_s", 0.4),),
     ),
     # 3. unsupported readings: unknown, never pass; an old driver falls back to the old API
-    Case(g("not_supported", call="nvmlDeviceGetPowerUsage"), "unknown", "unknown", "investigate", "power"),
+    Case(g("not_supported", call="nvmlDeviceGetPcieReplayCounter"), "unknown", "unknown", "investigate", "pcie_replay"),
     Case(
         g("function_not_found", call="nvmlDeviceGetCurrentClocksEventReasons"), "pass", "pass", "none", "clock_events"
     ),
@@ -99,6 +99,9 @@ CASES = [
     ),
     Case(g("power_over_limit"), "warn", "warn", "monitor", "power"),
     Case(g("power_capped"), "warn", "warn", "investigate", "power"),
+    # a board without power telemetry: DCGM raises nothing for NOT_SUPPORTED power, nor do we
+    Case(g("power_not_supported"), "pass", "pass", "none", "power"),
+    Case(g("not_supported", call="nvmlDeviceGetPowerUsage"), "pass", "pass", "none", "power"),
     # 8. PCIe
     Case(g("pcie_degraded"), "warn", "warn", "reseat", "pcie_link"),
     Case(g("pcie_replay"), "warn", "warn", "monitor", "pcie_replay"),

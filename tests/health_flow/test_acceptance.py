@@ -81,6 +81,23 @@ def test_node_still_serving_another_booking_gets_a_quick_check(fleet, settings, 
 
 
 @pytest.mark.django_db
+def test_a_node_whose_gpus_support_no_power_readings_is_handed_over(fleet, settings, eager, tomorrow,
+                                                                    django_capture_on_commit_callbacks):
+    """NVML answers NOT_SUPPORTED for power on some boards and modes; that read as `unknown`, so the gate
+    re-ran the node's check until its deadline and then failed the cluster, every time: the node could never
+    be handed over. DCGM raises nothing for unsupported power; the check now passes saying it was not judged."""
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "power_not_supported"}]})
+    booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    nodes = _node_ids(booking)
+    _verdict(django_capture_on_commit_callbacks, nodes, booking)
+    passed, summary = _verdict(django_capture_on_commit_callbacks, nodes, booking)
+    assert passed and summary["nodes"] == {"gpu-001": "pass"}, summary
+    check = HealthCheck.objects.get(node__hostname="gpu-001")
+    power = [c for gpu in check.gpu_results for c in gpu["checks"] if c["name"] == "power"]
+    assert len(power) == 8 and all(c["status"] == "pass" and "not supported" in c["message"] for c in power)
+
+
+@pytest.mark.django_db
 def test_unknown_results_fail_then_run_again(fleet, settings, eager, tomorrow, django_capture_on_commit_callbacks):
     settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "init_failure", "error": "NoPermission"}]})
     settings.PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS = 0
