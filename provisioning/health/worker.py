@@ -10,7 +10,9 @@
         reports back to the ``health`` queue. Needs only the broker (CELERY_BROKER_URL /
         REDIS_URL), no database. Set PORTAL_HEALTH_AGENT_QUEUE=node on the portal.
 
-Both run ``celery -A portal worker`` with the right queue; extra arguments pass through.
+Both run ``celery -A portal worker`` with the right queue; extra arguments pass through. Like any
+worker of the deployment they run ``portal.settings.production`` unless DJANGO_SETTINGS_MODULE says
+otherwise, so they need SECRET_KEY and PORTAL_FERNET_KEYS (docs/settings.md).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def build_argv(argv: Sequence[str] | None = None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.dev")
+    # DJANGO_SETTINGS_MODULE is left as it is: unset, the Celery app picks production (portal/celery.py), as for
+    # every other worker and server of a deployment; dev's DEBUG and fixed keys only when asked for.
     command = build_argv(argv)
     os.execv(command[0], command)  # noqa: S606 - our own interpreter, arguments built above
 
