@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 
 from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
-from reservations.choices import CUDA_VERSIONS
-from reservations.models import Allocation, Pool
+from reservations.choices import CUDA_VERSIONS, NodeState
+from reservations.models import Allocation, Node, Pool
 from tenants.choices import BOOKING_ROLES
 from tenants.selectors import role_of
 
@@ -32,6 +33,8 @@ __all__ = [
     "can_manage_cluster",
     "can_retry_cluster",
     "retry_refusal",
+    "teardown_hold_reason",
+    "failed_teardown_hold",
 ]
 
 
@@ -131,3 +134,29 @@ def retry_refusal(*, cluster: VirtualCluster, now: datetime) -> str:
 def can_retry_cluster(*, user, cluster: VirtualCluster, now: datetime | None = None) -> bool:
     """Offer the retry where services.cluster_retry would take it: staff, and no retry_refusal."""
     return bool(getattr(user, "is_staff", False)) and not retry_refusal(cluster=cluster, now=now or timezone.now())
+
+
+def teardown_hold_reason(cluster_id: int) -> str:
+    """The state reason of a node provisioning holds in maintenance after the cluster's teardown failed for good."""
+    return f"teardown of cluster #{cluster_id} failed: held until its teardown is retried"
+
+
+_TEARDOWN_HOLD = re.compile(r"teardown of cluster #(\d+) failed: held until its teardown is retried")
+
+
+def failed_teardown_hold(node: Node) -> int | None:
+    """Return the cluster whose failed teardown holds the node out of service (the portal's own hold), else None.
+
+    The hold stands while the node is in maintenance for that reason (teardown_hold_reason) and the cluster is
+    not deleted: the tenant's cluster, credentials and mounts may still be on the node until a retried teardown
+    succeeds and gives it back. A node staff put in maintenance, or whose reason staff rewrote, is not held.
+    """
+    if node.state != NodeState.MAINTENANCE:
+        return None
+    match = _TEARDOWN_HOLD.fullmatch(node.state_reason or "")
+    if match is None:
+        return None
+    cluster_id = int(match.group(1))
+    if VirtualCluster.objects.filter(pk=cluster_id).exclude(status=ClusterStatus.DELETED).exists():
+        return cluster_id
+    return None

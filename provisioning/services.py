@@ -82,7 +82,13 @@ from .choices import (
 from .conf import setting, setting_float, setting_int
 from .constants import LOCK_BOOKING, LOCK_CLUSTER, LOCK_NODE_SYNC, LOCK_TENANT_NETWORK, LOCK_TICK
 from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
-from .selectors import can_download_credentials, can_manage_cluster, pool_capabilities, retry_refusal
+from .selectors import (
+    can_download_credentials,
+    can_manage_cluster,
+    pool_capabilities,
+    retry_refusal,
+    teardown_hold_reason,
+)
 
 __all__ = [
     "RetryLater",
@@ -693,6 +699,7 @@ def _record_failure(cluster_id: int, exc: BackendError, *, during: str) -> str:
 
 
 def _teardown_hold_reason(cluster_id: int) -> str:
+    """The start of teardown_hold_reason(cluster_id), to find the nodes held for the cluster."""
     return f"teardown of cluster #{cluster_id} failed"
 
 
@@ -704,7 +711,7 @@ def _hold_nodes_of_failed_teardown(cluster_id: int, hostnames: tuple[str, ...], 
     # The reason is shown to the tenants booked on the node (their nodes, in the API) until node_sync moves
     # their bookings: it names the cluster staff retry, never the backend's error, which names the failed
     # tenant's objects (its namespace, its Slurm reservation). The error stays on that cluster and in the log.
-    reason = f"{_teardown_hold_reason(cluster_id)}: held until its teardown is retried"
+    reason = teardown_hold_reason(cluster_id)
     for node in Node.objects.filter(hostname__in=hostnames, state=NodeState.AVAILABLE).order_by("pk"):
         # Only from available, compared under the node's locks: a change staff made since the read stands.
         node = node_update(actor=None, node=node, state=NodeState.MAINTENANCE, reason=reason,

@@ -49,6 +49,7 @@ from tenants.choices import BOOKING_ROLES
 from tenants.models import Membership
 
 from ..constants import LOCK_NODE_HEALTH
+from ..selectors import failed_teardown_hold
 from . import conf
 from .choices import (
     ACCEPTABLE_VERDICTS,
@@ -609,8 +610,12 @@ def _fail_consequences(check: HealthCheck) -> None:
 def _staff_maintenance(node: Node, check: HealthCheck | None) -> bool:
     """Tell whether a scheduled check's failure finds the node in maintenance with no repair (staff's hands-on
     work): the sweep records it but opens no repair, which would hold the node from staff's own return of it.
+
+    A node the portal itself holds after a failed teardown is no staff work: a failure there opens a repair,
+    which keeps the node out when the retried teardown gives it back, until its re-test passes.
     """
-    return check is not None and check.trigger == CheckTrigger.SCHEDULE and node.state == NodeState.MAINTENANCE
+    return (check is not None and check.trigger == CheckTrigger.SCHEDULE and node.state == NodeState.MAINTENANCE
+            and failed_teardown_hold(node) is None)
 
 
 def _failing(check: HealthCheck) -> frozenset[tuple[Any, Any]]:
@@ -813,6 +818,13 @@ def _node_follows(repair: Repair, *, actor: Any, stands: tuple[str, ...] = (Node
         latest = Repair.objects.filter(node_id=node.pk).order_by("-opened_at", "-pk").values_list("pk", flat=True)
         if latest.first() != repair.pk:
             return False  # a newer repair owns the node now
+        held_for = failed_teardown_hold(node)
+        if held_for is not None:
+            # The GPUs are fine again, but the failed tenant's cluster may still be on the node: it stays held
+            # until the retried teardown of that cluster succeeds and gives it back.
+            logger.info("node %s rejoined by repair #%s stays held for cluster #%s's failed teardown",
+                        node.hostname, repair.pk, held_for)
+            return False
     reason = "" if wanted == NodeState.AVAILABLE else f"repair #{repair.pk}: {repair.state}"
     # The same rules again under the node's locks: a change staff made since the read above stands.
     allowed = ((NodeState.AVAILABLE,) if wanted == NodeState.DRAINING

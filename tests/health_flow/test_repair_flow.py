@@ -14,6 +14,7 @@ from portal.core.models import AuditLog
 from provisioning.health.models import HealthCheck, Repair
 from provisioning.health.services import (
     health_checks_request,
+    health_sweep,
     repair_advance,
     repair_open,
     repairs_reconcile,
@@ -352,3 +353,87 @@ def test_upkeep_leaves_a_node_staff_failed_while_its_repair_is_open(fleet, captu
     # Staff's own step of the repair still moves the node (an explicit decision on the repair).
     repair = repair_advance(actor=staff, repair=repair, to="remediating")
     assert Node.objects.get(pk=node.pk).state == "maintenance"
+
+
+def _held_after_a_failed_teardown(fleet, node, now_slot):
+    """Hold the node as provisioning does when a cluster's teardown failed for good: maintenance, the portal's
+    own reason ("teardown of cluster #N failed: held until its teardown is retried"); return the cluster."""
+    from provisioning.models import VirtualCluster
+    from provisioning.services import _hold_nodes_of_failed_teardown
+
+    booking = fleet.book("alpha", [node.hostname], now_slot - timedelta(hours=3), now_slot - timedelta(hours=1),
+                         status="failed")
+    cluster = VirtualCluster.objects.create(
+        reservation=booking, tenant=booking.tenant, status="failed", failed_during="teardown", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )
+    _hold_nodes_of_failed_teardown(cluster.pk, (node.hostname,), "the backend refused")
+    node.refresh_from_db()
+    assert node.state == "maintenance" and node.state_reason.startswith(f"teardown of cluster #{cluster.pk} failed")
+    return cluster
+
+
+@pytest.mark.django_db
+def test_a_failing_sweep_of_a_node_held_after_a_failed_teardown_opens_a_repair(
+        fleet, settings, eager, now_slot, captured_events, django_capture_on_commit_callbacks):
+    """A node the portal itself holds in maintenance after a failed teardown read as staff's hands-on
+    maintenance to the sweep: its failing check opened no repair, and the retried teardown's release then put
+    the node with failing GPUs back in service. The portal's hold is no staff work: the failure opens a repair,
+    which keeps the node out through the release, until its re-test passes."""
+    from provisioning.services import _release_nodes_of_failed_teardown
+
+    node = fleet.nodes[1]
+    cluster = _held_after_a_failed_teardown(fleet, node, now_slot)
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: ECC})
+    with django_capture_on_commit_callbacks(execute=True):
+        health_sweep()
+    check = HealthCheck.objects.get(node=node)
+    assert (check.verdict, check.handled_at is not None) == ("fail", True)
+    repair = Repair.objects.get(node=node)
+    assert repair.triggering_check_id == check.pk and repair.state == "recommended"
+    assert "node.failed" in [name for name, _ in captured_events]
+    node.refresh_from_db()
+    assert node.state == "maintenance"  # held, not drained: the failed tenant's cluster is still on it
+    # The teardown is retried and succeeds: the repair keeps the node out.
+    cluster.status = "deleted"
+    cluster.save(update_fields=["status"])
+    _release_nodes_of_failed_teardown(cluster.pk)
+    assert Node.objects.get(pk=node.pk).state == "maintenance"
+
+
+@pytest.mark.django_db
+def test_a_repair_rejoining_a_node_still_held_after_a_failed_teardown_leaves_it_held(
+        fleet, settings, eager, now_slot, django_capture_on_commit_callbacks):
+    """A repair on a held node (a staff check failed there, or a sweep) rejoined it — made it available for the
+    next booking — while the failed tenant's cluster, credentials and mounts were still on it. The rejoin now
+    closes the repair and leaves the node held; the retried teardown's release gives it back."""
+    from provisioning.services import _release_nodes_of_failed_teardown
+
+    cb = django_capture_on_commit_callbacks
+    staff = fleet.users["staff"]
+    node = fleet.nodes[1]
+    cluster = _held_after_a_failed_teardown(fleet, node, now_slot)
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: ECC})
+    _run(cb, nodes=[node], level="quick", trigger="staff", actor=staff)
+    repair = Repair.objects.get(node=node)
+    for to in ("accepted", "cordoned", "remediating", "retesting"):
+        repair = _step(cb, repair, to, staff)
+    settings.PORTAL_FAKE_NVML = fleet_spec()
+    with cb(execute=True):
+        from provisioning.health.services import dispatch
+
+        dispatch([repair.retest_check_id])
+    assert HealthCheck.objects.get(pk=repair.retest_check_id).verdict == "pass"
+    repair = _step(cb, Repair.objects.get(pk=repair.pk), "rejoined", staff, "GPUs fine")
+    assert repair.closed_at is not None
+    node.refresh_from_db()
+    assert node.state == "maintenance"
+    assert node.state_reason.startswith(f"teardown of cluster #{cluster.pk} failed")
+    assert repairs_reconcile() == 0 and Node.objects.get(pk=node.pk).state == "maintenance"
+    # The teardown is retried and succeeds: now the node is given back.
+    cluster.status = "deleted"
+    cluster.save(update_fields=["status"])
+    _release_nodes_of_failed_teardown(cluster.pk)
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("available", "")
