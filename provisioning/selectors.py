@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -35,6 +36,7 @@ __all__ = [
     "retry_refusal",
     "teardown_hold_reason",
     "failed_teardown_hold",
+    "nodes_held_after_failed_teardown",
 ]
 
 
@@ -148,15 +150,22 @@ def failed_teardown_hold(node: Node) -> int | None:
     """Return the cluster whose failed teardown holds the node out of service (the portal's own hold), else None.
 
     The hold stands while the node is in maintenance for that reason (teardown_hold_reason) and the cluster is
-    not deleted: the tenant's cluster, credentials and mounts may still be on the node until a retried teardown
-    succeeds and gives it back. A node staff put in maintenance, or whose reason staff rewrote, is not held.
+    not deleted: the tenant's cluster, credentials, mounts and jobs may still be on the node until a retried
+    teardown succeeds and gives it back. A node staff put in maintenance, or whose reason staff rewrote, is not
+    held.
     """
-    if node.state != NodeState.MAINTENANCE:
-        return None
-    match = _TEARDOWN_HOLD.fullmatch(node.state_reason or "")
-    if match is None:
-        return None
-    cluster_id = int(match.group(1))
-    if VirtualCluster.objects.filter(pk=cluster_id).exclude(status=ClusterStatus.DELETED).exists():
-        return cluster_id
-    return None
+    return nodes_held_after_failed_teardown([node]).get(node.pk)
+
+
+def nodes_held_after_failed_teardown(nodes: Iterable[Node]) -> dict[int, int]:
+    """Return {node id: cluster id} for the nodes a failed teardown holds (see failed_teardown_hold)."""
+    claimed: dict[int, int] = {}
+    for node in nodes:
+        match = _TEARDOWN_HOLD.fullmatch(node.state_reason or "") if node.state == NodeState.MAINTENANCE else None
+        if match is not None:
+            claimed[node.pk] = int(match.group(1))
+    if not claimed:
+        return {}
+    live = set(VirtualCluster.objects.filter(pk__in=set(claimed.values())).exclude(status=ClusterStatus.DELETED)
+               .values_list("pk", flat=True))
+    return {node_id: cluster_id for node_id, cluster_id in claimed.items() if cluster_id in live}

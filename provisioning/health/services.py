@@ -49,7 +49,7 @@ from tenants.choices import BOOKING_ROLES
 from tenants.models import Membership
 
 from ..constants import LOCK_NODE_HEALTH
-from ..selectors import failed_teardown_hold
+from ..selectors import failed_teardown_hold, nodes_held_after_failed_teardown
 from . import conf
 from .choices import (
     ACCEPTABLE_VERDICTS,
@@ -302,7 +302,8 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
     ``idle`` says whether the node should be idle: it is not when a holding reservation's
     window covers now (its tenant's jobs may run; stray processes are then not a fault), nor while
     a cluster whose window is over is still on the node (until the tick ends it and its teardown
-    stops the tenant's jobs).
+    stops the tenant's jobs), nor while the node is held because that teardown failed (the cluster
+    and its jobs may still be there until a retried teardown succeeds).
     """
     from provisioning.choices import ClusterStatus  # the cluster app may load after this one
     from provisioning.models import VirtualCluster
@@ -334,6 +335,10 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
         .order_by("pk")
     )
     rows = list(rows)
+    maintained = list(Node.objects.filter(hostname__in=[r[4] for r in rows if not r[7]], state=NodeState.MAINTENANCE)
+                      .only("pk", "hostname", "state", "state_reason"))
+    held = nodes_held_after_failed_teardown(maintained)
+    held_hosts = {node.hostname for node in maintained if node.pk in held}
     peers: dict[int, list[str]] = {}
     for reservation_id in {r[3] for r in rows if r[3] is not None and r[1] == CheckLevel.FULL}:
         peers[reservation_id] = list(
@@ -350,7 +355,7 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
             "level": level,
             "model": model,
             "gpus": gpus,
-            "idle": not is_busy,
+            "idle": not is_busy and host not in held_hosts,
             "peers": [p for p in peers.get(reservation_id, []) if p != host],
             "pins": pins,
             # Scheduled checks keep passing readings as names only; anything a person asked for in full.

@@ -437,3 +437,32 @@ def test_a_repair_rejoining_a_node_still_held_after_a_failed_teardown_leaves_it_
     _release_nodes_of_failed_teardown(cluster.pk)
     node.refresh_from_db()
     assert (node.state, node.state_reason) == ("available", "")
+
+
+@pytest.mark.django_db
+def test_the_failed_tenants_processes_on_a_node_held_after_its_teardown_failed_are_no_stray_processes(
+        fleet, settings, eager, now_slot, captured_events, django_capture_on_commit_callbacks):
+    """A teardown that failed for good leaves the tenant's cluster, and its jobs, on the node: that is why the
+    node is held. The checks' job still said the node should be idle (only ready, degraded or tearing-down
+    clusters counted), so those jobs read as stray compute processes: a failing check (drain_and_reset) and,
+    with the hold no longer staff maintenance, a repair for what is no hardware fault."""
+    from provisioning.health.services import jobs_for
+
+    node = fleet.nodes[1]
+    _held_after_a_failed_teardown(fleet, node, now_slot)
+    other = fleet.nodes[2]
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: [{"kind": "stray_process", "gpu": 0}],
+                                            other.hostname: [{"kind": "stray_process", "gpu": 0}]})
+    with django_capture_on_commit_callbacks(execute=False):
+        ids = health_sweep()
+    idle = {job["host"]: job["idle"] for job in jobs_for(ids)}
+    assert idle[node.hostname] is False and idle[other.hostname] is True
+    from provisioning.health.services import dispatch
+
+    with django_capture_on_commit_callbacks(execute=True):
+        dispatch(ids)
+    held_check = HealthCheck.objects.get(node=node)
+    assert held_check.verdict == "pass", held_check.summary
+    assert not Repair.objects.filter(node=node).exists()
+    # On an idle node that nobody holds, the same processes are still a finding.
+    assert HealthCheck.objects.get(node=other).verdict == "fail"
