@@ -608,19 +608,35 @@ def _fail_consequences(check: HealthCheck) -> None:
                 {k: p.get(k) for k in ("gpu", "check", "status", "action", "message")}
                 for p in check.problems if p.get("status") != "pass"
             ][:MAX_EVENT_PROBLEMS],
-            tenant_ids=tenant_ids, reservation_id=check.reservation_id,
+            # Staff's own work in progress is told to staff: the tenants booked after it hear nothing.
+            tenant_ids=[] if staff_work else tenant_ids, reservation_id=check.reservation_id,
         )
 
 
 def _staff_maintenance(node: Node, check: HealthCheck | None) -> bool:
-    """Tell whether a scheduled check's failure finds the node in maintenance with no repair (staff's hands-on
-    work): the sweep records it but opens no repair, which would hold the node from staff's own return of it.
+    """Tell whether a scheduled check's failure finds the node under staff's hands-on work with no repair: in
+    maintenance, or in a maintenance window staff scheduled (the node stays available then; the window keeps
+    bookings off it). The sweep records it but opens no repair, which would hold the node from staff's own
+    return of it, nor drains it, which would move the bookings after the window (maintenance never moves one).
 
     A node the portal itself holds after a failed teardown is no staff work: a failure there opens a repair,
     which keeps the node out when the retried teardown gives it back, until its re-test passes.
     """
-    return (check is not None and check.trigger == CheckTrigger.SCHEDULE and node.state == NodeState.MAINTENANCE
-            and failed_teardown_hold(node) is None)
+    if check is None or check.trigger != CheckTrigger.SCHEDULE:
+        return False
+    if node.state == NodeState.MAINTENANCE:
+        return failed_teardown_hold(node) is None
+    return node.state in IN_SERVICE_STATES and _maintenance_window_start(node, check) is not None
+
+
+def _maintenance_window_start(node: Node, check: HealthCheck) -> datetime | None:
+    """Return the start of staff's maintenance window on the node that the check ran in, if any."""
+    window = (
+        Allocation.objects.filter(node_id=node.pk, kind=AllocationKind.MAINTENANCE, active=True,
+                                  period__contains=check.started_at or check.created_at)
+        .values_list("period", flat=True).first()
+    )
+    return window.lower if window is not None else None
 
 
 def _failing(check: HealthCheck) -> frozenset[tuple[Any, Any]]:
@@ -630,7 +646,8 @@ def _failing(check: HealthCheck) -> frozenset[tuple[Any, Any]]:
 
 def _staff_told(node: Node, check: HealthCheck) -> bool:
     """Tell whether staff already heard of this failure of a node in their maintenance: the node's last
-    scheduled check handled since it went into maintenance (its latest move there) failed the same way.
+    scheduled check handled since it went into maintenance (its latest move there, or the start of the
+    maintenance window the check ran in) failed the same way.
     A pass in between, or another failure, is news again; so is the next maintenance period.
     """
     since = (
@@ -639,6 +656,8 @@ def _staff_told(node: Node, check: HealthCheck) -> bool:
         .exclude(before__state=NodeState.MAINTENANCE)
         .order_by("-created_at", "-pk").values_list("created_at", flat=True).first()
     )
+    if node.state != NodeState.MAINTENANCE:  # a maintenance window: the period is the window
+        since = _maintenance_window_start(node, check)
     earlier = HealthCheck.objects.filter(
         node_id=node.pk, trigger=CheckTrigger.SCHEDULE, status=CheckStatus.DONE, handled_at__isnull=False,
         verdict__in=(Verdict.PASS, Verdict.WARN, Verdict.FAIL),

@@ -264,3 +264,52 @@ def test_a_failing_sweep_of_a_node_in_staff_maintenance_tells_staff_once_per_fai
     assert [(p["node"], p["verdict"]) for p in back] == [(node.hostname, "fail")]
     assert not Repair.objects.filter(node=node).exists()
     assert Node.objects.get(pk=node.pk).state == "maintenance"
+
+
+@pytest.mark.django_db
+def test_a_failing_sweep_during_a_maintenance_window_is_staff_work_not_a_repair(
+        fleet, settings, eager, now_slot, captured_events, django_capture_on_commit_callbacks):
+    """Staff schedule a maintenance window for planned hands-on work (the node stays `available`: the window's
+    allocation keeps bookings off it). The sweep checked the node mid-work, the check failed, and the node was
+    drained, a repair opened (which then held the node out after the window) and the bookings after the window
+    were moved to spares, though maintenance never moves a booking. A window is staff's maintenance too."""
+    from reservations.services import maintenance_window_create
+
+    staff = fleet.users["staff"]
+    node = fleet.nodes[1]
+    window_end = now_slot + timedelta(hours=2)
+    maintenance_window_create(actor=staff, node=node, start=now_slot, end=window_end, note="firmware flash")
+    later = fleet.book("alpha", [node.hostname], window_end, window_end + timedelta(hours=2))
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: [{"kind": "init_failure", "error": "DriverNotLoaded"}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        health_sweep()
+    check = HealthCheck.objects.get(node=node)
+    assert (check.verdict, check.handled_at is not None) == ("fail", True)
+    assert not Repair.objects.filter(node=node).exists()
+    assert Node.objects.get(pk=node.pk).state == "available"
+    assert later.allocations.get(active=True).node_id == node.pk  # the booking after the window stays
+    [told] = [p for name, p in captured_events if name in ("node.failed", "health_check.failed")]
+    from notifications.selectors import notices_for
+
+    # Told to staff (the platform channel), not to the team booked after the window.
+    assert [(n.to_platform, n.tenant_id) for n in notices_for("health_check.failed", told)] == [(True, None)]
+    captured_events.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        health_sweep()  # failing the same way: said already
+    assert [name for name, _ in captured_events if name in ("node.failed", "health_check.failed")] == []
+    assert not Repair.objects.filter(node=node).exists()
+
+
+@pytest.mark.django_db
+def test_a_failing_sweep_outside_any_maintenance_window_still_takes_the_node_out(
+        fleet, settings, eager, now_slot, django_capture_on_commit_callbacks):
+    from reservations.services import maintenance_window_create
+
+    node = fleet.nodes[1]
+    maintenance_window_create(actor=fleet.users["staff"], node=node, start=now_slot + timedelta(hours=4),
+                              end=now_slot + timedelta(hours=6), note="next week's flash")
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: [{"kind": "ecc_uncorrected", "gpu": 2}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        health_sweep()
+    assert Repair.objects.filter(node=node, state="recommended").exists()
+    assert Node.objects.get(pk=node.pk).state == "draining"
