@@ -37,6 +37,7 @@ from .checks import (
     gpu_checks_for,
     is_gpu_lost,
     nvml_error_result,
+    process_count,
     read_identity,
     unmapped_xid_check,
     xid_check,
@@ -467,7 +468,7 @@ def _active_parts(
         g.index
         for g in gpus
         for c in g.checks
-        if c.name == "compute_processes" and (c.status is Status.FAIL or c.value)
+        if c.name == "compute_processes" and (c.status is Status.FAIL or process_count(c) > 0)
     ]
     if busy:
         # Active tests consume the GPUs (DD) and would disturb, and be disturbed by, those processes.
@@ -477,7 +478,8 @@ def _active_parts(
     unproven = [
         g.index
         for g in gpus
-        if not any(c.name == "compute_processes" and c.status is Status.PASS and not c.value for c in g.checks)
+        if not any(c.name == "compute_processes" and c.status is Status.PASS and process_count(c) == 0
+                   for c in g.checks)
     ]
     if unproven:
         return [tools.skipped(p, f"not run: GPU(s) {unproven} not known to be idle") for p in parts]

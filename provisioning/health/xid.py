@@ -70,6 +70,16 @@ _XID_LINE = re.compile(
 )
 
 
+# The process an XID line names: "pid=48213, name=train.py, " ("pid='<unknown>', name=<unknown>, " when none).
+_XID_PROCESS = re.compile(r"\bpid=[^,]*,\s*name=[^,]*(?:,\s*|$)")
+
+
+def without_process(detail: str) -> str:
+    """Return an XID line's detail without the process it names: that is the work of the team on the node
+    then, and a report carrying the XID may be read by another team."""
+    return _XID_PROCESS.sub("", detail, count=1).strip()
+
+
 @dataclass(frozen=True)
 class KernelXid:
     """One XID line found in the kernel log."""

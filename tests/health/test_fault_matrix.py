@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,8 +269,17 @@ def test_unknown_pool_model_is_unknown_not_detected() -> None:
 
 
 def test_processes_are_allowed_when_the_node_is_in_use() -> None:
-    fake = FakeNvml(faults=[Fault("stray_process", gpu=0, pid=777)])
+    """They are the work of the team using the node; the report (read by the team booked next too, when the
+    acceptance gate checks a node still in use) counts them and names no pid or memory use."""
+    fake = FakeNvml(faults=[Fault("stray_process", gpu=0, pid=777, used_mib=31337)])
     report = validate_report(run_checks("quick", fake, expect_idle=False, event_wait_ms=0, **PINS))
     result = check(report, "compute_processes", 0)
     assert result["status"] == "pass"
-    assert result["value"] == [{"pid": 777, "used_mib": 1024}]
+    assert result["value"] == {"count": 1}
+    assert "777" not in json.dumps(result) and "31337" not in json.dumps(result)
+
+
+def test_stray_processes_on_an_idle_node_are_named() -> None:
+    fake = FakeNvml(faults=[Fault("stray_process", gpu=0, pid=777)])
+    result = check(quick(fake), "compute_processes", 0)
+    assert result["status"] == "fail" and result["value"] == [{"pid": 777, "used_mib": 1024}]

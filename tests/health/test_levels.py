@@ -200,3 +200,15 @@ def test_no_driver_skips_the_active_tests(toolbox: ToolBox) -> None:
     assert report["verdict"] == "fail"
     assert all("NVML unavailable" in check(report, part)["message"] for part in MEDIUM_PARTS)
     assert report["parts_unknown"] == ["nvml", "xid_events", *MEDIUM_PARTS]
+
+
+@pytest.mark.parametrize("expect_idle", [True, False])
+def test_gpus_read_free_of_processes_run_the_active_tests_whether_or_not_the_node_is_in_use(
+        toolbox: ToolBox, expect_idle: bool) -> None:
+    """On a node in use the process check only counts (it names no other team's pids): a count of 0 is as
+    idle as an empty process list, and a count above 0 keeps the active tests off."""
+    install_healthy(toolbox)
+    report = run("medium", expect_idle=expect_idle)
+    assert report["parts_unknown"] == [] and "dcgm_diag" in report["parts_ran"]
+    busy = run("medium", FakeNvml(seed=4, faults=[Fault("stray_process", gpu=2)]), expect_idle=expect_idle)
+    assert "processes on GPU(s) [2]" in check(busy, "dcgm_diag")["message"]

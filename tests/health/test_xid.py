@@ -237,3 +237,19 @@ def test_an_older_receipt_accepted_late_never_moves_a_baseline_back() -> None:
     restored = HealthState.from_dict(state.to_dict())
     assert restored.pending_counters == {"3": {"GPU-a": {"pcie_replay": [12.0, 300.0]}}}
     assert restored.pending_xids == {"3": ["x"]}
+
+
+def test_kernel_log_xids_name_no_process_of_whoever_ran_it() -> None:
+    """An application XID's kernel line names the process that hit it (pid, name). Those are the work of the
+    team on the node then, while the report may be read by the next team (a check bound to its booking that
+    carries XIDs not reported yet): the report keeps the XID and the rest of the line, not the process."""
+    lines = [
+        "[ 100.1] NVRM: Xid (PCI:0000:18:00): 31, pid=48213, name=secret_train.py, Ch 00000008, intr 10000000. "
+        "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f12_3456a000.",
+        "[ 100.2] NVRM: Xid (PCI:0000:2a:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+    ]
+    report = quick(FakeNvml(seed=1), kernel_log=lambda: lines)
+    details = [entry["detail"] for gpu in (0, 1) for entry in check(report, "xid", gpu)["value"]]
+    assert len(details) == 2
+    assert not any("48213" in d or "secret_train" in d for d in details), details
+    assert "MMU Fault" in details[0] and "fallen off the bus" in details[1]

@@ -169,7 +169,9 @@ def test_a_tenant_sees_a_nodes_fleet_checks_only_from_while_it_holds_the_node(
     with django_capture_on_commit_callbacks(execute=True):
         today = node_health_check_request(actor=fleet.users["staff"], node=fleet.node("gpu-001"), level="quick")
     today.refresh_from_db()
-    assert "31337" in str(today.gpu_results)  # alpha's job, read while alpha holds the node
+    # alpha's job, read while alpha holds the node: counted (its pid is named nowhere, not even to alpha).
+    [processes] = [c for c in today.gpu_results[0]["checks"] if c["name"] == "compute_processes"]
+    assert processes["value"] == {"count": 1} and "31337" not in str(today.gpu_results)
     later = health_checks_request(nodes=[fleet.node("gpu-001")], level="quick", trigger="schedule")[0]
     HealthCheck.objects.filter(pk=later.pk).update(created_at=tomorrow + timedelta(hours=1))
 
@@ -257,3 +259,31 @@ def test_a_team_swapped_off_a_running_node_reads_its_checks_up_to_the_swap(
     listed = fleet.client("alpha-lead").get("/api/v1/health-checks/", {"node": "gpu-002"})
     assert listed.status_code == 200, listed.content
     assert {r["id"] for r in listed.json()["results"]} == {failing.pk}
+
+
+@pytest.mark.django_db
+def test_the_check_of_a_node_still_serving_another_team_shows_the_next_team_none_of_its_work(
+        fleet, settings, eager, now_slot, django_capture_on_commit_callbacks):
+    """The acceptance gate checks a node still serving beta (a quick, read-only check) for alpha's booking, which
+    starts when beta's ends, and binds the check to alpha's booking: alpha's team read it in full, with beta's
+    compute processes (pids, GPU memory) and the kernel-log lines of beta's XIDs (pid, process name)."""
+    import json
+
+    from provisioning.health.services import acceptance_verdict
+
+    end = now_slot + timedelta(hours=2)
+    fleet.book("beta", ["gpu-003"], now_slot, end)
+    alpha = fleet.book("alpha", ["gpu-003"], end, end + timedelta(hours=3), "provisioning")
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-003": [
+        {"kind": "stray_process", "gpu": 0, "pid": 31337, "used_mib": 54321},
+        {"kind": "xid", "gpu": 1, "xid": 31},
+    ]})
+    with django_capture_on_commit_callbacks(execute=True):
+        acceptance_verdict([fleet.node("gpu-003").pk], level="medium", reservation_id=alpha.pk)
+    check = HealthCheck.objects.get(reservation=alpha)
+    assert (check.level, check.status) == ("quick", "done")
+    response = fleet.client("alpha-lead").get(f"/api/v1/health-checks/{check.pk}/")
+    assert response.status_code == 200
+    text = json.dumps(response.json())
+    assert '"compute_processes"' in text and '"xid"' in text
+    assert "31337" not in text and "54321" not in text and "python3" not in text
