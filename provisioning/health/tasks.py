@@ -29,6 +29,7 @@ from celery import shared_task
 from django.db import DatabaseError
 
 from . import conf
+from .choices import CheckStatus
 
 __all__ = ["agent_run", "fleet_run", "record_report", "xids_accepted", "checks_started", "sweep", "maintain"]
 
@@ -132,13 +133,17 @@ def fleet_run(jobs: list[dict[str, Any]]) -> dict[str, int]:
 def record_report(check_id: int, report: dict[str, Any], agent: str | None = None) -> dict[str, int]:
     """Store a node agent's report and apply its verdict; tell the agent (its hostname) once it is stored.
 
-    A report for a check no longer open (it expired, a redelivery) is not stored and not acknowledged:
-    the agent then reports its XIDs and counter increases again with the next check.
+    A report for a check that expired is not stored and not acknowledged: the agent then reports its XIDs
+    and counter increases again with the next check. One already stored (this task retried after a
+    database error in the consequences, or its message redelivered) is acknowledged: only the agent's
+    report makes a check ``done``, and the agent sends one per check.
     """
+    from .models import HealthCheck
     from .services import health_checks_record
 
     result = health_checks_record([(check_id, report)])
-    if agent and result["recorded"]:
+    stored = result["recorded"] or HealthCheck.objects.filter(pk=check_id, status=CheckStatus.DONE).exists()
+    if agent and stored:
         try:
             xids_accepted.apply_async(args=[agent, check_id], queue=f"node.{agent}")
         except Exception:  # noqa: BLE001 - the report is stored; unacknowledged XIDs are only reported again

@@ -92,3 +92,51 @@ def test_a_counter_increase_whose_report_the_portal_refused_is_reported_by_the_n
     tasks.agent_run(job)
     third.refresh_from_db()
     assert "ecc_uncorrected_aggregate" not in third.summary, third.summary  # reported once
+
+
+@pytest.mark.django_db
+def test_an_xid_is_acknowledged_when_recording_is_retried_after_the_report_was_stored(
+        fleet, eager, settings, tmp_path, monkeypatch):
+    """record_report stores the report, then applies its consequences; a database error there (a deadlock, a
+    dropped connection) retries the task, which found the check already stored ("recorded": 0) and so never
+    acknowledged it: the agent sent the XID again with its next check, which failed the node for it again."""
+    from celery.exceptions import Retry
+    from django.db import OperationalError
+
+    from provisioning.health import services
+
+    monkeypatch.setenv("PORTAL_FAKE_NVML", json.dumps(XID))
+    settings.PORTAL_HEALTH_STATE_DIR = str(tmp_path)
+    node = fleet.nodes[0]
+    state_file = tmp_path / f"health-state-{node.hostname}.json"
+    handle, calls = services.health_check_handle, []
+
+    def flaky_handle(check_id):
+        calls.append(check_id)
+        if len(calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return handle(check_id)
+
+    monkeypatch.setattr(services, "health_check_handle", flaky_handle)
+    sent, send = [], tasks.record_report.apply_async
+
+    def keep(args=None, kwargs=None, **options):
+        sent.append((args, kwargs))
+        return send(args=args, kwargs=kwargs, **options)
+
+    monkeypatch.setattr(tasks.record_report, "apply_async", keep)
+    first = _check(node)
+    [job] = jobs_for([first.pk])
+    with pytest.raises(Retry):  # record_report stored the report, then failed: Celery retries it
+        tasks.agent_run(job)
+    [(args, kwargs)] = sent
+    tasks.record_report(*args, **kwargs)  # the retry
+    first.refresh_from_db()
+    assert (first.status, first.verdict) == ("done", "fail")
+    assert len(HealthState.load(state_file).reported_xids) == 1  # stored, so acknowledged
+
+    second = _check(node)
+    [job] = jobs_for([second.pk])
+    tasks.agent_run(job)
+    second.refresh_from_db()
+    assert "xid" not in second.summary.lower(), second.summary  # reported once
