@@ -8,7 +8,7 @@ Delivery guarantees, and what gives each one:
 - **Never two senders at once**: a worker sends only after *claiming* the row with one
   conditional UPDATE (status pending/retrying and due, or a sending lease that has expired).
   PostgreSQL re-checks the condition after a concurrent UPDATE commits, so of any number of
-  racing workers exactly one gets the row. The lease outlives the HTTP timeout, so a live
+  racing workers exactly one gets the row. The lease outlives the POST's deadline, so a live
   sender is never overtaken; a killed one is, once its lease expires.
 - **Never lost**: the row exists (committed) before any task is queued; tasks are acked late and
   re-queued when a worker dies; ``deliveries_requeue_stuck`` (beat) re-queues any open row
@@ -34,6 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
@@ -106,9 +107,17 @@ def http_timeout() -> float:
     return float(_setting("PORTAL_NOTIFY_HTTP_TIMEOUT", 10.0))
 
 
+def http_deadline() -> float:
+    """The most one POST may take, however its receiver paces the answer (the timeout is per socket read)."""
+    deadline = float(_setting("PORTAL_NOTIFY_HTTP_DEADLINE", http_timeout() * 2))
+    if not deadline > 0:
+        raise ImproperlyConfigured("PORTAL_NOTIFY_HTTP_DEADLINE must be more than 0 seconds.")
+    return deadline
+
+
 def lease_seconds() -> float:
-    """How long a claim holds a delivery: longer than any POST can take, so a live sender keeps it."""
-    return float(_setting("PORTAL_NOTIFY_LEASE_SECONDS", http_timeout() * 2 + 10))
+    """How long a claim holds a delivery: longer than any POST can take (its deadline), so a live sender keeps it."""
+    return float(_setting("PORTAL_NOTIFY_LEASE_SECONDS", http_deadline() + 10))
 
 
 def max_attempts() -> int:
@@ -899,6 +908,7 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
         problem = egress.destination_problem(url)
         if problem:
             return _finish(delivery.pk, status=DeliveryStatus.FAILED, error=f"blocked_destination: {problem}")
+    timeout, deadline = http_timeout(), http_deadline()  # read before the claim: a bad setting claims nothing
     # Take the webhook's one-per-second slot before the row: a slot wasted on a lost claim is harmless.
     wait = ratelimit.acquire(_redis(), ratelimit.key_for_url(url), _min_interval())
     if wait > 0:
@@ -917,11 +927,12 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
         # Signed afresh on every attempt (new timestamp), always with the same webhook-id.
         headers = signing.sign_headers(_secrets_for(channel, timezone.now()), body, msg_id=delivery.message_id)
     if channel.is_platform:  # the operator's own URL: never checked
-        outcome = transport.post(url, body, headers, timeout=http_timeout(), slack=delivery.kind == ChannelKind.SLACK)
+        outcome = transport.post(url, body, headers, timeout=timeout, deadline=deadline,
+                                 slack=delivery.kind == ChannelKind.SLACK)
     else:
         # Checked again on the connection itself: a name re-pointed since the check above (DNS rebinding).
         with egress.public_session() as session:
-            outcome = transport.post(url, body, headers, timeout=http_timeout(),
+            outcome = transport.post(url, body, headers, timeout=timeout, deadline=deadline,
                                      slack=delivery.kind == ChannelKind.SLACK, session=session)
     if outcome.status == 429 and outcome.retry_after:
         # The limit is the webhook's: every message to it waits (capped as the retry itself is), rather than

@@ -10,7 +10,9 @@ https://api.slack.com/docs/rate-limits):
   delivery we can vouch for, so it is recorded as permanent rather than retried
   (a retry might post the message twice).
 - 429: retry after the ``Retry-After`` header (seconds or an HTTP-date), at most the backoff cap.
-- 5xx, 408, timeouts, connection errors: transient; retry with ``backoff(attempt)``.
+- 5xx, 408, timeouts, connection errors: transient; retry with ``backoff(attempt)``. A timeout is a
+  socket operation's (``timeout``) or the whole exchange's (``deadline``: a receiver that drips its
+  answer a byte at a time never trips the first).
 - 3xx: never followed (a redirect would send the body and signature to a host the
   tenant did not register); permanent.
 - any other 4xx (``invalid_payload``, ``channel_not_found``, ``no_service`` ...):
@@ -37,6 +39,7 @@ from urllib.parse import urlsplit
 
 import requests
 
+from portal.core.deadline import DeadlineAdapter, within
 from portal.core.egress import private_destination_of
 
 __all__ = [
@@ -54,6 +57,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
+# The whole exchange, however the receiver paces its answer: a connect and one full read timeout.
+DEFAULT_DEADLINE_S = 2 * DEFAULT_TIMEOUT_S
 USER_AGENT = "gpu-portal-notifier/1"
 # How much of a response body we keep: enough for Slack's error strings and a useful
 # excerpt of a tenant's error page, never a whole HTML page in the delivery log.
@@ -242,21 +247,36 @@ def _read_body(response: requests.Response) -> str:
     return b"".join(chunks)[:MAX_BODY_BYTES].decode("utf-8", "replace")
 
 
+def _watched_session() -> requests.Session:
+    # A session of our own, as requests.post would make, whose connections the deadline watches.
+    session = requests.Session()
+    adapter = DeadlineAdapter()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
 def post(
     url: str,
     body: bytes,
     headers: Mapping[str, str] | None = None,
     timeout: float | tuple[float, float] = DEFAULT_TIMEOUT_S,
     *,
+    deadline: float = DEFAULT_DEADLINE_S,
     slack: bool | None = None,
     session: requests.Session | None = None,
 ) -> Outcome:
     """POST body to url once and return the classified Outcome; never raise for HTTP trouble.
 
-    timeout is requests' (connect, read) timeout. slack defaults to "the host is
-    hooks.slack.com"; pass it explicitly for Slack-compatible endpoints elsewhere.
-    Pass a shared session to reuse connections across deliveries.
+    timeout is requests' (connect, read) timeout: each socket operation's. deadline bounds the whole
+    exchange, connecting to the last byte of the answer (portal.core.deadline): a receiver still answering
+    then, however steadily it drips, is cut off and the attempt is a ``timeout`` (retried). slack defaults
+    to "the host is hooks.slack.com"; pass it explicitly for Slack-compatible endpoints elsewhere.
+    Pass a shared session to reuse connections across deliveries; the deadline cuts only connections it
+    watches, so mount a ``DeadlineAdapter`` on it (``egress.public_session`` has one).
     """
+    if not deadline > 0:
+        raise ValueError("deadline must be > 0 seconds")
     safe_url = redact_url(url)
     if slack is None:
         try:
@@ -265,39 +285,18 @@ def post(
             slack = False
     send_headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT}
     send_headers.update(headers or {})
-    http = session or requests
+    own_session = session is None
+    http = _watched_session() if session is None else session
     started = time.monotonic()
     try:
-        response = http.post(url, data=body, headers=send_headers, timeout=timeout, allow_redirects=False, stream=True)
-    except requests.Timeout:
-        # A read timeout may mean the receiver did act on it; retrying is still right
-        # (webhook-id lets a tenant de-duplicate; Slack rarely times out after posting).
-        outcome = Outcome(Verdict.RETRY, None, "timeout", elapsed_s=time.monotonic() - started)
-    except requests.exceptions.SSLError:
-        outcome = Outcome(Verdict.RETRY, None, "tls_error", elapsed_s=time.monotonic() - started)
-    except requests.ConnectionError as exc:
-        blocked = private_destination_of(exc)
-        if blocked:  # the name led somewhere private by the time it was called (egress.public_session)
-            outcome = Outcome(Verdict.PERMANENT, None, f"blocked_destination: {blocked}",
-                              elapsed_s=time.monotonic() - started)
-        else:
-            outcome = Outcome(Verdict.RETRY, None, "connection_error", elapsed_s=time.monotonic() - started)
-    except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema):
-        outcome = Outcome(Verdict.PERMANENT, None, "invalid_url", elapsed_s=time.monotonic() - started)
-    except requests.RequestException as exc:
-        # str(exc) from requests embeds the full URL, so only the type name is recorded.
-        outcome = Outcome(
-            Verdict.RETRY, None, f"request_error:{type(exc).__name__}", elapsed_s=time.monotonic() - started
-        )
-    else:
-        with response:
-            try:
-                text = _read_body(response)
-            except requests.RequestException:
-                # The status line arrived but the body did not: classify on the status alone.
-                text = ""
-            outcome = classify(response.status_code, text, response.headers, slack=slack)
-        outcome = dataclasses.replace(outcome, elapsed_s=time.monotonic() - started)
+        with within(deadline) as watch:
+            outcome = _exchange(http, url, body, send_headers, timeout, slack=slack, started=started)
+            if watch.cut():
+                # Whatever the cut made of it (a connection error, a short body), the receiver ran out of time.
+                outcome = Outcome(Verdict.RETRY, None, "timeout", elapsed_s=time.monotonic() - started)
+    finally:
+        if own_session:
+            http.close()
     log = logger.info if outcome.delivered else logger.warning
     log(
         "webhook POST %s -> %s status=%s error=%s retry_after=%s (%.2fs)",
@@ -309,3 +308,36 @@ def post(
         outcome.elapsed_s,
     )
     return outcome
+
+
+def _exchange(http: requests.Session, url: str, body: bytes, send_headers: Mapping[str, str],
+              timeout: float | tuple[float, float], *, slack: bool, started: float) -> Outcome:
+    try:
+        response = http.post(url, data=body, headers=send_headers, timeout=timeout, allow_redirects=False, stream=True)
+    except requests.Timeout:
+        # A read timeout may mean the receiver did act on it; retrying is still right
+        # (webhook-id lets a tenant de-duplicate; Slack rarely times out after posting).
+        return Outcome(Verdict.RETRY, None, "timeout", elapsed_s=time.monotonic() - started)
+    except requests.exceptions.SSLError:
+        return Outcome(Verdict.RETRY, None, "tls_error", elapsed_s=time.monotonic() - started)
+    except requests.ConnectionError as exc:
+        blocked = private_destination_of(exc)
+        if blocked:  # the name led somewhere private by the time it was called (egress.public_session)
+            return Outcome(Verdict.PERMANENT, None, f"blocked_destination: {blocked}",
+                           elapsed_s=time.monotonic() - started)
+        return Outcome(Verdict.RETRY, None, "connection_error", elapsed_s=time.monotonic() - started)
+    except (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema):
+        return Outcome(Verdict.PERMANENT, None, "invalid_url", elapsed_s=time.monotonic() - started)
+    except requests.RequestException as exc:
+        # str(exc) from requests embeds the full URL, so only the type name is recorded.
+        return Outcome(
+            Verdict.RETRY, None, f"request_error:{type(exc).__name__}", elapsed_s=time.monotonic() - started
+        )
+    with response:
+        try:
+            text = _read_body(response)
+        except requests.RequestException:
+            # The status line arrived but the body did not: classify on the status alone.
+            text = ""
+        outcome = classify(response.status_code, text, response.headers, slack=slack)
+    return dataclasses.replace(outcome, elapsed_s=time.monotonic() - started)

@@ -26,12 +26,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import requests
-from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import NewConnectionError
 
 from .conf import setting_bool
+from .deadline import DeadlineAdapter, WatchedConnection
 
 __all__ = ["MAX_URL_LENGTH", "checked_url", "destination_problem", "public_session", "PrivateDestination",
            "private_destination_of"]
@@ -128,11 +128,11 @@ class _PublicOnly:
         return sock
 
 
-class _PublicHTTPConnection(_PublicOnly, HTTPConnection):
+class _PublicHTTPConnection(_PublicOnly, WatchedConnection, HTTPConnection):
     pass
 
 
-class _PublicHTTPSConnection(_PublicOnly, HTTPSConnection):
+class _PublicHTTPSConnection(_PublicOnly, WatchedConnection, HTTPSConnection):
     pass
 
 
@@ -144,10 +144,8 @@ class _PublicHTTPSPool(HTTPSConnectionPool):
     ConnectionCls = _PublicHTTPSConnection
 
 
-class _PublicOnlyAdapter(HTTPAdapter):
-    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
-        super().init_poolmanager(*args, **kwargs)
-        self.poolmanager.pool_classes_by_scheme = {"http": _PublicHTTPPool, "https": _PublicHTTPSPool}
+class _PublicOnlyAdapter(DeadlineAdapter):  # its connections are watched by a deadline.within block too
+    pool_classes = {"http": _PublicHTTPPool, "https": _PublicHTTPSPool}
 
     def proxy_manager_for(self, *args: Any, **kwargs: Any):  # a proxy's address would be the one checked
         raise requests.exceptions.InvalidURL("tenant destinations are not reached through a proxy")

@@ -28,12 +28,13 @@ __all__ = ["Reply", "Recorded", "WebhookReceiver"]
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    """One scripted answer: status, body, extra headers, and a delay before answering."""
+    """One scripted answer: status, body, extra headers, a delay before answering, and a pause between bytes."""
 
     status: int = 200
     body: bytes = b"ok"
     headers: tuple[tuple[str, str], ...] = ()
     delay_s: float = 0.0
+    drip_s: float = 0.0
 
     @classmethod
     def ok(cls) -> Reply:
@@ -51,6 +52,12 @@ class Reply:
     def slow(cls, delay_s: float) -> Reply:
         """Answer 200 ok, but only after delay_s (set it beyond the client's timeout)."""
         return cls(200, b"ok", delay_s=delay_s)
+
+    @classmethod
+    def dripping(cls, drip_s: float, body: bytes = b"ok") -> Reply:
+        """Answer 200 with body, but send the whole answer (status line included) one byte every drip_s: each
+        read a client makes gets a byte well within any per-read timeout, and the answer still takes ages."""
+        return cls(200, body, drip_s=drip_s)
 
     @classmethod
     def slack_error(cls, status: int, error: str) -> Reply:
@@ -115,6 +122,9 @@ class _Handler(BaseHTTPRequestHandler):
         if reply.delay_s and owner._stopping.wait(reply.delay_s):
             return  # shutting down: drop the answer rather than hold up the test run
         try:
+            if reply.drip_s:
+                self._drip(reply, owner)
+                return
             self.send_response(reply.status)
             for name, value in reply.headers:
                 self.send_header(name, value)
@@ -124,6 +134,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(reply.body)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client timed out and hung up, which is what a slow reply tests
+
+    def _drip(self, reply: Reply, owner: WebhookReceiver) -> None:
+        head = [f"HTTP/1.1 {reply.status} Drip", *(f"{name}: {value}" for name, value in reply.headers),
+                "Content-Type: text/plain; charset=utf-8", f"Content-Length: {len(reply.body)}", "", ""]
+        answer = "\r\n".join(head).encode("latin-1") + reply.body
+        self.close_connection = True
+        for index in range(len(answer)):
+            self.wfile.write(answer[index:index + 1])
+            self.wfile.flush()
+            if owner._stopping.wait(reply.drip_s):
+                return
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature of the base class
         pass  # quiet: the recorded requests are the log

@@ -13,6 +13,7 @@ import requests
 
 from notifications import transport
 from notifications.transport import Outcome, Verdict, backoff, classify, parse_retry_after, post, redact_url
+from portal.core import egress
 
 from .receiver import (
     ACTION_PROHIBITED,
@@ -115,6 +116,37 @@ def test_a_slow_receiver_times_out_and_is_retried(webhook_receiver: WebhookRecei
     assert (outcome.verdict, outcome.status, outcome.error) == (Verdict.RETRY, None, "timeout")
     assert 0.4 <= elapsed < 2.5  # gave up at the client timeout, not when the server answered
     assert webhook_receiver.wait_for(1)[0].body == BODY  # it did reach the receiver
+
+
+@pytest.mark.parametrize("own_session", [True, False], ids=["own session", "public session"])
+def test_a_receiver_dripping_its_answer_is_cut_off_at_the_deadline(webhook_receiver: WebhookReceiver,
+                                                                    own_session: bool) -> None:
+    # Every byte comes within the read timeout, so only an overall deadline ends the exchange: the whole
+    # answer (about 90 bytes, one each 0.1 s) would take some 9 s.
+    webhook_receiver.script(Reply.dripping(0.1))
+    started = time.monotonic()
+    if own_session:
+        outcome = post(webhook_receiver.url(SECRET_PATH), BODY, timeout=0.5, deadline=1.0, slack=True)
+    else:
+        with egress.public_session() as session:  # the tenants' URLs: every connection checked, and watched
+            outcome = post(webhook_receiver.url(SECRET_PATH), BODY, timeout=0.5, deadline=1.0, slack=True,
+                           session=session)
+    elapsed = time.monotonic() - started
+
+    assert (outcome.verdict, outcome.status, outcome.error) == (Verdict.RETRY, None, "timeout")
+    assert 0.9 <= elapsed < 2.5
+    assert webhook_receiver.wait_for(1)[0].body == BODY
+
+
+def test_a_receiver_dripping_within_the_deadline_is_heard_out(webhook_receiver: WebhookReceiver) -> None:
+    webhook_receiver.script(Reply.dripping(0.005))
+    outcome = post(webhook_receiver.url(SECRET_PATH), BODY, timeout=0.5, deadline=10.0, slack=True)
+    assert (outcome.verdict, outcome.status, outcome.body) == (Verdict.DELIVERED, 200, "ok")
+
+
+def test_the_deadline_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="deadline"):
+        post("http://127.0.0.1:9/", BODY, deadline=0)
 
 
 def test_connection_refused_is_transient() -> None:

@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.template import Context, Template
 from django.utils import timezone
 from standardwebhooks.webhooks import Webhook
@@ -135,6 +136,38 @@ def test_timeouts_are_retried(receiver, slack_for, confirmed, notify_settings):
     (delivery,) = confirmed()
     result = services.delivery_send(delivery_id=delivery.pk)
     assert result.status == DeliveryStatus.RETRYING and result.error == "timeout"
+
+
+def test_a_receiver_dripping_its_answer_is_a_timeout_at_the_deadline(receiver, slack_for, confirmed,
+                                                                    notify_settings):
+    # One byte every 0.1 s: each read is well within the 0.5 s timeout, the whole answer would take ~9 s.
+    notify_settings.PORTAL_NOTIFY_HTTP_TIMEOUT = 0.5
+    notify_settings.PORTAL_NOTIFY_HTTP_DEADLINE = 1.0
+    slack_for("alpha", receiver.url("/services/T0/B0/alpha"))
+    receiver.script(Reply.dripping(0.1))
+    (delivery,) = confirmed()
+
+    started = time.monotonic()
+    result = services.delivery_send(delivery_id=delivery.pk)
+
+    assert time.monotonic() - started < 3.0  # the worker is free again soon after the deadline
+    assert result.status == DeliveryStatus.RETRYING and result.error == "timeout" and result.retry_in is not None
+    delivery.refresh_from_db()
+    assert delivery.last_error == "timeout" and delivery.next_attempt_at is not None
+    assert list(delivery.attempt_log.values_list("verdict", "error")) == [(AttemptVerdict.RETRY, "timeout")]
+
+
+@pytest.mark.parametrize("deadline", [0, -5])
+def test_a_deadline_that_is_no_deadline_is_refused_before_claiming(receiver, slack_for, confirmed, notify_settings,
+                                                                   deadline):
+    notify_settings.PORTAL_NOTIFY_HTTP_DEADLINE = deadline
+    slack_for("alpha", receiver.url("/services/T0/B0/alpha"))
+    (delivery,) = confirmed()
+    with pytest.raises(ImproperlyConfigured, match="PORTAL_NOTIFY_HTTP_DEADLINE"):
+        services.delivery_send(delivery_id=delivery.pk)
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.attempts) == (DeliveryStatus.PENDING, 0)  # not left "sending" for a lease
+    assert receiver.requests == []
 
 
 @pytest.mark.parametrize("reply", [INVALID_PAYLOAD, ACTION_PROHIBITED, CHANNEL_NOT_FOUND, CHANNEL_IS_ARCHIVED],

@@ -9,6 +9,7 @@ from notifications import services
 
 
 @pytest.mark.parametrize(("name", "read", "value"), [
+    ("PORTAL_NOTIFY_HTTP_DEADLINE", services.http_deadline, 7.5),
     ("PORTAL_NOTIFY_LEASE_SECONDS", services.lease_seconds, 45.0),
     ("PORTAL_NOTIFY_BACKOFF_BASE", services._backoff_base, 5.0),
     ("PORTAL_NOTIFY_BACKOFF_CAP", services._backoff_cap, 120.0),
