@@ -827,15 +827,20 @@ def _mark_broken(channel_id: int | None, *, url: str, outcome: transport.Outcome
                  after={"error": channel.broken_error, "status": outcome.status, "url": channel.masked_url()})
 
 
-def _mark_repaired(channel_id: int | None) -> None:
+def _mark_repaired(channel_id: int | None, *, actor: Any = None, by: str = "a delivered message") -> None:
+    """Clear the channel's broken flag, if it is set, with its "repaired" audit row (by: what repaired it).
+
+    Inside the caller's transaction, which holds the delivery's row already (a delivery before its channel)."""
+    if channel_id is None:
+        return
     channel = Channel.objects.select_for_update(of=("self",)).filter(pk=channel_id, broken_at__isnull=False).first()
     if channel is None:
         return
     before = {"broken_error": channel.broken_error}
     channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = None, "", None, ""
     channel.save(update_fields=["broken_at", "broken_error", "broken_status", "broken_url_fp", "updated_at"])
-    audit_record(actor=None, action="notifications.channel.repaired", obj=channel, tenant_id=channel.tenant_id,
-                 before=before, after={"broken_error": "", "by": "a delivered message"})
+    audit_record(actor=actor, action="notifications.channel.repaired", obj=channel, tenant_id=channel.tenant_id,
+                 before=before, after={"broken_error": "", "by": by})
 
 
 def _record(delivery_id: int, *, token: uuid.UUID, attempt: DeliveryAttempt, url: str,
@@ -960,12 +965,8 @@ def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:
         delivery.next_attempt_at = timezone.now()
         delivery.requeued_after = delivery.attempts  # a fresh budget of attempts, counted from here
         delivery.save()
-        if delivery.channel_id:
-            channel = Channel.objects.select_for_update(of=("self",)).get(pk=delivery.channel_id)
-            if channel.broken_at is not None:
-                channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = (
-                    None, "", None, "")
-                channel.save()
+        # Sending it again means sending on the channel: a broken one is repaired, on the record as any repair.
+        _mark_repaired(delivery.channel_id, actor=actor, by=f"retrying delivery #{delivery.pk}")
         audit_record(actor=actor, action="notifications.delivery.requeue", obj=delivery,
                      tenant_id=delivery.tenant_id, before=before, after={"status": delivery.status})
         _enqueue([delivery.pk])

@@ -17,6 +17,7 @@ from notifications import services
 from notifications.choices import AttemptVerdict, DeliveryStatus
 from notifications.models import Channel, Delivery, DeliveryAttempt
 from notifications.slack import Event
+from portal.core.models import AuditLog
 from tenants.services import tenant_slack_webhook_set
 from tests.notifications.receiver import (
     ACTION_PROHIBITED,
@@ -197,6 +198,32 @@ def test_permanent_slack_errors_stop_and_flag_the_channel(world, receiver, slack
     later = Delivery.objects.get(event=Event.RESERVATION_CANCELLED)
     assert later.status == DeliveryStatus.SKIPPED and later.last_error == f"channel_broken: {error}"
     assert len(receiver.requests) == 1
+
+
+def test_retrying_a_skipped_message_clears_the_broken_flag_with_an_audit_row(world, receiver, slack_for,
+                                                                            confirmed):
+    # A lead's "retry" on a message skipped because the channel was broken lets the channel send again, as
+    # "resume sending" does; it cleared the flag without the "repaired" audit row every other path writes,
+    # so the audit log showed the channel broken and never repaired.
+    channel = slack_for("alpha", receiver.url("/services/T0/B0/alpha"))
+    receiver.script(CHANNEL_NOT_FOUND)
+    (delivery,) = confirmed()
+    services.delivery_send(delivery_id=delivery.pk)
+    services.event_fanout(event="reservation.cancelled", payload={"reservation_id": delivery.payload["reservation_id"]})
+    skipped = Delivery.objects.get(event=Event.RESERVATION_CANCELLED, status=DeliveryStatus.SKIPPED)
+    lead = world.users["alpha-lead"]
+
+    services.delivery_requeue(actor=lead, delivery=skipped)
+
+    channel.refresh_from_db()
+    assert not channel.is_broken
+    (repaired,) = AuditLog.objects.filter(action="notifications.channel.repaired")
+    assert (repaired.actor_id, repaired.object_id, repaired.tenant_id) == (lead.pk, str(channel.pk), channel.tenant_id)
+    assert repaired.before == {"broken_error": "channel_not_found"}
+    assert repaired.after == {"broken_error": "", "by": f"retrying delivery #{skipped.pk}"}
+    # A retry on a channel that is not broken (any more) repairs nothing, and says nothing of it.
+    services.delivery_requeue(actor=lead, delivery=Delivery.objects.get(pk=delivery.pk))
+    assert AuditLog.objects.filter(action="notifications.channel.repaired").count() == 1
 
 
 def test_broken_channel_skips_until_the_url_changes(world, receiver, slack_for, confirmed, book, t0):
