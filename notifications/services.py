@@ -47,7 +47,7 @@ from portal.core.services import audit_record
 from reservations.models import Reservation
 from reservations.selectors import tenant_peak_usage
 from tenants.models import Quota, Tenant
-from tenants.services import tenant_lead_lock, tenant_slack_webhook_set
+from tenants.services import tenant_lead_lock, tenant_slack_webhook_clear_locked
 
 from . import ratelimit, selectors, signing, slack, transport
 from .choices import (
@@ -460,9 +460,13 @@ def channel_delete(*, actor: Any, channel: Channel) -> None:
     if channel.is_platform:
         raise InvalidState("The platform channel comes from PORTAL_PLATFORM_SLACK_WEBHOOK and would be made "
                            "again on the next event: disable it instead (or unset the setting).")
-    if channel.kind == ChannelKind.SLACK and channel.tenant.slack_webhook_url:
-        tenant_slack_webhook_set(actor=actor, tenant=channel.tenant, url="")
     with transaction.atomic(durable=True):
+        # One transaction: the URL goes with its channel or not at all. (Cleared in a transaction of its own first,
+        # a failure of the delete left the URL gone and the channel there; and a new URL set in between was
+        # announced to the channel row the delete then removed: a URL without its channel.)
+        if channel.kind == ChannelKind.SLACK:
+            _lock_rights(actor=actor, tenant_id=channel.tenant_id)  # the team lock, then the tenant row, as ever
+            tenant_slack_webhook_clear_locked(actor=actor, tenant_id=channel.tenant_id)
         channel = _lock_channel(channel, actor=actor, deliveries=True)  # on_delete=SET_NULL writes them
         before = _channel_snapshot(channel)
         tenant_id = channel.tenant_id

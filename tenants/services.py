@@ -35,6 +35,7 @@ __all__ = [
     "token_revoke",
     "tenant_rotate_ical_token",
     "tenant_lead_lock",
+    "tenant_slack_webhook_clear_locked",
 ]
 
 # Announced when a tenant's Slack URL is set (created, changed or replaced; not when cleared): the
@@ -593,12 +594,29 @@ def tenant_slack_webhook_set(*, actor, tenant: Tenant, url: str) -> Tenant:
 
 @transaction.atomic(durable=True)
 def _slack_webhook_store(*, actor, tenant: Tenant, url: str) -> Tenant:
+    _lock_team(actor=actor, tenant_id=tenant.pk, denied="Only the tenant's lead manages its notifications.")
+    return _slack_webhook_write(actor=actor, tenant_id=tenant.pk, url=url)
+
+
+def tenant_slack_webhook_clear_locked(*, actor: Any, tenant_id: int) -> Tenant:
+    """For notifications (deleting the tenant's Slack channel): clear the tenant's Slack URL inside the caller's
+    transaction, so that the URL and the channel go together or not at all. The caller has decided actor's
+    right under the team lock (tenant_lead_lock) and locked nothing after it: the tenant row comes next.
+    Audited as tenant_slack_webhook_set(url="") is; a URL that is not set (any more) is left alone, unaudited."""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("tenant_slack_webhook_clear_locked runs inside the caller's transaction")
+    tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
+    if not tenant.slack_webhook_url:
+        return tenant
+    return _slack_webhook_write(actor=actor, tenant_id=tenant_id, url="")
+
+
+def _slack_webhook_write(*, actor, tenant_id: int, url: str) -> Tenant:
     from portal.core.crypto import mask
 
-    _lock_team(actor=actor, tenant_id=tenant.pk, denied="Only the tenant's lead manages its notifications.")
     # NO KEY UPDATE: the URL is no key, and bookings key-share the row (their burst flag) while holding a
     # membership row this function has locked; FOR UPDATE here could deadlock with a lead's booking.
-    tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
+    tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
     before = {"slack_webhook_url": mask(tenant.slack_webhook_url, keep=6)}
     tenant.slack_webhook_url = url
     tenant.save(update_fields=["slack_webhook_url"])
