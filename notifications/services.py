@@ -717,7 +717,10 @@ def channel_send_test(*, actor: Any, channel: Channel) -> Delivery:
     notice = Notice(event=Event.TEST, key=f"test:{uuid.uuid4().hex}", payload=payload, source_event="test",
                     tenant_id=channel.tenant_id)
     with transaction.atomic(durable=True):
-        _lock_rights(actor=actor, tenant_id=channel.tenant_id)  # the right first: a non-lead hears 403, not this
+        # The right first (a non-lead hears 403, not this), then the channel's row, read again: one deleted
+        # meanwhile (the delete queued this behind it on the team lock) is "no such channel", where inserting a
+        # delivery that names it failed at commit on the foreign key (a 500).
+        channel = _lock_channel(channel, actor=actor)
         if not channel.target_url():
             raise InvalidState("No webhook URL is set for this channel.")
         delivery, _ = _delivery_for(notice, channel)
