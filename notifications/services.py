@@ -589,7 +589,8 @@ def _quota_state_refresh(quota: Quota, now: datetime) -> tuple[QuotaAlertState, 
     """Re-measure the tenant's booked peak in the quota's pool; return (state, peak, crossed just now).
 
     The peak is taken over the whole booking horizon from now, with the alert state row locked,
-    so concurrent checks take turns and each sees the bookings committed before it.
+    so concurrent checks take turns and each sees the bookings committed before it. Callers run it in
+    their own transaction, so a crossing is committed with the alert that announces it, or not at all.
     """
     threshold = float(_setting("PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT", 80))
     horizon = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
@@ -650,10 +651,14 @@ def quota_alerts_recheck(*, now: datetime | None = None) -> list[Delivery]:
 
 
 def _quota_check(quota: Quota, now: datetime) -> list[Delivery]:
-    state, peak, crossing = _quota_state_refresh(quota, now)
-    if not crossing:
-        return []
-    return _deliver_notices([_quota_notice(quota, state, peak)])
+    # The crossing and its alert's deliveries commit together (the state row stays locked meanwhile): counted
+    # in a transaction of its own, a fan-out failing after it (and the task run again) found the tenant
+    # already above, no crossing, and sent no alert for this climb at all.
+    with transaction.atomic():
+        state, peak, crossing = _quota_state_refresh(quota, now)
+        if not crossing:
+            return []
+        return _deliver_notices([_quota_notice(quota, state, peak)])
 
 
 def quota_alerts_catch_up(*, channel_id: int, now: datetime | None = None) -> list[Delivery]:
@@ -672,14 +677,15 @@ def quota_alerts_catch_up(*, channel_id: int, now: datetime | None = None) -> li
         return []
     created: list[Delivery] = []
     for quota in Quota.objects.select_related("tenant", "pool").filter(tenant_id=channel.tenant_id, max_nodes__gt=0):
-        state, peak, crossing = _quota_state_refresh(quota, now)
-        if crossing:
-            created += _deliver_notices([_quota_notice(quota, state, peak)])
-        elif state.above:
-            delivery, new = _delivery_for(_quota_notice(quota, state, peak), channel)
-            if new and delivery.status == DeliveryStatus.PENDING:
-                _enqueue([delivery.pk])
-                created.append(delivery)
+        with transaction.atomic():  # a crossing commits with its alert's deliveries (see _quota_check)
+            state, peak, crossing = _quota_state_refresh(quota, now)
+            if crossing:
+                created += _deliver_notices([_quota_notice(quota, state, peak)])
+            elif state.above:
+                delivery, new = _delivery_for(_quota_notice(quota, state, peak), channel)
+                if new and delivery.status == DeliveryStatus.PENDING:
+                    _enqueue([delivery.pk])
+                    created.append(delivery)
     return created
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import DatabaseError
 
 from notifications import services
 from notifications.models import Delivery, QuotaAlertState
@@ -62,6 +63,40 @@ def test_a_quota_lowered_under_the_bookings_alerts_at_the_next_recheck(world, t0
     assert services.quota_alerts_recheck() == []
     assert QuotaAlertState.objects.get(quota=quota).above is False
     assert len(_alerts()) == 1
+
+
+@pytest.mark.parametrize("check", ["booking change", "recheck", "catch-up"])
+def test_a_quota_check_that_failed_after_the_crossing_alerts_when_run_again(world, t0, book, slack_for, monkeypatch,
+                                                                           check):
+    # The crossing (state.above, crossings + 1) was committed before the alert's deliveries were made: a
+    # fan-out failing in between (a database error, a worker killed) left the crossing counted and no alert,
+    # and the task's retry (fanout_task retries database errors; the outbox re-runs a failed subscriber)
+    # found the tenant already above: no crossing, so no alert, ever, for this climb.
+    channel = slack_for("alpha", SLACK_URL)
+    quota = world.tenants["alpha"].quotas.get()
+    quota_update(actor=world.users["staff"], quota=quota, max_nodes=5)
+    reservation = book("alpha", t0, nodes=4)  # 4 of 5: 80 %
+    run = {
+        "booking change": lambda: services.quota_threshold_check(tenant_id=reservation.tenant_id,
+                                                                 pool_id=reservation.pool_id),
+        "recheck": services.quota_alerts_recheck,
+        "catch-up": lambda: services.quota_alerts_catch_up(channel_id=channel.pk),
+    }[check]
+    real = services._deliver_notices
+
+    def lost_connection(notices):
+        raise DatabaseError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(services, "_deliver_notices", lost_connection)
+    with pytest.raises(DatabaseError):
+        run()
+    monkeypatch.setattr(services, "_deliver_notices", real)
+
+    created = run()  # the retry
+    assert [(d.event, d.payload["used_nodes"]) for d in created] == [(Event.QUOTA_THRESHOLD, 4)]
+    state = QuotaAlertState.objects.get(quota=quota)
+    assert (state.above, state.crossings) == (True, 1)
+    assert run() == [] and len(_alerts()) == 1  # and once only
 
 
 def test_beat_runs_the_recheck():
