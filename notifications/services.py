@@ -973,6 +973,8 @@ def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:
             raise InvalidState(f"Delivery #{delivery.pk} is {delivery.status}; nothing to retry.")
         if not delivery.body:
             raise InvalidState("This delivery could not be built; it cannot be sent.")
+        if delivery.channel_id is None:  # (the log keeps it, by its label): the worker would only skip it again
+            raise InvalidState("The channel of this delivery has been deleted; there is nowhere to send it.")
         before = {"status": delivery.status, "attempts": delivery.attempts, "last_error": delivery.last_error}
         delivery.status = DeliveryStatus.PENDING
         delivery.next_attempt_at = timezone.now()

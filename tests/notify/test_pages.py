@@ -122,6 +122,27 @@ def test_delivery_log_shows_status_and_slack_errors(world, as_user, slack_for, t
     assert Delivery.objects.get(pk=delivery.pk).status == DeliveryStatus.PENDING
 
 
+def test_a_delivery_whose_channel_was_deleted_is_not_offered_or_taken_for_a_retry(world, as_user, webhook_for, t0,
+                                                                                    book):
+    # Its row stays in the log (SET_NULL), and "Retry" was offered and answered "Delivery #n queued again."
+    # although there is nowhere to send it: the worker skipped it at once ("channel_deleted"), again.
+    channel, _ = webhook_for("alpha", "https://ci.alpha.example/hook")
+    reservation = book("alpha", t0)
+    (delivery,) = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    Delivery.objects.filter(pk=delivery.pk).update(status=DeliveryStatus.FAILED, last_error="http_500", attempts=1)
+    lead = as_user("alpha-lead")
+    services.channel_delete(actor=world.users["alpha-lead"], channel=channel)
+
+    log = lead.get(reverse("notifications:deliveries")).content.decode()
+    row = re.search(rf'<tr data-delivery="{delivery.pk}".*?</tr>', log, re.S).group(0)
+    assert "Retry" not in row and "Webhook ci (alpha)" in row
+    response = lead.post(reverse("notifications:delivery-retry", args=[delivery.pk]), follow=True)
+    assert [str(m) for m in response.context["messages"]] == [
+        "The channel of this delivery has been deleted; there is nowhere to send it."]
+    assert Delivery.objects.values_list("status", "attempts").get(pk=delivery.pk) == (DeliveryStatus.FAILED, 1)
+    assert not AuditLog.objects.filter(action="notifications.delivery.requeue").exists()
+
+
 def test_dashboard_tag_tells_the_lead_what_broke(world, as_user, slack_for):
     channel = slack_for("alpha", SLACK_URL)
     Channel.objects.filter(pk=channel.pk).update(
