@@ -776,11 +776,31 @@ def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
 
 
 def _finish(delivery_id: int, *, status: str, error: str) -> SendResult:
-    Delivery.objects.filter(pk=delivery_id).exclude(status__in=TERMINAL_STATUSES).update(
-        status=status, last_error=error[:200], lease_until=None, claim=None, next_attempt_at=None,
-        updated_at=timezone.now(),
+    """End a delivery unsent (skipped, or failed before any POST), unless another worker has claimed it meanwhile.
+
+    The condition is the claim's, less its due time: open and unclaimed, or claimed on a lease that has run out.
+    PostgreSQL re-checks it after a concurrent claim commits, so a sender already posting keeps its row and its
+    outcome counts (finishing it anyway dropped that outcome as a lost claim's: a Slack 404 left the delivery
+    "skipped" and the channel never flagged broken)."""
+    now = timezone.now()
+    finished = (
+        Delivery.objects.filter(pk=delivery_id)
+        .filter(Q(status__in=[DeliveryStatus.PENDING, DeliveryStatus.RETRYING])
+                | Q(status=DeliveryStatus.SENDING, lease_until__lt=now))
+        .update(status=status, last_error=error[:200], lease_until=None, claim=None, next_attempt_at=None,
+                updated_at=now)
     )
+    if not finished:
+        return _come_back(delivery_id)
     return SendResult(status=status, error=error)
+
+
+def _come_back(delivery_id: int) -> SendResult:
+    """The delivery is someone else's now (claimed, or finished): say when to look again, if ever."""
+    current = Delivery.objects.filter(pk=delivery_id).first()
+    if current is None or current.status in TERMINAL_STATUSES:
+        return SendResult(status=current.status if current else "missing")
+    return SendResult(status=current.status, retry_in=_wait_for(current, timezone.now()) or 1.0)
 
 
 def _wait_for(delivery: Delivery, now: datetime) -> float | None:
@@ -934,10 +954,7 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
         return SendResult(status=delivery.status, retry_in=wait + random.uniform(0, _min_interval()))  # noqa: S311
     claimed = _claim(delivery.pk, now=timezone.now(), worker=worker)
     if claimed is None:
-        current = Delivery.objects.filter(pk=delivery.pk).first()
-        if current is None or current.status in TERMINAL_STATUSES:
-            return SendResult(status=current.status if current else "missing")
-        return SendResult(status=current.status, retry_in=_wait_for(current, timezone.now()) or 1.0)
+        return _come_back(delivery.pk)
     token, attempt = claimed
     body = delivery.body.encode("utf-8")
     headers: dict[str, str] = {}
