@@ -860,14 +860,20 @@ def _mark_broken(channel_id: int | None, *, url: str, outcome: transport.Outcome
                  after={"error": channel.broken_error, "status": outcome.status, "url": channel.masked_url()})
 
 
-def _mark_repaired(channel_id: int | None, *, actor: Any = None, by: str = "a delivered message") -> None:
+def _mark_repaired(channel_id: int | None, *, url: str | None = None, actor: Any = None,
+                   by: str = "a delivered message") -> None:
     """Clear the channel's broken flag, if it is set, with its "repaired" audit row (by: what repaired it).
 
-    Inside the caller's transaction, which holds the delivery's row already (a delivery before its channel)."""
+    url: where the message that proves it was delivered. One delivered to another URL than the broken one
+    (posted to the old URL while the new one was refused) proves nothing and leaves the flag. Inside the
+    caller's transaction, which holds the delivery's row already (a delivery before its channel)."""
     if channel_id is None:
         return
-    channel = Channel.objects.select_for_update(of=("self",)).filter(pk=channel_id, broken_at__isnull=False).first()
+    channel = (Channel.objects.select_for_update(of=("self",)).select_related("tenant")
+               .filter(pk=channel_id, broken_at__isnull=False).first())
     if channel is None:
+        return
+    if url is not None and channel.is_broken and channel.broken_url_fp != url_fingerprint(url):
         return
     before = {"broken_error": channel.broken_error}
     channel.broken_at, channel.broken_error, channel.broken_status, channel.broken_url_fp = None, "", None, ""
@@ -895,7 +901,7 @@ def _record(delivery_id: int, *, token: uuid.UUID, attempt: DeliveryAttempt, url
                 delivery.last_status_code, delivery.last_error = outcome.status, ""
                 delivery.lease_until = delivery.claim = delivery.next_attempt_at = None
                 delivery.save()
-            _mark_repaired(delivery.channel_id)
+            _mark_repaired(delivery.channel_id, url=url)
             return SendResult(status=DeliveryStatus.DELIVERED, posted=True)
         attempt.verdict = AttemptVerdict.RETRY if outcome.retryable else AttemptVerdict.PERMANENT
         if delivery.claim != token or delivery.status != DeliveryStatus.SENDING:

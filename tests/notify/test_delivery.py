@@ -13,7 +13,7 @@ from django.template import Context, Template
 from django.utils import timezone
 from standardwebhooks.webhooks import Webhook
 
-from notifications import services
+from notifications import services, transport
 from notifications.choices import AttemptVerdict, DeliveryStatus
 from notifications.models import Channel, Delivery, DeliveryAttempt
 from notifications.slack import Event
@@ -250,6 +250,30 @@ def test_broken_channel_skips_until_the_url_changes(world, receiver, slack_for, 
     (fresh,) = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": third.pk})
     assert services.delivery_send(delivery_id=fresh.pk).status == DeliveryStatus.DELIVERED
     assert receiver.requests[-1].path == "/services/T0/B0/new"
+
+
+def test_a_late_success_on_the_old_url_does_not_repair_the_new_broken_one(world, slack_for):
+    # A message was being posted to the old URL when the lead pasted a new one, which Slack refused for good
+    # (the channel broken on it). The old URL's late "ok" proves nothing about the new one, yet it cleared
+    # the flag: the lead's "broken" alert went away and messages were sent into the refusal again.
+    old, new = "https://hooks.slack.com/services/T0/B0/old", "https://hooks.slack.com/services/T0/B0/new"
+    channel = slack_for("alpha", old)
+    staff = world.users["staff"]
+    on_old = services.channel_send_test(actor=staff, channel=channel)
+    token_old, attempt_old = services._claim(on_old.pk, now=timezone.now(), worker="w1")
+    tenant_slack_webhook_set(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], url=new)
+    on_new = services.channel_send_test(actor=staff, channel=Channel.objects.get(pk=channel.pk))
+    token_new, attempt_new = services._claim(on_new.pk, now=timezone.now(), worker="w2")
+    gone = transport.Outcome(verdict=transport.Verdict.PERMANENT, status=404, error="channel_not_found")
+    services._record(on_new.pk, token=token_new, attempt=attempt_new, url=new, outcome=gone)
+    assert Channel.objects.get(pk=channel.pk).is_broken
+
+    ok = transport.Outcome(verdict=transport.Verdict.DELIVERED, status=200)
+    assert services._record(on_old.pk, token=token_old, attempt=attempt_old, url=old, outcome=ok).status == "delivered"
+
+    channel = Channel.objects.get(pk=channel.pk)
+    assert channel.is_broken and channel.broken_error == "channel_not_found"
+    assert not AuditLog.objects.filter(action="notifications.channel.repaired").exists()
 
 
 def test_a_test_message_goes_through_a_broken_channel_and_repairs_it(world, receiver, slack_for, confirmed,
