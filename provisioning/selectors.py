@@ -13,6 +13,7 @@ from django.utils import timezone
 from reservations.choices import CUDA_VERSIONS, NodeState
 from reservations.models import Allocation, Node, Pool
 from tenants.choices import BOOKING_ROLES
+from tenants.models import Membership
 from tenants.selectors import role_of
 
 from .choices import (
@@ -31,6 +32,7 @@ __all__ = [
     "clusters_for_user",
     "cluster_node_hostnames",
     "can_download_credentials",
+    "credential_tenant_ids",
     "can_manage_cluster",
     "can_retry_cluster",
     "retry_refusal",
@@ -110,6 +112,15 @@ def cluster_node_hostnames(cluster: VirtualCluster) -> list[str]:
 def can_download_credentials(*, user, cluster: VirtualCluster) -> bool:
     """Only the tenant's leads and members; viewers and platform staff get no tenant secrets."""
     return role_of(user=user, tenant=cluster.tenant) in BOOKING_ROLES
+
+
+def credential_tenant_ids(*, user) -> frozenset[int]:
+    """The tenants whose credentials user may download (can_download_credentials' rule for many clusters
+    in one query): where they are a lead or member; platform staff as such, none."""
+    if not getattr(user, "is_authenticated", False):
+        return frozenset()
+    return frozenset(Membership.objects.filter(user=user, role__in=BOOKING_ROLES)
+                     .values_list("tenant_id", flat=True))
 
 
 def can_manage_cluster(*, user, cluster: VirtualCluster) -> bool:

@@ -8,7 +8,7 @@ from rest_framework import serializers
 from portal.core.fields import AwareDateTimeField, StrictIntegerField
 
 from ..models import ClusterCredential, ClusterTransition, VirtualCluster
-from ..selectors import cluster_node_hostnames
+from ..selectors import cluster_node_hostnames, credential_tenant_ids
 
 
 class PhaseSerializer(serializers.ModelSerializer):
@@ -29,7 +29,11 @@ class CredentialSerializer(serializers.ModelSerializer):
         model = ClusterCredential
         fields = ["kind", "fingerprint", "public_part", "created_at", "download_url"]
 
-    def get_download_url(self, obj: ClusterCredential) -> str:
+    def get_download_url(self, obj: ClusterCredential) -> str | None:
+        """The download's address, for those the download takes (the tenant's leads and members); null for
+        the others (a viewer, platform staff), who would only be refused there (403)."""
+        if not self.context.get("can_download", False):
+            return None
         return reverse("cluster-credential", kwargs={"pk": obj.cluster_id, "kind": obj.kind})
 
 
@@ -98,7 +102,16 @@ class ClusterSerializer(serializers.ModelSerializer):
         current = getattr(obj, "current_credentials", None)
         if current is None:
             current = list(obj.credentials.current())
-        return CredentialSerializer(current, many=True).data
+        return CredentialSerializer(current, many=True,
+                                    context={"can_download": obj.tenant_id in self._credential_tenants()}).data
+
+    def _credential_tenants(self) -> frozenset[int]:
+        # Whose credentials the requesting user may download: read once per response, not once per cluster.
+        if "credential_tenants" not in self.context:
+            request = self.context.get("request")
+            user = getattr(request, "user", None)
+            self.context["credential_tenants"] = credential_tenant_ids(user=user) if user else frozenset()
+        return self.context["credential_tenants"]
 
 
 class ClusterSpecInputSerializer(serializers.Serializer):

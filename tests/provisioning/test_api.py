@@ -80,7 +80,8 @@ def test_detail_has_phases_with_times_connection_and_credentials_without_secrets
     [credential] = body["credentials"]
     assert credential["kind"] == "ssh_key" and credential["fingerprint"].startswith("SHA256:")
     assert credential["public_part"].startswith("ssh-ed25519 ")
-    assert credential["download_url"] == f"/api/v1/clusters/{cluster.pk}/credentials/ssh_key/"
+    # A viewer may not download (403 there), so no link is offered: see the test below.
+    assert credential["download_url"] is None
     text = str(body)
     assert "PRIVATE KEY" not in text
     assert ClusterCredential.objects.get(cluster=cluster).ciphertext not in text
@@ -118,6 +119,22 @@ def test_credentials_download_for_leads_and_members_only(world, clusters):
     assert world.client("alpha-lead").get(f"/api/v1/clusters/{cluster.pk}/credentials/passwd/").status_code == 404
     downloads = AuditLog.objects.filter(action="cluster.credential_download")
     assert downloads.count() == 2 and {a.actor.username for a in downloads} == {"alpha-lead", "alpha-member"}
+
+
+def test_download_url_is_given_only_to_those_who_may_download(world, clusters):
+    """download_url stays in every credential's shape, but is null for a role the download refuses (a
+    viewer, platform staff): a link offered to them only led to a 403."""
+    cluster = clusters["alpha"]
+    url = f"/api/v1/clusters/{cluster.pk}/credentials/ssh_key/"
+    for who, offered in (("alpha-lead", True), ("alpha-member", True), ("alpha-viewer", False), ("staff", False)):
+        client = world.client(who)
+        detail = client.get(f"/api/v1/clusters/{cluster.pk}/").json()
+        listed = next(c for c in client.get("/api/v1/clusters/").json()["results"] if c["id"] == cluster.pk)
+        for body in (detail, listed):
+            [credential] = body["credentials"]
+            assert "download_url" in credential, who
+            assert credential["download_url"] == (url if offered else None), who
+        assert client.get(url).status_code == (200 if offered else 403), who
 
 
 def test_a_head_request_for_a_credential_is_answered_but_recorded_as_no_download(world, clusters):
