@@ -45,6 +45,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from portal.core import events
+from portal.core.actors import STAFF_WORDS, actor_name
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
 from portal.core.locks import advisory_lock, locked_keys
 from portal.core.models import AuditLog
@@ -1000,18 +1001,21 @@ def cluster_request_teardown(*, actor: Any, cluster: VirtualCluster) -> VirtualC
         if reservation.status not in (ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE):
             raise InvalidState(f"Reservation #{reservation.pk} is {reservation.status}; "
                                "cancel a booking that has not started instead.")
+        # The tenant reads these words (the booking's reason, the cluster's history): a staff account is
+        # "platform staff" there; the transition's actor keeps the account for staff.
+        who = actor_name(actor, viewer=None, staff=STAFF_WORDS) or "the system"
         if cluster.status in _ARTEFACTS_RELEASED:
             # The reservation above was read with the cluster, before its row lock was granted: a run that
             # failed (or a teardown that began) meanwhile is seen here, on the locked row.
             raise InvalidState(f"Cluster #{cluster.pk} is {cluster.status}; there is no running cluster to tear down.")
         if reservation_set_status(reservation_id=reservation.pk, status=ReservationStatus.ENDING,
                                   expected=(ReservationStatus.PROVISIONING, ReservationStatus.ACTIVE),
-                                  reason=f"torn down early by {getattr(actor, 'username', 'staff')}",
+                                  reason=f"torn down early by {who}",
                                   actor=actor) is None:
             status = Reservation.objects.values_list("status", flat=True).get(pk=reservation.pk)
             raise InvalidState(f"Reservation #{reservation.pk} is {status}; its cluster is not torn down early.")
         _transition(cluster, ClusterStatus.TEARING_DOWN, actor=actor, source=TransitionSource.API,
-                    detail=f"requested by {getattr(actor, 'username', '?')}")
+                    detail=f"requested by {who}")
         cluster.dispatched_at = timezone.now()
         cluster.save(update_fields=["dispatched_at"])
         _enqueue("teardown_cluster", cluster.pk)

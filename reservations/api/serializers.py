@@ -1,5 +1,6 @@
 from rest_framework import serializers
 
+from portal.core.actors import actor_name
 from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField, StrictSlugRelatedField
 from portal.core.timefmt import format_utc
 from tenants.models import Tenant
@@ -110,6 +111,18 @@ class ReservationUpdateSerializer(serializers.Serializer):
         return attrs
 
 
+class ActorField(serializers.SlugRelatedField):
+    """A user by username, as the requesting user may see it (portal.core.actors): a platform staff
+    account reads "platform" to a tenant."""
+
+    def __init__(self, **kwargs):
+        super().__init__(slug_field="username", read_only=True, **kwargs)
+
+    def to_representation(self, obj):
+        request = self.context.get("request")
+        return actor_name(obj, viewer=getattr(request, "user", None))
+
+
 class ReservationSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
@@ -117,7 +130,8 @@ class ReservationSerializer(serializers.ModelSerializer):
     end = AwareDateTimeField(source="period.upper", read_only=True)
     nodes = serializers.SerializerMethodField()
     cluster = serializers.SerializerMethodField()
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_by = ActorField(help_text='Who booked it: a username; "platform" to a tenant when platform staff '
+                                      "booked it for them.")
     created_at = AwareDateTimeField(read_only=True)
 
     class Meta:
@@ -146,9 +160,12 @@ class ReservationSerializer(serializers.ModelSerializer):
             "missing_nodes": int(instance.missing_nodes),
             "name": str(instance.name),
             "cluster": self.get_cluster(instance),
-            "created_by": None if created_by is None else created_by.username,
+            "created_by": actor_name(created_by, viewer=self._viewer()),
             "created_at": None if instance.created_at is None else format_utc(instance.created_at),
         }
+
+    def _viewer(self):
+        return getattr(self.context.get("request"), "user", None)
 
     def get_nodes(self, obj) -> list[str]:
         # Fresh bookings carry their hostnames; lists use the prefetched active allocations.

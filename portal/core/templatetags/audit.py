@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from django import template
 
+from ..actors import STAFF_WORDS, actor_name
+
 register = template.Library()
 
 ACTION_WORDS: dict[str, str] = {
@@ -102,6 +104,13 @@ def action_words(code: str) -> str:
 @register.filter
 def action_label(code: str) -> str:
     return action_words(code)
+
+
+@register.filter
+def actor_for(actor, viewer) -> str:
+    """Who acted, as viewer (the signed-in user) may see it: "platform staff" for a staff account unless
+    viewer is staff; "" for no actor, so a page adds its own default ("the system", "—")."""
+    return actor_name(actor, viewer=viewer, staff=STAFF_WORDS) or ""
 
 
 # An audited field's name in words, where its name alone does not read well ("node_count" is the nodes booked).
