@@ -5,7 +5,9 @@ Quota edits — on the quota's page, inline on the tenant, in place on the quota
 bulk from the list's action — all end in ``quota_update`` / ``quota_bulk_update``, which lock
 the rows bookings lock and write an audit row (actor, old → new) per quota. Lowering a quota
 below what the tenant has already booked first shows the affected reservations and asks to
-confirm; existing bookings are never cancelled by a quota change.
+confirm; existing bookings are never cancelled by a quota change. The quota's page carries the
+version it was opened at (``QuotaAdminForm``): saved after another change to that quota, it is
+refused with a form error, never applied over the newer numbers.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from . import services
 from .choices import Role
 from .forms import LockoutAdminAuthenticationForm
 from .models import ApiToken, Membership, Quota, Tenant
+from .selectors import quota_version
 
 # /admin/login/ counts failures and locks like /accounts/login/ (one lock for both): Django's own admin
 # sign-in form would take unlimited guesses at the staff accounts' passwords.
@@ -97,6 +100,37 @@ def lowering_review(request, model_admin, changes: list[tuple[Quota, dict[str, A
         "back_url": request.get_full_path(),
     }
     return TemplateResponse(request, "admin/tenants/quota/confirm_lowering.html", context)
+
+
+STALE_QUOTA_FORM = ("This quota was changed since you opened it (by another admin or the API): the numbers below "
+                    "are its current ones. Make your change again on them and save.")
+
+
+class QuotaAdminForm(forms.ModelForm):
+    """The quota's page carries the version it was rendered from (selectors.quota_version): saved after
+    someone else's save, it is refused with a form error instead of writing the numbers it showed over
+    theirs. quota_update checks it again under the row lock, for a save that lands in between."""
+
+    version = forms.CharField(widget=forms.HiddenInput, required=False)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:
+            self.fields["version"].initial = quota_version(self.instance)
+
+    def clean(self):
+        cleaned = super().clean()
+        # The instance is the row as read for this POST: a version other than its own is a stale form. A form
+        # rendered before the version existed (or a hand-made POST without one) is refused the same way.
+        if self.instance.pk is not None and cleaned.get("version") != quota_version(self.instance):
+            self.data = self.data.copy()
+            self.data["version"] = quota_version(self.instance)  # re-rendered with the current version
+            for name in QUOTA_FIELDS:  # ... and the current numbers, to redo the change on
+                if self.prefix is None and name in self.fields:
+                    value = getattr(self.instance, name)
+                    self.data[name] = "" if value is None else str(value)
+            raise forms.ValidationError(STALE_QUOTA_FORM, code="stale")
+        return cleaned
 
 
 def _quota_values(form) -> dict[str, Any]:
@@ -404,6 +438,7 @@ class QuotaBulkForm(forms.Form):
 
 @admin.register(Quota)
 class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
+    form = QuotaAdminForm
     list_display = ("tenant", "pool", "max_nodes", "burst_nodes", "max_duration_hours", "updated_at")
     list_editable = ("max_nodes", "burst_nodes", "max_duration_hours")
     list_filter = ("pool", "tenant")
@@ -413,6 +448,10 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return ("tenant", "pool", "updated_at") if obj is not None else ("updated_at",)
+
+    def get_fields(self, request, obj=None):
+        fields = [f for f in super().get_fields(request, obj) if f != "version"]
+        return [*fields, "version"] if obj is not None else fields  # a new quota has no version to check
 
     def revert_disabled(self, request, obj=None):
         return True  # a revert would save a historical row past the service (and its audit)
@@ -453,7 +492,8 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
     def save_model(self, request, obj, form, change):
         values = _quota_values(form)
         if change:
-            services.quota_update(actor=request.user, quota=obj, **values)
+            services.quota_update(actor=request.user, quota=obj, expected_version=form.cleaned_data["version"],
+                                  **values)
         else:
             created = services.quota_create(actor=request.user, tenant=form.cleaned_data["tenant"],
                                             pool=form.cleaned_data["pool"], **values)

@@ -10,8 +10,8 @@ from django.utils import timezone
 
 from .models import ApiToken, Membership, Quota, Tenant
 
-__all__ = ["role_of", "tenants_for_user", "quota_for", "ical_feed_token", "ical_feed_tenant", "api_tokens_of",
-           "api_tokens_live", "team_of"]
+__all__ = ["role_of", "tenants_for_user", "quota_for", "quota_version", "ical_feed_token", "ical_feed_tenant",
+           "api_tokens_of", "api_tokens_live", "team_of"]
 
 
 def role_of(*, user, tenant: Tenant) -> str | None:
@@ -29,6 +29,12 @@ def tenants_for_user(*, user):
 
 def quota_for(*, tenant: Tenant, pool) -> Quota | None:
     return Quota.objects.filter(tenant=tenant, pool=pool).first()
+
+
+def quota_version(quota: Quota) -> str:
+    """The quota's version as an edit form carries it: its last save's time (every save through the services
+    sets updated_at), so a form opened before another save can be told apart from a current one."""
+    return quota.updated_at.isoformat() if quota.updated_at else ""
 
 
 # A calendar feed address is personal: "<membership id>-<MAC>", the MAC keyed with the tenant's feed

@@ -18,6 +18,7 @@ from portal.core.services import audit_record
 
 from .choices import Role
 from .models import ApiToken, Membership, Quota, Tenant
+from .selectors import quota_version
 
 __all__ = [
     "tenant_create",
@@ -400,10 +401,21 @@ def _locked_quota(pk: int) -> Quota:
     return quota
 
 
-def quota_update(*, actor, quota: Quota, **changes: Any) -> Quota:
-    """Change quota numbers under the same row lock bookings take, so no booking sees a half-update."""
+def quota_update(*, actor, quota: Quota, expected_version: str | None = None, **changes: Any) -> Quota:
+    """Change quota numbers under the same row lock bookings take, so no booking sees a half-update.
+
+    expected_version (selectors.quota_version, as an edit form was rendered with): when given, the change
+    is refused (InvalidState) if the quota was saved since, checked under the lock, so a stale form never
+    writes the numbers it showed over a newer edit.
+    """
     with transaction.atomic(durable=True):
         quota = _locked_quota(quota.pk)
+        if expected_version is not None and quota_version(quota) != expected_version:
+            raise InvalidState(
+                f"The quota {quota.tenant}/{quota.pool} was changed since you opened it (now max nodes "
+                f"{quota.max_nodes}, burst nodes {quota.burst_nodes}, max duration "
+                f"{quota.max_duration_hours or 'none'}); reload it and make your change again.",
+                fields={"version": "Out of date."})
         before = _snapshot(quota, QUOTA_FIELDS)
         for key in QUOTA_FIELDS:
             if key in changes:

@@ -305,3 +305,35 @@ def test_a_bulk_quota_delete_that_meets_a_concurrent_delete_deletes_the_rest():
         waits_on="tenants_quota")
     assert response.status_code == 302, response.status_code
     assert not Quota.objects.filter(pk__in=[first.pk, second.pk]).exists()
+
+
+def test_a_quota_saved_while_a_stale_admin_save_waits_is_not_overwritten():
+    """The admin form's version is checked under the quota's row lock: a save that read the version, then
+    waited on another admin's save in flight, is refused (InvalidState) once that commits, and the other's
+    numbers stay. Checked before the lock, it would pass and write the numbers it saw over the newer ones."""
+    from portal.core.exceptions import InvalidState
+    from portal.core.models import AuditLog
+    from tenants.models import Quota
+    from tenants.selectors import quota_version
+    from tenants.services import quota_update
+
+    world = make_world()
+    quota = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    seen = quota_version(quota)
+
+    def newer_edit() -> None:
+        row = Quota.objects.select_for_update().get(pk=quota.pk)
+        row.max_nodes = 7
+        row.save()
+
+    result = behind_a_lock(newer_edit, lambda: quota_update(actor=world.users["staff"], quota=quota,
+                                                            expected_version=seen, max_nodes=2),
+                           waits_on="tenants_quota")
+    assert isinstance(result, InvalidState), result
+    assert "changed since you opened" in result.detail
+    assert Quota.objects.get(pk=quota.pk).max_nodes == 7
+    assert not AuditLog.objects.filter(action="quota.update").exists()
+    # With the version it has now, the same change goes through.
+    fresh = Quota.objects.get(pk=quota.pk)
+    quota_update(actor=world.users["staff"], quota=fresh, expected_version=quota_version(fresh), max_nodes=2)
+    assert Quota.objects.get(pk=quota.pk).max_nodes == 2

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import html
+import re
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
 
@@ -15,6 +18,7 @@ from portal.core.models import AuditLog
 from reservations.choices import AllocationKind, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
 from tenants.models import Quota, Tenant
+from tenants.selectors import quota_version
 from tenants.services import tenant_slack_webhook_set
 
 pytestmark = pytest.mark.django_db
@@ -66,8 +70,10 @@ def test_staff_see_every_admin_page(world, staff, page):
 def test_quota_edit_is_audited_with_actor_and_old_and_new(world, staff):
     quota = _quota(world, "alpha")
     url = reverse("admin:tenants_quota_change", args=[quota.pk])
-    assert staff.get(url).status_code == 200
-    response = staff.post(url, {"max_nodes": 4, "burst_nodes": 2, "max_duration_hours": 48, "_save": "Save"})
+    page = staff.get(url)
+    assert page.status_code == 200
+    response = staff.post(url, {"max_nodes": 4, "burst_nodes": 2, "max_duration_hours": 48, "_save": "Save",
+                                "version": _version(page)})
     assert response.status_code == 302, response.content[:2000]
     (audit,) = _audits("quota.update")
     assert audit.actor == world.users["staff"] and audit.tenant_id == world.tenants["alpha"].pk
@@ -76,6 +82,57 @@ def test_quota_edit_is_audited_with_actor_and_old_and_new(world, staff):
     # django-simple-history records the same change with the same user.
     assert quota.history.first().history_user == world.users["staff"]
     assert quota.history.first().max_nodes == 4
+
+
+def _version(page) -> str:
+    """The hidden version field the quota's change form was rendered with (what the browser posts back)."""
+    match = re.search(r'<input type="hidden" name="version" value="([^"]*)"', page.content.decode())
+    assert match, "the quota's change form has no version field"
+    return html.unescape(match.group(1))
+
+
+def test_a_stale_quota_form_does_not_overwrite_a_newer_edit(world, staff):
+    """Two admins open the same quota; the first saves; the second's later save (of the numbers they saw)
+    is refused with a form error, not applied over the first's change."""
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    other = Client()
+    other.force_login(get_user_model().objects.create_user(username="staff2", password="pw-Long-enough-1",
+                                                            is_staff=True))
+    first, second = staff.get(url), other.get(url)
+    assert first.status_code == second.status_code == 200
+
+    saved = staff.post(url, {"max_nodes": 5, "burst_nodes": 1, "max_duration_hours": "", "_save": "Save",
+                             "version": _version(first)})
+    assert saved.status_code == 302, saved.content[:2000]
+
+    stale = other.post(url, {"max_nodes": 3, "burst_nodes": 2, "max_duration_hours": 24, "_save": "Save",
+                             "version": _version(second)})
+    assert stale.status_code == 200
+    text = stale.content.decode()
+    assert "errornote" in text and "changed since you opened" in text
+    assert 'name="max_nodes" value="5"' in text  # shown the numbers now stored, to redo the change on
+    assert f'name="version" value="{quota_version(Quota.objects.get(pk=quota.pk))}"' in html.unescape(text)
+    quota.refresh_from_db()
+    assert (quota.max_nodes, quota.burst_nodes, quota.max_duration_hours) == (5, 1, None)
+    assert [a.actor.username for a in _audits("quota.update")] == ["staff"]
+
+    # Reloaded, the second admin sees the first's numbers and can save over them knowingly.
+    again = other.get(url)
+    assert 'name="max_nodes" value="5"' in again.content.decode()
+    done = other.post(url, {"max_nodes": 5, "burst_nodes": 2, "max_duration_hours": 24, "_save": "Save",
+                            "version": _version(again)})
+    assert done.status_code == 302
+    quota.refresh_from_db()
+    assert (quota.max_nodes, quota.burst_nodes, quota.max_duration_hours) == (5, 2, 24)
+
+
+def test_a_quota_form_posted_without_its_version_saves_nothing(world, staff):
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    response = staff.post(url, {"max_nodes": 4, "burst_nodes": 1, "max_duration_hours": "", "_save": "Save"})
+    assert response.status_code == 200 and "errornote" in response.content.decode()
+    assert _quota(world, "alpha").max_nodes == 3 and _audits("quota.update") == []
 
 
 def _list_edit(world, rows: dict[int, dict], **extra) -> dict:
@@ -126,7 +183,8 @@ def test_lowering_below_bookings_lists_them_before_saving(world, staff, t0, book
     other = book("alpha", t0 + timedelta(days=2), nodes=1, name="small-run")
     quota = _quota(world, "alpha")
     url = reverse("admin:tenants_quota_change", args=[quota.pk])
-    post = {"max_nodes": 1, "burst_nodes": 0, "max_duration_hours": "", "_save": "Save"}
+    post = {"max_nodes": 1, "burst_nodes": 0, "max_duration_hours": "", "_save": "Save",
+            "version": _version(staff.get(url))}
 
     warning = staff.post(url, post)
 
