@@ -148,8 +148,10 @@ def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
             value = _validate_network(value)
         if key in TENANT_FIELDS or key == "slack_webhook_url":
             setattr(tenant, key, value)
-    _save_checked(tenant, integrity_fields={"slug": "slug", "vlan": "vlan_id", "cidr": "cidr"})
     after = _snapshot(tenant, TENANT_FIELDS)
+    if after == before and not changes.get("slack_webhook_url"):
+        return tenant  # nothing changed (a Slack URL given again is still set and announced): no save, no audit
+    _save_checked(tenant, integrity_fields={"slug": "slug", "vlan": "vlan_id", "cidr": "cidr"})
     if "slack_webhook_url" in changes:
         after["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
     audit_record(actor=actor, action="tenant.update", obj=tenant, tenant_id=tenant.pk, before=before, after=after)
@@ -420,9 +422,12 @@ def quota_update(*, actor, quota: Quota, expected_version: str | None = None, **
         for key in QUOTA_FIELDS:
             if key in changes:
                 setattr(quota, key, changes[key])
+        after = _snapshot(quota, QUOTA_FIELDS)
+        if after == before:
+            return quota  # nothing changed: no save (its version stays), no audit row, as quota_bulk_update
         _save_checked(quota, integrity_fields={})
         audit_record(actor=actor, action="quota.update", obj=quota, tenant_id=quota.tenant_id,
-                     before=before, after=_snapshot(quota, QUOTA_FIELDS))
+                     before=before, after=after)
     return quota
 
 

@@ -62,3 +62,36 @@ def test_a_username_differing_only_in_case_is_refused_as_the_admin_refuses_it(wo
     assert r.status_code == 400 and r.json()["code"] == "invalid" and "username" in r.json()["fields"], r.json()
     assert get_user_model().objects.count() == users
     assert not AuditLog.objects.filter(action="user.create").exists()
+
+
+@pytest.mark.parametrize("body", [{}, {"max_nodes": 3, "burst_nodes": 1}, {"max_duration_hours": None}])
+def test_a_quota_patch_that_changes_nothing_records_no_change(world, body):
+    """A PATCH giving no field, or the values the quota already has, changed nothing: it was audited as a
+    "Quota changed" with no before → after (on the tenant's audit page too) and moved the quota's version, so
+    an admin's open quota form was refused as stale although nothing had changed."""
+    from tenants.selectors import quota_version
+
+    quota = world.tenants["alpha"].quotas.get()
+    version = quota_version(quota)
+    r = world.client("staff").patch(f"/api/v1/quotas/{quota.pk}/", body, format="json")
+    assert r.status_code == 200, r.json()
+    assert (r.json()["max_nodes"], r.json()["burst_nodes"], r.json()["max_duration_hours"]) == (3, 1, None)
+    quota.refresh_from_db()
+    assert quota_version(quota) == version
+    assert not AuditLog.objects.filter(action="quota.update").exists()
+    assert not quota.history.filter(history_type="~").exists()
+    # A real change is still made and audited once.
+    assert world.client("staff").patch(f"/api/v1/quotas/{quota.pk}/", {"max_nodes": 4}, format="json").json()[
+        "max_nodes"] == 4
+    assert AuditLog.objects.filter(action="quota.update").count() == 1
+
+
+@pytest.mark.parametrize("body", [{}, {"name": "Team Alpha", "burst_enabled": True}])
+def test_a_tenant_patch_that_changes_nothing_records_no_change(world, body):
+    r = world.client("staff").patch("/api/v1/tenants/alpha/", body, format="json")
+    assert r.status_code == 200, r.json()
+    assert r.json()["name"] == "Team Alpha"
+    assert not AuditLog.objects.filter(action="tenant.update").exists()
+    assert world.client("staff").patch("/api/v1/tenants/alpha/", {"name": "Alpha"}, format="json").status_code == 200
+    (entry,) = AuditLog.objects.filter(action="tenant.update")
+    assert (entry.before["name"], entry.after["name"]) == ("Team Alpha", "Alpha")
