@@ -19,6 +19,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
+from portal.core.actors import STAFF_WORDS
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, admin_hooks
 
 from . import selectors, services
@@ -193,8 +194,9 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
 
     @admin.action(description="Drain selected nodes (no new bookings)")
     def drain(self, request, queryset):
-        self._set_state(request, queryset, NodeState.DRAINING, f"drained by {request.user.get_username()}",
-                        "Drained")
+        # The reason is shown to the tenants holding the node (the nodes API): "platform staff", never the
+        # account (portal.core.actors); the node.update audit row records who it was.
+        self._set_state(request, queryset, NodeState.DRAINING, f"drained by {STAFF_WORDS}", "Drained")
 
     @admin.action(description="Return selected nodes to service")
     def return_to_service(self, request, queryset):

@@ -87,3 +87,26 @@ def test_a_teammates_name_is_still_shown_to_the_tenant(world, t0):
         == "alpha-member"
     assert "by alpha-member" in _session(world.users["alpha-lead"]).get(
         f"/reservations/{reservation.pk}/").content.decode()
+
+
+def test_a_node_drained_in_the_admin_does_not_name_the_staff_account_to_the_tenant(world, t0):
+    """The admin's drain wrote "drained by <staff username>" as the node's state_reason, which the tenant
+    holding the node reads in GET /api/v1/nodes/. The audit row keeps the account (for staff)."""
+    from django.urls import reverse
+
+    from portal.core.models import AuditLog
+    from reservations.models import Node
+
+    ops = get_user_model().objects.create_user(username=STAFF_NAME, password="pw-Long-enough-1", is_staff=True)
+    booked = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                node_count=len(world.nodes), start=t0, end=t0 + timedelta(hours=2))
+    node = world.nodes[0]
+    response = _session(ops).post(reverse("admin:reservations_node_changelist"),
+                                  {"action": "drain", "_selected_action": [node.pk]})
+    assert response.status_code == 302
+    node = Node.objects.get(pk=node.pk)
+    assert node.state == "draining" and node.state_reason == "drained by platform staff"
+    listed = world.client("alpha-lead").get("/api/v1/nodes/").json()
+    assert node.hostname in [n["hostname"] for n in listed["results"]], (booked.pk, listed)
+    assert STAFF_NAME not in str(listed)
+    assert AuditLog.objects.filter(action="node.update", actor=ops).exists()
