@@ -24,6 +24,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import DateTimeField, Exists, F, Func, OuterRef, Q
 from django.utils import timezone
 
+from portal.core.actors import STAFF_WORDS, actor_name
 from portal.core.models import AuditLog
 from portal.core.timefmt import format_utc
 from reservations.choices import HOLDING_STATUSES, AllocationKind
@@ -45,6 +46,7 @@ __all__ = [
     "platform_url",
     "jsonable",
     "as_id",
+    "actor_words",
     "reservation_payload",
     "reminders_due",
     "reminder_obsolete",
@@ -117,6 +119,12 @@ def _last_audit(reservation: Reservation, actions: Iterable[str]) -> AuditLog | 
     )
 
 
+def actor_words(user: Any) -> str | None:
+    """Who acted, as a tenant's channel is told: a teammate's username, "platform staff" for a staff account
+    (portal.core.actors; the audit rows keep the account)."""
+    return actor_name(user, viewer=None, staff=STAFF_WORDS)
+
+
 def reservation_payload(reservation: Reservation, *, actor: str | None = None) -> dict[str, Any]:
     """Return what the Slack builders and webhook receivers get about one reservation."""
     allocations = Allocation.objects.filter(reservation=reservation, kind=AllocationKind.RESERVATION)
@@ -138,7 +146,7 @@ def reservation_payload(reservation: Reservation, *, actor: str | None = None) -
         "nodes": nodes,
     }
     if actor is None and reservation.created_by is not None:
-        actor = reservation.created_by.get_username()
+        actor = actor_words(reservation.created_by)
     if actor:
         payload["actor"] = actor
     return payload
@@ -186,7 +194,7 @@ def _reservation_notice(slack_event: str, *, key_suffix: str = "") -> Translator
             if audit is not None:
                 key += f":a{audit.pk}"
                 if audit.actor is not None:
-                    data["actor"] = audit.actor.get_username()
+                    data["actor"] = actor_words(audit.actor)
                 before = (audit.before or {}) if audit.action == "reservation.update" else {}
                 if audit.action == "reservation.update":
                     data.update({k: v for k, v in (audit.after or {}).items() if k in SNAPSHOT_KEYS})
@@ -199,7 +207,7 @@ def _reservation_notice(slack_event: str, *, key_suffix: str = "") -> Translator
         elif slack_event == Event.RESERVATION_CANCELLED:
             audit = _last_audit(reservation, ["reservation.cancel"])
             if audit is not None and audit.actor is not None:
-                data["actor"] = audit.actor.get_username()
+                data["actor"] = actor_words(audit.actor)
         return [Notice(event=slack_event, key=key, payload=data, source_event=name, tenant_id=reservation.tenant_id)]
 
     return translate

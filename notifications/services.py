@@ -719,7 +719,8 @@ def channel_send_test(*, actor: Any, channel: Channel) -> Delivery:
     if channel.tenant_id:
         payload["tenant_name"] = channel.tenant.name
     if getattr(actor, "pk", None):
-        payload["actor"] = actor.get_username()
+        # A tenant's channel reads "platform staff" for a staff sender; the platform channel, the account.
+        payload["actor"] = selectors.actor_words(actor) if channel.tenant_id else actor.get_username()
     notice = Notice(event=Event.TEST, key=f"test:{uuid.uuid4().hex}", payload=payload, source_event="test",
                     tenant_id=channel.tenant_id)
     with transaction.atomic(durable=True):

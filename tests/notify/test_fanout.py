@@ -396,3 +396,35 @@ def test_a_platform_channel_subscribed_to_reminders_gets_them_for_tenants_withou
 
     assert [(d.event, d.tenant_id, d.channel.is_platform) for d in created] == [
         (Event.RESERVATION_STARTING_1H, None, True)]
+
+
+def test_a_tenants_channel_reads_platform_staff_not_the_staff_account(world, t0, slack_for):
+    """What platform staff did for a tenant (booked, changed, cancelled, sent a test message) reached the
+    tenant's Slack and webhooks naming the staff account; the tenant reads "platform staff" (the audit
+    rows keep the account)."""
+    from django.contrib.auth import get_user_model
+
+    channel = slack_for("alpha", SLACK_URL)
+    ops = get_user_model().objects.create_user(username="ops-jane", password="pw-Long-enough-1", is_staff=True)
+    reservation = booking.reservation_create(actor=ops, tenant=world.tenants["alpha"], pool=world.pool,
+                                             node_count=1, start=t0, end=t0 + timedelta(hours=2), name="run")
+    booking.reservation_update(actor=ops, reservation=reservation, end=t0 + timedelta(hours=3))
+    deliveries = []
+    for event in ("reservation.confirmed", "reservation.changed"):
+        deliveries += services.event_fanout(event=event, payload={"reservation_id": reservation.pk})
+    booking.reservation_cancel(actor=ops, reservation=reservation)
+    deliveries += services.event_fanout(event="reservation.cancelled", payload={"reservation_id": reservation.pk})
+    deliveries.append(services.channel_send_test(actor=ops, channel=channel))
+    assert len(deliveries) == 4
+    for delivery in deliveries:
+        assert delivery.payload["actor"] == "platform staff", (delivery.event, delivery.payload)
+        assert "ops-jane" not in delivery.body and "ops-jane" not in json.dumps(delivery.payload)
+    # A teammate is still named.
+    mine = book_as(world, "alpha-member", t0 + timedelta(days=1))
+    (confirmed,) = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": mine.pk})
+    assert confirmed.payload["actor"] == "alpha-member"
+
+
+def book_as(world, who: str, start):
+    return booking.reservation_create(actor=world.users[who], tenant=world.tenants[who.split("-")[0]],
+                                      pool=world.pool, node_count=1, start=start, end=start + timedelta(hours=2))
