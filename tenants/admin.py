@@ -7,7 +7,8 @@ the rows bookings lock and write an audit row (actor, old → new) per quota. Lo
 below what the tenant has already booked first shows the affected reservations and asks to
 confirm; existing bookings are never cancelled by a quota change. The quota's page carries the
 version it was opened at (``QuotaAdminForm``): saved after another change to that quota, it is
-refused with a form error, never applied over the newer numbers.
+refused with a form error, never applied over the newer numbers. The list's in-place edits post the
+numbers each row showed (``QuotaListForm``) and are refused the same way when a row has changed since.
 """
 
 from __future__ import annotations
@@ -131,6 +132,31 @@ class QuotaAdminForm(forms.ModelForm):
                     self.data[name] = "" if value is None else str(value)
             raise forms.ValidationError(STALE_QUOTA_FORM, code="stale")
         return cleaned
+
+
+class QuotaListForm(forms.ModelForm):
+    """A row of the quota list's in-place edits: each number also posts (hidden) the value the page showed, so
+    only what the admin changed counts as changed (Django's show_hidden_initial), and a row changed by
+    someone else since the page was opened is told apart (QuotaAdmin._save_list_edits)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in QUOTA_FIELDS:
+            if name in self.fields:
+                self.fields[name].show_hidden_initial = True
+
+    def shown(self) -> dict[str, Any]:
+        """The numbers the page showed for this row (its hidden initial values; None where one is missing)."""
+        values = {}
+        for name in QUOTA_FIELDS:
+            if name in self.fields:
+                field = self.fields[name]
+                raw = field.hidden_widget().value_from_datadict(self.data, self.files, self.add_initial_prefix(name))
+                try:
+                    values[name] = field.to_python(raw)
+                except ValidationError:
+                    values[name] = None
+        return values
 
 
 def _quota_values(form) -> dict[str, Any]:
@@ -449,6 +475,9 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
     def get_readonly_fields(self, request, obj=None):
         return ("tenant", "pool", "updated_at") if obj is not None else ("updated_at",)
 
+    def get_changelist_form(self, request, **kwargs):
+        return super().get_changelist_form(request, **{"form": QuotaListForm, **kwargs})
+
     def get_fields(self, request, obj=None):
         fields = [f for f in super().get_fields(request, obj) if f != "version"]
         return [*fields, "version"] if obj is not None else fields  # a new quota has no version to check
@@ -533,11 +562,18 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
             pk__in=[form.instance.pk for form in edited])}
         changes = [(originals[form.instance.pk], {f: form.cleaned_data[f] for f in form.changed_data
                                                   if f in QUOTA_FIELDS}) for form in edited]
+        # What the page showed for each edited row: a row changed since (by another admin, the API) is refused
+        # here, before the lowering review, and again by the service under the rows' locks.
+        expected = {form.instance.pk: form.shown() for form in edited}
+        for quota, _ in changes:
+            if any(getattr(quota, f) != v for f, v in expected[quota.pk].items()):
+                raise InvalidState(f"The quota {quota.tenant}/{quota.pool} was changed since you opened the list; "
+                                   "nothing was saved: reload the list and make your changes again.")
         review = lowering_review(request, self, changes)
         if review is not None:
             return review
         updated = services.quota_bulk_update(actor=request.user, changes=[(q.pk, v) for q, v in changes],
-                                             reason="admin list edit")
+                                             reason="admin list edit", expected=expected)
         for form in edited:
             self.log_change(request, originals[form.instance.pk], self.construct_change_message(request, form, None))
         if updated:

@@ -483,12 +483,17 @@ __all__ += [
 ]
 
 
-def quota_bulk_update(*, actor, changes: list[tuple[Any, dict[str, Any]]], reason: str = "bulk edit") -> list[Quota]:
+def quota_bulk_update(*, actor, changes: list[tuple[Any, dict[str, Any]]], reason: str = "bulk edit",
+                      expected: dict[int, dict[str, Any]] | None = None) -> list[Quota]:
     """Apply several quota edits in one transaction, each audited (who, old → new) like quota_update.
 
     changes is [(quota or its id, {field: value})]. The rows are locked in id order, the same
     lock bookings take, so no booking sees some rows changed and others not, and two bulk
     edits cannot deadlock. Any invalid row rolls the whole batch back.
+
+    expected ({quota id: {field: value}}, what an edit page showed): a row whose numbers are no longer
+    those, checked under the lock, refuses the whole batch (InvalidState), so a stale page never writes
+    what it showed over a newer edit.
     """
     wanted = {getattr(q, "pk", q): values for q, values in changes}
     updated: list[Quota] = []
@@ -496,6 +501,13 @@ def quota_bulk_update(*, actor, changes: list[tuple[Any, dict[str, Any]]], reaso
         for quota in Quota.objects.select_for_update().filter(pk__in=list(wanted)).order_by("pk"):
             values = wanted[quota.pk]
             before = _snapshot(quota, QUOTA_FIELDS)
+            shown = (expected or {}).get(quota.pk)
+            if shown is not None and any(before[key] != value for key, value in shown.items()):
+                raise InvalidState(
+                    f"The quota {quota.tenant}/{quota.pool} was changed since you opened the list (now max nodes "
+                    f"{quota.max_nodes}, burst nodes {quota.burst_nodes}, max duration "
+                    f"{quota.max_duration_hours or 'none'}); nothing was saved: reload the list and make your "
+                    "changes again.", fields={"quota": "Out of date."})
             for key in QUOTA_FIELDS:
                 if key in values:
                     setattr(quota, key, values[key])

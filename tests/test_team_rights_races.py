@@ -337,3 +337,31 @@ def test_a_quota_saved_while_a_stale_admin_save_waits_is_not_overwritten():
     fresh = Quota.objects.get(pk=quota.pk)
     quota_update(actor=world.users["staff"], quota=fresh, expected_version=quota_version(fresh), max_nodes=2)
     assert Quota.objects.get(pk=quota.pk).max_nodes == 2
+
+
+def test_a_quota_saved_while_a_stale_list_edit_waits_is_not_overwritten():
+    """The quota list's edits carry the numbers the page showed; quota_bulk_update compares them under the rows'
+    locks, so a list save that waited on another admin's save in flight is refused once that commits, whole."""
+    from portal.core.exceptions import InvalidState
+    from portal.core.models import AuditLog
+    from tenants.models import Quota
+    from tenants.services import quota_bulk_update
+
+    world = make_world()
+    alpha = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    beta = Quota.objects.get(tenant=world.tenants["beta"], pool=world.pool)
+    shown = {q.pk: {"max_nodes": q.max_nodes, "burst_nodes": q.burst_nodes, "max_duration_hours": None}
+             for q in (alpha, beta)}
+
+    def newer_edit() -> None:
+        row = Quota.objects.select_for_update().get(pk=alpha.pk)
+        row.max_nodes = 7
+        row.save()
+
+    result = behind_a_lock(newer_edit, lambda: quota_bulk_update(
+        actor=world.users["staff"], changes=[(alpha.pk, {"burst_nodes": 2}), (beta.pk, {"burst_nodes": 2})],
+        expected=shown), waits_on="tenants_quota")
+    assert isinstance(result, InvalidState), result
+    assert [(q.max_nodes, q.burst_nodes) for q in Quota.objects.filter(pk__in=[alpha.pk, beta.pk]).order_by("pk")] \
+        == [(7, 1), (3, 1)]
+    assert not AuditLog.objects.filter(action="quota.update").exists()

@@ -136,6 +136,8 @@ def test_a_quota_form_posted_without_its_version_saves_nothing(world, staff):
 
 
 def _list_edit(world, rows: dict[int, dict], **extra) -> dict:
+    """The quota list's POST as a browser sends it from a page showing the current numbers: each row's
+    numbers as edited, and (hidden) the numbers the page showed."""
     data = {"form-TOTAL_FORMS": str(len(rows)), "form-INITIAL_FORMS": str(len(rows)), "form-MIN_NUM_FORMS": "0",
             "form-MAX_NUM_FORMS": "1000", "_save": "Save", **extra}
     for i, (pk, values) in enumerate(rows.items()):
@@ -144,7 +146,54 @@ def _list_edit(world, rows: dict[int, dict], **extra) -> dict:
         for field in ("max_nodes", "burst_nodes", "max_duration_hours"):
             value = values.get(field, getattr(quota, field))
             data[f"form-{i}-{field}"] = "" if value is None else str(value)
+            shown = getattr(quota, field)
+            data[f"initial-form-{i}-{field}"] = "" if shown is None else str(shown)
     return data
+
+
+def _list_page_post(page, row_of: dict[int, dict]) -> dict:
+    """The quota list page's own form, as rendered (every input's name and value), with the given rows' numbers
+    changed: {quota id: {field: new value}}."""
+    text = page.content.decode()
+    inputs = dict(re.findall(r'<input type="(?:hidden|number|text)" name="((?:initial-)?form-[^"]+)" value="([^"]*)"',
+                             text))
+    inputs.update(re.findall(r'name="(form-(?:TOTAL|INITIAL|MIN_NUM|MAX_NUM)_FORMS)" value="([^"]*)"', text))
+    for key, value in list(inputs.items()):
+        if key.startswith("form-") and key.endswith("-id") and int(value) in row_of:
+            prefix = key[:-len("id")]
+            for field, new in row_of[int(value)].items():
+                inputs[prefix + field] = str(new)
+    return {**inputs, "_save": "Save"}
+
+
+def test_a_stale_quota_list_does_not_overwrite_a_newer_edit(world, staff):
+    """Two admins open the quota list; the first changes alpha's max nodes; the second, on the page opened
+    before, changes alpha's burst nodes: that save posted the old max nodes too and wrote them back. It is
+    refused now (nothing saved), and the first's change stays."""
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_changelist")
+    other = Client()
+    other.force_login(get_user_model().objects.create_user(username="staff2", password="pw-Long-enough-1",
+                                                            is_staff=True))
+    first, second = staff.get(url), other.get(url)
+    assert 'name="initial-form-0-max_nodes"' in first.content.decode()  # the page says what it showed
+
+    saved = staff.post(url, _list_page_post(first, {quota.pk: {"max_nodes": 5}}))
+    assert saved.status_code == 302
+    assert _quota(world, "alpha").max_nodes == 5
+
+    stale = other.post(url, _list_page_post(second, {quota.pk: {"burst_nodes": 2}}), follow=True)
+    assert "changed since you opened" in stale.content.decode()
+    quota.refresh_from_db()
+    assert (quota.max_nodes, quota.burst_nodes) == (5, 1)
+    assert [a.after for a in _audits("quota.update")] == [{"max_nodes": 5, "burst_nodes": 1,
+                                                          "max_duration_hours": None}]
+
+    # From a fresh page the same change goes through, over the first admin's numbers.
+    done = other.post(url, _list_page_post(other.get(url), {quota.pk: {"burst_nodes": 2}}))
+    assert done.status_code == 302
+    quota.refresh_from_db()
+    assert (quota.max_nodes, quota.burst_nodes) == (5, 2)
 
 
 def test_in_place_list_edits_go_through_the_audited_service(world, staff):
