@@ -8,7 +8,8 @@ below what the tenant has already booked first shows the affected reservations a
 confirm; existing bookings are never cancelled by a quota change. The quota's page carries the
 version it was opened at (``QuotaAdminForm``): saved after another change to that quota, it is
 refused with a form error, never applied over the newer numbers. The list's in-place edits post the
-numbers each row showed (``QuotaListForm``) and are refused the same way when a row has changed since.
+numbers each row showed (``QuotaListForm``) and are refused the same way when a row has changed since;
+the tenant page's quota rows (``QuotaInlineForm``) write only the numbers the admin changed, version-checked.
 """
 
 from __future__ import annotations
@@ -123,15 +124,38 @@ class QuotaAdminForm(forms.ModelForm):
         cleaned = super().clean()
         # The instance is the row as read for this POST: a version other than its own is a stale form. A form
         # rendered before the version existed (or a hand-made POST without one) is refused the same way.
-        if self.instance.pk is not None and cleaned.get("version") != quota_version(self.instance):
+        if self.instance.pk is not None and self.checks_version() and cleaned.get("version") != quota_version(
+                self.instance):
             self.data = self.data.copy()
-            self.data["version"] = quota_version(self.instance)  # re-rendered with the current version
-            for name in QUOTA_FIELDS:  # ... and the current numbers, to redo the change on
-                if self.prefix is None and name in self.fields:
+            self.data[self.add_prefix("version")] = quota_version(self.instance)  # re-rendered as current
+            for name in QUOTA_FIELDS:  # ... with the current numbers, to redo the change on
+                if name in self.fields:
                     value = getattr(self.instance, name)
-                    self.data[name] = "" if value is None else str(value)
+                    self.data[self.add_prefix(name)] = "" if value is None else str(value)
+                    self.data[self.add_initial_prefix(name)] = self.data[self.add_prefix(name)]
             raise forms.ValidationError(STALE_QUOTA_FORM, code="stale")
         return cleaned
+
+    def checks_version(self) -> bool:
+        return True
+
+
+class QuotaInlineForm(QuotaAdminForm):
+    """A quota row on the tenant page. Each number also posts (hidden) what the page showed, so a row the
+    admin left alone is not written (a stale page would otherwise post its old numbers back over a newer
+    edit), and a row they changed is checked against its version."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in QUOTA_FIELDS:
+            if name in self.fields:
+                self.fields[name].show_hidden_initial = True
+
+    def numbers_changed(self) -> list[str]:
+        return [name for name in QUOTA_FIELDS if name in self.changed_data]
+
+    def checks_version(self) -> bool:
+        return bool(self.numbers_changed())
 
 
 class QuotaListForm(forms.ModelForm):
@@ -226,9 +250,10 @@ class MembershipInline(StaffAdminMixin, admin.TabularInline):
 
 class QuotaInline(StaffAdminMixin, admin.TabularInline):
     model = Quota
+    form = QuotaInlineForm
     formset = QuotaFormSet
     extra = 0
-    fields = ("pool", "max_nodes", "burst_nodes", "max_duration_hours", "updated_at")
+    fields = ("pool", "max_nodes", "burst_nodes", "max_duration_hours", "updated_at", "version")
     readonly_fields = ("updated_at",)
     show_change_link = True
 
@@ -381,9 +406,9 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
             if not formset.is_valid():
                 return None  # the normal view shows the errors
             for form in formset.forms:
-                if form.instance.pk and form.has_changed() and not formset._should_delete_form(form):
+                if form.instance.pk and form.numbers_changed() and not formset._should_delete_form(form):
                     changes.append((Quota.objects.select_related("tenant", "pool").get(pk=form.instance.pk),
-                                    _quota_values(form)))
+                                    {f: form.cleaned_data[f] for f in form.numbers_changed()}))
         return lowering_review(request, self, changes)
 
     def save_model(self, request, obj, form, change):
@@ -425,8 +450,9 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
                 continue
             if isinstance(instance, Quota):
                 values = _quota_values(sub)
-                if instance.pk and sub.has_changed():
-                    services.quota_update(actor=actor, quota=instance, **values)
+                if instance.pk and sub.numbers_changed():  # only what this admin changed, if still current
+                    services.quota_update(actor=actor, quota=instance, expected_version=sub.cleaned_data["version"],
+                                          **{f: values[f] for f in sub.numbers_changed()})
                 elif not instance.pk:
                     services.quota_create(actor=actor, tenant=tenant, pool=sub.cleaned_data["pool"], **values)
             elif isinstance(instance, Membership):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import re
 from datetime import timedelta
+from html.parser import HTMLParser
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -271,6 +272,79 @@ def test_lowering_warning_on_the_list_and_in_bulk(world, staff, t0, book):
     assert _quota(world, "alpha").max_nodes == 0
 
 
+class _FormFields(HTMLParser):
+    """Every field a page's change form posts, as a browser would: inputs (ticked boxes only), selected options,
+    textareas."""
+
+    def __init__(self):
+        super().__init__()
+        self.data: dict[str, str] = {}
+        self._select: str | None = None
+        self._textarea: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        name = a.get("name")
+        if tag == "input" and name and a.get("type") not in ("submit", "button", "file"):
+            if a.get("type") in ("checkbox", "radio") and "checked" not in a:
+                return
+            self.data[name] = a.get("value") or ("on" if a.get("type") == "checkbox" else "")
+        elif tag == "select" and name:
+            self._select = name
+            self.data.setdefault(name, "")
+        elif tag == "option" and self._select and "selected" in a:
+            self.data[self._select] = a.get("value") or ""
+        elif tag == "textarea" and name:
+            self._textarea = name
+            self.data[name] = ""
+
+    def handle_endtag(self, tag):
+        if tag == "select":
+            self._select = None
+        elif tag == "textarea":
+            self._textarea = None
+
+    def handle_data(self, text):
+        if self._textarea:
+            self.data[self._textarea] += text
+
+
+def _form_post(page, **changes) -> dict:
+    parser = _FormFields()
+    parser.feed(page.content.decode())
+    data = {k: v for k, v in parser.data.items() if k != "csrfmiddlewaretoken"}
+    data.update({k: str(v) for k, v in changes.items()})
+    return {**data, "_save": "Save"}
+
+
+def test_a_stale_tenant_page_does_not_overwrite_a_newer_quota_edit(world, staff):
+    """The tenant page lists its quotas inline and posted every row back: one saved from a page opened before
+    another admin changed a quota wrote the old numbers back, even when this admin only renamed the tenant.
+    Now a row the admin did not touch is left alone, and one they changed is refused when stale."""
+    tenant, quota = world.tenants["alpha"], _quota(world, "alpha")
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    other = Client()
+    other.force_login(get_user_model().objects.create_user(username="staff2", password="pw-Long-enough-1",
+                                                            is_staff=True))
+    opened = other.get(url)
+    assert opened.status_code == 200
+    quota_url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    assert staff.post(quota_url, {"max_nodes": 5, "burst_nodes": 1, "max_duration_hours": "", "_save": "Save",
+                                  "version": _version(staff.get(quota_url))}).status_code == 302
+
+    # The quota row changed on the stale page: refused, nothing saved (not the tenant's name either).
+    stale = other.post(url, _form_post(opened, name="Alpha Renamed", **{"quotas-0-burst_nodes": 2}))
+    assert stale.status_code == 200 and "changed since you opened" in stale.content.decode()
+    assert _quota(world, "alpha").burst_nodes == 1 and Tenant.objects.get(pk=tenant.pk).name == "Team Alpha"
+
+    # Only the tenant renamed on the stale page: saved, and the quota keeps the newer numbers.
+    renamed = other.post(url, _form_post(opened, name="Alpha Renamed"))
+    assert renamed.status_code == 302, renamed.content.decode()[:3000]
+    assert Tenant.objects.get(pk=tenant.pk).name == "Alpha Renamed"
+    assert (_quota(world, "alpha").max_nodes, _quota(world, "alpha").burst_nodes) == (5, 1)
+    assert [a.actor.username for a in _audits("quota.update")] == ["staff"]
+
+
 def test_tenant_page_with_inlines_audits_and_warns(world, staff, t0, book):
     tenant = world.tenants["alpha"]
     booked = book("alpha", t0, nodes=3)
@@ -287,6 +361,7 @@ def test_tenant_page_with_inlines_audits_and_warns(world, staff, t0, book):
         "quotas-MAX_NUM_FORMS": "1000",
         "quotas-0-id": str(quota.pk), "quotas-0-tenant": str(tenant.pk), "quotas-0-pool": str(world.pool.pk),
         "quotas-0-max_nodes": "2", "quotas-0-burst_nodes": "0", "quotas-0-max_duration_hours": "",
+        "quotas-0-version": _form_post(page)["quotas-0-version"],  # as the page rendered it
     }
     for i, m in enumerate(members):
         data.update({f"memberships-{i}-id": str(m.pk), f"memberships-{i}-tenant": str(tenant.pk),

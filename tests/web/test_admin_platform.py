@@ -317,6 +317,7 @@ def test_saving_a_cluster_page_never_writes_back_what_a_worker_changed_meanwhile
 def test_moving_a_quota_to_another_pool_on_the_tenant_page_is_refused_not_ignored(world, staff):
     from reservations.models import Pool
     from tenants.models import Quota
+    from tenants.selectors import quota_version
 
     tenant = world.tenants["alpha"]
     other = Pool.objects.create(name="a100", gpu_model="A100", gpus_per_node=8)
@@ -324,7 +325,8 @@ def test_moving_a_quota_to_another_pool_on_the_tenant_page_is_refused_not_ignore
     data, _ = _tenant_post(world, tenant, name="Renamed Alpha", **{
         "quotas-TOTAL_FORMS": "1", "quotas-INITIAL_FORMS": "1", "quotas-0-id": str(quota.pk),
         "quotas-0-tenant": str(tenant.pk), "quotas-0-pool": str(other.pk), "quotas-0-max_nodes": "3",
-        "quotas-0-burst_nodes": "1", "quotas-0-max_duration_hours": ""})
+        "quotas-0-burst_nodes": "1", "quotas-0-max_duration_hours": "",
+        "quotas-0-version": quota_version(quota)})  # as the page renders it
     response = staff.post(reverse("admin:tenants_tenant_change", args=[tenant.pk]), data, follow=True)
     text = response.content.decode()
     # was: "changed successfully" while the quota stayed on its pool (quota_update takes only the numbers)
