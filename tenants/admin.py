@@ -190,7 +190,62 @@ def _quota_values(form) -> dict[str, Any]:
 # --- inlines -------------------------------------------------------------------------------
 
 
-class MembershipInlineForm(forms.ModelForm):
+class ShownValuesMixin:
+    """A change form whose watched fields also post, hidden, the values the page showed (Django's
+    show_hidden_initial), so only what the admin changed counts as changed: a page opened before someone
+    else's change does not post the old values back over it. A field this admin changed that was also changed
+    since the page was opened is refused (a form error, nothing saved); ``shown`` gives the values to check
+    again under the row's lock in the service. A POST without the hidden values (a hand-made one) is taken
+    as before: changed where it differs from the row."""
+
+    watched: tuple[str, ...] = ()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in self.watched:
+            if name in self.fields:
+                self.fields[name].show_hidden_initial = True
+
+    def _shown_raw(self, name: str):
+        key = self.add_initial_prefix(name)
+        if key not in self.data:
+            return None, False
+        return self.fields[name].hidden_widget().value_from_datadict(self.data, self.files, key), True
+
+    def shown(self, names) -> dict[str, Any]:
+        """The values the page showed for names (those it posted), as Python values."""
+        values = {}
+        for name in names:
+            raw, posted = self._shown_raw(name) if name in self.fields else (None, False)
+            if posted:
+                try:
+                    values[name] = self.fields[name].clean(raw)
+                except ValidationError:
+                    continue
+        return values
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.instance.pk is None:
+            return cleaned
+        changed_since = []
+        for name in self.watched:
+            if name not in self.changed_data:
+                continue
+            raw, posted = self._shown_raw(name)
+            field = self.fields[name]
+            if posted and field.has_changed(self.get_initial_for_field(field, name), raw):
+                changed_since.append(str(field.label or name))
+        if changed_since:
+            raise forms.ValidationError(
+                f"{', '.join(changed_since)}: changed since you opened this page (by another admin or the API); "
+                "nothing was saved. Reload the page and make your change again.", code="stale")
+        return cleaned
+
+
+class MembershipInlineForm(ShownValuesMixin, forms.ModelForm):
+    watched = ("role",)
+
     def clean_user(self):
         user = self.cleaned_data["user"]
         # membership_create takes active accounts only: refused here, the page saves nothing, instead of the
@@ -264,8 +319,10 @@ class QuotaInline(StaffAdminMixin, admin.TabularInline):
 # --- tenants -------------------------------------------------------------------------------
 
 
-class TenantForm(forms.ModelForm):
+class TenantForm(ShownValuesMixin, forms.ModelForm):
     """Everything but the secrets: the Slack URL is set by the lead (or below) and never shown back."""
+
+    watched = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
 
     new_slack_webhook_url = forms.URLField(
         required=False, max_length=2000, assume_scheme="https",
@@ -416,7 +473,7 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
         if change:
             changed = {k: data[k] for k in form.changed_data if k in data}
             if changed:
-                services.tenant_update(actor=request.user, tenant=obj, **changed)
+                services.tenant_update(actor=request.user, tenant=obj, expected=form.shown(changed), **changed)
             new_url = form.cleaned_data.get("new_slack_webhook_url")
             if form.cleaned_data.get("clear_slack_webhook_url"):
                 services.tenant_slack_webhook_set(actor=request.user, tenant=obj, url="")
@@ -457,7 +514,8 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
                     services.quota_create(actor=actor, tenant=tenant, pool=sub.cleaned_data["pool"], **values)
             elif isinstance(instance, Membership):
                 if instance.pk and sub.has_changed():
-                    services.membership_update(actor=actor, membership=instance, role=sub.cleaned_data["role"])
+                    services.membership_update(actor=actor, membership=instance, role=sub.cleaned_data["role"],
+                                               expected_role=sub.shown(["role"]).get("role"))
                 elif not instance.pk:
                     services.membership_create(actor=actor, tenant=tenant, user=sub.cleaned_data["user"],
                                                role=sub.cleaned_data["role"])

@@ -122,19 +122,26 @@ def _tenant_create(*, actor, slug: str, name: str, burst_enabled: bool, extra: d
     return tenant
 
 
-def tenant_update(*, actor, tenant: Tenant, **changes: Any) -> Tenant:
+def tenant_update(*, actor, tenant: Tenant, expected: dict[str, Any] | None = None, **changes: Any) -> Tenant:
+    """Change the tenant's fields. expected ({field: value}, what an edit page showed for the fields it changes):
+    refused (InvalidState) if any of them is no longer so, checked under the tenant's row lock."""
     # The Slack URL is checked as tenant_slack_webhook_set checks it (before the transaction: it resolves
     # the host name) and audited masked, as there.
     if "slack_webhook_url" in changes:
         changes["slack_webhook_url"] = _clean_slack_url(changes["slack_webhook_url"])
-    return _tenant_update(actor=actor, tenant=tenant, changes=changes)
+    return _tenant_update(actor=actor, tenant=tenant, changes=changes, expected=expected or {})
 
 
 @transaction.atomic(durable=True)
-def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
+def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any], expected: dict[str, Any]) -> Tenant:
     from portal.core.crypto import mask
 
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    stale = sorted(key for key, value in expected.items() if key in TENANT_FIELDS and getattr(tenant, key) != value)
+    if stale:
+        raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin or the API); "
+                           "nothing was saved. Reload the page and make your change again.",
+                           fields={key: "Out of date." for key in stale})
     before = _snapshot(tenant, TENANT_FIELDS)
     if "slack_webhook_url" in changes:
         before["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
@@ -559,8 +566,14 @@ def _locked_membership(pk: int) -> Membership:
 
 
 @transaction.atomic(durable=True)
-def membership_update(*, actor, membership: Membership, role: str) -> Membership:
+def membership_update(*, actor, membership: Membership, role: str, expected_role: str | None = None) -> Membership:
+    """Change a member's role (the admin). expected_role (what an edit page showed): refused (InvalidState) if the
+    role is no longer that, checked under the membership's row lock."""
     membership = _locked_membership(membership.pk)
+    if expected_role is not None and membership.role != expected_role:
+        raise InvalidState(f"{membership.user.username}'s role changed since you opened this page (now "
+                           f"{membership.role}); nothing was saved. Reload the page and make your change again.",
+                           fields={"role": "Out of date."})
     return _set_role(actor=actor, membership=membership, role=role)
 
 

@@ -365,3 +365,40 @@ def test_a_quota_saved_while_a_stale_list_edit_waits_is_not_overwritten():
     assert [(q.max_nodes, q.burst_nodes) for q in Quota.objects.filter(pk__in=[alpha.pk, beta.pk]).order_by("pk")] \
         == [(7, 1), (3, 1)]
     assert not AuditLog.objects.filter(action="quota.update").exists()
+
+
+def test_a_tenant_renamed_while_a_stale_admin_rename_waits_is_not_renamed_back():
+    """tenant_update's expected values (what the admin page showed) are compared under the tenant's row lock."""
+    from portal.core.exceptions import InvalidState
+    from tenants.models import Tenant
+    from tenants.services import tenant_update
+
+    world = make_world()
+    tenant = world.tenants["alpha"]
+
+    def newer_rename() -> None:
+        Tenant.objects.select_for_update().filter(pk=tenant.pk).update(name="Alpha One")
+
+    result = behind_a_lock(newer_rename, lambda: tenant_update(actor=world.users["staff"], tenant=tenant,
+                                                               expected={"name": "Team Alpha"}, name="Alpha Two"),
+                           waits_on="tenants_tenant")
+    assert isinstance(result, InvalidState) and "name" in result.fields, result
+    assert Tenant.objects.get(pk=tenant.pk).name == "Alpha One"
+
+
+def test_a_role_changed_while_a_stale_admin_role_change_waits_is_not_changed_again():
+    """membership_update's expected_role (what the admin page showed) is compared under the membership's lock."""
+    from portal.core.exceptions import InvalidState
+    from tenants.services import membership_update
+
+    world = make_world()
+    member = Membership.objects.get(tenant=world.tenants["alpha"], user=world.users["alpha-member"])
+
+    def promoted() -> None:
+        Membership.objects.select_for_update().filter(pk=member.pk).update(role=Role.LEAD)
+
+    result = behind_a_lock(promoted, lambda: membership_update(actor=world.users["staff"], membership=member,
+                                                               role=Role.VIEWER, expected_role=Role.MEMBER),
+                           waits_on="tenants_membership")
+    assert isinstance(result, InvalidState), result
+    assert Membership.objects.get(pk=member.pk).role == Role.LEAD

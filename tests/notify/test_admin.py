@@ -345,6 +345,43 @@ def test_a_stale_tenant_page_does_not_overwrite_a_newer_quota_edit(world, staff)
     assert [a.actor.username for a in _audits("quota.update")] == ["staff"]
 
 
+def test_a_stale_tenant_page_does_not_revert_the_tenant_or_a_role_changed_since(world, staff):
+    """The tenant page posted every field and every member's role back: saved from a page opened before another
+    admin renamed the tenant or promoted a member, it renamed it back and demoted them again. Now what this
+    admin left alone is not written; what they changed that someone else also changed since is refused."""
+    tenant = world.tenants["alpha"]
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    other = Client()
+    other.force_login(get_user_model().objects.create_user(username="staff2", password="pw-Long-enough-1",
+                                                            is_staff=True))
+    first, opened = staff.get(url), other.get(url)
+    fields = _form_post(first)
+
+    def row_of(who: str) -> str:
+        return next(k.split("-")[1] for k, v in fields.items()
+                    if k.startswith("memberships-") and k.endswith("-user") and v == str(world.users[who].pk))
+
+    member_row, viewer_row = row_of("alpha-member"), row_of("alpha-viewer")
+    done = staff.post(url, _form_post(first, name="Alpha One", **{f"memberships-{member_row}-role": "lead"}))
+    assert done.status_code == 302, done.content.decode()[:3000]
+
+    # Left alone on the stale page: the name and the member's role stay as the first admin set them.
+    saved = other.post(url, _form_post(opened, storage_quota_tib=20, **{f"memberships-{viewer_row}-role": "member"}))
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    tenant.refresh_from_db()
+    assert (tenant.name, tenant.storage_quota_tib) == ("Alpha One", 20)
+    roles = dict(tenant.memberships.values_list("user__username", "role"))
+    assert roles["alpha-member"] == "lead" and roles["alpha-viewer"] == "member"
+
+    # Changed on the stale page too: refused, nothing saved.
+    for change in ({"name": "Alpha Two"}, {f"memberships-{member_row}-role": "viewer"}):
+        stale = other.post(url, _form_post(opened, **change))
+        assert stale.status_code == 200 and "changed since you opened" in stale.content.decode(), change
+    tenant.refresh_from_db()
+    assert tenant.name == "Alpha One"
+    assert dict(tenant.memberships.values_list("user__username", "role"))["alpha-member"] == "lead"
+
+
 def test_tenant_page_with_inlines_audits_and_warns(world, staff, t0, book):
     tenant = world.tenants["alpha"]
     booked = book("alpha", t0, nodes=3)
