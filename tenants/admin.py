@@ -203,7 +203,9 @@ class ShownValuesMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         for name in self.watched:
-            if name in self.fields:
+            # Rendered with the hidden value; posted, compared with it only when it came back (a missing one
+            # would read as empty, and an unticked box as unchanged).
+            if name in self.fields and (not self.is_bound or self.add_initial_prefix(name) in self.data):
                 self.fields[name].show_hidden_initial = True
 
     def _shown_raw(self, name: str):
@@ -734,12 +736,22 @@ if admin.site.is_registered(User):
     admin.site.unregister(User)
 
 
+class UserChangeForm(ShownValuesMixin, DjangoUserAdmin.form):
+    """Django's user change form; the account's fields and privileges post what the page showed, so a page
+    opened before another admin's change (an account disabled, a privilege taken away) does not put it back."""
+
+    watched = ("username", "first_name", "last_name", "email", "is_active", "is_staff", "is_superuser", "groups",
+               "user_permissions")
+
+
 @admin.register(User)
 class UserAdmin(ServiceTransactionMixin, DjangoUserAdmin):
     """Django's user admin, its forms and its permissions (superusers, or staff given the auth
     permissions), with every write through tenants.services: accounts created (user_create),
     fields and privileges changed (user_update: is_active, is_staff, is_superuser, groups,
     permissions), passwords set (user_set_password) and accounts deleted (user_delete) are audited."""
+
+    form = UserChangeForm
 
     @method_decorator(sensitive_post_parameters())
     @csrf_protect_m
@@ -759,7 +771,7 @@ class UserAdmin(ServiceTransactionMixin, DjangoUserAdmin):
         changes = {f: data[f] for f in form.changed_data if f in services.USER_FIELDS}
         changes.update({f: list(data[f]) for f in form.changed_data if f in services.USER_M2M})
         if changes:
-            services.user_update(actor=request.user, user=obj, **changes)
+            services.user_update(actor=request.user, user=obj, expected=form.shown(changes), **changes)
 
     def save_related(self, request, form, formsets, change):
         # groups and user_permissions were set by user_update (save_model), in its transaction.

@@ -239,17 +239,30 @@ def _audit_value(value: Any) -> Any:
 
 
 @transaction.atomic(durable=True)
-def user_update(*, actor, user: Any, **changes: Any) -> Any:
+def user_update(*, actor, user: Any, expected: dict[str, Any] | None = None, **changes: Any) -> Any:
     """Change an account's fields and privileges (Django's user admin); one audit row, old → new.
 
     changes: any of USER_FIELDS, and groups / user_permissions (the complete new sets). Passwords
-    are set by user_set_password only.
+    are set by user_set_password only. expected ({field: value}, what an edit page showed for the fields it
+    changes): refused (InvalidState) if any is no longer so, checked under the account's row lock.
     """
     User = get_user_model()
     unknown = set(changes) - set(USER_FIELDS) - set(USER_M2M)
     if unknown:
         raise InvalidInput(f"{', '.join(sorted(unknown))}: cannot be changed here.")
     locked = _locked_user(User, user.pk)
+    stale = []
+    for field, shown in (expected or {}).items():
+        if field in USER_M2M:
+            now = set(getattr(locked, field).values_list("pk", flat=True))
+            if now != {getattr(item, "pk", item) for item in shown}:
+                stale.append(field)
+        elif field in USER_FIELDS and getattr(locked, field) != shown:
+            stale.append(field)
+    if stale:
+        raise InvalidState(f"{', '.join(sorted(stale))}: changed since you opened this page (by another admin); "
+                           "nothing was saved. Reload the page and make your change again.",
+                           fields={field: "Out of date." for field in stale})
     before: dict[str, Any] = {}
     after: dict[str, Any] = {}
     for field in USER_FIELDS:

@@ -402,3 +402,24 @@ def test_a_role_changed_while_a_stale_admin_role_change_waits_is_not_changed_aga
                            waits_on="tenants_membership")
     assert isinstance(result, InvalidState), result
     assert Membership.objects.get(pk=member.pk).role == Role.LEAD
+
+
+def test_an_account_changed_while_a_stale_admin_change_waits_is_not_changed_back():
+    """user_update's expected values (what the user admin page showed) are compared under the account's lock."""
+    from django.contrib.auth import get_user_model
+
+    from portal.core.exceptions import InvalidState
+    from tenants.services import user_update
+
+    world = make_world()
+    target = world.users["alpha-member"]
+    User = get_user_model()
+
+    def disabled_and_readdressed() -> None:
+        User.objects.select_for_update().filter(pk=target.pk).update(is_active=False, email="a@alpha.example")
+
+    result = behind_a_lock(disabled_and_readdressed, lambda: user_update(
+        actor=world.users["staff"], user=target, expected={"email": ""}, email="b@alpha.example"),
+        waits_on="auth_user")
+    assert isinstance(result, InvalidState) and "email" in result.fields, result
+    assert User.objects.filter(pk=target.pk).values_list("is_active", "email").get() == (False, "a@alpha.example")

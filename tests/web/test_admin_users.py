@@ -286,3 +286,41 @@ def test_deleting_several_users_reports_only_those_deleted(world, root):
     assert any("last lead" in m for m in shown)
     assert "Successfully deleted 1 user." in shown, shown
     assert User.objects.filter(pk=lead.pk).exists() and not User.objects.filter(pk=leaver.pk).exists()
+
+
+def shown_on_page(user) -> dict:
+    """The hidden values a user's change page posts with the form: what it showed (Django's
+    show_hidden_initial on the account's fields)."""
+    return {"initial-username": user.username, "initial-first_name": user.first_name,
+            "initial-last_name": user.last_name, "initial-email": user.email,
+            "initial-is_active": str(user.is_active), "initial-is_staff": str(user.is_staff),
+            "initial-is_superuser": str(user.is_superuser),
+            "initial-groups": [str(g.pk) for g in user.groups.all()],
+            "initial-user_permissions": [str(p.pk) for p in user.user_permissions.all()]}
+
+
+def test_a_stale_user_page_does_not_re_enable_an_account_disabled_since(world, root, superuser):
+    """Admin A disables an account; admin B, on the account's page opened before, only fixes its email: that
+    save posted "active" as the page had shown it and re-enabled the account. Now what B left alone is not
+    written, and a field B changed that A also changed is refused."""
+    target = world.users["alpha-member"]
+    url = reverse("admin:auth_user_change", args=[target.pk])
+    page = root.get(url)
+    assert 'name="initial-is_active"' in page.content.decode()  # the page posts what it showed
+    as_shown = User.objects.get(pk=target.pk)
+    other = Client()
+    other.force_login(User.objects.create_superuser("root2", "root2@example.org", PASSWORD))
+
+    disabled = root.post(url, {**change_data(as_shown, is_active=False, first_name="Ann"),
+                               **shown_on_page(as_shown)})
+    assert disabled.status_code == 302, disabled.content.decode()[:3000]
+    assert User.objects.get(pk=target.pk).is_active is False
+
+    fixed = other.post(url, {**change_data(as_shown, email="member@alpha.example"), **shown_on_page(as_shown)})
+    assert fixed.status_code == 302, fixed.content.decode()[:3000]
+    now = User.objects.get(pk=target.pk)
+    assert (now.email, now.is_active, now.first_name) == ("member@alpha.example", False, "Ann")
+
+    clash = other.post(url, {**change_data(as_shown, first_name="Bea"), **shown_on_page(as_shown)})
+    assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
+    assert User.objects.get(pk=target.pk).first_name == "Ann"
