@@ -20,7 +20,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from portal.core.actors import STAFF_WORDS
-from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, admin_hooks
+from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, ShownValuesMixin, admin_hooks
+from portal.core.exceptions import InvalidState
 
 from . import selectors, services
 from .choices import HOLDING_STATUSES, AllocationKind, NodeState
@@ -74,7 +75,10 @@ admin_hooks["quota_conflicts"] = quota_conflicts
 # --- pools ---------------------------------------------------------------------------------
 
 
-class PoolForm(forms.ModelForm):
+class PoolForm(ShownValuesMixin, forms.ModelForm):
+    # A page opened before another admin's change does not post its old values back (ShownValuesMixin).
+    watched = services.POOL_FIELDS
+
     class Meta:
         model = Pool
         fields = ("name", *services.POOL_FIELDS)
@@ -110,7 +114,8 @@ class PoolAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         data = {f: form.cleaned_data[f] for f in services.POOL_FIELDS if f in form.cleaned_data}
         if change:
-            services.pool_update(actor=request.user, pool=obj, **{k: data[k] for k in form.changed_data if k in data})
+            changed = {k: data[k] for k in form.changed_data if k in data}
+            services.pool_update(actor=request.user, pool=obj, expected=form.shown(changed), **changed)
         else:
             created = services.pool_create(actor=request.user, name=form.cleaned_data["name"], **data)
             obj.pk = created.pk
@@ -144,7 +149,10 @@ class MaintenanceInline(ReadOnlyAdminMixin, admin.TabularInline):
         return super().get_queryset(request).filter(kind=AllocationKind.MAINTENANCE).select_related("created_by")
 
 
-class NodeForm(forms.ModelForm):
+class NodeForm(ShownValuesMixin, forms.ModelForm):
+    # A stale page never returns a node drained (or failed) since to service (ShownValuesMixin).
+    watched = ("state", "state_reason")
+
     class Meta:
         model = Node
         fields = ("hostname", "pool", "state", "state_reason")
@@ -173,11 +181,16 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         if change:
             changed = set(form.changed_data)
-            services.node_update(  # refused while an open repair owns the node (node_return_blockers)
-                actor=request.user, node=obj,
-                state=form.cleaned_data["state"] if "state" in changed else None,
+            state = form.cleaned_data["state"] if "state" in changed else None
+            shown = form.shown(["state"]).get("state") if state is not None else None
+            node = services.node_update(  # refused while an open repair owns the node (node_return_blockers)
+                actor=request.user, node=obj, state=state,
                 reason=form.cleaned_data.get("state_reason", "") if "state_reason" in changed else None,
+                only_from=[shown] if shown else None,  # the state the page showed, checked under the node's lock
             )
+            if state is not None and node.state != state:
+                raise InvalidState(f"{node.hostname} is {node.state} since you opened this page; nothing was "
+                                   "saved. Reload the page and make your change again.")
         else:
             created = services.node_create(actor=request.user, hostname=form.cleaned_data["hostname"],
                                            pool=form.cleaned_data["pool"], state=form.cleaned_data["state"])

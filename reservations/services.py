@@ -1103,12 +1103,20 @@ __all__ += ["pool_update"]
 POOL_FIELDS = ("gpu_model", "gpus_per_node", "slot_minutes", "on_demand_rate")
 
 
-def pool_update(*, actor: Any, pool: Pool, **changes: Any) -> Pool:
-    """Change a pool's description or rate; the slot length only while no booking is open in it."""
+def pool_update(*, actor: Any, pool: Pool, expected: dict[str, Any] | None = None, **changes: Any) -> Pool:
+    """Change a pool's description or rate; the slot length only while no booking is open in it.
+
+    expected ({field: value}, what an edit page showed for the fields it changes): refused (InvalidState) if
+    any is no longer so, checked under the pool's row lock."""
     with transaction.atomic(durable=True):
         # FOR UPDATE, not NO KEY UPDATE: it must conflict with the FOR KEY SHARE every booking takes with its
         # quota lock (_QUOTA_LOCK_SQL), so the open-booking check below sees a booking in flight once it commits.
         pool = Pool.objects.select_for_update().get(pk=pool.pk)
+        stale = sorted(k for k, v in (expected or {}).items() if k in POOL_FIELDS and getattr(pool, k) != v)
+        if stale:
+            raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin or the "
+                               "API); nothing was saved. Reload the page and make your change again.",
+                               fields={k: "Out of date." for k in stale})
         before = {f: str(getattr(pool, f)) for f in POOL_FIELDS}
         if "slot_minutes" in changes and changes["slot_minutes"] != pool.slot_minutes:
             slot = changes["slot_minutes"]

@@ -423,3 +423,25 @@ def test_an_account_changed_while_a_stale_admin_change_waits_is_not_changed_back
         waits_on="auth_user")
     assert isinstance(result, InvalidState) and "email" in result.fields, result
     assert User.objects.filter(pk=target.pk).values_list("is_active", "email").get() == (False, "a@alpha.example")
+
+
+def test_a_pool_rate_changed_while_a_stale_admin_change_waits_is_not_changed_back():
+    """pool_update's expected values (what the pool's admin page showed) are compared under the pool's lock."""
+    from decimal import Decimal
+
+    from portal.core.exceptions import InvalidState
+    from reservations.models import Pool
+    from reservations.services import pool_update
+
+    world = make_world()
+    pool = world.pool
+
+    def repriced() -> None:
+        Pool.objects.select_for_update().filter(pk=pool.pk).update(on_demand_rate=Decimal("3.75"))
+
+    result = behind_a_lock(repriced, lambda: pool_update(actor=world.users["staff"], pool=pool,
+                                                         expected={"on_demand_rate": Decimal("2.5")},
+                                                         on_demand_rate=Decimal("1.00")),
+                           waits_on="reservations_pool")
+    assert isinstance(result, InvalidState) and "on_demand_rate" in result.fields, result
+    assert Pool.objects.get(pk=pool.pk).on_demand_rate == Decimal("3.75")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.actions import delete_selected as django_delete_selected
@@ -32,6 +33,7 @@ from .models import AuditLog, OutboxEvent
 
 __all__ = [
     "ListLookupsMixin", "StaffAdminMixin", "ServiceAdminMixin", "ServiceTransactionMixin", "ReadOnlyAdminMixin",
+    "ShownValuesMixin",
     "admin_hooks", "AuditLogAdmin", "OutboxEventAdmin", "format_change",
 ]
 
@@ -165,6 +167,61 @@ class ServiceTransactionMixin(ListLookupsMixin):
 
 class ServiceAdminMixin(ServiceTransactionMixin, StaffAdminMixin):
     """Run add/change/delete outside the admin's transaction (the services own theirs); staff may."""
+
+
+class ShownValuesMixin:
+    """A change form whose watched fields also post, hidden, the values the page showed (Django's
+    show_hidden_initial), so only what the admin changed counts as changed: a page opened before someone
+    else's change does not post the old values back over it. A field this admin changed that was also changed
+    since the page was opened is refused (a form error, nothing saved); ``shown`` gives the values to check
+    again under the row's lock in the service. A POST without the hidden values (a hand-made one) is taken
+    as before: changed where it differs from the row."""
+
+    watched: tuple[str, ...] = ()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name in self.watched:
+            # Rendered with the hidden value; posted, compared with it only when it came back (a missing one
+            # would read as empty, and an unticked box as unchanged).
+            if name in self.fields and (not self.is_bound or self.add_initial_prefix(name) in self.data):
+                self.fields[name].show_hidden_initial = True
+
+    def _shown_raw(self, name: str):
+        key = self.add_initial_prefix(name)
+        if key not in self.data:
+            return None, False
+        return self.fields[name].hidden_widget().value_from_datadict(self.data, self.files, key), True
+
+    def shown(self, names) -> dict[str, Any]:
+        """The values the page showed for names (those it posted), as Python values."""
+        values = {}
+        for name in names:
+            raw, posted = self._shown_raw(name) if name in self.fields else (None, False)
+            if posted:
+                try:
+                    values[name] = self.fields[name].clean(raw)
+                except ValidationError:
+                    continue
+        return values
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.instance.pk is None:
+            return cleaned
+        changed_since = []
+        for name in self.watched:
+            if name not in self.changed_data:
+                continue
+            raw, posted = self._shown_raw(name)
+            field = self.fields[name]
+            if posted and field.has_changed(self.get_initial_for_field(field, name), raw):
+                changed_since.append(str(field.label or name))
+        if changed_since:
+            raise forms.ValidationError(
+                f"{', '.join(changed_since)}: changed since you opened this page (by another admin or the API); "
+                "nothing was saved. Reload the page and make your change again.", code="stale")
+        return cleaned
 
 
 class ReadOnlyAdminMixin(StaffAdminMixin):

@@ -556,3 +556,69 @@ def test_a_slack_url_typed_in_the_tenant_admin_is_hidden_from_error_reports(worl
     assert response.status_code in (200, 302)
     shown = SafeExceptionReporterFilter().get_post_parameters(response.wsgi_request)
     assert shown["new_slack_webhook_url"] != url
+
+
+def _page_post(page, **changes) -> dict:
+    """What a change page's Save button posts, as the page was rendered: each field's value, the hidden
+    shown values where the form has them, the inlines' management forms; then changes."""
+    form = page.context["adminform"].form
+    data: dict = {"_save": "Save"}
+    for name, field in form.fields.items():
+        value = form[name].value()
+        data[name] = "" if value is None else str(value)
+        if field.show_hidden_initial:
+            data[form.add_initial_prefix(name)] = data[name]
+    for inline in page.context["inline_admin_formsets"]:
+        management = inline.formset.management_form
+        data.update({management.add_prefix(k): v for k, v in management.initial.items()})
+        data[management.add_prefix("MIN_NUM_FORMS")] = 0
+        data[management.add_prefix("MAX_NUM_FORMS")] = 1000
+    data.update({k: str(v) for k, v in changes.items()})
+    return data
+
+
+def _second_admin() -> Client:
+    client = Client()
+    client.force_login(get_user_model().objects.create_user(username="staff2", password="pw-Long-enough-1",
+                                                            is_staff=True))
+    return client
+
+
+def test_a_stale_node_page_does_not_return_a_drained_node_to_service(world, staff):
+    """Admin A drains a node (the API: its state only); admin B, on the node's page opened before (it showed
+    "available"), only writes a reason: that save posted state "available" too and returned the drained node
+    to new bookings. Now the state B left alone stays drained; a state change B makes over A's is refused."""
+    from reservations.models import Node
+
+    node = world.nodes[0]
+    url = reverse("admin:reservations_node_change", args=[node.pk])
+    other = _second_admin()
+    opened = other.get(url)
+    drained = world.client("staff").patch(f"/api/v1/nodes/{node.pk}/", {"state": "draining"}, format="json")
+    assert drained.status_code == 200, drained.json()
+    assert Node.objects.get(pk=node.pk).state == "draining"
+
+    saved = other.post(url, _page_post(opened, state_reason="fan noise on GPU 3"))
+    assert saved.status_code == 302, saved.context["adminform"].form.errors
+    assert Node.objects.filter(pk=node.pk).values_list("state", "state_reason").get() == (
+        "draining", "fan noise on GPU 3")
+
+    clash = other.post(url, _page_post(opened, state="maintenance"))
+    assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
+    assert Node.objects.get(pk=node.pk).state == "draining"
+
+
+def test_a_stale_pool_page_does_not_revert_the_rate(world, staff):
+    from reservations.models import Pool
+
+    url = reverse("admin:reservations_pool_change", args=[world.pool.pk])
+    other = _second_admin()
+    first, opened = staff.get(url), other.get(url)
+    assert staff.post(url, _page_post(first, on_demand_rate="3.75")).status_code == 302
+    saved = other.post(url, _page_post(opened, gpu_model="H100-SXM5"))
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    pool = Pool.objects.get(pk=world.pool.pk)
+    assert (pool.gpu_model, str(pool.on_demand_rate)) == ("H100-SXM5", "3.7500")
+    clash = other.post(url, _page_post(opened, on_demand_rate="1.00"))
+    assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
+    assert str(Pool.objects.get(pk=world.pool.pk).on_demand_rate) == "3.7500"
