@@ -45,10 +45,17 @@ def scratch(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _as_from_a_terminal() -> None:
+    # A command a terminal runs in the foreground gets SIGINT's default disposition (Python then raises
+    # KeyboardInterrupt). A non-interactive shell starts background jobs with SIGINT ignored, and a test
+    # run started that way (nohup ... &, some CI runners) would hand that on to run_dev.py.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cwd: Path, **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(cwd / "bin" / "run_dev.py")], cwd=cwd,  # noqa: S603
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **env})
+                            env={**os.environ, **env}, preexec_fn=_as_from_a_terminal)
 
 
 def wait_for_line(proc: subprocess.Popen, line: str, timeout: float = 60) -> None:
