@@ -42,6 +42,19 @@ def assert_fully_seeded() -> None:
     assert len(periods) == len(set(periods))
 
 
+def seed() -> None:
+    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+
+
+def assert_rerun_completes_and_then_stays() -> None:
+    """The next seed_demo completes what is missing, and one more run after it changes nothing."""
+    seed()
+    assert_fully_seeded()
+    seeded = snapshot()
+    seed()
+    assert snapshot() == seeded
+
+
 def interrupted_run(after_bookings: int) -> None:
     """seed_demo as if killed once after_bookings bookings had committed."""
     real = seed_demo.reservation_create
@@ -56,7 +69,7 @@ def interrupted_run(after_bookings: int) -> None:
         return reservation
 
     with mock.patch.object(seed_demo, "reservation_create", side_effect=book), pytest.raises(KeyboardInterrupt):
-        call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+        seed()
     assert made == after_bookings
 
 
@@ -67,22 +80,18 @@ def test_a_run_cut_off_in_the_first_tenants_bookings_is_completed_by_the_next():
     assert set(Reservation.objects.values_list("tenant__slug", "pool__name")) == {("research", "h100-sxm")}
     kept = set(Reservation.objects.values_list("pk", flat=True))
 
-    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    seed()
     assert_fully_seeded()
     assert kept <= set(Reservation.objects.values_list("pk", flat=True))
     seeded = snapshot()
 
-    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    seed()
     assert snapshot() == seeded
 
 
 def test_a_run_cut_off_in_a_later_pool_is_completed():
     interrupted_run(after_bookings=12)
-    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
-    assert_fully_seeded()
-    seeded = snapshot()
-    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
-    assert snapshot() == seeded
+    assert_rerun_completes_and_then_stays()
 
 
 def test_a_tenant_left_without_members_or_quotas_is_completed():
@@ -90,11 +99,7 @@ def test_a_tenant_left_without_members_or_quotas_is_completed():
     Membership.objects.filter(tenant__slug="inference").exclude(role="lead").delete()
     Quota.objects.filter(tenant__slug="inference").delete()
 
-    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
-    assert_fully_seeded()
-    seeded = snapshot()
-    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
-    assert snapshot() == seeded
+    assert_rerun_completes_and_then_stays()
 
 
 def test_an_error_in_one_tenants_setup_leaves_none_of_that_tenant_behind():
@@ -106,9 +111,9 @@ def test_an_error_in_one_tenants_setup_leaves_none_of_that_tenant_behind():
         return real(**kwargs)
 
     with mock.patch.object(Quota.objects, "get_or_create", side_effect=quota), pytest.raises(RuntimeError):
-        call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+        seed()
     assert not Tenant.objects.filter(slug="inference").exists()
     assert not Membership.objects.filter(user__username__startswith="inference-").exists()
 
-    call_command("seed_demo", verbosity=0, stdout=mock.Mock())
+    seed()
     assert_fully_seeded()
