@@ -29,6 +29,16 @@ def _refusing(monkeypatch):
     monkeypatch.setattr(SimulatedBackend, "update_window", refuse)
 
 
+def _extension_refused(world, reservation, monkeypatch, django_capture_on_commit_callbacks):
+    """Extend the booking by two hours and have the backend refuse that window for good; return the new end."""
+    new_end = reservation.period.upper + timedelta(hours=2)
+    reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=new_end)
+    _refusing(monkeypatch)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    return new_end
+
+
 def test_a_window_change_the_backend_refuses_degrades_the_cluster_and_tells_the_team(
         world, captured_events, monkeypatch, django_capture_on_commit_callbacks):
     """An extension the backend refused for good (a live cluster) was only logged: the portal showed the new end
@@ -40,12 +50,7 @@ def test_a_window_change_the_backend_refuses_degrades_the_cluster_and_tells_the_
     services.lifecycle_tick()
     cluster = VirtualCluster.objects.get(reservation=reservation)
     assert services.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.READY
-    new_end = reservation.period.upper + timedelta(hours=2)
-    reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=new_end)
-
-    _refusing(monkeypatch)
-    with django_capture_on_commit_callbacks(execute=True):
-        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    new_end = _extension_refused(world, reservation, monkeypatch, django_capture_on_commit_callbacks)
     cluster.refresh_from_db()
     assert cluster.status == ClusterStatus.DEGRADED
     assert "refused" in cluster.status_reason and REFUSAL in cluster.status_reason
@@ -85,11 +90,7 @@ def test_a_refused_window_change_keeps_a_cluster_degraded_for_a_lost_node_degrad
     cluster = VirtualCluster.objects.get(reservation=reservation)
     assert services.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.READY
     services._degrade(cluster.pk, "h100-001 failed and no spare node is free (1 missing)", "h100-001")
-    reservation_update(actor=world.users["alpha-lead"], reservation=reservation,
-                       end=reservation.period.upper + timedelta(hours=2))
-    _refusing(monkeypatch)
-    with django_capture_on_commit_callbacks(execute=True):
-        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    _extension_refused(world, reservation, monkeypatch, django_capture_on_commit_callbacks)
     cluster.refresh_from_db()
     assert cluster.status == ClusterStatus.DEGRADED and REFUSAL in cluster.status_reason
     monkeypatch.undo()
@@ -123,11 +124,7 @@ def test_the_recovery_from_a_refused_window_change_says_so_and_not_that_a_cluste
     assert text.startswith("Cluster ready:") and "health checks passed, go ahead" in blocks
     assert "Access" in blocks
 
-    new_end = reservation.period.upper + timedelta(hours=2)
-    reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=new_end)
-    _refusing(monkeypatch)
-    with django_capture_on_commit_callbacks(execute=True):
-        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    new_end = _extension_refused(world, reservation, monkeypatch, django_capture_on_commit_callbacks)
     monkeypatch.undo()
     with django_capture_on_commit_callbacks(execute=True):
         assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
