@@ -67,6 +67,7 @@ from .choices import (
 from .models import HealthCheck, Repair
 from .runner import split_report
 from .selectors import booking_holds_nodes
+from .xid import without_processes
 
 __all__ = [
     "health_checks_request",
@@ -478,6 +479,9 @@ def _clean_problem(problem: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"gpu": gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None}
     for key in ("check", "status", "action", "message"):
         out[key] = _text(problem.get(key))
+    # Summaries, the node's reason and the failure events reach the teams booked on the node, who never see
+    # another team's processes (an older agent named them here); the GPU results keep them for staff.
+    out["message"] = without_processes(out["message"])
     return out
 
 

@@ -466,3 +466,65 @@ def test_the_failed_tenants_processes_on_a_node_held_after_its_teardown_failed_a
     assert not Repair.objects.filter(node=node).exists()
     # On an idle node that nobody holds, the same processes are still a finding.
     assert HealthCheck.objects.get(node=other).verdict == "fail"
+
+
+@pytest.mark.django_db
+def test_a_stray_process_failure_tells_the_team_booked_next_no_pid_or_process_name(
+        fleet, settings, eager, now_slot, captured_events, django_capture_on_commit_callbacks):
+    """An idle node's sweep finds a process left behind (another team's, say the one booked before). The node
+    is drained and the team booked on it later is told (node.failed, health_check.failed): those notices, and
+    the node's reason the team reads in the node list, carried the process ids ("pids [4242]"), and an older
+    agent's XID line its process name. A team never sees another team's processes: they are counted."""
+    from notifications.selectors import notices_for
+    from notifications.slack import build_message
+
+    node = fleet.nodes[0]
+    later = fleet.book("beta", [node.hostname], now_slot + timedelta(hours=3), now_slot + timedelta(hours=5))
+    settings.PORTAL_FAKE_NVML = fleet_spec({node.hostname: [
+        {"kind": "stray_process", "gpu": 0, "pid": 4242, "used_mib": 31337},
+        {"kind": "stray_process", "gpu": 1, "pid": 5353},
+    ]})
+    [check] = _run(django_capture_on_commit_callbacks, nodes=[node], level="quick", trigger="schedule")
+    check.refresh_from_db()
+    assert check.verdict == "fail" and "compute_processes" in check.summary
+    # Staff's view of the check keeps the processes (the report's readings).
+    readings = json.dumps(check.gpu_results)
+    assert "4242" in readings and "5353" in readings
+    told = [(name, p) for name, p in captured_events if name in ("node.failed", "health_check.failed")]
+    assert {name for name, _ in told} == {"node.failed", "health_check.failed"}
+    tenant_notices = [n for name, p in told for n in notices_for(name, p) if n.tenant_id is not None]
+    assert {n.tenant_id for n in tenant_notices} == {later.tenant_id}
+    for notice in tenant_notices:
+        text = json.dumps(notice.payload) + json.dumps(build_message(notice.event, notice.payload,
+                                                                     "https://portal.example"))
+        assert "4242" not in text and "5353" not in text and "31337" not in text, text
+        assert "stray compute process" in text  # what failed is still said, counted
+    for _, payload in told:  # the events themselves (webhooks, logs) carry none either
+        assert "4242" not in json.dumps(payload) and "5353" not in json.dumps(payload)
+    assert "4242" not in Node.objects.get(pk=node.pk).state_reason
+
+
+@pytest.mark.django_db
+def test_an_older_agents_pids_and_process_names_stay_out_of_what_a_team_is_told(
+        fleet, captured_events, django_capture_on_commit_callbacks, tomorrow):
+    """An agent from before the reports counted processes names them in its messages ("pids [...]", an XID
+    line's "pid=…, name=…"): the portal leaves them out of the summary, the node's reason and the events."""
+    from provisioning.health.services import health_check_record
+
+    node = fleet.nodes[0]
+    fleet.book("beta", [node.hostname], tomorrow, tomorrow + timedelta(hours=2))
+    check = HealthCheck.objects.create(node=node, level="quick", trigger="schedule", status="running")
+    report = {"verdict": "fail", "recommended_action": "drain_and_reset", "gpus": [], "problems": [
+        {"gpu": 0, "check": "compute_processes", "status": "fail", "action": "drain_and_reset",
+         "message": "2 stray compute process(es) on an idle GPU: pids [4242, 5353]"},
+        {"gpu": 1, "check": "xid", "status": "fail", "action": "drain_and_reset",
+         "message": "XID 13 (Graphics Engine Exception): NVRM: Xid (PCI:0000:18:00): 13, pid=6464, "
+                    "name=secret_train.py, Graphics SM Warp Exception"},
+    ]}
+    with django_capture_on_commit_callbacks(execute=True):
+        check = health_check_record(check.pk, report)
+    text = check.summary + Node.objects.get(pk=node.pk).state_reason + json.dumps(
+        [p for name, p in captured_events if name in ("node.failed", "health_check.failed")])
+    assert "stray compute process" in text and "Graphics SM Warp Exception" in text
+    for secret in ("4242", "5353", "6464", "secret_train"):
+        assert secret not in text, text
