@@ -597,8 +597,11 @@ def _fail_consequences(check: HealthCheck) -> None:
         _move_bookings_of(repair, node=node, actor=None, reason=reason)
         took_out = True
     if took_out:
+        # The state the handling left the node in: drained from service, or held where it was (a node in
+        # maintenance after a failed teardown stays there; the repair keeps it out).
+        state = Node.objects.filter(pk=node.pk).values_list("state", flat=True).get()
         events.emit(
-            "node.failed", node_id=node.pk, node=node.hostname, state=NodeState.DRAINING, reason=reason[:500],
+            "node.failed", node_id=node.pk, node=node.hostname, state=state, reason=reason[:500],
             check_id=check.pk, repair_id=repair.pk, recommended_action=check.recommended_action,
             tenant_ids=tenant_ids, outcomes=repair.outcomes,
         )

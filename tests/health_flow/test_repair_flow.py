@@ -528,3 +528,18 @@ def test_an_older_agents_pids_and_process_names_stay_out_of_what_a_team_is_told(
     assert "stray compute process" in text and "Graphics SM Warp Exception" in text
     for secret in ("4242", "5353", "6464", "secret_train"):
         assert secret not in text, text
+
+
+@pytest.mark.django_db
+def test_node_failed_says_the_state_the_failure_left_the_node_in(
+        fleet, settings, eager, now_slot, captured_events, django_capture_on_commit_callbacks):
+    """node.failed always said state=draining, also for a node the failure left in maintenance (held after a
+    failed teardown: not drained, the repair keeps it out). It says the node's state after the handling."""
+    held, available = fleet.nodes[1], fleet.nodes[2]
+    _held_after_a_failed_teardown(fleet, held, now_slot)
+    settings.PORTAL_FAKE_NVML = fleet_spec({held.hostname: ECC, available.hostname: ECC})
+    with django_capture_on_commit_callbacks(execute=True):
+        health_sweep()
+    said = {p["node"]: p["state"] for name, p in captured_events if name == "node.failed"}
+    assert said == {held.hostname: "maintenance", available.hostname: "draining"}
+    assert {n.hostname: n.state for n in Node.objects.filter(pk__in=[held.pk, available.pk])} == said
