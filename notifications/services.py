@@ -642,11 +642,18 @@ def quota_alerts_recheck(*, now: datetime | None = None) -> list[Delivery]:
     nothing announced: re-armed here, its next climb is a crossing with an alert of its own
     (otherwise it would read as still above, and stay silent). A quota lowered under the
     tenant's bookings is a crossing too, and one raised above them re-arms the alert.
+
+    Each quota is checked on its own: one that fails (its transaction rolled back, crossing and alert
+    together) is logged and re-measured at the next run; the others are checked all the same.
     """
     now = now or timezone.now()
     created: list[Delivery] = []
     for quota in Quota.objects.select_related("tenant", "pool").filter(max_nodes__gt=0).order_by("pk"):
-        created += _quota_check(quota, now)
+        try:
+            created += _quota_check(quota, now)
+        except Exception:  # noqa: BLE001 - any failure of one quota: logged, retried at the next run
+            logger.exception("quota alert recheck of quota #%s (tenant %s, pool %s) failed; retried at the next run",
+                             quota.pk, quota.tenant.slug, quota.pool.name)
     return created
 
 
