@@ -758,10 +758,32 @@ class SendResult:
 
 
 def _secrets_for(channel: Channel, now: datetime) -> list[str]:
-    secrets = [channel.secret]
-    if channel.previous_secret and channel.previous_secret_expires_at and channel.previous_secret_expires_at > now:
-        secrets.append(channel.previous_secret)
-    return [s for s in secrets if s and not isinstance(s, UnreadableSecret)]
+    """The webhook's secrets to sign with: its current one, and the previous one while a rotation overlaps.
+
+    Raise ValueError when the current secret is no signing key (empty, cut short, not base64): there is nothing
+    to sign with. A previous secret that is no key is left out (the current one still signs), and logged.
+    """
+    current = channel.secret
+    if isinstance(current, UnreadableSecret):
+        raise ValueError("the channel's signing secret cannot be decrypted")
+    if not current:
+        raise ValueError("the channel has no signing secret")
+    try:
+        signing.decode_secret(current)
+    except ValueError as exc:
+        raise ValueError(f"the channel's signing secret is not a valid key ({exc})") from None
+    secrets = [current]
+    previous = channel.previous_secret
+    if (previous and not isinstance(previous, UnreadableSecret) and channel.previous_secret_expires_at
+            and channel.previous_secret_expires_at > now):
+        try:
+            signing.decode_secret(previous)
+        except ValueError:
+            logger.warning("channel %s: its previous signing secret is not a valid key; signing with the current "
+                           "one only", channel.pk)
+        else:
+            secrets.append(previous)
+    return secrets
 
 
 def _skip_reason(delivery: Delivery, channel: Channel | None) -> str:
@@ -961,6 +983,14 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
         if problem:
             return _finish(delivery.pk, status=DeliveryStatus.FAILED, error=f"blocked_destination: {problem}")
     timeout, deadline = http_timeout(), http_deadline()  # read before the claim: a bad setting claims nothing
+    secrets: list[str] = []
+    if delivery.kind == ChannelKind.WEBHOOK:
+        # Before the claim too: signing failing after it left the delivery "sending" until its lease ran out, for
+        # the sweeper to queue again, for ever. A secret that is no key fails it, saying so (rotate, then retry).
+        try:
+            secrets = _secrets_for(channel, timezone.now())
+        except ValueError as exc:
+            return _finish(delivery.pk, status=DeliveryStatus.FAILED, error=f"secret_invalid: {exc}")
     # Take the webhook's one-per-second slot before the row: a slot wasted on a lost claim is harmless.
     wait = ratelimit.acquire(_redis(), ratelimit.key_for_url(url), _min_interval())
     if wait > 0:
@@ -974,7 +1004,7 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
     headers: dict[str, str] = {}
     if delivery.kind == ChannelKind.WEBHOOK:
         # Signed afresh on every attempt (new timestamp), always with the same webhook-id.
-        headers = signing.sign_headers(_secrets_for(channel, timezone.now()), body, msg_id=delivery.message_id)
+        headers = signing.sign_headers(secrets, body, msg_id=delivery.message_id)
     if channel.is_platform:  # the operator's own URL: never checked
         outcome = transport.post(url, body, headers, timeout=timeout, deadline=deadline,
                                  slack=delivery.kind == ChannelKind.SLACK)

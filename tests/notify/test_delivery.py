@@ -430,6 +430,40 @@ def test_rotation_signs_with_both_secrets_until_the_old_one_expires(world, recei
         Webhook(old).verify(request.body, request.headers)
 
 
+@pytest.mark.parametrize("corrupt", ["whsec_dG9vc2hvcnQ=", "not a secret at all", ""])
+def test_a_corrupt_signing_secret_fails_the_delivery_before_claiming_it(world, receiver, webhook_for, confirmed,
+                                                                       notify_settings, corrupt):
+    """The webhook's stored secret decrypts but is no signing key (cut short, edited by hand, empty): signing
+    raised after the claim, so the delivery stayed "sending" until its lease ran out, the stuck-delivery
+    sweeper queued it again, and so on for ever, one attempt counted each time and nothing recorded. It is a
+    failure now, decided before the claim, saying why; a new secret (rotation) and a retry send it, signed with
+    the new secret alone while the corrupt one would still be the previous."""
+    notify_settings.PORTAL_NOTIFY_MIN_INTERVAL = 0.05
+    channel, _ = webhook_for("alpha", receiver.url("/ci/hook"))
+    Channel.objects.filter(pk=channel.pk).update(secret=corrupt)
+    (delivery,) = confirmed()
+
+    result = services.delivery_send(delivery_id=delivery.pk)
+
+    assert result.status == DeliveryStatus.FAILED and "signing secret" in result.error
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.attempts, delivery.claim, delivery.lease_until) == (
+        DeliveryStatus.FAILED, 0, None, None)
+    assert delivery.last_error.startswith("secret_invalid") and not delivery.attempt_log.exists()
+    assert services.deliveries_requeue_stuck(now=timezone.now() + timedelta(hours=1)) == []
+    assert receiver.requests == []
+    assert Channel.objects.get(pk=channel.pk).broken_at is None  # the URL is fine: the channel is not broken
+
+    channel, new = services.webhook_rotate_secret(actor=world.users["alpha-lead"], channel=Channel.objects.get(
+        pk=channel.pk))
+    services.delivery_requeue(actor=world.users["alpha-lead"], delivery=delivery)
+    time.sleep(0.06)
+    assert services.delivery_send(delivery_id=delivery.pk).status == DeliveryStatus.DELIVERED
+    (request,) = receiver.wait_for(1)
+    assert len(request.headers["webhook-signature"].split()) == 1
+    assert Webhook(new).verify(request.body, request.headers)["id"] == delivery.message_id
+
+
 def test_secrets_are_encrypted_at_rest(world, webhook_for):
     from django.db import connection
 
