@@ -16,6 +16,7 @@ from django.views.decorators.debug import sensitive_post_parameters
 
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
 from portal.core.crypto import mask
+from portal.core.egress import MAX_URL_LENGTH
 from portal.core.exceptions import InvalidInput
 from tenants.services import slack_webhook_url_check, tenant_slack_webhook_set
 
@@ -30,7 +31,7 @@ class ChannelForm(forms.ModelForm):
     events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False,
                                        widget=forms.CheckboxSelectMultiple)
     new_url = forms.URLField(
-        required=False, max_length=2000, assume_scheme="https", label="New URL",
+        required=False, max_length=MAX_URL_LENGTH, assume_scheme="https", label="New URL",
         widget=forms.TextInput(attrs={"autocomplete": "off", "size": 60}),
         help_text="Replaces the URL (shown masked above). For a tenant's Slack channel this is the tenant's "
                   "incoming-webhook URL; the platform channel's comes from PORTAL_PLATFORM_SLACK_WEBHOOK.",

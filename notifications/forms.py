@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django import forms
 
+from portal.core.egress import MAX_URL_LENGTH
+
 from .choices import EVENT_LABELS, SUBSCRIBABLE_EVENTS, DeliveryStatus
 
 __all__ = ["SlackUrlForm", "EventsForm", "WebhookForm", "WebhookEditForm", "DeliveryFilterForm", "EVENT_CHOICES"]
@@ -14,7 +16,7 @@ EVENT_CHOICES = [(e, EVENT_LABELS[e]) for e in SUBSCRIBABLE_EVENTS]
 class SlackUrlForm(forms.Form):
     # Never pre-filled: the current URL is a secret and is only ever shown masked.
     url = forms.URLField(
-        required=False, max_length=2000, assume_scheme="https", label="Slack incoming-webhook URL",
+        required=False, max_length=MAX_URL_LENGTH, assume_scheme="https", label="Slack incoming-webhook URL",
         widget=forms.TextInput(attrs={"autocomplete": "off", "placeholder": "https://hooks.slack.com/services/…"}),
     )
     clear = forms.BooleanField(required=False, label="Remove the Slack webhook")
@@ -34,7 +36,7 @@ class EventsForm(forms.Form):
 
 class WebhookForm(forms.Form):
     name = forms.CharField(max_length=100, required=False)
-    url = forms.URLField(max_length=2000, assume_scheme="https", label="Endpoint URL",
+    url = forms.URLField(max_length=MAX_URL_LENGTH, assume_scheme="https", label="Endpoint URL",
                          widget=forms.TextInput(attrs={"autocomplete": "off",
                                                        "placeholder": "https://ci.example.com/hooks/gpu-portal"}))
     events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False, widget=forms.CheckboxSelectMultiple,
@@ -43,7 +45,7 @@ class WebhookForm(forms.Form):
 
 class WebhookEditForm(forms.Form):
     name = forms.CharField(max_length=100, required=False)
-    url = forms.URLField(max_length=2000, assume_scheme="https", required=False, label="New endpoint URL",
+    url = forms.URLField(max_length=MAX_URL_LENGTH, assume_scheme="https", required=False, label="New endpoint URL",
                          widget=forms.TextInput(attrs={"autocomplete": "off"}))
     events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False, widget=forms.CheckboxSelectMultiple)
     enabled = forms.BooleanField(required=False)

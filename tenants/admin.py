@@ -44,6 +44,7 @@ from portal.core.admin import (
     admin_hooks,
 )
 from portal.core.crypto import mask
+from portal.core.egress import MAX_URL_LENGTH
 from portal.core.exceptions import DomainError, InvalidInput, InvalidState
 
 from . import services
@@ -278,7 +279,7 @@ class TenantForm(ShownValuesMixin, forms.ModelForm):
     watched = ("slug", "name", "burst_enabled", "storage_quota_tib", "vlan_id", "cidr")
 
     new_slack_webhook_url = forms.URLField(
-        required=False, max_length=2000, assume_scheme="https",
+        required=False, max_length=MAX_URL_LENGTH, assume_scheme="https",
         widget=forms.TextInput(attrs={"autocomplete": "off", "size": 60}),
         help_text="Paste a new Slack incoming-webhook URL to replace the current one (shown masked above).",
     )

@@ -30,6 +30,47 @@ def test_a_tenant_created_with_a_private_slack_url_is_refused_and_not_stored(wor
     assert not AuditLog.objects.filter(action="tenant.create").exists()
 
 
+def _long_slack_url(length: int) -> str:
+    base = "https://93.184.216.34/services/T0/B0/"
+    return base + "x" * (length - len(base))
+
+
+@pytest.mark.parametrize("method", ["post", "patch"])
+def test_a_slack_url_as_long_as_the_portal_stores_is_accepted_through_the_api(world, method):
+    """The API capped the Slack URL at 500 characters while the tenant form, the notifications page and the
+    egress check (what the model stores) take 2000: staff could save through the admin a URL the API refused."""
+    url = _long_slack_url(2000)
+    staff = world.client("staff")
+    if method == "post":
+        r = staff.post("/api/v1/tenants/", {"slug": "gamma", "name": "Gamma", "slack_webhook_url": url}, format="json")
+        assert r.status_code == 201, r.json()
+        assert Tenant.objects.get(slug="gamma").slack_webhook_url == url
+    else:
+        r = staff.patch("/api/v1/tenants/alpha/", {"slack_webhook_url": url}, format="json")
+        assert r.status_code == 200, r.json()
+        assert Tenant.objects.get(slug="alpha").slack_webhook_url == url
+
+
+@pytest.mark.parametrize("method", ["post", "patch"])
+def test_a_slack_url_longer_than_the_portal_stores_is_refused_naming_the_field(world, method):
+    staff = world.client("staff")
+    kept = "https://93.184.216.34/services/T0/B0/kept"
+    assert staff.patch("/api/v1/tenants/alpha/", {"slack_webhook_url": kept}, format="json").status_code == 200
+    audits, name = AuditLog.objects.count(), Tenant.objects.get(slug="alpha").name
+    too_long = _long_slack_url(2001)
+    if method == "post":
+        r = staff.post("/api/v1/tenants/", {"slug": "gamma", "name": "Gamma", "slack_webhook_url": too_long},
+                       format="json")
+    else:
+        r = staff.patch("/api/v1/tenants/alpha/", {"slack_webhook_url": too_long, "name": "Renamed"}, format="json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid", r.json()
+    assert list(r.json()["fields"]) == ["slack_webhook_url"]
+    assert not Tenant.objects.filter(slug="gamma").exists()
+    alpha = Tenant.objects.get(slug="alpha")
+    assert (alpha.slack_webhook_url, alpha.name) == (kept, name)  # nothing of the request stored
+    assert AuditLog.objects.count() == audits
+
+
 @pytest.mark.parametrize("url", ["/api/v1/tenants/", "/api/v1/memberships/", "/api/v1/pools/", "/api/v1/nodes/",
                                  "/api/v1/quotas/", "/api/v1/clusters/", "/api/v1/health-checks/"])
 @pytest.mark.parametrize("page", ["abc", "0", "-1", "1.5", ""])

@@ -1,6 +1,7 @@
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
+from portal.core.egress import MAX_URL_LENGTH
 from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField, StrictSlugRelatedField
 from reservations.models import Pool
 
@@ -23,7 +24,8 @@ class TenantInputSerializer(serializers.Serializer):
     storage_quota_tib = StrictIntegerField(required=False, min_value=0, max_value=100000)
     vlan_id = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=4094)
     cidr = serializers.CharField(required=False, allow_blank=True, max_length=43)
-    slack_webhook_url = serializers.URLField(required=False, allow_blank=True, write_only=True, max_length=500)
+    slack_webhook_url = serializers.URLField(required=False, allow_blank=True, write_only=True,
+                                              max_length=MAX_URL_LENGTH)  # what the egress check stores
 
 
 class UserInputSerializer(serializers.Serializer):
