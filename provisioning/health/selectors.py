@@ -8,7 +8,9 @@ everything. The scope comes from ``Allocation.objects.for_user`` / ``Reservation
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -21,10 +23,12 @@ from reservations.models import Allocation, Node, Reservation
 
 from .choices import OPEN_REPAIR_STATES, CheckStatus, Verdict
 from .models import HealthCheck, Repair
+from .xid import without_processes
 
 __all__ = [
     "visible_node_ids",
     "checks_for_user",
+    "check_as_seen_by",
     "latest_checks",
     "nodes_with_health",
     "cluster_node_ids",
@@ -77,6 +81,62 @@ def checks_for_user(user) -> QuerySet[HealthCheck]:
     return qs.filter(node_id__in=nodes).filter(
         Q(reservation_id__in=own) | Q(Exists(held_then), reservation__isnull=True)
     )
+
+
+def _reading_as_seen_by_a_tenant(result: Any) -> Any:
+    """One check result (a GPU's or the node's) without any process it names: compute processes counted
+    (``{"count": n}``), process ids and an XID line's "pid=…, name=…" left out of its message and details."""
+    if not isinstance(result, Mapping):
+        return result
+    seen = dict(result)
+    if isinstance(seen.get("message"), str):
+        seen["message"] = without_processes(seen["message"])
+    value = seen.get("value")
+    if seen.get("name") == "compute_processes" and value is not None:
+        # A list of {pid, used_mib} on an idle node (strays), {"count": n} on a node in use (newer agents).
+        count = value.get("count") if isinstance(value, Mapping) else len(value) if isinstance(value, list) else 0
+        seen["value"] = {"count": count if isinstance(count, int) and not isinstance(count, bool) else 0}
+    elif isinstance(value, list):
+        seen["value"] = [
+            {**entry, "detail": without_processes(entry["detail"])}
+            if isinstance(entry, Mapping) and isinstance(entry.get("detail"), str) else entry
+            for entry in value
+        ]
+    return seen
+
+
+def check_as_seen_by(user, check: HealthCheck | None) -> HealthCheck | None:
+    """Return the check as the user may read it: staff read it whole; anyone else reads an unsaved copy
+    whose readings, messages, problems and summary name no process.
+
+    A check a team reads may have seen another team's work: the acceptance gate checks an idle node
+    for the booking that follows, and processes left there (strays, another team's) are named in the
+    readings for staff; the gate checks a node still in use for the next booking too. Newer agents
+    count processes on a node in use and the portal strips them from the problems it stores, but rows
+    stored before (and an older agent's readings) still name them: this guard, on every tenant-facing
+    output (API, pages), applies whatever is stored. Never save the copy.
+    """
+    if check is None or getattr(user, "is_staff", False):
+        return check
+    seen = copy.copy(check)
+    seen.gpu_results = [
+        {**gpu, "checks": [_reading_as_seen_by_a_tenant(c) for c in gpu.get("checks") or []]}
+        if isinstance(gpu, Mapping) else gpu
+        for gpu in check.gpu_results or []
+    ]
+    report = dict(check.report or {})
+    if isinstance(report.get("node_checks"), list):
+        report["node_checks"] = [_reading_as_seen_by_a_tenant(c) for c in report["node_checks"]]
+    if isinstance(report.get("problems"), list):
+        report["problems"] = [
+            {**p, "message": without_processes(p["message"])}
+            if isinstance(p, Mapping) and isinstance(p.get("message"), str) else p
+            for p in report["problems"]
+        ]
+    seen.report = report
+    seen.summary = without_processes(check.summary or "")
+    seen.error = without_processes(check.error or "")
+    return seen
 
 
 def latest_checks(node_ids, *, user=None, done_only: bool = True) -> dict[int, HealthCheck]:
@@ -149,8 +209,8 @@ def cluster_health(cluster, *, user) -> list[dict[str, Any]]:
         latest_any = newest.get(node_id)
         rows.append({
             "node": nodes[node_id],
-            "latest": done.get(node_id),
-            "open": latest_any if latest_any is not None and latest_any.is_open else None,
+            "latest": check_as_seen_by(user, done.get(node_id)),
+            "open": check_as_seen_by(user, latest_any) if latest_any is not None and latest_any.is_open else None,
         })
     return rows
 

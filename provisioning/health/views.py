@@ -160,7 +160,7 @@ def check_detail(request, pk: int):
     check = selectors.checks_for_user(request.user).filter(pk=pk).first()
     if check is None:
         raise Http404("No such check.")
-    return render_page(request, "health/check.html", {"check": check})
+    return render_page(request, "health/check.html", {"check": selectors.check_as_seen_by(request.user, check)})
 
 
 def _cluster(request, pk: int):
@@ -191,6 +191,7 @@ def cluster_health(request, pk: int):
     cluster = _cluster(request, pk)
     history = selectors.checks_for_user(request.user).filter(
         selectors.cluster_checks_q(cluster.reservation)).order_by("-created_at", "-pk")[:50]
+    history = [selectors.check_as_seen_by(request.user, check) for check in history]
     return render_page(request, "health/cluster.html", {**_cluster_context(request, cluster), "history": history})
 
 

@@ -287,3 +287,106 @@ def test_the_check_of_a_node_still_serving_another_team_shows_the_next_team_none
     text = json.dumps(response.json())
     assert '"compute_processes"' in text and '"xid"' in text
     assert "31337" not in text and "54321" not in text and "python3" not in text
+
+
+@pytest.mark.django_db
+def test_the_gate_check_of_an_idle_node_shows_the_team_booked_next_a_count_of_stray_processes_not_their_ids(
+        fleet, settings, eager, now_slot, monkeypatch, django_capture_on_commit_callbacks):
+    """The acceptance gate checks an idle node for alpha's booking and binds the check to it. A process left on
+    the node (another team's, say the one booked before) fails the check, and its readings keep the process's
+    pid and GPU memory, which alpha's team read in the check's ``gpus`` while the failure's consequences (the
+    swap off the node) were still to run. A tenant reads a count of the processes; staff read the pids."""
+    import json
+
+    from provisioning.health import services
+    from provisioning.health.services import acceptance_verdict
+
+    start, end = now_slot + timedelta(hours=1), now_slot + timedelta(hours=3)
+    alpha = fleet.book("alpha", ["gpu-003"], start, end, "provisioning")
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-003": [
+        {"kind": "stray_process", "gpu": 0, "pid": 31337, "used_mib": 54321},
+    ]})
+    # The report is stored; its handling (drain, the swap to a spare) waits for a worker (health_maintain).
+    monkeypatch.setattr(services, "health_check_handle", lambda check_id: None)
+    with django_capture_on_commit_callbacks(execute=True):
+        acceptance_verdict([fleet.node("gpu-003").pk], level="quick", reservation_id=alpha.pk)
+    check = HealthCheck.objects.get(reservation=alpha)
+    assert (check.status, check.verdict, check.handled_at) == ("done", "fail", None)
+    assert "31337" in json.dumps(check.gpu_results)  # stored: staff's view of the stray process
+
+    def processes(body):
+        return [c for c in body["gpus"][0]["checks"] if c["name"] == "compute_processes"][0]
+
+    tenant = fleet.client("alpha-lead")
+    detail = tenant.get(f"/api/v1/health-checks/{check.pk}/")
+    listed = tenant.get("/api/v1/health-checks/", {"node": "gpu-003"})
+    assert detail.status_code == 200 and listed.status_code == 200, (detail.content, listed.content)
+    [row] = listed.json()["results"]
+    for body in (detail.json(), row):
+        text = json.dumps(body)
+        assert "31337" not in text and "54321" not in text, text
+        assert processes(body)["value"] == {"count": 1} and processes(body)["status"] == "fail"
+    staff = fleet.client("staff").get(f"/api/v1/health-checks/{check.pk}/").json()
+    assert processes(staff)["value"] == [{"pid": 31337, "used_mib": 54321}]
+
+
+# A check stored from an agent of before the reports counted processes: the pids are in the readings and the
+# messages, an XID line names its process, node-level XIDs too.
+OLD_GPU_RESULTS = [{
+    "index": 0, "uuid": "GPU-0", "serial": "S0", "name": "H100", "pci_bus_id": "0000:18:00.0",
+    "verdict": "fail", "action": "drain_and_reset", "passed": [],
+    "checks": [
+        {"name": "compute_processes", "status": "fail", "value": [{"pid": 4242, "used_mib": 31337},
+                                                                 {"pid": 5353, "used_mib": None}],
+         "threshold": [], "message": "2 stray compute process(es) on an idle GPU: pids [4242, 5353]",
+         "action": "drain_and_reset"},
+        {"name": "xid", "status": "fail", "threshold": "see XID policy", "action": "drain_and_reset",
+         "value": [{"xid": 13, "sources": ["kernel_log"], "count": 1, "meaning": "Graphics Engine Exception",
+                    "severity": "fail",
+                    "detail": "pid=6464, name=secret_train.py, Graphics SM Warp Exception"}],
+         "message": "XID 13 x1 (Graphics Engine Exception): pid=6464, name=secret_train.py, Graphics SM"},
+    ],
+}]
+OLD_REPORT = {
+    "node_checks": [{"name": "xid_log", "status": "fail", "threshold": "see XID policy", "action": "investigate",
+                     "value": [{"xid": 79, "count": 1, "pci": ["0000:2a:00"], "meaning": "GPU has fallen off the bus",
+                                "detail": "pid=7575, name=other_job.py, GPU has fallen off the bus."}],
+                     "message": "XIDs from GPUs NVML cannot see: XID 79 x1"}],
+    "problems": [{"gpu": 0, "check": "compute_processes", "status": "fail", "action": "drain_and_reset",
+                  "message": "2 stray compute process(es) on an idle GPU: pids [4242, 5353]"}],
+    "parts_unknown": [],
+}
+OLD_SECRETS = ("4242", "5353", "31337", "6464", "secret_train", "7575", "other_job")
+
+
+def old_check(node, reservation):
+    return HealthCheck.objects.create(
+        node=node, reservation=reservation, level="quick", trigger="acceptance", status="done", verdict="fail",
+        recommended_action="drain_and_reset", gpu_results=OLD_GPU_RESULTS, report=OLD_REPORT,
+        summary="gpu0 compute_processes: 2 stray compute process(es) on an idle GPU: pids [4242, 5353]",
+    )
+
+
+@pytest.mark.django_db
+def test_a_check_stored_from_an_older_agent_shows_a_tenant_no_process_in_the_api(fleet, now_slot):
+    """Rows stored before the agent counted processes keep the pids: the API leaves them out for tenants."""
+    import json
+
+    alpha = fleet.book("alpha", ["gpu-003"], now_slot, now_slot + timedelta(hours=3))
+    check = old_check(fleet.node("gpu-003"), alpha)
+    tenant = fleet.client("alpha-member")
+    detail = tenant.get(f"/api/v1/health-checks/{check.pk}/").json()
+    [row] = tenant.get("/api/v1/health-checks/", {"cluster": make_cluster(alpha).pk}).json()["results"]
+    for body in (detail, row):
+        text = json.dumps(body)
+        assert not [s for s in OLD_SECRETS if s in text], text
+        checks = {c["name"]: c for c in body["gpus"][0]["checks"]}
+        assert checks["compute_processes"]["value"] == {"count": 2}
+        assert "2 stray compute process(es)" in checks["compute_processes"]["message"]
+        assert "Graphics SM Warp Exception" in checks["xid"]["value"][0]["detail"]
+    assert "fallen off the bus" in detail["report"]["node_checks"][0]["value"][0]["detail"]
+    staff = json.dumps(fleet.client("staff").get(f"/api/v1/health-checks/{check.pk}/").json())
+    assert all(s in staff for s in OLD_SECRETS)
+    HealthCheck.objects.filter(pk=check.pk).update(gpu_results=OLD_GPU_RESULTS)
+    check.refresh_from_db()
+    assert check.gpu_results == OLD_GPU_RESULTS  # redacted on the way out, never in the database

@@ -170,3 +170,29 @@ def test_health_pages_say_which_zone_their_times_are_in(fleet, checked):
     session["portal_tz"] = "Asia/Tokyo"
     session.save()
     assert f"{tokyo:%Y-%m-%d %H:%M:%S}" in page.get(f"/health/checks/{check.pk}/").content.decode()
+
+
+@pytest.mark.django_db
+def test_the_check_and_cluster_pages_show_a_tenant_no_process_of_an_older_agents_report(fleet, now_slot):
+    """A check stored from an agent that named stray processes in its messages (pids, an XID line's process):
+    the team's check page, cluster page and results tag count them; staff's check page names them."""
+    from .test_api import OLD_SECRETS, old_check
+
+    alpha = fleet.book("alpha", ["gpu-003"], now_slot, now_slot + timedelta(hours=3))
+    cluster = make_cluster(alpha)
+    check = old_check(fleet.node("gpu-003"), alpha)
+    viewer = browser(fleet.users["alpha-viewer"])
+    for path in (f"/health/checks/{check.pk}/", f"/health/clusters/{cluster.pk}/",
+                 f"/health/clusters/{cluster.pk}/results/"):
+        response = viewer.get(path)
+        assert response.status_code == 200, path
+        page = response.content.decode()
+        assert "2 stray compute process(es)" in page, path
+        assert not [s for s in OLD_SECRETS if s in page], (path, [s for s in OLD_SECRETS if s in page])
+    request = RequestFactory().get("/")
+    request.user = fleet.users["alpha-viewer"]
+    tag = Template("{% load health %}{% cluster_health cluster %}").render(
+        Context({"request": request, "cluster": cluster}))
+    assert "2 stray compute process(es)" in tag and not [s for s in OLD_SECRETS if s in tag]
+    staff = browser(fleet.users["staff"]).get(f"/health/checks/{check.pk}/").content.decode()
+    assert "4242" in staff and "secret_train" in staff
