@@ -136,7 +136,12 @@ def check_as_seen_by(user, check: HealthCheck | None) -> HealthCheck | None:
     seen.report = report
     seen.summary = without_processes(check.summary or "")
     seen.error = without_processes(check.error or "")
+    seen.save = _never_saved  # the redacted copy must never overwrite the stored report
     return seen
+
+
+def _never_saved(*args, **kwargs):
+    raise RuntimeError("a check as a tenant reads it (check_as_seen_by) is a redacted copy: never save it")
 
 
 def latest_checks(node_ids, *, user=None, done_only: bool = True) -> dict[int, HealthCheck]:

@@ -390,3 +390,17 @@ def test_a_check_stored_from_an_older_agent_shows_a_tenant_no_process_in_the_api
     HealthCheck.objects.filter(pk=check.pk).update(gpu_results=OLD_GPU_RESULTS)
     check.refresh_from_db()
     assert check.gpu_results == OLD_GPU_RESULTS  # redacted on the way out, never in the database
+
+
+def test_a_check_as_a_tenant_reads_it_cannot_be_saved_over_the_stored_report(fleet, now_slot):
+    """The redacted copy a tenant reads is no row to write: saving it by mistake would lose the report."""
+    from provisioning.health.selectors import check_as_seen_by
+
+    alpha = fleet.book("alpha", ["gpu-003"], now_slot, now_slot + timedelta(hours=3))
+    check = old_check(fleet.node("gpu-003"), alpha)
+    seen = check_as_seen_by(fleet.users["alpha-member"], check)
+    with pytest.raises(RuntimeError, match="never save"):
+        seen.save()
+    check.refresh_from_db()
+    assert check.gpu_results == OLD_GPU_RESULTS
+    assert check_as_seen_by(fleet.users["staff"], check) is check  # staff read (and may save) the row itself
