@@ -13,7 +13,20 @@ __all__ = ["SlackUrlForm", "EventsForm", "WebhookForm", "WebhookEditForm", "Deli
 EVENT_CHOICES = [(e, EVENT_LABELS[e]) for e in SUBSCRIBABLE_EVENTS]
 
 
-class SlackUrlForm(forms.Form):
+class _OwnIds:
+    """Element ids of the form's own (ID_FORMAT): the settings page shows the Slack forms and "Add a webhook"
+    together, and with Django's default id_url / id_events_N for both, a label named (and a click on it
+    ticked) the other form's field. Ids only: the POSTed names stay url, events, enabled, clear."""
+
+    ID_FORMAT = "id_%s"
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("auto_id", self.ID_FORMAT)
+        super().__init__(*args, **kwargs)
+
+
+class SlackUrlForm(_OwnIds, forms.Form):
+    ID_FORMAT = "slack-%s"
     # Never pre-filled: the current URL is a secret and is only ever shown masked.
     url = forms.URLField(
         required=False, max_length=MAX_URL_LENGTH, assume_scheme="https", label="Slack incoming-webhook URL",
@@ -29,12 +42,14 @@ class SlackUrlForm(forms.Form):
         return data
 
 
-class EventsForm(forms.Form):
+class EventsForm(_OwnIds, forms.Form):
+    ID_FORMAT = "slack-events-%s"
     events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False, widget=forms.CheckboxSelectMultiple)
     enabled = forms.BooleanField(required=False)
 
 
-class WebhookForm(forms.Form):
+class WebhookForm(_OwnIds, forms.Form):
+    ID_FORMAT = "new-webhook-%s"
     name = forms.CharField(max_length=100, required=False)
     url = forms.URLField(max_length=MAX_URL_LENGTH, assume_scheme="https", label="Endpoint URL",
                          widget=forms.TextInput(attrs={"autocomplete": "off",

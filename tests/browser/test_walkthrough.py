@@ -1,0 +1,40 @@
+"""Defects found walking the portal's everyday tasks as a lead, a member and platform staff."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+_DUPLICATE_IDS = """() => { const seen = {};
+  document.querySelectorAll('[id]').forEach(e => { seen[e.id] = (seen[e.id] || 0) + 1; });
+  return Object.keys(seen).filter(id => seen[id] > 1); }"""
+
+
+def test_the_notifications_pages_slack_and_webhook_fields_each_have_their_own_label(world, live_server, new_page,
+                                                                                   sign_in):
+    """The Slack form and the "Add a webhook" form both rendered their fields as id_url and id_events_N: the
+    "Endpoint URL" label named (and its click focused) the Slack field, the webhook's URL field had no name at
+    all, and once Slack was set up, clicking an event's name under "Add a webhook" ticked Slack's box instead."""
+    from tenants.models import Tenant
+
+    Tenant.objects.filter(pk=world.tenants["alpha"].pk).update(
+        slack_webhook_url="https://hooks.slack.com/services/T000/B000/XXXXXXXXXXXXXXXX")
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/notifications/")
+    assert page.evaluate(_DUPLICATE_IDS) == []
+
+    webhooks = page.locator("form[action$='/notifications/webhooks/']")
+    slack_events = page.locator("form[action$='/notifications/slack/events/']")
+    page.get_by_label("Endpoint URL").fill("https://ci.example.com/hooks/gpu-portal")
+    expect(webhooks.locator("input[name=url]")).to_have_value("https://ci.example.com/hooks/gpu-portal")
+    expect(page.locator("form[action$='/notifications/slack/url/'] input[name=url]")).to_have_value("")
+
+    slack_box = slack_events.get_by_role("checkbox", name="Cluster ready")
+    webhook_box = webhooks.get_by_role("checkbox", name="Cluster ready")
+    expect(slack_box).to_be_checked()
+    expect(webhook_box).to_be_checked()
+    webhooks.get_by_text("Cluster ready").click()
+    expect(webhook_box).not_to_be_checked()
+    expect(slack_box).to_be_checked()
