@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
+from .conftest import PHONE
+
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 _DUPLICATE_IDS = """() => { const seen = {};
@@ -38,3 +40,23 @@ def test_the_notifications_pages_slack_and_webhook_fields_each_have_their_own_la
     webhooks.get_by_text("Cluster ready").click()
     expect(webhook_box).not_to_be_checked()
     expect(slack_box).to_be_checked()
+
+
+def test_the_api_token_list_fits_a_phone(world, live_server, new_page, sign_in):
+    """On a phone the account page's token table (name, token, created, last used, expires, revoke) made the
+    whole page scroll sideways (about 120px) with the Revoke button off the screen, and a long name without a
+    break (a CI job's) stretched the page further still, on a desktop too."""
+    from tenants.services import token_issue_own
+
+    user = world.users["alpha-member"]
+    token_issue_own(user=user, name="laptop", expires_in_days=90)
+    token_issue_own(user=user, name="ci-" + "x" * 90, expires_in_days=90)
+    for viewport in (PHONE, None):
+        page = sign_in(new_page(viewport=viewport), "alpha-member")
+        page.goto(f"{live_server.url}/account/")
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"the account page scrolls sideways by {overflow}px"
+        region = page.locator("#api-tokens")
+        revoke = region.get_by_role("button", name="Revoke").first
+        revoke.scroll_into_view_if_needed()
+        expect(revoke).to_be_in_viewport()
