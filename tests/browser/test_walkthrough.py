@@ -60,3 +60,25 @@ def test_the_api_token_list_fits_a_phone(world, live_server, new_page, sign_in):
         revoke = region.get_by_role("button", name="Revoke").first
         revoke.scroll_into_view_if_needed()
         expect(revoke).to_be_in_viewport()
+
+
+def test_a_nodes_health_page_fits_a_phone(world, live_server, new_page, sign_in):
+    """Staff on call open a node's health page from a phone to drain it: the check-level select (its longest
+    option) and the checks table pushed the page 120px wide, the Drain form's Reason field half off screen."""
+    page = sign_in(new_page(viewport=PHONE), "staff")
+    page.goto(f"{live_server.url}/health/nodes/h100-001/")
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the node's health page scrolls sideways by {overflow}px"
+    for control in (page.get_by_label("Level"), page.get_by_label("Reason"),
+                    page.get_by_role("button", name="Drain and open a repair")):
+        box = control.bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], box
+
+    page.get_by_label("Reason").fill("customer reports NCCL hangs")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Drain and open a repair").click()
+    expect(page.get_by_text("h100-001 is drained")).to_be_visible()
+    for path in ("/health/", "/health/nodes/h100-001/"):  # the open repair is listed on both
+        page.goto(live_server.url + path)
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"{path} scrolls sideways by {overflow}px"
