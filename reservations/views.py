@@ -531,7 +531,9 @@ def reservation_extend(request, pk: int):
             reservation = services.reservation_update(actor=request.user, reservation=reservation,
                                                       end=form.cleaned_data["end"])
         except DomainError as exc:
-            form.add_error("end", f"Not changed: {_refusal(exc)}")
+            # The service names the API's field ("end: Must be after start."); beside the field, its reason.
+            reason = exc.fields.get("end") if isinstance(exc, InvalidInput) else None
+            form.add_error("end", f"Not changed: {reason or _refusal(exc)}")
             status = exc.status
         else:
             end = timezone.localtime(reservation.end)

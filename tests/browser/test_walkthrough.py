@@ -82,3 +82,31 @@ def test_a_nodes_health_page_fits_a_phone(world, live_server, new_page, sign_in)
         page.goto(live_server.url + path)
         overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
         assert overflow <= 1, f"{path} scrolls sideways by {overflow}px"
+
+
+def test_a_refused_new_end_says_why_without_the_apis_field_name(world, live_server, new_page, sign_in, day):
+    """A new end before the start, or off the pool's grid, came back beside the field as "Not changed: end:
+    Must be after start." - the API's field code in the middle of the sentence."""
+    import re
+
+    from reservations import services
+
+    from .conftest import at
+
+    mine = services.reservation_create(actor=world.users["alpha-member"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    page = sign_in(new_page(viewport=PHONE), "alpha-member")
+    page.goto(f"{live_server.url}/reservations/{mine.pk}/")
+    for typed, why in ((f"{day.isoformat()}T09:00", "Must be after start."),
+                       (f"{day.isoformat()}T13:30", "grid")):
+        field = page.get_by_label(re.compile("^New end"))
+        field.fill(typed)
+        page.get_by_role("button", name="Change end").click()
+        field = page.get_by_label(re.compile("^New end"))
+        expect(field).to_have_value(typed)
+        reason = page.locator(f"#{field.get_attribute('aria-describedby')}")
+        expect(reason).to_contain_text(why)
+        assert reason.inner_text().startswith("Not changed: "), reason.inner_text()
+        assert "end:" not in reason.inner_text(), reason.inner_text()
+    mine.refresh_from_db()
+    assert mine.end == at(day, 12)
