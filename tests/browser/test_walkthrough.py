@@ -110,3 +110,34 @@ def test_a_refused_new_end_says_why_without_the_apis_field_name(world, live_serv
         assert "end:" not in reason.inner_text(), reason.inner_text()
     mine.refresh_from_db()
     assert mine.end == at(day, 12)
+
+
+def test_lowering_a_quota_says_no_limit_rather_than_none_h(world, live_server, new_page, sign_in, day):
+    """Staff lowering a quota below what is booked were asked to confirm "max duration none h → none h", and
+    the bulk change listed the quotas as "max — h": a quota without a longest booking read as a duration."""
+    from reservations import services
+    from tenants.models import Quota
+
+    from .conftest import at
+
+    services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                node_count=3, start=at(day, 10), end=at(day, 12), name="big-run")
+    quota = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    assert quota.max_duration_hours is None
+    page = sign_in(new_page(), "staff")
+    page.goto(f"{live_server.url}/admin/tenants/quota/{quota.pk}/change/")
+    page.get_by_label("Max nodes").fill("1")
+    page.get_by_role("button", name="Save", exact=True).click()
+    expect(page.get_by_role("heading", name="Lower a quota below what is booked?")).to_be_visible()
+    summary = page.locator(".quota-lowering h2 + p")
+    expect(summary).to_contain_text("max nodes 3 → 1")
+    expect(summary).to_contain_text("max duration no limit → no limit")
+    assert "none" not in summary.inner_text(), summary.inner_text()
+
+    page.goto(f"{live_server.url}/admin/tenants/quota/")
+    page.locator(f"input[name=_selected_action][value='{quota.pk}']").check()
+    page.locator("select[name=action]").select_option("bulk_change")
+    page.get_by_role("button", name="Go").click()
+    listed = page.locator("#content li", has_text="alpha / h100")
+    expect(listed).to_contain_text("longest booking no limit")
+    assert "—" not in listed.inner_text(), listed.inner_text()
