@@ -141,3 +141,51 @@ def test_lowering_a_quota_says_no_limit_rather_than_none_h(world, live_server, n
     listed = page.locator("#content li", has_text="alpha / h100")
     expect(listed).to_contain_text("longest booking no limit")
     assert "—" not in listed.inner_text(), listed.inner_text()
+
+
+def test_deleting_a_webhook_and_reissuing_the_calendar_feed_ask_first(world, live_server, new_page, sign_in):
+    """A lead's one click on a webhook's "Delete" threw away its endpoint and signing secret, and "Issue new
+    addresses to every member" broke every member's calendar subscription, with no question asked, while
+    revoking a token, removing a member and tearing a cluster down all ask. Dismissing the question now
+    changes nothing; accepting it does what the button says."""
+    from notifications.models import Channel
+    from tenants.models import Tenant
+
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/notifications/")
+    page.get_by_label("Endpoint URL").fill("https://ci.example.com/hooks/gpu-portal")
+    page.get_by_role("button", name="Add webhook").click()
+    expect(page.locator("details.webhook")).to_have_count(1)
+    page.locator("details.webhook summary").click()
+    asked = []
+
+    def answer(accept):
+        def on_dialog(dialog):
+            asked.append(dialog.message)
+            dialog.accept() if accept else dialog.dismiss()
+        return on_dialog
+
+    page.once("dialog", answer(False))
+    page.get_by_role("button", name="Delete").click()
+    page.wait_for_timeout(300)
+    assert len(asked) == 1 and "delete" in asked[0].lower(), asked
+    assert Channel.objects.filter(tenant=world.tenants["alpha"], kind="webhook").count() == 1
+    page.once("dialog", answer(True))
+    page.get_by_role("button", name="Delete").click()
+    expect(page.get_by_text("Webhook deleted")).to_be_visible()
+    assert Channel.objects.filter(tenant=world.tenants["alpha"], kind="webhook").count() == 0
+
+    page.goto(f"{live_server.url}/")  # the dashboard's calendar-feed card
+    feed = page.locator("input[readonly][value*='/ical/']")
+    Tenant.objects.filter(pk=world.tenants["alpha"].pk).update(ical_token="a-feed-secret")
+    page.reload()
+    before = feed.input_value()
+    page.once("dialog", answer(False))
+    page.get_by_role("button", name="Issue new addresses to every member").click()
+    page.wait_for_timeout(300)
+    assert len(asked) == 3 and "calendar" in asked[2].lower(), asked
+    assert Tenant.objects.get(pk=world.tenants["alpha"].pk).ical_token == "a-feed-secret"
+    page.once("dialog", answer(True))
+    page.get_by_role("button", name="Issue new addresses to every member").click()
+    expect(feed).not_to_have_value(before)
+    assert Tenant.objects.get(pk=world.tenants["alpha"].pk).ical_token != "a-feed-secret"
