@@ -189,3 +189,22 @@ def test_deleting_a_webhook_and_reissuing_the_calendar_feed_ask_first(world, liv
     page.get_by_role("button", name="Issue new addresses to every member").click()
     expect(feed).not_to_have_value(before)
     assert Tenant.objects.get(pk=world.tenants["alpha"].pk).ical_token != "a-feed-secret"
+
+
+def test_the_time_zone_can_be_saved_right_after_making_a_token(world, live_server, new_page, sign_in):
+    """The time-zone form had no action: after "Create token" the page is the answer to /account/tokens/, so
+    saving a new zone there posted to the token view instead. The zone was not saved, no token was made
+    either, and the only sign was "This field is required." beside the token form's expiry."""
+    from tenants.models import ApiToken
+
+    page = sign_in(new_page(), "alpha-member")
+    page.goto(f"{live_server.url}/account/")
+    page.locator("#api-tokens").get_by_label("Name").fill("laptop")
+    page.get_by_role("button", name="Create token").click()
+    expect(page.locator("[data-new-token]")).to_be_visible()
+    zone = page.get_by_role("combobox", name="Time zone")
+    zone.select_option("Asia/Tokyo")
+    page.get_by_role("region", name="Time zone").get_by_role("button", name="Save").click()
+    expect(page.get_by_role("combobox", name="Time zone")).to_have_value("Asia/Tokyo")
+    expect(page.locator("footer")).to_contain_text("Asia/Tokyo")
+    assert ApiToken.objects.filter(user=world.users["alpha-member"], name="laptop").count() == 1
