@@ -725,8 +725,9 @@ def reservation_cancel(*, actor: Any, reservation: Reservation) -> Reservation:
             raise InvalidState(f"Reservation #{reservation.pk} has ended; its cluster is being torn down.")
         before = _snapshot(reservation)
         reservation.status = ReservationStatus.CANCELLED
+        reservation.status_reason = ""  # the last step's ("provisioning lead time reached") no longer applies
         reservation.cancelled_at = timezone.now()
-        reservation.save(update_fields=["status", "cancelled_at", "updated_at"])
+        reservation.save(update_fields=["status", "status_reason", "cancelled_at", "updated_at"])
         reservation.allocations.filter(active=True).update(active=False)
         audit_record(actor=actor, action="reservation.cancel", obj=reservation, tenant_id=reservation.tenant_id,
                      before=before, after=_snapshot(reservation))

@@ -208,3 +208,25 @@ def test_the_time_zone_can_be_saved_right_after_making_a_token(world, live_serve
     expect(page.get_by_role("combobox", name="Time zone")).to_have_value("Asia/Tokyo")
     expect(page.locator("footer")).to_contain_text("Asia/Tokyo")
     assert ApiToken.objects.filter(user=world.users["alpha-member"], name="laptop").count() == 1
+
+
+def test_a_cancelled_reservation_does_not_keep_the_reason_of_its_last_step(world, live_server, new_page, sign_in,
+                                                                           day):
+    """Cancelled while provisioning, a reservation's page said "Cancelled" and, beneath it in warning amber,
+    "provisioning lead time reached": the reason of the step before, never cleared (the API said the same)."""
+    from reservations import services
+    from reservations.models import Reservation
+
+    from .conftest import at
+
+    mine = services.reservation_create(actor=world.users["alpha-member"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    services.reservation_set_status(reservation_id=mine.pk, status="provisioning", expected=("confirmed",),
+                                    reason="provisioning lead time reached")
+    page = sign_in(new_page(viewport=PHONE), "alpha-member")
+    page.goto(f"{live_server.url}/reservations/{mine.pk}/")
+    page.get_by_role("link", name="Cancel reservation…").click()
+    page.get_by_role("button", name="Yes, cancel it").click()
+    expect(page.locator(".messages li.success")).to_contain_text(f"Reservation #{mine.pk} cancelled")
+    expect(page.get_by_text("provisioning lead time reached")).to_have_count(0)
+    assert Reservation.objects.get(pk=mine.pk).status_reason == ""
