@@ -230,3 +230,19 @@ def test_a_cancelled_reservation_does_not_keep_the_reason_of_its_last_step(world
     expect(page.locator(".messages li.success")).to_contain_text(f"Reservation #{mine.pk} cancelled")
     expect(page.get_by_text("provisioning lead time reached")).to_have_count(0)
     assert Reservation.objects.get(pk=mine.pk).status_reason == ""
+
+
+def test_a_repairs_steps_are_in_the_readers_zone(world, live_server, new_page, sign_in):
+    """A repair's steps were printed as stored, "2026-12-02T13:11:20 UTC", on a page whose footer says times
+    are in the reader's zone and whose other times (the fleet, the node's checks) are."""
+    page = sign_in(new_page(tz="Europe/Berlin", viewport=PHONE), "staff")
+    page.goto(f"{live_server.url}/account/")
+    page.get_by_role("combobox", name="Time zone").select_option("Asia/Tokyo")
+    page.get_by_role("region", name="Time zone").get_by_role("button", name="Save").click()
+    page.goto(f"{live_server.url}/health/nodes/h100-001/")
+    page.get_by_label("Reason").fill("customer reports NCCL hangs")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Drain and open a repair").click()
+    step = page.locator("ol.repair-steps li").first
+    expect(step).to_contain_text("JST")
+    assert "UTC" not in step.inner_text(), step.inner_text()

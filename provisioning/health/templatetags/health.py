@@ -3,6 +3,8 @@
 - ``{% health_badge node %}``: the node's newest verdict as a badge. Pass nodes annotated by
   ``selectors.nodes_with_health`` (one query for a whole list) or plain nodes (one query each);
   a HealthCheck or a verdict string works too.
+- ``{{ step.at|stored_time }}``: an ISO timestamp kept in JSON (a repair's steps) as a time in the
+  reader's zone, like the page's other times.
 - ``{% cluster_health cluster %}``: the per-GPU results of the cluster's nodes as the signed-in
   user may see them, with a link to the cluster's health page (``templates/health/_results.html``).
 """
@@ -18,6 +20,21 @@ from ..choices import CheckStatus
 from ..models import HealthCheck
 
 register = template.Library()
+
+
+@register.filter
+def stored_time(value: Any, fmt: str = "Y-m-d H:i:s T") -> Any:
+    """An ISO-8601 string with an offset (as JSON keeps times) written in the current zone, in the date
+    filter's format; anything unreadable (or without an offset) is shown as it is."""
+    from datetime import datetime
+
+    from django.utils.dateformat import format as date_format
+
+    try:
+        moment = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        return value
+    return date_format(timezone.localtime(moment), fmt) if timezone.is_aware(moment) else value
 
 # Badge colours (background, text) per verdict, matching the portal's status badges.
 VERDICT_COLOURS: dict[str, tuple[str, str]] = {
