@@ -153,7 +153,23 @@ def _to_sign_in(request):
     if htmx:
         back = htmx.current_url_abs_path or settings.LOGIN_REDIRECT_URL
         return HttpResponseClientRedirect(redirect_to_login(back)["Location"])
+    if request.method not in ("GET", "HEAD"):
+        # A form sent after the session ended (“+1 day”, “Add to team”): after signing in the browser
+        # GETs `next`, and a POST-only address would answer 405. Back to the page the form was on instead;
+        # what it asked for is not done behind the user's back, so say so.
+        messages.info(request, "You were signed out, so that was not done: sign in and try again.")
+        back = _same_site_path(request, request.headers.get("referer"))
+        return redirect_to_login(back or settings.LOGIN_REDIRECT_URL)
     return redirect_to_login(request.get_full_path())
+
+
+def _same_site_path(request, url: str | None) -> str | None:
+    """The path (and query) of url when it is this site's own address, else None."""
+    if not url or not url_has_allowed_host_and_scheme(url, allowed_hosts={request.get_host()},
+                                                      require_https=request.is_secure()):
+        return None
+    parts = urlsplit(url)
+    return parts.path + (f"?{parts.query}" if parts.query else "") or None
 
 
 def portal_json(fn):

@@ -246,3 +246,30 @@ def test_a_repairs_steps_are_in_the_readers_zone(world, live_server, new_page, s
     step = page.locator("ol.repair-steps li").first
     expect(step).to_contain_text("JST")
     assert "UTC" not in step.inner_text(), step.inner_text()
+
+
+def test_a_button_pressed_after_the_session_ended_leads_back_to_its_page_after_sign_in(world, live_server, new_page,
+                                                                                       sign_in, day):
+    """With the session gone (expired, signed out in another tab), "+1 day" on a reservation sent the user to
+    sign in with next=/reservations/N/extend/; signing in then fetched that POST-only address and the browser
+    showed its own "HTTP ERROR 405" page. Every plain form on the portal did the same."""
+    from reservations import services
+    from reservations.models import Reservation
+
+    from .conftest import PASSWORD, at
+
+    mine = services.reservation_create(actor=world.users["alpha-member"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    page = sign_in(new_page(), "alpha-member")
+    page.goto(f"{live_server.url}/reservations/{mine.pk}/")
+    kept = [c for c in page.context.cookies() if c["name"] != "sessionid"]
+    page.context.clear_cookies()
+    page.context.add_cookies(kept)
+    page.get_by_role("button", name="+1 day").click()
+    expect(page.locator(".messages")).to_contain_text("signed out, so that was not done")
+    page.get_by_label("Username").fill("alpha-member")
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"{live_server.url}/reservations/{mine.pk}/")
+    expect(page.get_by_role("heading", level=1)).to_contain_text(f"#{mine.pk}")
+    assert Reservation.objects.get(pk=mine.pk).end == at(day, 12)  # nothing was done behind the user's back
