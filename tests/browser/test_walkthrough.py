@@ -273,3 +273,29 @@ def test_a_button_pressed_after_the_session_ended_leads_back_to_its_page_after_s
     page.wait_for_url(f"{live_server.url}/reservations/{mine.pk}/")
     expect(page.get_by_role("heading", level=1)).to_contain_text(f"#{mine.pk}")
     assert Reservation.objects.get(pk=mine.pk).end == at(day, 12)  # nothing was done behind the user's back
+
+
+def test_a_run_name_without_spaces_does_not_widen_the_reservation_pages_on_a_phone(world, live_server, new_page,
+                                                                                  sign_in, day):
+    """Run names are often one long token ("llama3_70b_finetune_lr3e5_…"): underscores give a line no place
+    to break, so the reservation page's heading pushed the page 370px past a phone's screen (and the cancel
+    question and the calendar's panel heading did the same)."""
+    from reservations import services
+
+    from .conftest import at
+
+    name = "llama3_70b_finetune_lr3e5_bs1024_seq8192_run0042_final_v2_eval"
+    mine = services.reservation_create(actor=world.users["alpha-member"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12), name=name)
+    page = sign_in(new_page(viewport=PHONE), "alpha-member")
+    for path in (f"/reservations/{mine.pk}/", f"/reservations/{mine.pk}/cancel/"):
+        page.goto(live_server.url + path)
+        expect(page.locator("main")).to_contain_text(name)
+        overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"{path} scrolls sideways by {overflow}px"
+    page.goto(f"{live_server.url}/calendar/?view=timeGridDay&date={day.isoformat()}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    page.locator(f".fc-event[data-reservation-id='{mine.pk}']").click()
+    expect(page.locator("#side-panel #panel-title")).to_contain_text(name)
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 1, f"the calendar with the panel open scrolls sideways by {overflow}px"
