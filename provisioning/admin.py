@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin, messages
 
-from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
+from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, ShownValuesMixin
 from portal.core.exceptions import DomainError
 
 from . import services
@@ -92,7 +92,10 @@ class StorageVolumeAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
         return StorageVolume.objects.for_user(request.user)
 
 
-class PoolCapabilityForm(forms.ModelForm):
+class PoolCapabilityForm(ShownValuesMixin, forms.ModelForm):
+    # A page opened before another admin's change does not post its old values back (ShownValuesMixin).
+    watched = services.CAPABILITY_FIELDS
+
     class Meta:
         model = PoolCapability
         fields = ("pool", *services.CAPABILITY_FIELDS)
@@ -119,7 +122,12 @@ class PoolCapabilityAdmin(ServiceAdminMixin, admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         values = {k: form.cleaned_data[k] for k in services.CAPABILITY_FIELDS if k in form.cleaned_data}
-        saved = services.pool_capability_set(actor=request.user, pool=obj.pool, **values)
+        if change:  # only what this admin changed, if still as the page showed it
+            values = {k: values[k] for k in form.changed_data if k in values}
+            saved = services.pool_capability_set(actor=request.user, pool=obj.pool, expected=form.shown(values),
+                                                 **values)
+        else:
+            saved = services.pool_capability_set(actor=request.user, pool=obj.pool, **values)
         obj.pk = saved.pk
         obj._state.adding = False
 

@@ -1668,8 +1668,12 @@ def _capability_snapshot(row: PoolCapability) -> dict[str, Any]:
     return {f: getattr(row, f) for f in CAPABILITY_FIELDS}
 
 
-def pool_capability_set(*, actor: Any, pool: Pool, **values: Any) -> PoolCapability:
-    """Create or change what the pool's nodes support (staff); checked as clusters use it, audited."""
+def pool_capability_set(*, actor: Any, pool: Pool, expected: dict[str, Any] | None = None,
+                        **values: Any) -> PoolCapability:
+    """Create or change what the pool's nodes support (staff); checked as clusters use it, audited.
+
+    Only the fields given are written. expected ({field: value}, what an edit page showed for the fields it
+    changes): refused (InvalidState) if any is no longer so, or the row is gone, checked under the pool's lock."""
     errors = pool_capability_errors(values)
     if errors:
         raise InvalidInput("; ".join(f"{k}: {v}" for k, v in errors.items()), fields=errors)
@@ -1677,11 +1681,19 @@ def pool_capability_set(*, actor: Any, pool: Pool, **values: Any) -> PoolCapabil
         # The pool row serialises writers of its capability row, the first one (a create) included.
         Pool.objects.select_for_update(no_key=True).filter(pk=pool.pk).values_list("pk", flat=True).first()
         row = PoolCapability.objects.filter(pool_id=pool.pk).first()
+        expected = {k: v for k, v in (expected or {}).items() if k in CAPABILITY_FIELDS}
+        stale = sorted(k for k, v in expected.items() if row is None or getattr(row, k) != v)
+        if stale:
+            raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin or the "
+                               "API); nothing was saved. Reload the page and make your change again.",
+                               fields={k: "Out of date." for k in stale})
         before = _capability_snapshot(row) if row is not None else None
         row = row or PoolCapability(pool_id=pool.pk)
         for key in CAPABILITY_FIELDS:
             if key in values:
                 setattr(row, key, values[key])
+        if before is not None and before == _capability_snapshot(row):
+            return row  # nothing changed: no write, no audit entry
         row.save()
         audit_record(actor=actor, action="pool.capability.update" if before else "pool.capability.create", obj=row,
                      before=before, after={"pool": pool.name, **_capability_snapshot(row)})

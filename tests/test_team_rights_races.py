@@ -445,3 +445,27 @@ def test_a_pool_rate_changed_while_a_stale_admin_change_waits_is_not_changed_bac
                            waits_on="reservations_pool")
     assert isinstance(result, InvalidState) and "on_demand_rate" in result.fields, result
     assert Pool.objects.get(pk=pool.pk).on_demand_rate == Decimal("3.75")
+
+
+def test_a_pool_capability_changed_while_a_stale_admin_change_waits_is_not_changed_back():
+    """pool_capability_set's expected values (what the capability's admin page showed) are compared under the
+    pool's lock, which the admin's save waits on while another writer holds it."""
+    from portal.core.exceptions import InvalidState
+    from provisioning.models import PoolCapability
+    from provisioning.services import pool_capability_set
+    from reservations.models import Pool
+
+    world = make_world()
+    pool = world.pool
+    pool_capability_set(actor=world.users["staff"], pool=pool, max_memory_per_gpu_gib=80)
+
+    def changed() -> None:
+        Pool.objects.select_for_update(no_key=True).filter(pk=pool.pk).values_list("pk", flat=True).first()
+        PoolCapability.objects.filter(pool_id=pool.pk).update(max_memory_per_gpu_gib=120)
+
+    result = behind_a_lock(changed, lambda: pool_capability_set(actor=world.users["staff"], pool=pool,
+                                                                expected={"max_memory_per_gpu_gib": 80},
+                                                                max_memory_per_gpu_gib=40),
+                           waits_on="reservations_pool")
+    assert isinstance(result, InvalidState) and "max_memory_per_gpu_gib" in result.fields, result
+    assert PoolCapability.objects.get(pool_id=pool.pk).max_memory_per_gpu_gib == 120

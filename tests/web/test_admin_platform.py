@@ -622,3 +622,27 @@ def test_a_stale_pool_page_does_not_revert_the_rate(world, staff):
     clash = other.post(url, _page_post(opened, on_demand_rate="1.00"))
     assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
     assert str(Pool.objects.get(pk=world.pool.pk).on_demand_rate) == "3.7500"
+
+
+def test_a_stale_pool_capability_page_does_not_revert_a_newer_edit(world, staff):
+    """Admin A sets the pool's memory limit; admin B, on the capability page opened before, adds a CUDA
+    version: B's save posted every field and wrote A's old memory limit back. Now only what B changed is
+    written, and a field B changed that A changed since is refused (nothing saved)."""
+    from provisioning.models import PoolCapability
+    from provisioning.services import pool_capability_set
+
+    capability = pool_capability_set(actor=world.users["staff"], pool=world.pool, cuda_versions=["12.8"],
+                                     mig_profiles={"1g.10gb": 7}, max_memory_per_gpu_gib=80)
+    url = reverse("admin:provisioning_poolcapability_change", args=[capability.pk])
+    other = _second_admin()
+    first, opened = staff.get(url), other.get(url)
+    assert staff.post(url, _page_post(first, max_memory_per_gpu_gib="120")).status_code == 302
+    saved = other.post(url, _page_post(opened, cuda_versions="12.8,12.9"))
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    row = PoolCapability.objects.get(pk=capability.pk)
+    assert (row.cuda_versions, row.max_memory_per_gpu_gib, row.mig_profiles) == (
+        ["12.8", "12.9"], 120, {"1g.10gb": 7})
+
+    clash = other.post(url, _page_post(opened, max_memory_per_gpu_gib="40"))
+    assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
+    assert PoolCapability.objects.get(pk=capability.pk).max_memory_per_gpu_gib == 120
