@@ -21,7 +21,8 @@ from django.utils import timezone
 from reservations.choices import HOLDING_STATUSES, AllocationKind
 from reservations.models import Allocation, Node, Reservation
 
-from .choices import OPEN_REPAIR_STATES, CheckStatus, Verdict
+from ..selectors import failed_teardown_hold
+from .choices import OPEN_REPAIR_STATES, CheckStatus, RepairState, Verdict
 from .models import HealthCheck, Repair
 from .xid import without_processes
 
@@ -39,6 +40,7 @@ __all__ = [
     "booking_holds_nodes",
     "may_check_cluster",
     "can_request_cluster_checks",
+    "rejoined_node_held_for",
 ]
 
 
@@ -260,3 +262,11 @@ def can_request_cluster_checks(user, cluster) -> bool:
     """Tell whether to offer the check button: to whoever may check the cluster, while its booking
     holds its nodes (what cluster_health_checks_request accepts; otherwise it is refused)."""
     return booking_holds_nodes(cluster.reservation) and may_check_cluster(user, cluster)
+
+
+def rejoined_node_held_for(repair: Repair) -> int | None:
+    """For a rejoined repair whose node did not go back to service because a failed teardown still holds it
+    (see services._node_follows), the cluster whose teardown holds it; else None."""
+    if repair.state != RepairState.REJOINED:
+        return None
+    return failed_teardown_hold(Node.objects.get(pk=repair.node_id))

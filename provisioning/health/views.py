@@ -145,7 +145,14 @@ def repair_step(request, pk: int):
     try:
         repair = services.repair_advance(actor=request.user, repair=repair, to=request.POST.get("to", ""),
                                          note=request.POST.get("note", ""))
-        messages.success(request, f"Repair #{repair.pk}: {repair.get_state_display().lower()}.")
+        done = f"Repair #{repair.pk}: {repair.get_state_display().lower()}."
+        held_for = selectors.rejoined_node_held_for(repair)
+        if held_for is None:
+            messages.success(request, done)
+        else:  # the GPUs are fine, but the node is not back in service: say so, and why
+            messages.warning(request, f"{done} {repair.node.hostname} stays held in maintenance: the teardown of "
+                                      f"cluster #{held_for} failed and the tenant's cluster may still be on it; "
+                                      "it is given back when a retried teardown succeeds.")
     except DomainError as exc:
         messages.error(request, exc.detail)
     return HttpResponseRedirect(reverse("health-repair", args=[pk]))

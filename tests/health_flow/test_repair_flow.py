@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 
 from portal.core.exceptions import InvalidState, PermissionDenied
 from portal.core.models import AuditLog
@@ -425,8 +426,17 @@ def test_a_repair_rejoining_a_node_still_held_after_a_failed_teardown_leaves_it_
 
         dispatch([repair.retest_check_id])
     assert HealthCheck.objects.get(pk=repair.retest_check_id).verdict == "pass"
-    repair = _step(cb, Repair.objects.get(pk=repair.pk), "rejoined", staff, "GPUs fine")
-    assert repair.closed_at is not None
+    # Through the repair's page: its message said "Repair #N: rejoined." while the node stayed out of service.
+    client = Client()
+    client.force_login(staff)
+    with cb(execute=True):
+        page = client.post(f"/health/repairs/{repair.pk}/step/", {"to": "rejoined", "note": "GPUs fine"}, follow=True)
+    (message,) = [str(m) for m in page.context["messages"]]
+    assert message == (f"Repair #{repair.pk}: rejoined. {node.hostname} stays held in maintenance: the teardown "
+                       f"of cluster #{cluster.pk} failed and the tenant's cluster may still be on it; it is given "
+                       "back when a retried teardown succeeds.")
+    repair = Repair.objects.get(pk=repair.pk)
+    assert repair.state == "rejoined" and repair.closed_at is not None
     node.refresh_from_db()
     assert node.state == "maintenance"
     assert node.state_reason.startswith(f"teardown of cluster #{cluster.pk} failed")
