@@ -35,19 +35,26 @@ def main() -> int:
     os.environ.setdefault("PORTAL_FAKE_NVML", "@provisioning/health/simulated/demo_fleet.json")
     # Links in notifications (Slack, reminders) point at the address this portal listens on.
     os.environ.setdefault("PORTAL_BASE_URL", f"http://{HOST}:{PORT}")
-    for step in SETUP:
-        code = _setup_step(step)
-        if code:
-            return code
-    # The handlers go in before the first service starts: a Ctrl-C while they start stops those started.
-    stopping = False
+    stopping, code = False, 0
 
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
+    def stop(signum, _frame):
+        nonlocal stopping, code
+        if not stopping:  # the first reason to stop is the one reported
+            stopping, code = True, 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports them
+            print("\nmake run: stopping web, workers and beat.", file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    # SIGTERM (`kill`) during setup is taken as Ctrl-C is: the running step is stopped, not orphaned.
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        for step in SETUP:
+            failed = _setup_step(step)
+            if failed:
+                return failed
+        # The handlers go in before the first service starts: a Ctrl-C while they start stops those started.
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+    except (KeyboardInterrupt, _Terminated) as exc:  # between two steps, or before the first service: none runs
+        return _interrupted("setup", exc)
     celery = [PY, "-m", "celery", "-A", "portal"]
     procs = {
         "web": subprocess.Popen([PY, "manage.py", "runserver", f"{HOST}:{PORT}", "--noreload"]),
@@ -59,10 +66,9 @@ def main() -> int:
     }
     print(f"\n  GPU Portal on http://{HOST}:{PORT}/  (API docs: http://{HOST}:{PORT}/api/docs/, "
           f"admin: http://{HOST}:{PORT}/admin/)\n  Ctrl-C stops web, workers and beat.\n", flush=True)
-    code = 0
     while not stopping:
         for name, proc in procs.items():
-            if proc.poll() is not None:
+            if not stopping and proc.poll() is not None:  # not one a Ctrl-C (to the whole group) just ended
                 print(f"{name} exited with {proc.returncode}; stopping the rest.", file=sys.stderr)
                 stopping, code = True, proc.returncode or 1
         time.sleep(0.5)
@@ -77,13 +83,31 @@ def main() -> int:
     return code
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived during setup (see _raise_terminated)."""
+
+
+def _raise_terminated(_signum, _frame) -> None:
+    raise _Terminated
+
+
+def _interrupted(what: str, exc: BaseException) -> int:
+    """Say that make run was interrupted during what; return the status a shell reports for the signal:
+    130 (128 + SIGINT) after Ctrl-C, 143 (128 + SIGTERM) after SIGTERM."""
+    terminated = isinstance(exc, _Terminated)
+    print(f"\nmake run: {'terminated' if terminated else 'interrupted'} during {what}; stopped.",
+          file=sys.stderr, flush=True)
+    return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+
+
 def _setup_step(args: list[str]) -> int:
     """Run one setup step: 0 when it succeeded, else the status make run exits with.
 
     A failing step printed why: it is named and its status kept, without a traceback of this script
     under it. The step ignores SIGINT, so a Ctrl-C in the terminal (which reaches the whole foreground
     process group) interrupts only this script, which stops the step (see _stop) and exits 130, as a
-    shell does for SIGINT: one line, no traceback of the step's Python either.
+    shell does for SIGINT: one line, no traceback of the step's Python either. SIGTERM to this script
+    (main turns it into _Terminated) stops the step the same way and exits 143.
     """
     step = " ".join(args)
     proc = None
@@ -91,11 +115,10 @@ def _setup_step(args: list[str]) -> int:
         # preexec_fn is safe here: this script starts no threads.
         proc = subprocess.Popen([PY, *args], preexec_fn=_ignore_sigint)
         code = proc.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as exc:
         if proc is not None:
             _stop(proc)
-        print(f"\nmake run: interrupted during `{step}`; stopped.", file=sys.stderr, flush=True)
-        return 130
+        return _interrupted(f"`{step}`", exc)
     if code != 0:
         print(f"make run: `{step}` failed (exit status {code}); see its output above.", file=sys.stderr)
         return code if code > 0 else 1
@@ -108,12 +131,13 @@ def _ignore_sigint() -> None:
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop an interrupted setup step: SIGTERM (a migrate's or seed_demo's open transaction is rolled
-    back), then SIGKILL if it is still there after STOP_GRACE_S. Another Ctrl-C goes straight to SIGKILL."""
+    back), then SIGKILL if it is still there after STOP_GRACE_S. Another Ctrl-C (or SIGTERM) goes straight
+    to SIGKILL."""
     try:
         proc.terminate()
         proc.wait(STOP_GRACE_S)
         return
-    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Terminated):
         pass
     proc.kill()
     proc.wait()
