@@ -18,7 +18,7 @@ from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
 from portal.core.crypto import mask
 from portal.core.egress import MAX_URL_LENGTH
 from portal.core.exceptions import InvalidInput
-from tenants.services import slack_webhook_url_check, tenant_slack_webhook_set
+from tenants.services import slack_webhook_url_check
 
 from . import services
 from .choices import EVENT_LABELS, SUBSCRIBABLE_EVENTS, ChannelKind, DeliveryStatus
@@ -135,11 +135,13 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
             services.platform_channel_update(actor=request.user, channel=obj, events=data["events"],
                                              enabled=data["enabled"])
             return
-        if data.get("new_url"):
-            tenant_slack_webhook_set(actor=request.user, tenant=obj.tenant, url=data["new_url"])
-        if changed & {"events", "enabled"}:
-            services.slack_subscriptions_update(actor=request.user, tenant=obj.tenant, events=data["events"],
-                                                enabled=data["enabled"])
+        if data.get("new_url") or changed & {"events", "enabled"}:
+            # One service call, one transaction: the tenant's URL and the channel's settings, or neither.
+            services.slack_subscriptions_update(
+                actor=request.user, tenant=obj.tenant, url=data.get("new_url") or None,
+                events=data["events"] if "events" in changed else None,
+                enabled=data["enabled"] if "enabled" in changed else None,
+            )
 
     def delete_model(self, request, obj):
         services.channel_delete(actor=request.user, channel=obj)

@@ -47,7 +47,12 @@ from portal.core.services import audit_record
 from reservations.models import Reservation
 from reservations.selectors import tenant_peak_usage
 from tenants.models import Quota, Tenant
-from tenants.services import tenant_lead_lock, tenant_slack_webhook_clear_locked
+from tenants.services import (
+    slack_webhook_url_check,
+    tenant_lead_lock,
+    tenant_slack_webhook_clear_locked,
+    tenant_slack_webhook_set_locked,
+)
 
 from . import ratelimit, selectors, signing, slack, transport
 from .choices import (
@@ -309,11 +314,20 @@ def demo_channel_ensure() -> Channel | None:
 
 
 def slack_subscriptions_update(
-    *, actor: Any, tenant: Tenant, events: list[str] | None = None, enabled: bool | None = None
+    *, actor: Any, tenant: Tenant, events: list[str] | None = None, enabled: bool | None = None,
+    url: str | None = None,
 ) -> Channel:
-    """Choose which events go to the tenant's Slack channel (the URL itself is set on the tenant)."""
+    """Choose which events go to the tenant's Slack channel (the URL itself is set on the tenant).
+
+    url (the channel's admin page): a new Slack URL for the tenant, set in the same transaction, so that a
+    refusal of the rest leaves the URL as it was too (tenant_slack_webhook_set_locked). A change that changes
+    nothing on an existing channel is neither written nor audited."""
+    if url is not None:
+        url = slack_webhook_url_check(url)  # before the transaction: it resolves the host
     with transaction.atomic(durable=True):
         _lock_rights(actor=actor, tenant_id=tenant.pk)
+        if url is not None:
+            tenant = tenant_slack_webhook_set_locked(actor=actor, tenant_id=tenant.pk, url=url)
         # One writer per tenant's settings. NO KEY UPDATE, as the Slack URL's store takes it: bookings key-share
         # the row until they commit, and FOR UPDATE queued this change behind every booking in flight.
         Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
@@ -332,9 +346,10 @@ def slack_subscriptions_update(
             channel.events = _validate_events(events)
         if enabled is not None:
             channel.enabled = bool(enabled)
-        channel.save()
-        audit_record(actor=actor, action="notifications.slack.update", obj=channel, tenant_id=tenant.pk,
-                     before=before, after=_channel_snapshot(channel))
+        if created or _channel_snapshot(channel) != before:
+            channel.save()
+            audit_record(actor=actor, action="notifications.slack.update", obj=channel, tenant_id=tenant.pk,
+                         before=before, after=_channel_snapshot(channel))
     _catch_up(channel, was_listening=was_listening)
     return channel
 

@@ -37,6 +37,7 @@ __all__ = [
     "tenant_rotate_ical_token",
     "tenant_lead_lock",
     "tenant_slack_webhook_clear_locked",
+    "tenant_slack_webhook_set_locked",
 ]
 
 # Announced when a tenant's Slack URL is set (created, changed or replaced; not when cleared): the
@@ -664,6 +665,17 @@ def tenant_slack_webhook_clear_locked(*, actor: Any, tenant_id: int) -> Tenant:
     if not tenant.slack_webhook_url:
         return tenant
     return _slack_webhook_write(actor=actor, tenant_id=tenant_id, url="")
+
+
+def tenant_slack_webhook_set_locked(*, actor: Any, tenant_id: int, url: str) -> Tenant:
+    """For notifications (the Slack channel's admin page saving its URL with its events): set the tenant's Slack
+    URL inside the caller's transaction, so that the URL and the channel's settings go together or not at all.
+    url is what slack_webhook_url_check returned (checked before the transaction: it resolves the host). The
+    caller has decided actor's right under the team lock (tenant_lead_lock) and locked nothing after it: the
+    tenant row comes next. Audited and announced as tenant_slack_webhook_set is."""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("tenant_slack_webhook_set_locked runs inside the caller's transaction")
+    return _slack_webhook_write(actor=actor, tenant_id=tenant_id, url=url)
 
 
 def _slack_webhook_write(*, actor, tenant_id: int, url: str) -> Tenant:

@@ -694,3 +694,37 @@ def test_a_new_url_typed_in_the_channel_admin_is_hidden_from_error_reports(world
     assert response.status_code in (200, 302)
     shown = SafeExceptionReporterFilter().get_post_parameters(response.wsgi_request)
     assert shown["new_url"] != new
+
+
+def test_a_slack_channel_edit_that_fails_half_way_changes_nothing(world, staff, monkeypatch):
+    """The Slack channel's admin page saved the new URL (on the tenant) in one transaction, then the events and
+    enabled flag in another: a refusal of the second left the URL changed while the page said nothing was
+    saved. Now the URL, events and flag are one service call, one transaction: all saved, or none."""
+    from portal.core.exceptions import InvalidState
+
+    tenant_slack_webhook_set(actor=world.users["staff"], tenant=world.tenants["alpha"], url=SLACK_URL)
+    channel = notify.slack_channel_ensure(Tenant.objects.get(slug="alpha"))
+    before = (list(channel.events), channel.enabled)
+    url = reverse("admin:notifications_channel_change", args=[channel.pk])
+    new = "https://hooks.slack.com/services/T000/B000/another-secret-token"
+    events = [Event.RESERVATION_CHANGED]
+    audits = AuditLog.objects.count()
+
+    def refused(*_args, **_kwargs):
+        raise InvalidState("refused for the test")
+
+    monkeypatch.setattr(notify, "_validate_events", refused)  # the events part, after the URL's
+    response = staff.post(url, {"new_url": new, "events": events, "enabled": ""}, follow=True)
+    assert "refused for the test" in [str(m) for m in response.context["messages"]]
+    assert Tenant.objects.get(slug="alpha").slack_webhook_url == SLACK_URL
+    channel.refresh_from_db()
+    assert (channel.events, channel.enabled) == before
+    assert AuditLog.objects.count() == audits
+
+    monkeypatch.undo()
+    assert staff.post(url, {"new_url": new, "events": events, "enabled": ""}).status_code == 302
+    assert Tenant.objects.get(slug="alpha").slack_webhook_url == new
+    channel.refresh_from_db()
+    assert (channel.events, channel.enabled) == (events, False)
+    assert [a.action for a in AuditLog.objects.order_by("id")[audits:]] == [
+        "tenant.slack_webhook", "notifications.slack.update"]
