@@ -14,6 +14,7 @@ the tenant page's quota rows (``QuotaInlineForm``) write only the numbers the ad
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from django import forms
@@ -375,6 +376,32 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
                 return review
         return super().changeform_view(request, object_id, form_url, extra_context)
 
+    def _changeform_view(self, request, object_id, form_url, extra_context):
+        # The services commit one by one (durable, see changeform_view): a refusal after the first write leaves
+        # what came before saved. Say so, and what, instead of only the refusal (which read as "nothing saved").
+        request._tenant_page_saved, request._tenant_page_saving = [], ""
+        try:
+            return super()._changeform_view(request, object_id, form_url, extra_context)
+        except DomainError as exc:
+            saved = request._tenant_page_saved
+            if not saved:
+                raise  # nothing written: the refusal alone is the truth (ServiceTransactionMixin shows it)
+            self.message_user(
+                request, f"This page was saved only in part. Saved: {'; '.join(saved)}. Not saved: "
+                         f"{request._tenant_page_saving or 'the rest'} ({exc.detail.rstrip('.')}), nor anything after "
+                         "it on the page. Reload the page to see what stands and make the rest of your change again.",
+                messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
+
+    @staticmethod
+    def _saving(request, what: str, fn, /, **kwargs):
+        """Run one service call of the page's save, noting what it saves for the partial-save message."""
+        request._tenant_page_saving = what
+        result = fn(**kwargs)
+        if hasattr(request, "_tenant_page_saved"):  # set by _changeform_view
+            request._tenant_page_saved.append(what)
+        return result
+
     def _check_inlines(self, request, object_id) -> None:
         obj = self.get_object(request, object_id)
         if obj is None:
@@ -427,14 +454,19 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
         if change:
             changed = {k: data[k] for k in form.changed_data if k in data}
             if changed:
-                services.tenant_update(actor=request.user, tenant=obj, expected=form.shown(changed), **changed)
+                labels = ", ".join(str(form.fields[k].label or k).lower() for k in changed)
+                self._saving(request, f"the tenant's {labels}", services.tenant_update, actor=request.user,
+                             tenant=obj, expected=form.shown(changed), **changed)
             new_url = form.cleaned_data.get("new_slack_webhook_url")
             if form.cleaned_data.get("clear_slack_webhook_url"):
-                services.tenant_slack_webhook_set(actor=request.user, tenant=obj, url="")
+                self._saving(request, "the Slack webhook's removal", services.tenant_slack_webhook_set,
+                             actor=request.user, tenant=obj, url="")
             elif new_url:
-                services.tenant_slack_webhook_set(actor=request.user, tenant=obj, url=new_url)
+                self._saving(request, "the new Slack webhook URL", services.tenant_slack_webhook_set,
+                             actor=request.user, tenant=obj, url=new_url)
         else:
-            created = services.tenant_create(actor=request.user, **data)
+            created = self._saving(request, f"the new tenant {data.get('slug')}", services.tenant_create,
+                                   actor=request.user, **data)
             obj.pk = created.pk
             obj._state.adding = False
 
@@ -452,27 +484,32 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
             if not hasattr(sub, "cleaned_data") or not sub.cleaned_data:
                 continue
             instance = sub.instance
+            saving = functools.partial(self._saving, request)
             if formset._should_delete_form(sub):
                 if instance.pk:
                     if isinstance(instance, Quota):
-                        services.quota_delete(actor=actor, quota=instance)
+                        saving(f"the removal of the quota in pool {instance.pool}", services.quota_delete,
+                               actor=actor, quota=instance)
                     else:
-                        services.membership_delete(actor=actor, membership=instance)
+                        saving(f"the removal of {instance.user}'s membership", services.membership_delete,
+                               actor=actor, membership=instance)
                 continue
             if isinstance(instance, Quota):
                 values = _quota_values(sub)
                 if instance.pk and sub.numbers_changed():  # only what this admin changed, if still current
-                    services.quota_update(actor=actor, quota=instance, expected_version=sub.cleaned_data["version"],
-                                          **{f: values[f] for f in sub.numbers_changed()})
+                    saving(f"the quota in pool {instance.pool}", services.quota_update, actor=actor, quota=instance,
+                           expected_version=sub.cleaned_data["version"],
+                           **{f: values[f] for f in sub.numbers_changed()})
                 elif not instance.pk:
-                    services.quota_create(actor=actor, tenant=tenant, pool=sub.cleaned_data["pool"], **values)
+                    saving(f"the new quota in pool {sub.cleaned_data['pool']}", services.quota_create, actor=actor,
+                           tenant=tenant, pool=sub.cleaned_data["pool"], **values)
             elif isinstance(instance, Membership):
                 if instance.pk and sub.has_changed():
-                    services.membership_update(actor=actor, membership=instance, role=sub.cleaned_data["role"],
-                                               expected_role=sub.shown(["role"]).get("role"))
+                    saving(f"{instance.user}'s role", services.membership_update, actor=actor, membership=instance,
+                           role=sub.cleaned_data["role"], expected_role=sub.shown(["role"]).get("role"))
                 elif not instance.pk:
-                    services.membership_create(actor=actor, tenant=tenant, user=sub.cleaned_data["user"],
-                                               role=sub.cleaned_data["role"])
+                    saving(f"{sub.cleaned_data['user']}'s membership", services.membership_create, actor=actor,
+                           tenant=tenant, user=sub.cleaned_data["user"], role=sub.cleaned_data["role"])
         formset.new_objects, formset.changed_objects, formset.deleted_objects = [], [], []
 
 

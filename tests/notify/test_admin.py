@@ -728,3 +728,29 @@ def test_a_slack_channel_edit_that_fails_half_way_changes_nothing(world, staff, 
     assert (channel.events, channel.enabled) == (events, False)
     assert [a.action for a in AuditLog.objects.order_by("id")[audits:]] == [
         "tenant.slack_webhook", "notifications.slack.update"]
+
+
+def test_a_tenant_page_saved_only_in_part_says_what_was_saved_and_what_was_not(world, staff, monkeypatch):
+    """The tenant page saves through the services, each in its own durable transaction: the tenant's fields
+    first, then its rows. A row refused then (here a quota changed by someone else after the page was checked,
+    but before its row was written) left the tenant's fields saved, while the page showed only the refusal,
+    as if nothing had been. Now the message says what was saved and what was not."""
+    from portal.core.exceptions import InvalidState
+    from tenants import services as tenant_services
+
+    tenant = world.tenants["alpha"]
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    opened = staff.get(url)
+
+    def raced(*, quota, **_kwargs):
+        raise InvalidState(f"The quota {quota.tenant}/{quota.pool} was changed since you opened it; reload it "
+                           "and make your change again.")
+
+    monkeypatch.setattr(tenant_services, "quota_update", raced)
+    response = staff.post(url, _form_post(opened, name="Alpha Renamed", **{"quotas-0-burst_nodes": 2}), follow=True)
+    (message,) = [str(m) for m in response.context["messages"]]
+    assert Tenant.objects.get(pk=tenant.pk).name == "Alpha Renamed"  # committed before the refusal
+    assert _quota(world, "alpha").burst_nodes != 2
+    assert message.startswith("This page was saved only in part. Saved: the tenant's name. Not saved: the quota "
+                              f"in pool {world.pool.name}"), message
+    assert "was changed since you opened it" in message and "nor anything after it on the page" in message
