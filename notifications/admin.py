@@ -14,7 +14,7 @@ from django.utils.decorators import method_decorator
 from django.utils.html import format_html
 from django.views.decorators.debug import sensitive_post_parameters
 
-from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin
+from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, ShownValuesMixin
 from portal.core.crypto import mask
 from portal.core.egress import MAX_URL_LENGTH
 from portal.core.exceptions import InvalidInput
@@ -27,7 +27,11 @@ from .models import Channel, Delivery, DeliveryAttempt
 EVENT_CHOICES = [(e, EVENT_LABELS[e]) for e in SUBSCRIBABLE_EVENTS]
 
 
-class ChannelForm(forms.ModelForm):
+class ChannelForm(ShownValuesMixin, forms.ModelForm):
+    # A page opened before a lead's (or another admin's) change does not post its old values back
+    # (ShownValuesMixin); the services check the shown values again under the channel's lock.
+    watched = ("name", "events", "enabled")
+
     events = forms.MultipleChoiceField(choices=EVENT_CHOICES, required=False,
                                        widget=forms.CheckboxSelectMultiple)
     new_url = forms.URLField(
@@ -122,25 +126,31 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data
         changed = set(form.changed_data)
+        # Only what this admin changed, if still as the page showed it (checked under the channel's lock).
+        expected = form.shown(changed & set(form.watched))
         if obj.kind == ChannelKind.WEBHOOK:
             services.webhook_update(
                 actor=request.user, channel=obj,
                 name=data["name"] if "name" in changed else None,
                 events=data["events"] if "events" in changed else None,
                 enabled=data["enabled"] if "enabled" in changed else None,
-                url=data["new_url"] or None,
+                url=data["new_url"] or None, expected=expected,
             )
             return
         if obj.is_platform:
-            services.platform_channel_update(actor=request.user, channel=obj, events=data["events"],
-                                             enabled=data["enabled"])
+            if changed & {"events", "enabled"}:
+                services.platform_channel_update(
+                    actor=request.user, channel=obj,
+                    events=data["events"] if "events" in changed else None,
+                    enabled=data["enabled"] if "enabled" in changed else None, expected=expected,
+                )
             return
         if data.get("new_url") or changed & {"events", "enabled"}:
             # One service call, one transaction: the tenant's URL and the channel's settings, or neither.
             services.slack_subscriptions_update(
                 actor=request.user, tenant=obj.tenant, url=data.get("new_url") or None,
                 events=data["events"] if "events" in changed else None,
-                enabled=data["enabled"] if "enabled" in changed else None,
+                enabled=data["enabled"] if "enabled" in changed else None, expected=expected,
             )
 
     def delete_model(self, request, obj):

@@ -204,6 +204,27 @@ def _hears_quota_alerts(channel: Channel | None) -> bool:
                 and Event.QUOTA_THRESHOLD in channel.events)
 
 
+# What a channel's edit page may say it showed (expected=): checked again under the channel's lock.
+_EXPECTABLE = ("name", "events", "enabled")
+
+
+def _refuse_if_changed(channel: Channel | None, expected: dict[str, Any] | None) -> None:
+    """expected ({field: value}, what an edit page showed for the fields it changes): refused (InvalidState) if
+    any is no longer so, or the channel is gone. Events compare as a set (the page may post them in any order)."""
+    expected = {k: v for k, v in (expected or {}).items() if k in _EXPECTABLE}
+    stale = []
+    for key, shown in expected.items():
+        now = None if channel is None else getattr(channel, key)
+        same = channel is not None and (set(now) == set(shown or []) if key == "events" else now == shown)
+        if not same:
+            stale.append(key)
+    if stale:
+        stale.sort()
+        raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin, a lead or the "
+                           "API); nothing was saved. Reload the page and make your change again.",
+                           fields={k: "Out of date." for k in stale})
+
+
 def _channel_snapshot(channel: Channel) -> dict[str, Any]:
     return {
         "kind": channel.kind,
@@ -315,13 +336,14 @@ def demo_channel_ensure() -> Channel | None:
 
 def slack_subscriptions_update(
     *, actor: Any, tenant: Tenant, events: list[str] | None = None, enabled: bool | None = None,
-    url: str | None = None,
+    url: str | None = None, expected: dict[str, Any] | None = None,
 ) -> Channel:
     """Choose which events go to the tenant's Slack channel (the URL itself is set on the tenant).
 
     url (the channel's admin page): a new Slack URL for the tenant, set in the same transaction, so that a
     refusal of the rest leaves the URL as it was too (tenant_slack_webhook_set_locked). A change that changes
-    nothing on an existing channel is neither written nor audited."""
+    nothing on an existing channel is neither written nor audited. expected: as webhook_update's (a channel
+    made by this call was not the one the page showed: refused)."""
     if url is not None:
         url = slack_webhook_url_check(url)  # before the transaction: it resolves the host
     with transaction.atomic(durable=True):
@@ -339,6 +361,7 @@ def slack_subscriptions_update(
         channel = Channel.objects.select_for_update(of=("self",)).filter(pk=channel.pk).first()
         if channel is None:
             raise NotFound("No such channel (it has just been deleted).")
+        _refuse_if_changed(None if created else channel, expected)
         channel.tenant = tenant
         before = _channel_snapshot(channel)
         was_listening = not created and _hears_quota_alerts(channel)
@@ -355,12 +378,15 @@ def slack_subscriptions_update(
 
 
 def platform_channel_update(*, actor: Any, channel: Channel, events: list[str] | None = None,
-                            enabled: bool | None = None) -> Channel:
-    """Choose what the platform channel receives (its URL is PORTAL_PLATFORM_SLACK_WEBHOOK)."""
+                            enabled: bool | None = None, expected: dict[str, Any] | None = None) -> Channel:
+    """Choose what the platform channel receives (its URL is PORTAL_PLATFORM_SLACK_WEBHOOK).
+
+    expected: as webhook_update's."""
     with transaction.atomic(durable=True):
         channel = _lock_channel(channel, actor=actor)
         if not channel.is_platform:
             raise InvalidState("Not the platform channel.")
+        _refuse_if_changed(channel, expected)
         before = _channel_snapshot(channel)
         if events is not None:
             channel.events = _validate_events(events)
@@ -417,8 +443,13 @@ def _lock_channel(channel: Channel, *, actor: Any, deliveries: bool = False) -> 
 
 def webhook_update(
     *, actor: Any, channel: Channel, url: str | None = None, name: str | None = None,
-    events: list[str] | None = None, enabled: bool | None = None,
+    events: list[str] | None = None, enabled: bool | None = None, expected: dict[str, Any] | None = None,
 ) -> Channel:
+    """Change a signed webhook: only the fields given (None: left as they are).
+
+    expected ({field: value} for name, events, enabled: what an edit page showed for the fields it changes):
+    refused (InvalidState) if any is no longer so, checked under the channel's lock, so that a page opened
+    before a lead's change does not write its old values back."""
     # Checked before the row lock: the URL check resolves the host name.
     url = None if url is None else _validate_url(url)
     name = None if name is None else _validate_channel_name(name)
@@ -426,6 +457,7 @@ def webhook_update(
         channel = _lock_channel(channel, actor=actor)
         if channel.kind != ChannelKind.WEBHOOK:
             raise InvalidState("Only signed webhooks are edited here.")
+        _refuse_if_changed(channel, expected)
         before = _channel_snapshot(channel)
         was_listening = _hears_quota_alerts(channel)
         if url is not None:

@@ -469,3 +469,25 @@ def test_a_pool_capability_changed_while_a_stale_admin_change_waits_is_not_chang
                            waits_on="reservations_pool")
     assert isinstance(result, InvalidState) and "max_memory_per_gpu_gib" in result.fields, result
     assert PoolCapability.objects.get(pool_id=pool.pk).max_memory_per_gpu_gib == 120
+
+
+def test_a_webhook_changed_while_a_stale_admin_change_waits_is_not_changed_back():
+    """webhook_update's expected values (what the channel's admin page showed) are compared under the channel's
+    lock, which the admin's save waits on while a lead's change holds it."""
+    from notifications.models import Channel
+    from notifications.services import webhook_create, webhook_update
+    from portal.core.exceptions import InvalidState
+
+    world = make_world()
+    channel, _ = webhook_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                url="https://93.184.216.34/hook", name="ops", events=["reservation.changed"])
+
+    def changed() -> None:
+        Channel.objects.select_for_update().filter(pk=channel.pk).update(events=["quota.threshold"])
+
+    result = behind_a_lock(changed, lambda: webhook_update(actor=world.users["staff"], channel=channel,
+                                                           events=["reservation.cancelled"],
+                                                           expected={"events": ["reservation.changed"]}),
+                           waits_on="notifications_channel")
+    assert isinstance(result, InvalidState) and "events" in result.fields, result
+    assert Channel.objects.get(pk=channel.pk).events == ["quota.threshold"]

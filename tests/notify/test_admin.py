@@ -754,3 +754,99 @@ def test_a_tenant_page_saved_only_in_part_says_what_was_saved_and_what_was_not(w
     assert message.startswith("This page was saved only in part. Saved: the tenant's name. Not saved: the quota "
                               f"in pool {world.pool.name}"), message
     assert "was changed since you opened it" in message and "nor anything after it on the page" in message
+
+
+class _AllFormFields(_FormFields):
+    """As _FormFields, but every value of a name that posts several (ticked boxes of one field)."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict[str, list[str]] = {}
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        name = a.get("name")
+        if tag == "input" and name and a.get("type") not in ("submit", "button", "file"):
+            if a.get("type") in ("checkbox", "radio") and "checked" not in a:
+                return
+            self.values.setdefault(name, []).append(a.get("value") or ("on" if a.get("type") == "checkbox" else ""))
+            return
+        super().handle_starttag(tag, attrs)
+
+
+def _channel_page_post(page, **changes) -> dict:
+    """What the channel page's Save button posts, as rendered (every ticked event), then changes."""
+    parser = _AllFormFields()
+    parser.feed(page.content.decode())
+    data: dict = {k: v for k, v in parser.data.items() if k != "csrfmiddlewaretoken"}
+    data.update({k: v if len(v) > 1 else v[0] for k, v in parser.values.items() if k != "csrfmiddlewaretoken"})
+    data.update(changes)
+    return {**data, "_save": "Save"}
+
+
+def test_a_stale_channel_page_does_not_revert_a_leads_newer_events(world, staff):
+    """A lead changes their webhook's events; staff, on the channel's page opened before, only disable it: that
+    save posted the old events too and wrote them back over the lead's. Now only what the admin changed is
+    written, and a field the admin changed that was changed since is refused (a form error, nothing saved)."""
+    lead = world.users["alpha-lead"]
+    channel, _ = notify.webhook_create(actor=lead, tenant=world.tenants["alpha"], url="https://93.184.216.34/hook",
+                                       name="ops", events=[Event.RESERVATION_CHANGED])
+    url = reverse("admin:notifications_channel_change", args=[channel.pk])
+    opened = staff.get(url)
+    assert opened.status_code == 200
+    newer = [Event.RESERVATION_CHANGED, Event.QUOTA_THRESHOLD]
+    notify.webhook_update(actor=lead, channel=channel, events=newer)
+    audits = AuditLog.objects.count()
+
+    clash = staff.post(url, _channel_page_post(opened, events=[Event.QUOTA_THRESHOLD]))
+    assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
+    channel.refresh_from_db()
+    assert (channel.events, channel.enabled) == ([str(e) for e in newer], True)
+    assert AuditLog.objects.count() == audits
+
+    saved = staff.post(url, _channel_page_post(opened, enabled=""))
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    channel.refresh_from_db()
+    assert (channel.events, channel.enabled) == ([str(e) for e in newer], False)
+
+
+def test_a_stale_platform_channel_page_does_not_re_enable_it(world, staff, settings):
+    """The platform channel's page passed every field to the service: a page opened before another admin
+    disabled the channel enabled it again when its admin only changed the events."""
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = SLACK_URL
+    channel = notify.platform_channel_ensure()
+    url = reverse("admin:notifications_channel_change", args=[channel.pk])
+    opened = staff.get(url)
+    assert opened.status_code == 200 and channel.enabled
+    notify.platform_channel_update(actor=world.users["staff"], channel=channel, enabled=False)
+    events = [e for e in channel.events if e != Event.RESERVATION_CHANGED] or [Event.QUOTA_THRESHOLD]
+
+    saved = staff.post(url, _channel_page_post(opened, events=events))
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    channel.refresh_from_db()
+    assert (channel.events, channel.enabled) == (notify._validate_events(events), False)
+
+    clash = staff.post(url, _channel_page_post(opened, enabled=""))
+    assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
+
+
+def test_a_stale_slack_channel_page_does_not_revert_a_leads_newer_flag(world, staff):
+    """The tenant's Slack channel page: a lead disables the channel; staff, on the page opened before, change the
+    events only: the channel stays disabled. Changing the events again from that page (they are no longer the
+    ones it shows) is refused."""
+    tenant_slack_webhook_set(actor=world.users["staff"], tenant=world.tenants["alpha"], url=SLACK_URL)
+    channel = notify.slack_channel_ensure(Tenant.objects.get(slug="alpha"))
+    url = reverse("admin:notifications_channel_change", args=[channel.pk])
+    opened = staff.get(url)
+    assert opened.status_code == 200 and channel.enabled
+    notify.slack_subscriptions_update(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], enabled=False)
+
+    saved = staff.post(url, _channel_page_post(opened, events=[Event.QUOTA_THRESHOLD]))
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    channel.refresh_from_db()
+    assert (channel.events, channel.enabled) == ([str(Event.QUOTA_THRESHOLD)], False)
+
+    clash = staff.post(url, _channel_page_post(opened, events=[Event.RESERVATION_CHANGED]))
+    assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
+    channel.refresh_from_db()
+    assert (channel.events, channel.enabled) == ([str(Event.QUOTA_THRESHOLD)], False)
