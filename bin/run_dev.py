@@ -69,8 +69,8 @@ def main() -> int:
     while not stopping:
         for name, proc in procs.items():
             if not stopping and proc.poll() is not None:  # not one a Ctrl-C (to the whole group) just ended
-                print(f"{name} exited with {proc.returncode}; stopping the rest.", file=sys.stderr)
-                stopping, code = True, proc.returncode or 1
+                print(f"{name} {_ended(proc.returncode)}; stopping the rest.", file=sys.stderr)
+                stopping, code = True, _status(proc.returncode)
         time.sleep(0.5)
     for proc in procs.values():
         if proc.poll() is None:
@@ -120,9 +120,26 @@ def _setup_step(args: list[str]) -> int:
             _stop(proc)
         return _interrupted(f"`{step}`", exc)
     if code != 0:
-        print(f"make run: `{step}` failed (exit status {code}); see its output above.", file=sys.stderr)
-        return code if code > 0 else 1
+        how = f"failed (exit status {code})" if code > 0 else _ended(code)
+        print(f"make run: `{step}` {how}; see its output above.", file=sys.stderr)
+        return _status(code)
     return 0
+
+
+def _status(returncode: int) -> int:
+    """The status make run exits with for a child that ended with returncode (not 0): its own, or 128 + the
+    signal that killed it (a negative returncode), as a shell reports it; sys.exit(-9) would exit 247."""
+    return 128 - returncode if returncode < 0 else returncode or 1
+
+
+def _ended(returncode: int) -> str:
+    """How a child ended, for a message: "exited with 3", "was killed by SIGKILL"."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
 
 
 def _ignore_sigint() -> None:

@@ -48,6 +48,7 @@ if sys.argv[1] != "runserver":
     raise SystemExit(0)
 signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+open("runserver.pid", "w").write(str(os.getpid()))
 os.write(1, b"serving\\n")
 time.sleep(120)
 """
@@ -197,3 +198,28 @@ def test_stopping_the_running_services_exits_as_interrupted(tmp_path, signum, gr
     code, stderr = finish(proc)
     assert code == status, (code, stderr)
     assert "Traceback" not in stderr and "exited with" not in stderr, stderr
+
+
+def test_a_service_killed_by_a_signal_exits_as_a_shell_reports_it(tmp_path):
+    """A service killed by a signal (here the web server, by SIGKILL: the OOM killer, say) has a negative return
+    code, which make run exited with: sys.exit(-9) is status 247 (256 - 9), not the 137 (128 + 9) a shell
+    reports. Now it is 128 + the signal, and the message names the signal."""
+    cwd = scratch(tmp_path, MANAGE_ALL)
+    proc = start(cwd, PORTAL_EVENT_WORKER_QUEUES="events", PORTAL_WORKER_QUEUES="work")
+    _wait_for_lines(proc, {"serving", "celery worker events", "celery worker work", "celery beat"})
+    os.kill(int((cwd / "runserver.pid").read_text()), signal.SIGKILL)
+    code, stderr = finish(proc)
+    assert code == 137, (code, stderr)
+    assert "web was killed by SIGKILL; stopping the rest." in stderr, stderr
+
+
+def test_a_setup_step_killed_by_a_signal_exits_as_a_shell_reports_it(tmp_path):
+    """A setup step killed by a signal made make run exit 1; now 128 + the signal, as for a service."""
+    cwd = scratch(tmp_path)
+    proc = start(cwd)
+    wait_for_line(proc, "migrating")
+    os.kill(int((cwd / "migrate.pid").read_text()), signal.SIGKILL)
+    code, stderr = finish(proc)
+    assert code == 137, (code, stderr)
+    assert "make run: `manage.py migrate --no-input -v 0` was killed by SIGKILL; see its output above." in stderr, \
+        stderr
