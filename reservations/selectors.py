@@ -507,6 +507,17 @@ def tenant_recent_activity(*, tenant, limit: int = 10):
     ]
 
 
+def node_state_reason_as_seen_by(user, node: Node) -> str:
+    """A node's state reason as the user may read it: staff read it as stored; anyone else without the processes
+    it names. Health failure reasons used to name them ("pids [...]", an XID line's "pid=…, name=…"): the work of
+    whichever team was on the node. New reasons name none, but rows written before still do."""
+    if getattr(user, "is_staff", False):
+        return node.state_reason
+    from provisioning.health.xid import without_processes  # plain Python, no Django app imported
+
+    return without_processes(node.state_reason or "")
+
+
 def fleet_nodes(*, pool: Pool | None = None):
     """The fleet timeline's rows: nodes not retired, by pool and hostname (a queryset, to page)."""
     nodes = Node.objects.select_related("pool").exclude(state=NodeState.RETIRED).order_by("pool__name", "hostname")

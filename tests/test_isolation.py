@@ -209,3 +209,25 @@ def test_the_admin_does_not_silently_ignore_a_memberships_changed_user(world):
     r = admin.post(f"/admin/tenants/tenant/{tenant.pk}/change/", data, follow=True)
     assert "To give a membership to another user" in r.content.decode()
     assert Membership.objects.get(pk=member.pk).user.username == "alpha-member"
+
+
+def test_a_stored_node_reason_naming_processes_is_shown_to_a_tenant_without_them(world, booked):
+    """Health failure reasons used to name processes ("pids [...]", an XID line's "pid=…, name=…"): another
+    team's work on the node. Rows written then still hold them; the node API shows a tenant the reason without
+    them, and staff the stored text."""
+    from reservations.models import Node
+
+    hostname = booked["alpha"]["nodes"][0]
+    node = Node.objects.get(hostname=hostname)
+    stored = ("health check failed: GPU 2: stray processes on an idle node: pids [4242, 5353]; "
+              "Xid 79 (PCI:0000:1b:00): pid=48213, name=train.py, GPU has fallen off the bus")
+    Node.objects.filter(pk=node.pk).update(state_reason=stored)
+
+    for who in ("alpha-lead", "alpha-member"):
+        shown = world.client(who).get(f"/api/v1/nodes/{node.pk}/").json()["state_reason"]
+        assert shown == ("health check failed: GPU 2: stray processes on an idle node; "
+                         "Xid 79 (PCI:0000:1b:00): GPU has fallen off the bus"), shown
+        listed = world.client(who).get("/api/v1/nodes/").json()["results"]
+        assert [n["state_reason"] for n in listed if n["hostname"] == hostname] == [shown]
+    assert world.client("staff").get(f"/api/v1/nodes/{node.pk}/").json()["state_reason"] == stored
+    assert Node.objects.get(pk=node.pk).state_reason == stored  # redacted on output only

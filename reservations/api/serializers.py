@@ -7,7 +7,7 @@ from tenants.models import Tenant
 
 from ..choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, NodeState, Orchestrator, ReservationStatus
 from ..models import Node, Pool, Reservation
-from ..selectors import pools_for_booking
+from ..selectors import node_state_reason_as_seen_by, pools_for_booking
 
 
 class PoolSerializer(serializers.ModelSerializer):
@@ -33,6 +33,14 @@ class NodeSerializer(serializers.ModelSerializer):
     class Meta:
         model = Node
         fields = ["id", "hostname", "pool", "state", "state_reason", "gpus"]
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        # A reason stored before health reasons stopped naming processes: shown to a tenant without them (staff
+        # read it as stored). Without a request, as a tenant.
+        request = self.context.get("request")
+        data["state_reason"] = node_state_reason_as_seen_by(getattr(request, "user", None), instance)
+        return data
 
 
 class NodeInputSerializer(serializers.Serializer):

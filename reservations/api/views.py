@@ -63,7 +63,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     @extend_schema(request=s.NodeInputSerializer, responses={201: s.NodeSerializer})
     def create(self, request):
         node = services.node_create(actor=request.user, **validated(s.NodeInputSerializer, request))
-        return Response(s.NodeSerializer(node).data, status=status.HTTP_201_CREATED)
+        return Response(self.get_serializer(node).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=s.NodeUpdateSerializer, responses={200: s.NodeSerializer})
     def partial_update(self, request, pk=None):
@@ -71,7 +71,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         data = validated(s.NodeUpdateSerializer, request, partial=True)
         node = services.node_update(actor=request.user, node=node, state=data.get("state"),
                                     reason=data.get("state_reason"))
-        return Response(s.NodeSerializer(node).data)
+        return Response(self.get_serializer(node).data)
 
 
 @extend_schema_view(list=extend_schema(parameters=[  # the list's filters, not the detail routes'
