@@ -13,6 +13,8 @@ from django.db import connection
 from django.db.models import F, Func, OuterRef, Subquery
 from django.utils import timezone
 
+from portal.core.redact import without_processes
+
 from .choices import HOLDING_STATUSES, NodeState
 from .models import Node, Pool, Reservation
 from .timeutil import EPOCH, slot_ceil, slot_floor
@@ -513,8 +515,6 @@ def node_state_reason_as_seen_by(user, node: Node) -> str:
     whichever team was on the node. New reasons name none, but rows written before still do."""
     if getattr(user, "is_staff", False):
         return node.state_reason
-    from provisioning.health.xid import without_processes  # plain Python, no Django app imported
-
     return without_processes(node.state_reason or "")
 
 

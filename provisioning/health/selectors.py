@@ -18,13 +18,13 @@ from django.contrib.postgres.fields.ranges import RangeStartsWith
 from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
 from django.utils import timezone
 
+from portal.core.redact import without_processes
 from reservations.choices import HOLDING_STATUSES, AllocationKind
 from reservations.models import Allocation, Node, Reservation
 
 from ..selectors import failed_teardown_hold
 from .choices import OPEN_REPAIR_STATES, CheckStatus, RepairState, Verdict
 from .models import HealthCheck, Repair
-from .xid import without_processes
 
 __all__ = [
     "visible_node_ids",

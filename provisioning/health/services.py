@@ -41,6 +41,7 @@ from django.utils import timezone
 from portal.core import events
 from portal.core.exceptions import InvalidInput, InvalidState, PermissionDenied
 from portal.core.models import AuditLog
+from portal.core.redact import without_processes
 from portal.core.services import audit_record
 from reservations.choices import HOLDING_STATUSES, AllocationKind, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
@@ -67,7 +68,6 @@ from .choices import (
 from .models import HealthCheck, Repair
 from .runner import split_report
 from .selectors import booking_holds_nodes
-from .xid import without_processes
 
 __all__ = [
     "health_checks_request",

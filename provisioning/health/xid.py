@@ -71,6 +71,7 @@ _XID_LINE = re.compile(
 
 
 # The process an XID line names: "pid=48213, name=train.py, " ("pid='<unknown>', name=<unknown>, " when none).
+# The same pattern as portal.core.redact.XID_PROCESS (the agent imports no portal code; a test checks they agree).
 _XID_PROCESS = re.compile(r"\bpid=[^,]*,\s*name=[^,]*(?:,\s*|$)")
 
 
@@ -78,16 +79,6 @@ def without_process(detail: str) -> str:
     """Return an XID line's detail without the process it names: that is the work of the team on the node
     then, and a report carrying the XID may be read by another team."""
     return _XID_PROCESS.sub("", detail, count=1).strip()
-
-
-# A list of process ids, as agents before the reports counted processes named stray ones (": pids [4242, 5353]").
-_PID_LIST = re.compile(r":?\s*\bpids?\s*\[[^\]]*\]")
-
-
-def without_processes(text: str) -> str:
-    """Return a check's message without any process it names (ids, "pid=…, name=…"): the portal's guard for what
-    a team may be told, whatever agent wrote the message; the check's readings keep them for staff."""
-    return _PID_LIST.sub("", _XID_PROCESS.sub("", text)).strip()
 
 
 @dataclass(frozen=True)

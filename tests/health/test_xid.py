@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from provisioning.health import xid
 from provisioning.health.agent import run_checks
 from provisioning.health.fake_nvml import FakeNvml, Fault
 from provisioning.health.xid import HealthState, parse_kernel_log, xid_policy
@@ -253,3 +254,14 @@ def test_kernel_log_xids_name_no_process_of_whoever_ran_it() -> None:
     assert len(details) == 2
     assert not any("48213" in d or "secret_train" in d for d in details), details
     assert "MMU Fault" in details[0] and "fallen off the bus" in details[1]
+
+
+def test_the_agent_and_the_portal_take_the_same_process_out_of_an_xid_line():
+    """The node agent imports no portal code, so the XID line's process pattern is written twice: in the health
+    library (what an agent stores) and in portal.core.redact (what a tenant is shown). They must not drift."""
+    from portal.core.redact import XID_PROCESS, without_processes
+
+    assert xid._XID_PROCESS.pattern == XID_PROCESS.pattern
+    line = "pid=48213, name=train.py, Ch 00000008, engmask 00000101"
+    assert xid.without_process(line) == without_processes(line) == "Ch 00000008, engmask 00000101"
+    assert without_processes("1 stray compute process(es): pids [4242, 5353]") == "1 stray compute process(es)"
