@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from portal.core.actors import STAFF_WORDS, actor_name
 from portal.core.models import AuditLog
+from portal.core.redact import without_processes
 from portal.core.timefmt import format_utc
 from reservations.choices import HOLDING_STATUSES, AllocationKind
 from reservations.models import Allocation, Node, Reservation
@@ -421,18 +422,20 @@ def _node_notices(slack_event: str, name: str, payload: dict[str, Any], node: No
     base = {"node": node.hostname, "pool": node.pool.name, **extra}
     if node.state_reason and "reason" not in base:
         base["reason"] = node.state_reason
+    # What the teams hear of the reason names no process (another team's work: redact.py); staff hear it all.
+    told = {**base, "reason": without_processes(base["reason"])} if isinstance(base.get("reason"), str) else base
     for reservation in holders:
-        data = {**reservation_payload(reservation), **base}
+        data = {**reservation_payload(reservation), **told}
         data.pop("nodes", None)
         notices.append(Notice(event=slack_event, key=f"{key}:r{reservation.pk}", payload=data, source_event=name,
                               tenant_id=reservation.tenant_id, to_platform=False))
     # The health checks name the tenants they took the node from (its bookings may have moved already).
-    told = {r.tenant_id for r in holders}
-    named = [pk for pk in (as_id(t) for t in payload.get("tenant_ids") or []) if pk is not None and pk not in told]
+    holding = {r.tenant_id for r in holders}
+    named = [pk for pk in (as_id(t) for t in payload.get("tenant_ids") or []) if pk is not None and pk not in holding]
     others = list(Tenant.objects.filter(pk__in=named))
     for tenant in others:
         notices.append(Notice(event=slack_event, key=f"{key}:t{tenant.pk}", source_event=name, tenant_id=tenant.pk,
-                              payload={"tenant": tenant.slug, "tenant_name": tenant.name, **base}, to_platform=False))
+                              payload={"tenant": tenant.slug, "tenant_name": tenant.name, **told}, to_platform=False))
     tenants = ", ".join(sorted({r.tenant.slug for r in holders} | {t.slug for t in others})) or "no tenant"
     notices.append(Notice(event=slack_event, key=key, payload={"tenant": tenants, **base}, source_event=name,
                           tenant_id=None, to_tenant=False))

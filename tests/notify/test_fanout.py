@@ -127,6 +127,33 @@ def test_failed_node_tells_the_tenant_running_on_it_and_the_platform(world, sett
     assert again == []
 
 
+def test_a_node_reason_stored_with_processes_reaches_the_tenants_without_them(world, settings, slack_for,
+                                                                              notify_settings):
+    """Health failure reasons used to name the processes on the node ("pids [...]", an XID line's "pid=…,
+    name=…"): another team's work. A node notice falling back to the node's stored reason told the teams
+    booked on it those processes; now they read the reason without them, and the platform channel as stored."""
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    alpha = slack_for("alpha", SLACK_URL)
+    start = timezone.now().replace(minute=0, second=0, microsecond=0)
+    reservation = booking.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                             pool=world.pool, node_count=1, start=start,
+                                             end=start + timedelta(hours=3))
+    node = Node.objects.get(allocations__reservation=reservation)
+    stored = ("check #41 failed: GPU 0: 1 stray compute process(es): pids [4242]; "
+              "XID 79 pid=48213, name=train.py, GPU has fallen off the bus")
+    booking.node_update(actor=world.users["staff"], node=node, state="failed", reason=stored)
+
+    created = services.event_fanout(event="node.state_changed",
+                                    payload={"node_id": node.pk, "old": "available", "new": "failed"})
+
+    by_channel = {d.channel_id: d for d in created}
+    platform = Channel.objects.get(tenant__isnull=True)
+    told = json.dumps(by_channel[alpha.pk].payload) + by_channel[alpha.pk].body
+    assert "4242" not in told and "48213" not in told and "train.py" not in told, told
+    assert "GPU has fallen off the bus" in by_channel[alpha.pk].payload["reason"]
+    assert by_channel[platform.pk].payload["reason"] == stored
+
+
 def test_replaced_node_and_degraded_reservation_are_translated(world, t0, book, slack_for):
     slack_for("alpha", SLACK_URL)
     reservation = book("alpha", t0)
