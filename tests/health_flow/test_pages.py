@@ -196,3 +196,21 @@ def test_the_check_and_cluster_pages_show_a_tenant_no_process_of_an_older_agents
     assert "2 stray compute process(es)" in tag and not [s for s in OLD_SECRETS if s in tag]
     staff = browser(fleet.users["staff"]).get(f"/health/checks/{check.pk}/").content.decode()
     assert "4242" in staff and "secret_train" in staff
+
+
+@pytest.mark.django_db
+def test_every_time_on_the_node_page_and_the_results_names_its_zone(fleet, checked):
+    """The node page's repair list and the cluster's GPU results showed "Y-m-d H:i" with no zone, next to
+    times that name it: a lead in Tokyo could not tell the finished time of a check was in JST."""
+    import re
+
+    stamp = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d(?::\d\d)?(?![:\d])(?! [A-Z]{2,5}\b| [+-]\d\d)")
+    for who, path in (("staff", "/health/nodes/gpu-002/"), ("alpha-viewer", f"/health/clusters/{checked.pk}/"),
+                      ("alpha-viewer", f"/health/clusters/{checked.pk}/results/")):
+        client = browser(fleet.users[who])
+        session = client.session
+        session["portal_tz"] = "Asia/Tokyo"
+        session.save()
+        html = client.get(path).content.decode()
+        assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", html), path
+        assert not stamp.search(html), (path, [html[m.start() - 60:m.end() + 10] for m in stamp.finditer(html)])
