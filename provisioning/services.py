@@ -50,6 +50,7 @@ from portal.core.exceptions import InvalidInput, InvalidState, NotFound, Permiss
 from portal.core.locks import advisory_lock, locked_keys
 from portal.core.models import AuditLog
 from portal.core.services import audit_record
+from portal.core.words import count_of
 from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Pool, Reservation
 from reservations.services import node_replace_allocations, node_update, reservation_reopen, reservation_set_status
@@ -291,7 +292,7 @@ def node_state_gate(*, cluster: VirtualCluster) -> GateResult:
         return GateResult(False, "no nodes are allocated", nodes)
     if bad:
         return GateResult(False, "not available: " + ", ".join(f"{h} ({s})" for h, s in sorted(bad.items())), nodes)
-    return GateResult(True, f"{len(nodes)} nodes available", nodes)
+    return GateResult(True, f"{count_of(len(nodes), 'node')} available", nodes)
 
 
 def acceptance_gate(*, cluster: VirtualCluster) -> GateResult:

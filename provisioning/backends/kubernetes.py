@@ -20,6 +20,8 @@ import urllib3
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from portal.core.words import count_of
+
 from ..conf import setting
 from .base import (
     BackendError,
@@ -147,7 +149,8 @@ class KubernetesBackend(ProvisioningBackend):
         if not self.render_only:
             self._call("claim nodes", self.applier.claim_nodes, spec)
         return PhaseResult(connection=self._connection(spec), backend_state={"namespace": spec.namespace},
-                           detail=f"{len(spec.node_hostnames)} nodes labelled, tainted dedicated={spec.tenant_label}")
+                           detail=f"{count_of(len(spec.node_hostnames), 'node')} labelled, "
+                                  f"tainted dedicated={spec.tenant_label}")
 
     def configure_network(self, ctx: ClusterContext) -> PhaseResult:
         spec = self.spec(ctx)
@@ -157,7 +160,7 @@ class KubernetesBackend(ProvisioningBackend):
         applied = self._call("apply namespace objects", self.applier.apply_all, objects)
         kubeconfig = self._call("issue kubeconfig", self.applier.tenant_kubeconfig, spec)
         return PhaseResult(secrets={"kubeconfig": kubeconfig},
-                           detail=f"{len(applied)} objects applied in {spec.namespace}")
+                           detail=f"{count_of(len(applied), 'object')} applied in {spec.namespace}")
 
     def attach_storage(self, ctx: ClusterContext) -> PhaseResult:
         spec = self.spec(ctx)

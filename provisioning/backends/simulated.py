@@ -19,6 +19,7 @@ import redis
 from django.conf import settings
 
 from portal.core.timefmt import format_utc
+from portal.core.words import count_of
 
 from ..conf import phase_seconds, setting
 from .base import (
@@ -98,7 +99,8 @@ class SimulatedBackend(ProvisioningBackend):
     def allocate_nodes(self, ctx: ClusterContext) -> PhaseResult:
         self._pause("allocating_nodes")
         self._store(ctx, phase="allocating_nodes")
-        return PhaseResult(connection=self._connection(ctx), detail=f"{len(ctx.nodes)} simulated nodes claimed")
+        return PhaseResult(connection=self._connection(ctx),
+                           detail=f"{count_of(len(ctx.nodes), 'simulated node')} claimed")
 
     def configure_network(self, ctx: ClusterContext) -> PhaseResult:
         self._pause("configuring_network")
@@ -119,7 +121,7 @@ class SimulatedBackend(ProvisioningBackend):
     def verify(self, ctx: ClusterContext) -> PhaseResult:
         self._pause("running_acceptance_tests")
         state = self._store(ctx, phase="verified")
-        return PhaseResult(detail=f"{len(state['nodes'])} nodes answer")
+        return PhaseResult(detail=f"{count_of(len(state['nodes']), 'node')} answer")
 
     def update_window(self, ctx: ClusterContext) -> PhaseResult:
         if self._load(ctx):

@@ -22,6 +22,8 @@ import re
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 
+from portal.core.words import count_of
+
 from ..conf import setting, setting_float
 from .base import (
     BackendConflict,
@@ -179,7 +181,7 @@ class SlurmBackend(ProvisioningBackend):
             raise BackendError(f"Slurm reservation {name} is missing")
         if set(res.nodes) != set(ctx.nodes):
             raise BackendError(f"Slurm reservation {name} holds {','.join(res.nodes)}, expected {','.join(ctx.nodes)}")
-        return PhaseResult(detail=f"Slurm reservation {name} on {len(res.nodes)} nodes ({res.state})")
+        return PhaseResult(detail=f"Slurm reservation {name} on {count_of(len(res.nodes), 'node')} ({res.state})")
 
     # --- changes ---
 

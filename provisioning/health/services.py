@@ -43,6 +43,7 @@ from portal.core.exceptions import InvalidInput, InvalidState, PermissionDenied
 from portal.core.models import AuditLog
 from portal.core.redact import without_processes
 from portal.core.services import audit_record
+from portal.core.words import count_of
 from reservations.choices import HOLDING_STATUSES, AllocationKind, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Reservation
 from reservations.services import node_replace_allocations, node_update
@@ -1104,12 +1105,12 @@ def acceptance_verdict(
     elif waiting:
         state, passed = "pending", False
         reruns = sorted(host for host, s in waiting.items() if s == RERUN_SOON)
-        detail = f"health checks running on {len(waiting)} of {len(states)} nodes" + (
+        detail = f"health checks running on {len(waiting)} of {count_of(len(states), 'node')}" + (
             f" ({', '.join(reruns)}: unknown, run again shortly)" if reruns else "")
     else:
         state, passed = "passed", True
         warned = sorted(h for h, s in states.items() if s == Verdict.WARN)
-        detail = f"{len(states)} nodes passed {level} health checks" + (
+        detail = f"{count_of(len(states), 'node')} passed {level} health checks" + (
             f" (warnings: {', '.join(warned)})" if warned else "")
     return passed, {"state": state, "detail": detail, "nodes": states, "check_ids": sorted(check_ids)}
 

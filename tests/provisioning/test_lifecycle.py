@@ -682,3 +682,17 @@ def test_releasing_held_nodes_leaves_a_node_an_open_repair_owns_to_its_repair(
     assert Node.objects.get(pk=node.pk).state == NodeState.MAINTENANCE
     assert repair.node_id == node.pk and repairs_reconcile() == 0
     assert statuses(cluster.reservation) == ReservationStatus.COMPLETED
+
+
+@pytest.mark.parametrize("count, noun", [(1, "node"), (2, "nodes")])
+def test_the_timeline_counts_nodes_in_the_right_number(world, t0, count, noun):
+    """A one-node cluster's timeline read "1 simulated nodes claimed" and "1 nodes answer; 1 nodes available"."""
+    import re
+
+    cluster = provisioned(world, t0, nodes=count)
+    details = " | ".join(cluster.transitions.values_list("detail", flat=True))
+    nodes = f"{count} {noun}"
+    assert f"{count} simulated {noun} claimed" in cluster.transitions.get(phase="allocating_nodes").detail, details
+    acceptance = cluster.transitions.get(phase="running_acceptance_tests").detail
+    assert f"{nodes} answer" in acceptance and f"{nodes} available" in acceptance, details
+    assert not re.search(r"\b1 nodes\b", details), details
