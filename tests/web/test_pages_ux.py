@@ -184,3 +184,28 @@ def test_the_audit_pages_before_and_after_names_fields_in_words(world, web, book
         assert raw not in body, (raw, body)
     assert "Max nodes: 3 → 5" in body
     assert "Nodes: 1" in body and "Status: Confirmed" in body and "Billing: Committed" in body
+
+
+def test_the_audit_pages_before_and_after_gives_lists_flags_and_kinds_in_words(world, web):
+    """The audit page showed stored values: 'Events: ["reservation.confirmed", …]', 'Enabled: true',
+    'Kind: Ssh key'. Lists read as comma-separated words, flags as yes/no, kinds in plain words."""
+    from django.db import transaction
+
+    from notifications.services import slack_subscriptions_update
+    from portal.core.services import audit_record
+
+    tenant = world.tenants["alpha"]
+    lead = world.users["alpha-lead"]
+    slack_subscriptions_update(actor=lead, tenant=tenant, events=["reservation.confirmed", "cluster.ready"])
+    slack_subscriptions_update(actor=lead, tenant=tenant, enabled=False)
+    with transaction.atomic():
+        audit_record(actor=lead, action="cluster.credential_download", obj=tenant, tenant_id=tenant.pk,
+                     after={"kind": "ssh_key", "fingerprint": "SHA256:abc"})
+    audit = web("alpha-lead").get("/audit/").content.decode()
+    body = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", audit[audit.index("<tbody>"):audit.index("</tbody>")]))
+    for raw in ("[", "&quot;", '"', "reservation.confirmed", "true", "false", "Ssh key"):
+        assert raw not in body, (raw, body)
+    assert "Events: Reservation confirmed, Reservation changed," in body, body
+    assert "→ Reservation confirmed, Cluster ready" in body, body
+    assert "Enabled: yes → no" in body, body
+    assert "Kind: SSH key;" in body, body

@@ -8,6 +8,8 @@ reader sees is worded. A code not listed here (a new one) still reads as words:
 
 from __future__ import annotations
 
+import json
+
 from django import template
 
 from ..actors import STAFF_WORDS, actor_name
@@ -145,7 +147,19 @@ FIELD_WORDS: dict[str, str] = {
 }
 # Fields whose values are codes from a fixed list (a status, a role): shown as words too.
 CODED_FIELDS = frozenset({"status", "billing", "role", "state", "phase", "kind", "verdict", "level",
-                          "orchestrator", "recommended_action"})
+                          "orchestrator", "recommended_action", "events"})
+# A coded value whose own words do not read well ("ssh_key" is not "Ssh key"), by field. An app above core
+# adds its own with value_words_add (notifications: its events' labels), as core imports no app above it.
+VALUE_WORDS: dict[str, dict[str, str]] = {
+    "kind": {"ssh_key": "SSH key", "kubeconfig": "Kubeconfig", "slack": "Slack", "webhook": "Signed webhook",
+             "reservation": "Reservation", "maintenance": "Maintenance window"},
+    "orchestrator": {"slurm": "Slurm", "kubernetes": "Kubernetes"},
+}
+
+
+def value_words_add(key: str, words: dict[str, str]) -> None:
+    """Word the coded values of field key as words says (an app's ready() calls this)."""
+    VALUE_WORDS.setdefault(key, {}).update({str(code): str(word) for code, word in words.items()})
 
 
 def field_words(key: str) -> str:
@@ -157,7 +171,16 @@ def field_words(key: str) -> str:
 
 
 def field_value_words(key: str, value):
-    """A coded value in words ("confirmed" → "Confirmed", "in_progress" → "In progress"); others as they are."""
+    """A value as a reader reads it: a coded value in words ("confirmed" → "Confirmed", "ssh_key" → "SSH key",
+    "reservation.confirmed" → "Reservation confirmed"), a flag as yes/no, a list as its items in words,
+    comma-separated ("none" when empty); others as they are."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        items = [field_value_words(key, item) for item in value]
+        return ", ".join(i if isinstance(i, str) else json.dumps(i, default=str) for i in items) or "none"
+    if isinstance(value, str) and value in VALUE_WORDS.get(key, {}):
+        return VALUE_WORDS[key][value]
     if key in CODED_FIELDS and isinstance(value, str) and value:
-        return value.replace("_", " ").capitalize()
+        return value.replace(".", " ").replace("_", " ").capitalize()
     return value
