@@ -402,3 +402,24 @@ def test_read_only_pages_answer_only_get_and_head(world, clusters):
     account = client.options("/account/")  # a page with a form: GET and POST
     assert account.status_code == 405 and account["Allow"] == "GET, POST"
     assert AuditLog.objects.filter(action="cluster.credential_download").count() == 1  # the one GET above
+
+
+def test_each_credential_link_says_which_credential_it_downloads(world, clusters):
+    """A Kubernetes cluster holds several credentials (an SSH key and a kubeconfig), and every link read just
+    "download": a screen reader's list of links gave "download, download" with nothing to tell them apart."""
+    import re
+
+    from django.db import transaction
+
+    cluster = clusters["alpha"]
+    with transaction.atomic():
+        services._store_secret(cluster, "kubeconfig", "apiVersion: v1\nkind: Config\n")
+    for path in (f"/clusters/{cluster.pk}/", f"/reservations/{cluster.reservation_id}/"):
+        html = page_client(world, "alpha-member").get(path).content.decode()
+        links = re.findall(r'<a\b([^>]*href="/clusters/\d+/credentials/[^"]+/"[^>]*)>(.*?)</a>', html, re.S)
+        names = [(re.search(r'aria-label="([^"]*)"', attrs) or re.search(r"(.*)", re.sub(r"<[^>]+>", " ", text)))
+                 .group(1) for attrs, text in links]
+        names = [" ".join(n.split()) for n in names]
+        assert len(names) == 2, (path, names)
+        assert len(set(names)) == 2 and all(n.lower() != "download" for n in names), (path, names)
+        assert any("SSH key" in n for n in names) and any("Kubeconfig" in n for n in names), (path, names)
