@@ -55,6 +55,10 @@ class Month:
         return f"{self.year:04d}-{self.month:02d}"
 
 
+# What a bad ?month= is told: the page and the CSV show it as it is; the API's detail names the field first.
+MONTH_REFUSED = "Give the month as YYYY-MM, from 2000-01 to 9998-12, e.g. 2026-11."
+
+
 def parse_month(raw: str | None, *, now: datetime | None = None) -> Month:
     """'YYYY-MM' (a UTC calendar month); none given: the current one. Raises InvalidInput naming month."""
     if not raw:
@@ -62,8 +66,7 @@ def parse_month(raw: str | None, *, now: datetime | None = None) -> Month:
         return Month(now.astimezone(UTC).year, now.astimezone(UTC).month)
     match = _MONTH.match(raw)
     if not match or not (1 <= int(match.group(2)) <= 12) or not (2000 <= int(match.group(1)) <= 9998):
-        raise InvalidInput("month: a calendar month as YYYY-MM, e.g. 2026-11.",
-                           fields={"month": "A month as YYYY-MM (2000-01 to 9998-12)."})
+        raise InvalidInput("month: a calendar month as YYYY-MM, e.g. 2026-11.", fields={"month": MONTH_REFUSED})
     return Month(int(match.group(1)), int(match.group(2)))
 
 
@@ -101,13 +104,18 @@ def _lines_for(request) -> tuple[Month, list[UsageLine], Tenant | None]:
     return month, usage_for_period(start=month.start, end=month.end, tenant_ids=tenant_ids), tenant
 
 
+def _plain(exc: InvalidInput) -> str:
+    """A refusal as a reader reads it: the month's own sentence, not the API's "month: …" detail."""
+    return exc.fields.get("month") or exc.detail
+
+
 @require_safe
 @portal_view
 def usage_page(request):
     try:
         month, lines, tenant = _lines_for(request)
     except InvalidInput as exc:
-        return render_page(request, "reservations/usage.html", {"error": exc.detail, "month": parse_month(None)},
+        return render_page(request, "reservations/usage.html", {"error": _plain(exc), "month": parse_month(None)},
                            status=400)
     now = timezone.now()
     context = {
@@ -129,7 +137,7 @@ def usage_csv(request):
     try:
         month, lines, _tenant = _lines_for(request)
     except InvalidInput as exc:
-        return HttpResponse(exc.detail + "\n", status=400, content_type="text/plain; charset=utf-8")
+        return HttpResponse(_plain(exc) + "\n", status=400, content_type="text/plain; charset=utf-8")
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="gpu-usage-{month}.csv"'
     writer = csv.writer(response)

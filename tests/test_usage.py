@@ -271,3 +271,17 @@ def test_the_api(world):
     assert r.status_code == 400 and "month" in r.json()["fields"]
     r = world.client("alpha-lead").get("/api/v1/usage/?month=2026-13")
     assert r.status_code == 400 and "month" in r.json()["fields"]
+
+
+def test_a_bad_month_says_so_in_a_plain_sentence(web, world):
+    """The usage page and its CSV showed the API's message with its field-name prefix ("month: a calendar
+    month as YYYY-MM…"); a reader gets a plain sentence."""
+    import re
+
+    response = web("alpha-lead").get("/usage/?month=2026-13")
+    page = response.content.decode()
+    alert = re.search(r'<p class="error" role="alert">(.*?)</p>', page, re.S).group(1).strip()
+    assert response.status_code == 400 and not alert.startswith("month:"), alert
+    assert alert[0].isupper() and alert.endswith(".") and "YYYY-MM" in alert and "2026-11" in alert, alert
+    csv_text = web("alpha-lead").get("/usage.csv?month=nope").content.decode().strip()
+    assert csv_text == alert, csv_text
