@@ -274,11 +274,13 @@ def test_lowering_warning_on_the_list_and_in_bulk(world, staff, t0, book):
 
 class _FormFields(HTMLParser):
     """Every field a page's change form posts, as a browser would: inputs (ticked boxes only), selected options,
-    textareas."""
+    textareas. ``data`` has one value per name (the last); ``values`` every value of an input (ticked boxes of
+    one field)."""
 
     def __init__(self):
         super().__init__()
         self.data: dict[str, str] = {}
+        self.values: dict[str, list[str]] = {}
         self._select: str | None = None
         self._textarea: str | None = None
 
@@ -289,6 +291,7 @@ class _FormFields(HTMLParser):
             if a.get("type") in ("checkbox", "radio") and "checked" not in a:
                 return
             self.data[name] = a.get("value") or ("on" if a.get("type") == "checkbox" else "")
+            self.values.setdefault(name, []).append(self.data[name])
         elif tag == "select" and name:
             self._select = name
             self.data.setdefault(name, "")
@@ -756,27 +759,9 @@ def test_a_tenant_page_saved_only_in_part_says_what_was_saved_and_what_was_not(w
     assert "was changed since you opened it" in message and "nor anything after it on the page" in message
 
 
-class _AllFormFields(_FormFields):
-    """As _FormFields, but every value of a name that posts several (ticked boxes of one field)."""
-
-    def __init__(self):
-        super().__init__()
-        self.values: dict[str, list[str]] = {}
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        name = a.get("name")
-        if tag == "input" and name and a.get("type") not in ("submit", "button", "file"):
-            if a.get("type") in ("checkbox", "radio") and "checked" not in a:
-                return
-            self.values.setdefault(name, []).append(a.get("value") or ("on" if a.get("type") == "checkbox" else ""))
-            return
-        super().handle_starttag(tag, attrs)
-
-
 def _channel_page_post(page, **changes) -> dict:
     """What the channel page's Save button posts, as rendered (every ticked event), then changes."""
-    parser = _AllFormFields()
+    parser = _FormFields()
     parser.feed(page.content.decode())
     data: dict = {k: v for k, v in parser.data.items() if k != "csrfmiddlewaretoken"}
     data.update({k: v if len(v) > 1 else v[0] for k, v in parser.values.items() if k != "csrfmiddlewaretoken"})
