@@ -659,12 +659,8 @@ def tenant_slack_webhook_clear_locked(*, actor: Any, tenant_id: int) -> Tenant:
     transaction, so that the URL and the channel go together or not at all. The caller has decided actor's
     right under the team lock (tenant_lead_lock) and locked nothing after it: the tenant row comes next.
     Audited as tenant_slack_webhook_set(url="") is; a URL that is not set (any more) is left alone, unaudited."""
-    if not transaction.get_connection().in_atomic_block:
-        raise RuntimeError("tenant_slack_webhook_clear_locked runs inside the caller's transaction")
-    tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
-    if not tenant.slack_webhook_url:
-        return tenant
-    return _slack_webhook_write(actor=actor, tenant_id=tenant_id, url="")
+    _inside_callers_transaction("tenant_slack_webhook_clear_locked")
+    return _slack_webhook_write(actor=actor, tenant_id=tenant_id, url="", unless_unset=True)
 
 
 def tenant_slack_webhook_set_locked(*, actor: Any, tenant_id: int, url: str) -> Tenant:
@@ -673,17 +669,25 @@ def tenant_slack_webhook_set_locked(*, actor: Any, tenant_id: int, url: str) -> 
     url is what slack_webhook_url_check returned (checked before the transaction: it resolves the host). The
     caller has decided actor's right under the team lock (tenant_lead_lock) and locked nothing after it: the
     tenant row comes next. Audited and announced as tenant_slack_webhook_set is."""
-    if not transaction.get_connection().in_atomic_block:
-        raise RuntimeError("tenant_slack_webhook_set_locked runs inside the caller's transaction")
+    _inside_callers_transaction("tenant_slack_webhook_set_locked")
     return _slack_webhook_write(actor=actor, tenant_id=tenant_id, url=url)
 
 
-def _slack_webhook_write(*, actor, tenant_id: int, url: str) -> Tenant:
+def _inside_callers_transaction(name: str) -> None:
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError(f"{name} runs inside the caller's transaction")
+
+
+def _slack_webhook_write(*, actor, tenant_id: int, url: str, unless_unset: bool = False) -> Tenant:
+    """Lock the tenant row and write its Slack URL, audited (announced when set); with unless_unset, a URL
+    that is not set (any more) is left alone, unaudited."""
     from portal.core.crypto import mask
 
     # NO KEY UPDATE: the URL is no key, and bookings key-share the row (their burst flag) while holding a
     # membership row this function has locked; FOR UPDATE here could deadlock with a lead's booking.
     tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
+    if unless_unset and not tenant.slack_webhook_url:
+        return tenant
     before = {"slack_webhook_url": mask(tenant.slack_webhook_url, keep=6)}
     tenant.slack_webhook_url = url
     tenant.save(update_fields=["slack_webhook_url"])
