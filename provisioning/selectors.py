@@ -149,12 +149,16 @@ def can_retry_cluster(*, user, cluster: VirtualCluster, now: datetime | None = N
     return bool(getattr(user, "is_staff", False)) and not retry_refusal(cluster=cluster, now=now or timezone.now())
 
 
+_HOLD_TEXT = "teardown of cluster #{} failed: held until its teardown is retried"
+
+
 def teardown_hold_reason(cluster_id: int) -> str:
     """The state reason of a node provisioning holds in maintenance after the cluster's teardown failed for good."""
-    return f"teardown of cluster #{cluster_id} failed: held until its teardown is retried"
+    return _HOLD_TEXT.format(cluster_id)
 
 
-_TEARDOWN_HOLD = re.compile(r"teardown of cluster #(\d+) failed: held until its teardown is retried")
+# The same text, read back: the cluster id where the reason has it.
+_TEARDOWN_HOLD = re.compile(re.escape(_HOLD_TEXT).replace(re.escape("{}"), r"(\d+)"))
 
 
 def failed_teardown_hold(node: Node) -> int | None:
