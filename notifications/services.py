@@ -43,7 +43,7 @@ from portal.core import egress
 from portal.core.conf import setting
 from portal.core.crypto import UnreadableSecret, mask
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound
-from portal.core.services import audit_record
+from portal.core.services import audit_record, refuse_stale
 from reservations.models import Reservation
 from reservations.selectors import tenant_peak_usage
 from tenants.models import Quota, Tenant
@@ -218,11 +218,7 @@ def _refuse_if_changed(channel: Channel | None, expected: dict[str, Any] | None)
         same = channel is not None and (set(now) == set(shown or []) if key == "events" else now == shown)
         if not same:
             stale.append(key)
-    if stale:
-        stale.sort()
-        raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin, a lead or the "
-                           "API); nothing was saved. Reload the page and make your change again.",
-                           fields={k: "Out of date." for k in stale})
+    refuse_stale(stale, by="another admin, a lead or the API")
 
 
 def _channel_snapshot(channel: Channel) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from portal.core.actors import STAFF_WORDS, actor_name
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
 from portal.core.locks import advisory_lock, locked_keys
 from portal.core.models import AuditLog
-from portal.core.services import audit_record
+from portal.core.services import audit_record, refuse_stale
 from portal.core.words import count_of
 from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
 from reservations.models import Allocation, Node, Pool, Reservation
@@ -1683,11 +1683,7 @@ def pool_capability_set(*, actor: Any, pool: Pool, expected: dict[str, Any] | No
         Pool.objects.select_for_update(no_key=True).filter(pk=pool.pk).values_list("pk", flat=True).first()
         row = PoolCapability.objects.filter(pool_id=pool.pk).first()
         expected = {k: v for k, v in (expected or {}).items() if k in CAPABILITY_FIELDS}
-        stale = sorted(k for k, v in expected.items() if row is None or getattr(row, k) != v)
-        if stale:
-            raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin or the "
-                               "API); nothing was saved. Reload the page and make your change again.",
-                               fields={k: "Out of date." for k in stale})
+        refuse_stale(k for k, v in expected.items() if row is None or getattr(row, k) != v)
         before = _capability_snapshot(row) if row is not None else None
         row = row or PoolCapability(pool_id=pool.pk)
         for key in CAPABILITY_FIELDS:

@@ -22,7 +22,7 @@ from portal.core.exceptions import (
     PermissionDenied,
     QuotaExceeded,
 )
-from portal.core.services import audit_record
+from portal.core.services import audit_record, refuse_stale
 from portal.core.timefmt import format_utc
 from tenants.choices import BOOKING_ROLES, Role
 from tenants.models import Tenant
@@ -1113,11 +1113,7 @@ def pool_update(*, actor: Any, pool: Pool, expected: dict[str, Any] | None = Non
         # FOR UPDATE, not NO KEY UPDATE: it must conflict with the FOR KEY SHARE every booking takes with its
         # quota lock (_QUOTA_LOCK_SQL), so the open-booking check below sees a booking in flight once it commits.
         pool = Pool.objects.select_for_update().get(pk=pool.pk)
-        stale = sorted(k for k, v in (expected or {}).items() if k in POOL_FIELDS and getattr(pool, k) != v)
-        if stale:
-            raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin or the "
-                               "API); nothing was saved. Reload the page and make your change again.",
-                               fields={k: "Out of date." for k in stale})
+        refuse_stale(k for k, v in (expected or {}).items() if k in POOL_FIELDS and getattr(pool, k) != v)
         before = {f: str(getattr(pool, f)) for f in POOL_FIELDS}
         if "slot_minutes" in changes and changes["slot_minutes"] != pool.slot_minutes:
             slot = changes["slot_minutes"]

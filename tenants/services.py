@@ -14,7 +14,7 @@ from django.db import IntegrityError, transaction
 
 from portal.core import events
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
-from portal.core.services import audit_record
+from portal.core.services import audit_record, refuse_stale
 
 from .choices import Role
 from .models import ApiToken, Membership, Quota, Tenant
@@ -138,11 +138,7 @@ def _tenant_update(*, actor, tenant: Tenant, changes: dict[str, Any], expected: 
     from portal.core.crypto import mask
 
     tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
-    stale = sorted(key for key, value in expected.items() if key in TENANT_FIELDS and getattr(tenant, key) != value)
-    if stale:
-        raise InvalidState(f"{', '.join(stale)}: changed since you opened this page (by another admin or the API); "
-                           "nothing was saved. Reload the page and make your change again.",
-                           fields={key: "Out of date." for key in stale})
+    refuse_stale(key for key, value in expected.items() if key in TENANT_FIELDS and getattr(tenant, key) != value)
     before = _snapshot(tenant, TENANT_FIELDS)
     if "slack_webhook_url" in changes:
         before["slack_webhook_url"] = mask(tenant.slack_webhook_url, keep=6)
@@ -260,10 +256,7 @@ def user_update(*, actor, user: Any, expected: dict[str, Any] | None = None, **c
                 stale.append(field)
         elif field in USER_FIELDS and getattr(locked, field) != shown:
             stale.append(field)
-    if stale:
-        raise InvalidState(f"{', '.join(sorted(stale))}: changed since you opened this page (by another admin); "
-                           "nothing was saved. Reload the page and make your change again.",
-                           fields={field: "Out of date." for field in stale})
+    refuse_stale(stale, by="another admin")
     before: dict[str, Any] = {}
     after: dict[str, Any] = {}
     for field in USER_FIELDS:
