@@ -28,6 +28,7 @@ from .checks import (
     LiveXid,
     Nvml,
     XidEventWatcher,
+    check_cuda_support,
     check_gpu_count,
     check_gpu_model,
     check_vbios_consistency,
@@ -190,6 +191,7 @@ def run_checks(
     threshold_table: Mapping[str, GpuModelThresholds] | None = None,
     driver_pin: str | None = None,
     cuda_pin: str | None = None,
+    cuda_min: str | None = None,
     state: HealthState | None = None,
     state_path: str | os.PathLike[str] | None = None,
     kernel_log: Callable[[], Sequence[str]] | None = None,
@@ -206,6 +208,9 @@ def run_checks(
     - ``nvml``: the pynvml module (default) or a FakeNvml.
     - ``peers``: the other nodes of the reservation, for the full level's network tests.
     - ``model`` / ``thresholds``: the pool's GPU model; by default detected from NVML's names.
+    - ``driver_pin`` / ``cuda_pin``: fleet pins; a node off them warns.
+    - ``cuda_min``: the CUDA version the node's cluster chose ("12.4"); the node fails when its driver
+      supports only older ones (check ``cuda_support``). None (an idle node): no such check.
     - ``state`` / ``state_path``: XIDs already reported and counter baselines; the file is
       read before and written after the run. Without either, nothing is remembered.
     - ``xid_receipt``: the report is sent on (the node agent: the check's id); the kernel-log XIDs it
@@ -293,6 +298,8 @@ def run_checks(
         profile = requested or (pick_thresholds(names[0]) if names else GENERIC)
         node_checks.append(check_version_pin("driver_version", driver, driver_pin or profile.driver_pin, driver_error))
         node_checks.append(check_version_pin("cuda_version", cuda, cuda_pin or profile.cuda_pin, cuda_error))
+        if cuda_min:
+            node_checks.append(check_cuda_support(cuda, cuda_min, cuda_error))
         if model and requested is None:
             # A pool model we have no profile for must not silently fall back to detection.
             node_checks.append(
@@ -571,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--expected-gpus", type=int)
     parser.add_argument("--driver-pin")
     parser.add_argument("--cuda-pin")
+    parser.add_argument("--cuda-min", help="the CUDA version the node's cluster needs; fail below it")
     parser.add_argument("--state", metavar="PATH", help="state file: XIDs already reported, counter baselines")
     parser.add_argument("--kernel-log", metavar="FILE", help="read kernel log lines from FILE instead of dmesg")
     parser.add_argument("--thresholds", metavar="FILE", help="JSON per-model threshold overrides")
@@ -608,6 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threshold_table=table,
             driver_pin=args.driver_pin,
             cuda_pin=args.cuda_pin,
+            cuda_min=args.cuda_min,
             state_path=args.state,
             kernel_log=kernel_log,
             expect_idle=not args.no_expect_idle,

@@ -1096,6 +1096,38 @@ def check_version_pin(name: str, actual: str | None, pin: str | None, error: str
     return CheckResult(name, Status.WARN, actual, pin, f"{actual} differs from the pinned {pin}", Action.INVESTIGATE)
 
 
+def cuda_major_minor(version: str) -> tuple[int, int] | None:
+    """Return a CUDA version's (major, minor) as numbers ("12.10" is newer than "12.8"), None for no version."""
+    parts = str(version).strip().split(".")
+    if len(parts) < 2 or not all(part.isdigit() for part in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def check_cuda_support(supported: str | None, required: str, error: str | None = None) -> CheckResult:
+    """Fail when the driver cannot run the CUDA version the node's cluster chose.
+
+    ``supported`` is the newest CUDA version the installed driver supports (NVML's
+    nvmlSystemGetCudaDriverVersion, formatted "12.8"); a driver also runs every older one, so
+    anything at or above ``required`` passes. Compared as numbers, major.minor.
+    """
+    if supported is None:
+        return CheckResult(
+            "cuda_support", Status.UNKNOWN, None, required,
+            f"CUDA version the driver supports unreadable: {error}", Action.INVESTIGATE,
+        )
+    have, need = cuda_major_minor(supported), cuda_major_minor(required)
+    if have is None or need is None:
+        bad = supported if have is None else required
+        return CheckResult(
+            "cuda_support", Status.UNKNOWN, supported, required, f"{bad!r} is no CUDA version", Action.INVESTIGATE
+        )
+    message = f"driver supports CUDA {supported}; this cluster needs {required}"
+    if have < need:
+        return CheckResult("cuda_support", Status.FAIL, supported, required, message, Action.INVESTIGATE)
+    return CheckResult("cuda_support", Status.PASS, supported, required, message)
+
+
 def check_gpu_count(count: int | None, expected: int | None, error: str | None = None) -> CheckResult:
     """Fail when NVML enumerates another number of GPUs than the node should have (AZ, GCM, HP)."""
     if count is None:

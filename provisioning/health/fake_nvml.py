@@ -81,7 +81,8 @@ FAULT_KINDS: dict[str, str] = {
     "mig_pending": "MIG mode change pending",
     "persistence_off": "persistence mode disabled",
     "driver_mismatch": "driver version driver= (535.129.03)",
-    "cuda_mismatch": "CUDA driver version cuda= (12020)",
+    "cuda_mismatch": "CUDA driver version cuda= (12020): off a CUDA pin (a warning), below a cluster's cuda_min "
+    "(cuda_support fails)",
     "vbios_mismatch": "the GPU reports vbios= (another VBIOS version)",
     # 11. XIDs
     "xid": "XID xid= on gpu=, source= log | event | both (log), repeat= identical log lines, gi=/ci= MIG ids",
@@ -278,8 +279,10 @@ FAKE_MODELS: dict[str, FakeModel] = {
     ),
 }
 
-DEFAULT_DRIVER = "550.90.07"
-DEFAULT_CUDA = 12040
+# A current driver (R580) whose CUDA support (13.0) covers every CUDA version the portal offers, so a healthy
+# simulated node passes any cluster's (check cuda_support); the cuda_mismatch fault gives an older one.
+DEFAULT_DRIVER = "580.82.07"
+DEFAULT_CUDA = 13000
 
 XID_TEXT: dict[int, str] = {
     13: "Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address",

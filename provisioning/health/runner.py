@@ -1,9 +1,13 @@
 """The agent side of a queued check: run one job's checks and shape the report for posting back.
 
-A *job* is the JSON message the portal sends to an agent (``services.job_for``)::
+A *job* is the JSON message the portal sends to an agent (``services.jobs_for``)::
 
     {"id": 17, "host": "h100-sxm-007", "level": "quick", "model": "H100-SXM", "gpus": 8,
-     "idle": false, "peers": [], "pins": {"driver": "550.90.07"}, "detail": "compact", "heal": null}
+     "idle": false, "peers": [], "pins": {"driver": "550.90.07"}, "cuda_min": "12.4", "detail": "compact",
+     "heal": null}
+
+``cuda_min`` is the CUDA version the node's cluster chose (only jobs of a cluster's nodes carry it;
+absent or null: none is required): the node fails when its driver supports only older ones.
 
 Real nodes run it with pynvml in the Celery worker of their own queue ``node.<hostname>``; the
 simulated fleet runs many jobs per message on the ``fleet`` queue with a :class:`SimulatedFleet`
@@ -92,6 +96,7 @@ def run_job(
             threshold_table=threshold_table,
             driver_pin=pins.get("driver"),
             cuda_pin=pins.get("cuda"),
+            cuda_min=job.get("cuda_min") or None,
             state_path=state_path,
             expect_idle=bool(job.get("idle", True)),
             event_wait_ms=event_wait_ms,

@@ -306,6 +306,9 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
     a cluster whose window is over is still on the node (until the tick ends it and its teardown
     stops the tenant's jobs), nor while the node is held because that teardown failed (the cluster
     and its jobs may still be there until a retried teardown succeeds).
+
+    ``cuda_min`` is the CUDA version the check's cluster chose (None without a cluster): the agent
+    fails a node whose driver supports only older ones, and a failing gate check swaps it out.
     """
     from provisioning.choices import ClusterStatus  # the cluster app may load after this one
     from provisioning.models import VirtualCluster
@@ -347,6 +350,12 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
             Allocation.objects.filter(reservation_id=reservation_id, active=True)
             .order_by("node__hostname").values_list("node__hostname", flat=True)
         )
+    # The CUDA version each cluster chose: the agent fails a node whose driver cannot run it. Only checks of a
+    # booking's nodes (the gate's, a tenant's or staff's of a cluster) have one; an idle node's sweep has none.
+    cuda_min = dict(
+        VirtualCluster.objects.filter(reservation_id__in={r[3] for r in rows if r[3] is not None})
+        .values_list("reservation_id", "cuda_version")
+    )
     pins = conf.pins()
     simulated = conf.agent_queue_mode() == "fleet"
     jobs = []
@@ -360,6 +369,7 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
             "idle": not is_busy and host not in held_hosts,
             "peers": [p for p in peers.get(reservation_id, []) if p != host],
             "pins": pins,
+            "cuda_min": cuda_min.get(reservation_id) or None,
             # Scheduled checks keep passing readings as names only; anything a person asked for in full.
             "detail": "compact" if trigger == CheckTrigger.SCHEDULE else "full",
         }

@@ -17,10 +17,11 @@ import jsonschema
 import pytest
 
 from provisioning.health.agent import SCHEMA_PATH, run_checks
-from provisioning.health.fake_nvml import DEFAULT_DRIVER, FakeNvml
+from provisioning.health.checks import format_cuda_version
+from provisioning.health.fake_nvml import DEFAULT_CUDA, DEFAULT_DRIVER, FakeNvml
 
 DATA = Path(__file__).parent / "data"
-PINS: dict[str, Any] = {"driver_pin": DEFAULT_DRIVER, "cuda_pin": "12.4"}
+PINS: dict[str, Any] = {"driver_pin": DEFAULT_DRIVER, "cuda_pin": format_cuda_version(DEFAULT_CUDA)}
 SCHEMA = json.loads(SCHEMA_PATH.read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA, format_checker=jsonschema.FormatChecker())
 

@@ -124,7 +124,7 @@ def test_threshold_overrides_file(tmp_path: Path) -> None:
 
 
 def test_pins_and_peers_options() -> None:
-    code, report = report_of("--json", "--fake", fake(), "--driver-pin", "535.129.03", "--cuda-pin", "12.4")
+    code, report = report_of("--json", "--fake", fake(), "--driver-pin", "535.129.03", "--cuda-pin", "13.0")
     assert code == 1
     assert [p["check"] for p in report["problems"]] == ["driver_version"]
     code, report = report_of("--json", "--level", "full", "--fake", fake(), "--peers", "n2,n3", "--peers", "n4")

@@ -28,7 +28,7 @@ def test_returns_pynvml_shapes_and_constants() -> None:
     assert isinstance(fake.nvmlDeviceGetPciInfo(handle), pynvml.nvmlPciInfo_t)
     assert fake.nvmlDeviceGetRemappedRows(handle) == (0, 0, 0, 0)
     assert fake.nvmlDeviceGetMigMode(handle) == [0, 0]
-    assert fake.nvmlSystemGetCudaDriverVersion() == 12040
+    assert fake.nvmlSystemGetCudaDriverVersion() == 13000
     info = pynvml.c_nvmlGpuFabricInfo_v2_t()
     assert fake.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info)) == pynvml.NVML_SUCCESS
     assert info.state == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED

@@ -233,3 +233,74 @@ def test_a_fresh_unknown_result_is_waited_for_and_run_again_not_failed(fleet, se
     result = health_acceptance_gate(cluster=cluster)
     assert result.passed and result.nodes == {"gpu-001": "pass", "gpu-002": "pass"}
     assert HealthCheck.objects.count() == 3
+
+
+def _cluster(booking, cuda_version):
+    from provisioning.models import VirtualCluster
+
+    return VirtualCluster.objects.create(
+        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version=cuda_version, default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )
+
+
+@pytest.mark.django_db
+def test_the_gate_job_carries_the_clusters_cuda_version(fleet, tomorrow, now_slot):
+    """The agent was never told which CUDA version the team chose, so it could not refuse a node whose driver
+    cannot run it. A check of a cluster's nodes now carries the cluster's version; an idle node's sweep none."""
+    from provisioning.health.services import health_checks_request, health_sweep, jobs_for
+
+    booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    _cluster(booking, "12.6")
+    gate = health_checks_request(nodes=_node_ids(booking), level="medium", trigger="acceptance", reservation=booking)
+    assert {job["host"]: job["cuda_min"] for job in jobs_for([c.pk for c in gate])} == {
+        "gpu-001": "12.6", "gpu-002": "12.6"}
+    # A tenant's check of its running cluster is of that cluster too.
+    running = fleet.book("beta", ["gpu-003"], now_slot, now_slot + timedelta(hours=2))
+    _cluster(running, "13.0")
+    [tenant] = health_checks_request(nodes=_node_ids(running), level="quick", trigger="tenant", reservation=running)
+    assert jobs_for([tenant.pk])[0]["cuda_min"] == "13.0"
+    # A sweep belongs to no cluster: its jobs require no version, as before.
+    assert {job.get("cuda_min") for job in jobs_for(health_sweep())} == {None}
+
+
+@pytest.mark.django_db
+def test_a_node_whose_driver_cannot_run_the_clusters_cuda_fails_the_gate_and_is_swapped(
+        fleet, settings, eager, tomorrow, django_capture_on_commit_callbacks):
+    from provisioning.services import GateResult, RetryLater
+
+    # gpu-001's driver supports CUDA 12.2 at most; the team chose 12.4. gpu-003 (the spare) is current.
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "cuda_mismatch"}]})
+    booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    cluster = _cluster(booking, "12.4")
+    with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)
+    failed = HealthCheck.objects.get(node__hostname="gpu-001")
+    assert (failed.trigger, failed.verdict, failed.recommended_action) == ("acceptance", "fail", "investigate")
+    assert "cuda_support: driver supports CUDA 12.2; this cluster needs 12.4" in failed.summary
+    # The same path as any failing gate check: drained, a repair opened, the booking moved to a spare.
+    assert fleet.node("gpu-001").state == "draining"
+    repair = Repair.objects.get(node__hostname="gpu-001")
+    assert repair.triggering_check_id == failed.pk
+    assert fleet.node("gpu-001").pk not in _node_ids(booking) and len(_node_ids(booking)) == 2
+    assert HealthCheck.objects.get(node__hostname="gpu-002").verdict == "pass"
+    with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)  # the spare is checked
+    result = health_acceptance_gate(cluster=cluster)
+    assert isinstance(result, GateResult) and result.passed, result.detail
+    assert "gpu-001" not in result.nodes
+
+
+@pytest.mark.django_db
+def test_an_older_driver_still_passes_a_cluster_that_chose_an_older_cuda(fleet, settings, eager, tomorrow,
+                                                                        django_capture_on_commit_callbacks):
+    from provisioning.services import RetryLater
+
+    settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "cuda_mismatch"}]})  # supports 12.2
+    booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    cluster = _cluster(booking, "12.2")
+    with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)
+    assert health_acceptance_gate(cluster=cluster).passed
+    assert fleet.node("gpu-001").state == "available"

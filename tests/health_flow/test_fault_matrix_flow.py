@@ -12,8 +12,9 @@ from datetime import timedelta
 
 import pytest
 
+from provisioning.health.checks import format_cuda_version
 from provisioning.health.choices import CheckStatus
-from provisioning.health.fake_nvml import DEFAULT_DRIVER
+from provisioning.health.fake_nvml import DEFAULT_CUDA, DEFAULT_DRIVER
 from provisioning.health.models import HealthCheck, Repair
 from provisioning.health.services import health_checks_request
 from reservations.models import Allocation, Node
@@ -36,7 +37,8 @@ def test_fault_is_stored_and_acted_on(row: int, case: Case, settings, eager, tom
     reservation = fleet.book("alpha", [victim.hostname], tomorrow, tomorrow + timedelta(hours=4), status="confirmed")
     fleet.book("beta", [other.hostname], tomorrow, tomorrow + timedelta(hours=4), status="confirmed")
     settings.PORTAL_FAKE_NVML = fleet_spec({victim.hostname: {"faults": [case.fault.to_dict()], "seed": 11}})
-    settings.PORTAL_HEALTH_DRIVER_PIN, settings.PORTAL_HEALTH_CUDA_PIN = DEFAULT_DRIVER, "12.4"
+    settings.PORTAL_HEALTH_DRIVER_PIN, settings.PORTAL_HEALTH_CUDA_PIN = (
+        DEFAULT_DRIVER, format_cuda_version(DEFAULT_CUDA))
     for key, value in case.options:
         assert key == "nvml_timeout_s"
         settings.PORTAL_HEALTH_NVML_TIMEOUT = value
