@@ -117,3 +117,56 @@ def test_an_error_in_one_tenants_setup_leaves_none_of_that_tenant_behind():
 
     seed()
     assert_fully_seeded()
+
+
+def test_a_seeded_booking_moved_since_is_not_booked_again_at_its_old_window():
+    """A demo booking whose window changed after seeding (an edit, through the service) is still the seed's
+    booking of that window: the next run books nothing in its place."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from reservations.services import reservation_update
+
+    seed()
+    now = timezone.now()
+    moved = next(r for r in Reservation.objects.select_related("tenant", "pool").order_by("pk")
+                 if r.period.lower > now + timedelta(hours=2) and r.period.upper - r.period.lower >= timedelta(hours=2))
+    lead = get_user_model().objects.get(username=f"{moved.tenant.slug}-lead")
+    slot = timedelta(minutes=moved.pool.slot_minutes)
+    reservation_update(actor=lead, reservation=moved, start=moved.period.lower + slot)
+    count = Reservation.objects.count()
+    seeded = snapshot()
+
+    seed()
+    assert Reservation.objects.count() == count
+    assert snapshot() == seeded
+
+
+def test_a_moved_first_booking_still_names_the_plan_of_a_run_that_crossed_midnight():
+    """The plan is the one holding the first booking's window, looked up under the day it was made and the day
+    before (a run begun just before midnight made it after): that is the window it was booked for, not the one
+    it was moved to, or the next run books the next day's whole plan beside the demo."""
+    from datetime import UTC, datetime, time, timedelta
+
+    from django.utils import timezone
+
+    from reservations.services import reservation_update
+
+    seed()
+    research = Tenant.objects.get(slug="research")
+    tomorrow = datetime.combine(timezone.now().astimezone(UTC).date() + timedelta(days=1), time.min, tzinfo=UTC)
+    # As if this run had begun just before midnight: every booking made just after it, the first one first.
+    Reservation.objects.filter(tenant=research).update(created_at=tomorrow + timedelta(seconds=30))
+    first = Reservation.objects.filter(tenant=research, period__startswith__gt=timezone.now() + timedelta(hours=2),
+                                       period__endswith__gt=timezone.now()).order_by("pk").first()
+    assert first is not None
+    Reservation.objects.filter(pk=first.pk).update(created_at=tomorrow + timedelta(seconds=1))
+    slot = timedelta(minutes=first.pool.slot_minutes)
+    assert first.period.upper - first.period.lower >= 2 * slot  # the plan's shortest booking is 4 h
+    reservation_update(actor=get_user_model().objects.get(username="research-lead"), reservation=first,
+                       start=first.period.lower + slot)
+    count = Reservation.objects.count()
+
+    seed()
+    assert Reservation.objects.count() == count

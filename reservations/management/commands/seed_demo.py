@@ -8,10 +8,10 @@ from datetime import UTC, datetime, time, timedelta
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
-from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
 from portal.core.exceptions import DomainError
+from portal.core.models import AuditLog
 from reservations.models import Node, Pool, Reservation
 from reservations.services import reservation_create
 from reservations.timeutil import slot_floor
@@ -112,11 +112,11 @@ class Command(BaseCommand):
         made = 0
         for pool_name, (max_nodes, _b, max_hours) in quotas.items():
             pool = Pool.objects.get(name=pool_name)
+            booked = _booked_windows(tenant, pool)
             for start, end, node_count, name, orchestrator in self._plan(tenant, pool, max_nodes, max_hours, now):
                 if start < slot_floor(now, pool.slot_minutes):
                     continue  # the plan's past: never booked again
-                if Reservation.objects.filter(tenant=tenant, pool=pool,
-                                              period=DateTimeTZRange(start, end, "[)")).exists():
+                if (start, end) in booked:
                     continue
                 try:
                     reservation_create(actor=lead, tenant=tenant, pool=pool, node_count=node_count,
@@ -130,10 +130,12 @@ class Command(BaseCommand):
         """The tenant's windows in pool for the plan of the day its still-running or future bookings
         were first made (today if it has none): the same list on every run that day's plan is used."""
         first = (Reservation.objects.filter(tenant=tenant, period__endswith__gt=now)
-                 .order_by("created_at").values_list("created_at", "period", "pool_id").first())
+                 .order_by("created_at").values_list("pk", "created_at", "period", "pool_id").first())
         if first is None:
             return _plan_for(tenant.slug, pool, max_nodes, max_hours, now.date())
-        created_at, period, pool_id = first
+        first_pk, created_at, period, pool_id = first
+        # The window the plan booked, though the booking may have been moved since.
+        booked = _booked_as([first_pk]).get(first_pk, (period.lower, period.upper))
         day = created_at.astimezone(UTC).date()
         # A run that began just before midnight made its first booking after it, under the day before:
         # the plan is the one that has that booking's window.
@@ -141,10 +143,26 @@ class Command(BaseCommand):
         first_quota = next((t[5] for t in TENANTS if t[0] == tenant.slug), {}).get(first_pool.name)
         for candidate in (day, day - timedelta(days=1)):
             if first_quota and any(
-                    (s, e) == (period.lower, period.upper)
+                    (s, e) == booked
                     for s, e, *_ in _plan_for(tenant.slug, first_pool, first_quota[0], first_quota[2], candidate)):
                 return _plan_for(tenant.slug, pool, max_nodes, max_hours, candidate)
         return _plan_for(tenant.slug, pool, max_nodes, max_hours, day)
+
+
+def _booked_as(reservation_ids: list[int]) -> dict[int, tuple[datetime, datetime]]:
+    """The window each booking was made for (its reservation.create audit row), wherever it is now."""
+    rows = AuditLog.objects.filter(action="reservation.create", object_type=Reservation._meta.label_lower,
+                                   object_id__in=[str(pk) for pk in reservation_ids])
+    return {int(object_id): (datetime.fromisoformat(after["start"]), datetime.fromisoformat(after["end"]))
+            for object_id, after in rows.values_list("object_id", "after")
+            if "start" in after and "end" in after}
+
+
+def _booked_windows(tenant: Tenant, pool: Pool) -> set[tuple[datetime, datetime]]:
+    """The windows of tenant's bookings in pool, each both where it is now and where it was booked: a plan
+    window whose booking has since been moved (an edit, the portal's own changes) is booked already."""
+    periods = dict(Reservation.objects.filter(tenant=tenant, pool=pool).values_list("pk", "period"))
+    return {(p.lower, p.upper) for p in periods.values()} | set(_booked_as(list(periods)).values())
 
 
 def _plan_for(slug: str, pool: Pool, max_nodes: int, max_hours: int | None, day) -> list[tuple]:
