@@ -17,9 +17,9 @@ BASE_DIR = Path(__file__).resolve().parent.parent.parent
 env = environ.Env()
 # A developer's var/dev.env (written by bin/devservices.py) fills in DATABASE_URL/REDIS_URL
 # for the embedded services; real environment variables always win. Never under the production
-# settings: on a host where `make services` once ran, production must not quietly use those.
+# or node agent settings: on a host where `make services` once ran, they must not quietly use those.
 _dev_env = BASE_DIR / "var" / "dev.env"
-if _dev_env.exists() and not os.environ.get("DJANGO_SETTINGS_MODULE", "").endswith(".production"):
+if _dev_env.exists() and not os.environ.get("DJANGO_SETTINGS_MODULE", "").endswith((".production", ".node_agent")):
     environ.Env.read_env(str(_dev_env), overwrite=False)
 
 SECRET_KEY = env("SECRET_KEY", default="")

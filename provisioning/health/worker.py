@@ -10,9 +10,11 @@
         reports back to the ``health`` queue. Needs only the broker (CELERY_BROKER_URL /
         REDIS_URL), no database. Set PORTAL_HEALTH_AGENT_QUEUE=node on the portal.
 
-Both run ``celery -A portal worker`` with the right queue; extra arguments pass through. Like any
-worker of the deployment they run ``portal.settings.production`` unless DJANGO_SETTINGS_MODULE says
-otherwise, so they need SECRET_KEY and PORTAL_FERNET_KEYS (docs/settings.md).
+Both run ``celery -A portal worker`` with the right queue; extra arguments pass through. The fleet worker,
+like any worker of the deployment, runs ``portal.settings.production`` unless DJANGO_SETTINGS_MODULE says
+otherwise, so it needs SECRET_KEY and PORTAL_FERNET_KEYS (docs/settings.md). The node agent runs
+``portal.settings.node_agent`` unless told otherwise: the broker URL and none of the portal's secrets (a
+node is handed to tenants; the agent signs and decrypts nothing).
 """
 
 from __future__ import annotations
@@ -23,15 +25,21 @@ import socket
 import sys
 from collections.abc import Sequence
 
+NODE_AGENT_SETTINGS = "portal.settings.node_agent"
 
-def build_argv(argv: Sequence[str] | None = None) -> list[str]:
-    """Return the celery command line for the arguments."""
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m provisioning.health.worker", description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("fleet", "node"))
     parser.add_argument("-c", "--concurrency", type=int, default=None)
     parser.add_argument("-l", "--loglevel", default="info")
     parser.add_argument("--hostname", default=None, help="the node's name as the portal knows it (node mode)")
-    args, extra = parser.parse_known_args(argv)
+    return parser.parse_known_args(argv)
+
+
+def build_argv(argv: Sequence[str] | None = None) -> list[str]:
+    """Return the celery command line for the arguments."""
+    args, extra = _parse(argv)
     if args.mode == "fleet":
         queue = os.environ.get("PORTAL_HEALTH_FLEET_QUEUE", "fleet")
         concurrency = args.concurrency or os.cpu_count() or 1
@@ -48,9 +56,12 @@ def build_argv(argv: Sequence[str] | None = None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    # DJANGO_SETTINGS_MODULE is left as it is: unset, the Celery app picks production (portal/celery.py), as for
-    # every other worker and server of a deployment; dev's DEBUG and fixed keys only when asked for.
+    # A settings module given is kept. Unset, the fleet worker is left to the Celery app, which picks production
+    # (portal/celery.py) as for every other worker and server of a deployment, and the node agent gets its own
+    # (DEBUG off, the broker required, no SECRET_KEY or Fernet keys); dev's DEBUG and fixed keys only when asked for.
     command = build_argv(argv)
+    if _parse(argv)[0].mode == "node":
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", NODE_AGENT_SETTINGS)
     os.execv(command[0], command)  # noqa: S606 - our own interpreter, arguments built above
 
 

@@ -15,17 +15,34 @@ from provisioning.health import worker
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("mode", ["fleet", "node"])
-def test_the_launcher_leaves_an_unset_settings_module_to_the_celery_app(mode, monkeypatch):
+def test_the_launcher_leaves_an_unset_settings_module_to_the_celery_app(monkeypatch):
     """It set portal.settings.dev when DJANGO_SETTINGS_MODULE was unset, where the Celery app, wsgi and asgi
-    default to production: a fleet or node worker started from an environment file without it ran with DEBUG
+    default to production: a fleet worker started from an environment file without it ran with DEBUG
     on, dev's fixed secret key and Fernet key, and a developer's var/dev.env."""
     monkeypatch.delenv("DJANGO_SETTINGS_MODULE", raising=False)
     launched = []
     monkeypatch.setattr(worker.os, "execv", lambda path, argv: launched.append((path, argv)))
-    worker.main([mode, "--hostname", "gpu-001"] if mode == "node" else [mode])
+    worker.main(["fleet"])
     assert launched and launched[0][1][1:5] == ["-m", "celery", "-A", "portal"]
     assert "DJANGO_SETTINGS_MODULE" not in os.environ  # the celery app (portal/celery.py) decides: production
+
+
+def test_the_node_agent_gets_its_own_settings_never_dev_ones(monkeypatch):
+    """Unset, a node agent runs portal.settings.node_agent: DEBUG off, no dev keys, no var/dev.env, and none of
+    the portal's secrets to hold (tests/health/test_node_agent_secrets.py starts one)."""
+    monkeypatch.delenv("DJANGO_SETTINGS_MODULE", raising=False)
+    launched = []
+    monkeypatch.setattr(worker.os, "execv", lambda path, argv: launched.append((path, argv)))
+    worker.main(["node", "--hostname", "gpu-001"])
+    assert launched and launched[0][1][1:5] == ["-m", "celery", "-A", "portal"]
+    assert os.environ["DJANGO_SETTINGS_MODULE"] == "portal.settings.node_agent"
+
+
+def test_the_node_agent_keeps_a_settings_module_it_is_given(monkeypatch):
+    monkeypatch.setenv("DJANGO_SETTINGS_MODULE", "portal.settings.production")
+    monkeypatch.setattr(worker.os, "execv", lambda path, argv: None)
+    worker.main(["node", "--hostname", "gpu-001"])
+    assert os.environ["DJANGO_SETTINGS_MODULE"] == "portal.settings.production"
 
 
 def test_the_launcher_keeps_a_settings_module_it_is_given(monkeypatch):
