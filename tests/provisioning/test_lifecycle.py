@@ -558,6 +558,27 @@ def test_reconcile_of_the_simulated_fleet(world, t0, settings, capsys):
     assert "0 drift(s)" in capsys.readouterr().out
 
 
+def test_reconcile_json_prints_only_json_lines(world, t0, settings, capsys):
+    """--json promises JSON lines on stdout (one drift each), for a cron job or CI to parse: the plain-text
+    summary it also printed there broke every parser at the last line; it goes to stderr."""
+    import json
+
+    from django.core.management import call_command
+
+    from provisioning.backends.simulated import SimulatedBackend
+
+    settings.CACHES = {**settings.CACHES, "default": {**settings.CACHES["default"],
+                                                      "KEY_PREFIX": f"prov-reconcile-json-{time.time_ns()}"}}
+    cluster = provisioned(world, t0)
+    SimulatedBackend()._forget(cluster.pk)  # the fleet lost it
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--json")
+    captured = capsys.readouterr()
+    drifts = [json.loads(line) for line in captured.out.splitlines()]
+    assert [(d["kind"], d["name"], d["repaired"]) for d in drifts] == [("missing", f"cluster-{cluster.pk}", False)]
+    assert "1 drift(s), 0 repaired" in captured.err
+
+
 def test_a_node_lost_while_building_hands_the_cluster_over_degraded(world, t0):
     reservation = book(world, "alpha-lead", t0, nodes=2)
     services.lifecycle_tick(now=t0 - timedelta(minutes=10))

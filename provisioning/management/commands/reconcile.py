@@ -4,7 +4,8 @@ Both ways: backend objects of ours the database no longer wants (orphans, delete
 --fix) and bookings or clusters the backend lacks or holds differently (re-applied with
 --fix); node drain states follow the portal's node states. A repair the backend refuses, and a
 backend that cannot be read, are reported as unrepaired drift beside everything else. Exit
-status 1 when drift was found and not repaired, so a cron job or CI can alert on it.
+status 1 when drift was found and not repaired, so a cron job or CI can alert on it. --json prints one JSON
+object per drift on stdout and nothing else there (the count goes to stderr).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class Command(BaseCommand):
                 state = "repaired" if drift["repaired"] else "found"
                 self.stdout.write(f"{drift['backend']}: {drift['kind']} {drift['name']}: {drift['detail']} ({state})")
         unrepaired = [d for d in drifts if not d["repaired"]]
-        self.stdout.write(f"{len(drifts)} drift(s), {len(drifts) - len(unrepaired)} repaired")
+        # With --json stdout carries nothing but the drifts' JSON lines; the summary is for a person.
+        summary = f"{len(drifts)} drift(s), {len(drifts) - len(unrepaired)} repaired"
+        (self.stderr if json else self.stdout).write(summary)
         if unrepaired:
             raise SystemExit(1)
 
