@@ -64,6 +64,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "simple_history.middleware.HistoryRequestMiddleware",
+    "portal.pages.MethodNotAllowedPageMiddleware",  # a page, not an empty body, for a GET of an action
 ]
 
 ROOT_URLCONF = "portal.urls"

@@ -1,0 +1,58 @@
+"""What the browser pages answer where a view itself answers nothing a person can read."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from django.http import HttpResponseNotAllowed
+from django.shortcuts import render
+from django.utils.http import url_has_allowed_host_and_scheme
+
+from portal.core.api import is_api
+from tenants.views import resolve_portal
+
+__all__ = ["MethodNotAllowedPageMiddleware"]
+
+
+class MethodNotAllowedPageMiddleware:
+    """Answer a browser's GET of an action's address (cancel, remove a member, run a check, rotate a
+    secret: views under ``require_POST``, Django's logout) with a 405 page in the portal's layout.
+
+    Django's ``HttpResponseNotAllowed`` has an empty body, so a reload after pressing such a button,
+    a bookmark or an opened link showed a blank page. The page says the action needs its button and
+    links back; the status and the Allow header stay as the view set them. Other methods (a PUT to a
+    page) and the API (whose 405 is DRF's envelope) are left as they are.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        if (
+            isinstance(response, HttpResponseNotAllowed)
+            and request.method in ("GET", "HEAD")
+            and not is_api(request)
+        ):
+            return self._page(request, response)
+        return response
+
+    def _page(self, request, refused: HttpResponseNotAllowed):
+        if request.user.is_authenticated and getattr(request, "portal", None) is None:
+            # The method check sits outside portal_view, so the header's tenant and role are resolved here.
+            request.portal = resolve_portal(request)
+        response = render(request, "405.html", {"path": request.path, "back": _back(request)}, status=405)
+        response["Allow"] = refused["Allow"]
+        return response
+
+
+def _back(request) -> str | None:
+    """The page the user came from, when it is one of this site's other than the refused address."""
+    referer = request.headers.get("referer")
+    if not referer or not url_has_allowed_host_and_scheme(referer, allowed_hosts={request.get_host()},
+                                                          require_https=request.is_secure()):
+        return None
+    parts = urlsplit(referer)
+    if not parts.path or parts.path == request.path:
+        return None
+    return parts.path + (f"?{parts.query}" if parts.query else "")
