@@ -55,6 +55,43 @@ def test_a_lead_sees_the_whole_members_table_at_desktop_width(world, live_server
     assert box["x"] + box["width"] <= frame["x"] + frame["width"] + 1
 
 
+# Each button's right edge past its table's scroll box and past the window (px; > 0 is cut off).
+_CUT_BUTTONS = """(table) => {
+  const wrap = table.closest('.table-wrap').getBoundingClientRect();
+  return Array.from(table.querySelectorAll('button')).map(b => {
+    const r = b.getBoundingClientRect();
+    return {name: b.textContent.replace(/\\s+/g, ' ').trim(), left: Math.max(wrap.left - r.left, 0),
+            right: Math.max(r.right - wrap.right, r.right - document.documentElement.clientWidth, 0)};
+  });
+}"""
+
+
+def test_the_members_tables_buttons_are_whole_on_a_phone(world, live_server, new_page, sign_in):
+    """At 390 px the members table's Remove buttons stuck out of the table's box by about 3 px, their right
+    edge (border and rounded corner) cut off. Every button of the table (Save, Remove) is whole now,
+    with nothing of the table scrolled out of sight, also beside a username too long for the row."""
+    from django.contrib.auth import get_user_model
+
+    from tenants.models import Membership
+
+    long_name = get_user_model().objects.create_user(username="research-computing-pipeline-bot", password="x" * 16)
+    Membership.objects.create(user=long_name, tenant=world.tenants["alpha"], role="member")
+    page = sign_in(new_page(viewport=PHONE), "alpha-lead")
+    page.goto(f"{live_server.url}/team/")
+    table = page.locator("table.team")
+    expect(page.get_by_role("button", name="Remove alpha-viewer")).to_be_visible()
+    buttons = table.evaluate(_CUT_BUTTONS)
+    assert {b["name"] for b in buttons} >= {"Save role of alpha-lead", "Remove alpha-viewer",
+                                             "Remove research-computing-pipeline-bot"}, buttons
+    cut = [b for b in buttons if b["left"] > 0 or b["right"] > 0]
+    assert cut == [], cut
+    wrap = page.locator(".table-wrap").filter(has=table)
+    hidden = wrap.evaluate("el => el.scrollWidth - el.clientWidth")
+    assert hidden <= 0, f"{hidden}px of the members table is scrolled out of sight"
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 0, f"the team page scrolls sideways by {overflow}px"
+
+
 def test_a_ready_clusters_connection_and_keys_fit_a_phone(world, live_server, new_page, sign_in, day, settings):
     from datetime import timedelta
 
