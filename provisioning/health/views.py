@@ -16,6 +16,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
 from portal.core.exceptions import DomainError
+from portal.core.words import count_of
 from reservations.models import Node
 from tenants.views import portal_view, render_page
 
@@ -121,7 +122,7 @@ def node_repair_open(request, hostname: str):
 @portal_view(staff_only=True)
 def sweep_now(request):
     ids = services.health_sweep(level=CheckLevel.QUICK)
-    messages.success(request, f"Quick checks queued on {len(ids)} nodes.")
+    messages.success(request, f"Quick check{'' if len(ids) == 1 else 's'} queued on {count_of(len(ids), 'node')}.")
     return HttpResponseRedirect(reverse("health-fleet"))
 
 
@@ -218,7 +219,7 @@ def cluster_health_run(request, pk: int):
     try:
         checks = services.cluster_health_checks_request(actor=request.user, cluster=cluster,
                                                         level=request.POST.get("level"))
-        messages.success(request, f"{len(checks)} {request.POST.get('level')} checks queued.")
+        messages.success(request, f"{count_of(len(checks), request.POST.get('level') + ' check')} queued.")
     except DomainError as exc:
         messages.error(request, exc.detail)
     if _is_partial(request):

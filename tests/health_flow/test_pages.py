@@ -214,3 +214,31 @@ def test_every_time_on_the_node_page_and_the_results_names_its_zone(fleet, check
         html = client.get(path).content.decode()
         assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", html), path
         assert not stamp.search(html), (path, [html[m.start() - 60:m.end() + 10] for m in stamp.finditer(html)])
+
+
+@pytest.mark.django_db
+def test_the_queued_checks_message_counts_one_node_in_the_singular(fleet, now_slot):
+    """The sweep and the cluster's run button said "Quick checks queued on 1 nodes." and "1 quick checks
+    queued." when one node was checked."""
+
+    def said(response) -> list[str]:  # the messages shown on the page the post redirected to
+        assert response.status_code == 200 and response.redirect_chain
+        return [str(m) for m in response.context["messages"]]
+
+    Node.objects.exclude(hostname="gpu-001").update(state="retired")
+    staff = browser(fleet.users["staff"])
+    assert said(staff.post("/health/sweep/", follow=True)) == ["Quick check queued on 1 node."]
+    Node.objects.filter(hostname="gpu-002").update(state="available")
+    HealthCheck.objects.all().delete()
+    assert said(staff.post("/health/sweep/", follow=True)) == ["Quick checks queued on 2 nodes."]
+
+    Node.objects.update(state="available")
+    HealthCheck.objects.all().delete()
+    cluster = make_cluster(fleet.book("alpha", ["gpu-001"], now_slot, now_slot + timedelta(hours=2)))
+    run = f"/health/clusters/{cluster.pk}/run/"
+    assert said(browser(fleet.users["alpha-lead"]).post(run, {"level": "quick"}, follow=True)) == [
+        "1 quick check queued."]
+    two = make_cluster(fleet.book("beta", ["gpu-003", "gpu-004"], now_slot, now_slot + timedelta(hours=2)))
+    run = f"/health/clusters/{two.pk}/run/"
+    assert said(browser(fleet.users["beta-lead"]).post(run, {"level": "medium"}, follow=True)) == [
+        "2 medium checks queued."]
