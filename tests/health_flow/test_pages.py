@@ -242,3 +242,25 @@ def test_the_queued_checks_message_counts_one_node_in_the_singular(fleet, now_sl
     run = f"/health/clusters/{two.pk}/run/"
     assert said(browser(fleet.users["beta-lead"]).post(run, {"level": "medium"}, follow=True)) == [
         "2 medium checks queued."]
+
+
+@pytest.mark.django_db
+def test_the_check_page_names_the_zone_of_its_started_and_finished_times(fleet, checked):
+    """The check page said "queued 2026-12-03 01:30:00 JST · started 01:30:01 · finished 01:30:04": only the
+    first of its three times named its zone."""
+    from zoneinfo import ZoneInfo
+
+    from tests.zoned import unzoned_times
+
+    check = HealthCheck.objects.get(node__hostname="gpu-002")
+    assert check.started_at and check.finished_at
+    tokyo = ZoneInfo("Asia/Tokyo")
+    for who in ("alpha-viewer", "staff"):
+        client = browser(fleet.users[who])
+        session = client.session
+        session["portal_tz"] = "Asia/Tokyo"
+        session.save()
+        html = client.get(f"/health/checks/{check.pk}/").content.decode()
+        assert f"started {check.started_at.astimezone(tokyo):%H:%M:%S} JST" in html, who
+        assert f"finished {check.finished_at.astimezone(tokyo):%H:%M:%S} JST" in html, who
+        assert not unzoned_times(html), (who, unzoned_times(html))

@@ -835,3 +835,29 @@ def test_a_stale_slack_channel_page_does_not_revert_a_leads_newer_flag(world, st
     assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
     channel.refresh_from_db()
     assert (channel.events, channel.enabled) == ([str(Event.QUOTA_THRESHOLD)], False)
+
+
+def test_the_admins_lowering_warning_and_new_secrets_name_the_zone_of_their_times(world, staff, t0, book,
+                                                                                 webhook_for):
+    """The quota-lowering warning's Start/End and the new-secrets page's "valid until" were bare "Y-m-d H:i",
+    with the zone only in a column heading: the times now carry it ("2026-12-03 10:00 UTC")."""
+    from datetime import UTC
+
+    from tests.zoned import unzoned_times
+
+    kept = book("alpha", t0, nodes=3, name="big-run")
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    warning = staff.post(url, {"max_nodes": 1, "burst_nodes": 0, "max_duration_hours": "", "_save": "Save",
+                               "version": _version(staff.get(url))}).content.decode()
+    assert f'data-reservation="{kept.pk}"' in warning
+    assert f"{kept.start.astimezone(UTC):%Y-%m-%d %H:%M} UTC" in warning
+    assert f"{kept.end.astimezone(UTC):%Y-%m-%d %H:%M} UTC" in warning
+    assert not unzoned_times(warning), unzoned_times(warning)
+
+    channel, _ = webhook_for("alpha", "https://ci.example/hook")
+    secrets = staff.post(reverse("admin:notifications_channel_changelist"),
+                         {"action": "rotate_secret", "_selected_action": [channel.pk]}).content.decode()
+    channel.refresh_from_db()
+    assert f"{channel.previous_secret_expires_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC" in secrets
+    assert not unzoned_times(secrets), unzoned_times(secrets)

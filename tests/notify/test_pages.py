@@ -246,3 +246,42 @@ def test_webhook_urls_posted_to_the_pages_are_hidden_from_error_reports(world, a
         assert response.status_code in (200, 302), (path, response.status_code)
         shown = SafeExceptionReporterFilter().get_post_parameters(response.wsgi_request)
         assert shown[field] != data[field] and "secret" not in shown[field], path
+
+
+def test_every_time_on_the_notification_pages_names_its_zone(world, as_user, slack_for, webhook_for, t0, book):
+    """The delivery log said "next 19:00:05" for a retry, and its When column, the broken-channel alert and the
+    old secret's end after a rotation gave "Thu 3 Dec 19:00": none said which zone the time was in."""
+    from datetime import timedelta
+    from zoneinfo import ZoneInfo
+
+    from django.utils import timezone
+
+    from tests.zoned import unzoned_times
+
+    tokyo = ZoneInfo("Asia/Tokyo")
+    channel = slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0, name="nightly")
+    (delivery,) = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    next_at = timezone.now() + timedelta(minutes=5)
+    Delivery.objects.filter(pk=delivery.pk).update(status=DeliveryStatus.RETRYING, next_attempt_at=next_at,
+                                                   attempts=1)
+    broken_at = timezone.now() - timedelta(hours=1)
+    Channel.objects.filter(pk=channel.pk).update(broken_at=broken_at, broken_error="channel_is_archived",
+                                                 broken_status=410, broken_url_fp=url_fingerprint(SLACK_URL))
+    hook, _ = webhook_for("alpha", "https://ci.alpha.example/hook")
+    lead = as_user("alpha-lead")
+    session = lead.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+
+    log = lead.get(reverse("notifications:deliveries")).content.decode()
+    assert f"next {next_at.astimezone(tokyo):%H:%M:%S} JST" in log
+    assert f"{Delivery.objects.get(pk=delivery.pk).created_at.astimezone(tokyo):%H:%M} JST" in log
+    assert not unzoned_times(log), unzoned_times(log)
+    page = lead.get(reverse("notifications:settings")).content.decode()
+    assert f"{broken_at.astimezone(tokyo):%H:%M} JST" in page and "channel_is_archived" in page
+    assert not unzoned_times(page), unzoned_times(page)
+    rotated = lead.post(reverse("notifications:webhook-rotate", args=[hook.pk])).content.decode()
+    hook.refresh_from_db()
+    assert f"Until {hook.previous_secret_expires_at.astimezone(tokyo):%a %-d %b %H:%M} JST requests" in rotated
+    assert not unzoned_times(rotated), unzoned_times(rotated)

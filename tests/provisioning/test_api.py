@@ -423,3 +423,24 @@ def test_each_credential_link_says_which_credential_it_downloads(world, clusters
         assert len(names) == 2, (path, names)
         assert len(set(names)) == 2 and all(n.lower() != "download" for n in names), (path, names)
         assert any("SSH key" in n for n in names) and any("Kubeconfig" in n for n in names), (path, names)
+
+
+def test_every_time_on_the_cluster_pages_names_its_zone(world, clusters):
+    """The cluster list and page showed a window as "2026-12-03 19:00 → 2026-12-03 21:00 JST" (the start with no
+    zone) and each phase's time as a bare "19:00:05": a reader could not tell which zone they were in."""
+    from zoneinfo import ZoneInfo
+
+    from tests.zoned import unzoned_times
+
+    cluster = clusters["alpha"]
+    start = cluster.reservation.start.astimezone(ZoneInfo("Asia/Tokyo"))
+    client = page_client(world, "alpha-member")
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    for path in ("/clusters/", f"/clusters/{cluster.pk}/"):
+        html = client.get(path).content.decode()
+        assert f"{start:%Y-%m-%d %H:%M} JST →" in html, path
+        assert not unzoned_times(html), (path, unzoned_times(html))
+    status = client.get(f"/clusters/{cluster.pk}/", HTTP_HX_REQUEST="true").content.decode()
+    assert status.count(" JST") >= 2 and not unzoned_times(status), unzoned_times(status)

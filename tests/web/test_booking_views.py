@@ -216,3 +216,22 @@ def test_a_capacity_refusal_gives_the_window_in_the_readers_zone(world, web, boo
     assert f"free from {start_local:%Y-%m-%d %H:%M} IST to {start_local + timedelta(hours=1):%Y-%m-%d %H:%M} IST" \
         in page, page[:3000]
     assert f"{t0:%H:%M}Z" not in page and not Reservation.objects.filter(name="wanted").exists()
+
+
+def test_the_booking_forms_suggestions_and_confirmation_name_the_zone_of_each_time(world, web, book, t0):
+    """A suggestion said "Book Thu 3 Dec 23:00 – Fri 4 Dec 01:00 JST" and the confirmation "…, Thu 3 Dec 19:00 –
+    Thu 3 Dec 21:00 JST": the start had no zone (and across a DST change it is not the end's)."""
+    from tests.zoned import unzoned_times
+
+    book("beta-lead", t0, nodes=4, hours=4)
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Asia/Tokyo"})
+    tokyo = zoneinfo.ZoneInfo("Asia/Tokyo")
+    later = (t0 + timedelta(hours=4)).astimezone(tokyo)
+    page = client.post("/reservations/new/", _data(world, t0, name="wanted"), **HTMX).content.decode()
+    assert f"Book {later:%a %-d %b %H:%M} JST – " in page, page[:3000]
+    assert not unzoned_times(page), unzoned_times(page)
+    window = {"start": f"{later:%Y-%m-%dT%H:%M}", "end": f"{later + timedelta(hours=2):%Y-%m-%dT%H:%M}"}
+    done = client.post("/reservations/new/", _data(world, t0, name="wanted", **window), **HTMX).content.decode()
+    assert f"{later:%a %-d %b %H:%M} JST – {later + timedelta(hours=2):%a %-d %b %H:%M} JST" in done, done
+    assert not unzoned_times(done), unzoned_times(done)

@@ -209,3 +209,35 @@ def test_the_audit_pages_before_and_after_gives_lists_flags_and_kinds_in_words(w
     assert "→ Reservation confirmed, Cluster ready" in body, body
     assert "Enabled: yes → no" in body, body
     assert "Kind: SSH key;" in body, body
+
+
+def test_every_time_on_the_reservation_fleet_and_account_pages_names_its_zone(world, web, book, t0):
+    """A window read "Thu 3 Dec 19:00 – Thu 3 Dec 21:00 JST" (the start with no zone, and across a DST change
+    not in the end's), and the dashboard's activity, a changed end's old value and the account page's token
+    times ("3 Dec 2026 19:00") gave no zone at all."""
+    from zoneinfo import ZoneInfo
+
+    from tenants.services import token_issue
+    from tests.zoned import unzoned_times
+
+    reservation = book("alpha-lead", t0, hours=2, name="zoned")
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=t0 + timedelta(hours=3))
+    token_issue(user=world.users["alpha-lead"])
+    start = t0.astimezone(ZoneInfo("Asia/Tokyo"))
+    page = f"/reservations/{reservation.pk}/"
+    for who, paths in (("alpha-lead", ["/", "/reservations/", page, page + "panel/", page + "cancel/", "/account/"]),
+                       ("staff", ["/fleet/"])):
+        client = web(who)
+        session = client.session
+        session["portal_tz"] = "Asia/Tokyo"
+        session.save()
+        for path in paths:
+            response = client.get(path)
+            assert response.status_code == 200, path
+            html = response.content.decode()
+            assert re.search(r"\d\d:\d\d JST", html), path
+            # The fleet timeline's axis ticks ("06:00") are in the zone its heading's window names.
+            html = re.sub(r'<span class="tick"[^>]*>[^<]*</span>', "", html)
+            assert not unzoned_times(html), (path, unzoned_times(html))
+            if path in ("/", "/reservations/", page + "panel/", page + "cancel/"):  # the window as a range
+                assert re.search(rf"{start:%H:%M} JST(</time>)? –", html), path
