@@ -18,6 +18,7 @@ from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, ShownValues
 from portal.core.crypto import mask
 from portal.core.egress import MAX_URL_LENGTH
 from portal.core.exceptions import InvalidInput
+from portal.core.words import count_of
 from tenants.services import slack_webhook_url_check
 
 from . import services
@@ -243,5 +244,5 @@ class DeliveryAdmin(ReadOnlyAdminMixin, ServiceAdminMixin, admin.ModelAdmin):
                                                     DeliveryStatus.RETRYING]):
             if self.run_service(request, services.delivery_requeue, actor=request.user, delivery=delivery):
                 done += 1
-        self.message_user(request, f"Queued {done} delivery(ies) again.", messages.SUCCESS if done else
-                          messages.WARNING)
+        self.message_user(request, f"Queued {count_of(done, 'delivery', 'deliveries')} again.",
+                          messages.SUCCESS if done else messages.WARNING)

@@ -7,6 +7,7 @@ from django.contrib import admin, messages
 
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, ShownValuesMixin
 from portal.core.exceptions import DomainError
+from portal.core.words import count_of
 
 from . import services
 from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
@@ -76,7 +77,7 @@ class VirtualClusterAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
             except DomainError as exc:
                 self.message_user(request, f"Cluster #{cluster.pk}: {exc.detail}", messages.ERROR)
         if done:
-            self.message_user(request, f"{done} cluster(s) {verb}.", messages.SUCCESS)
+            self.message_user(request, f"{count_of(done, 'cluster')} {verb}.", messages.SUCCESS)
 
 
 @admin.register(StorageVolume)

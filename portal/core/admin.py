@@ -30,6 +30,7 @@ from django.utils.html import format_html, format_html_join
 from . import events
 from .exceptions import DomainError
 from .models import AuditLog, OutboxEvent
+from .words import count_of
 
 __all__ = [
     "ListLookupsMixin", "StaffAdminMixin", "ServiceAdminMixin", "ServiceTransactionMixin", "ReadOnlyAdminMixin",
@@ -329,4 +330,5 @@ class OutboxEventAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     @admin.action(description="Publish again now (fresh attempts)")
     def requeue(self, request, queryset) -> None:
         count = events.outbox_requeue(list(queryset.values_list("id", flat=True)), actor=request.user)
-        self.message_user(request, f"{count} event(s) are due again; the relay publishes them within 15 s.")
+        self.message_user(request, f"{count_of(count, 'event')} {'is' if count == 1 else 'are'} due again; the relay "
+                                   f"publishes {'it' if count == 1 else 'them'} within 15 s.")

@@ -513,8 +513,9 @@ def test_delivery_log_and_retry_in_the_admin(world, staff, t0, book, slack_for):
     Delivery.objects.filter(pk=delivery.pk).update(status="failed", last_error="channel_not_found")
     listing = staff.get(reverse("admin:notifications_delivery_changelist"))
     assert b"channel_not_found" in listing.content
-    staff.post(reverse("admin:notifications_delivery_changelist"),
-               {"action": "retry_now", "_selected_action": [delivery.pk]})
+    done = staff.post(reverse("admin:notifications_delivery_changelist"),
+                      {"action": "retry_now", "_selected_action": [delivery.pk]}, follow=True)
+    assert "Queued 1 delivery again." in done.content.decode()  # was "Queued 1 delivery(ies) again."
     assert Delivery.objects.get(pk=delivery.pk).status == "pending"
     assert _audits("notifications.delivery.requeue")[0].actor == world.users["staff"]
 

@@ -307,6 +307,9 @@ def test_admin_lists_clusters_with_phases_and_never_a_secret(world, clusters):
     response = client.post("/admin/provisioning/virtualcluster/", {
         "action": "retry_clusters", "_selected_action": [cluster.pk]}, follow=True)
     assert "only a failed cluster can be retried" in response.content.decode()
+    response = client.post("/admin/provisioning/virtualcluster/", {
+        "action": "teardown_clusters", "_selected_action": [cluster.pk]}, follow=True)
+    assert "1 cluster tearing down." in response.content.decode()  # was "1 cluster(s) tearing down."
 
 
 def test_a_storage_change_leaves_room_for_the_tenants_overlapping_clusters(world, t0):
