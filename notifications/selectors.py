@@ -28,6 +28,7 @@ from portal.core.actors import STAFF_WORDS, actor_name
 from portal.core.models import AuditLog
 from portal.core.redact import without_processes
 from portal.core.timefmt import format_utc
+from portal.core.words import count_of
 from reservations.choices import HOLDING_STATUSES, AllocationKind
 from reservations.models import Allocation, Node, Reservation
 from tenants.choices import Role
@@ -367,7 +368,7 @@ def _reservation_degraded(name: str, payload: dict[str, Any]) -> list[Notice]:
     missing = payload.get("missing_nodes")
     reason = str(payload.get("reason") or "")
     if missing:
-        reason = f"{missing} node(s) missing. {reason}".strip()
+        reason = f"{count_of(missing, 'node')} missing. {reason}".strip()
     if reason:
         data["reason"] = reason
     key = f"{Event.CLUSTER_DEGRADED}:r{reservation.pk}:{payload.get('node') or f'm{missing}'}"

@@ -571,7 +571,7 @@ def _step(cluster_id: int, *, done: tuple[str, PhaseResult] | None, enter: str) 
                 missing = cluster.reservation.missing_nodes
                 if missing:  # a node failed with no spare while we built: handed over short
                     _transition(cluster, ClusterStatus.DEGRADED, source=TransitionSource.NODE,
-                                detail=f"{missing} node(s) missing: failed with no spare free")
+                                detail=f"{count_of(missing, 'node')} missing: failed with no spare free")
                 _activate_if_started(cluster.reservation)
         elif cluster.status == enter:  # resuming a phase a crash interrupted: run it again, no new record
             cluster.heartbeat_at = timezone.now()

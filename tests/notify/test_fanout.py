@@ -166,6 +166,7 @@ def test_replaced_node_and_degraded_reservation_are_translated(world, t0, book, 
     assert [d.event for d in replaced] == [Event.NODE_REPLACED]
     assert "h100-004" in replaced[0].summary
     assert [d.event for d in degraded] == [Event.CLUSTER_DEGRADED]
+    assert "1 node missing. no spare" in str(degraded[0].payload)  # was "1 node(s) missing."
 
 
 def test_cluster_and_health_events_from_other_apps(world, t0, book, slack_for):
