@@ -1141,6 +1141,6 @@ def health_acceptance_gate(*, cluster: Any) -> Any:
     if summary["state"] == "pending":
         raise RetryLater(conf.setting_float("PORTAL_HEALTH_ACCEPTANCE_POLL", 5.0), summary["detail"])
     missing = Reservation.objects.filter(pk=cluster.reservation_id).values_list("missing_nodes", flat=True).first()
-    detail = summary["detail"] + (f"; {missing} node(s) missing: no spare was free" if missing else "")
+    detail = summary["detail"] + (f"; {count_of(missing, 'node')} missing: no spare was free" if missing else "")
     return GateResult(passed, detail, summary["nodes"])
 

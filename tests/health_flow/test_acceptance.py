@@ -304,3 +304,25 @@ def test_an_older_driver_still_passes_a_cluster_that_chose_an_older_cuda(fleet, 
         health_acceptance_gate(cluster=cluster)
     assert health_acceptance_gate(cluster=cluster).passed
     assert fleet.node("gpu-001").state == "available"
+
+
+@pytest.mark.django_db
+def test_the_gates_answer_counts_one_missing_node_in_the_singular(fleet, settings, eager, tomorrow,
+                                                                  django_capture_on_commit_callbacks):
+    """A cluster handed over one node short was told "…; 1 node(s) missing: no spare was free"."""
+    from provisioning.models import VirtualCluster
+    from provisioning.services import RetryLater
+    from reservations.models import Reservation
+
+    settings.PORTAL_FAKE_NVML = fleet_spec()
+    booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    Reservation.objects.filter(pk=booking.pk).update(node_count=2, missing_nodes=1)  # one failed, no spare
+    cluster = VirtualCluster.objects.create(
+        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )
+    with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)
+    result = health_acceptance_gate(cluster=cluster)
+    assert result.passed and result.detail.endswith("; 1 node missing: no spare was free"), result.detail
