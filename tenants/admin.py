@@ -47,6 +47,7 @@ from portal.core.admin import (
 from portal.core.crypto import mask
 from portal.core.egress import MAX_URL_LENGTH
 from portal.core.exceptions import DomainError, InvalidInput, InvalidState
+from portal.core.words import count_of
 
 from . import services
 from .choices import Role
@@ -669,13 +670,13 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
                 updated = self.run_service(request, services.quota_bulk_update, actor=request.user,
                                            changes=[(q.pk, values) for q in quotas], reason="admin bulk action")
                 if updated is not None:
-                    self.message_user(request, f"{len(updated)} quota(s) changed.", messages.SUCCESS)
+                    self.message_user(request, f"{count_of(len(updated), 'quota')} changed.", messages.SUCCESS)
                 return None
         else:
             form = QuotaBulkForm()
         context = {
             **self.admin_site.each_context(request),
-            "title": "Change the numbers of these quotas",
+            "title": "Change the numbers of this quota" if len(quotas) == 1 else "Change the numbers of these quotas",
             "opts": self.model._meta,
             "quotas": quotas,
             "form": form,

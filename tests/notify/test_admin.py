@@ -223,9 +223,16 @@ def test_bulk_action_changes_each_quota_audited(world, staff):
     url = reverse("admin:tenants_quota_changelist")
     form = staff.post(url, {"action": "bulk_change", "_selected_action": ids})
     assert form.status_code == 200 and b"Change the numbers" in form.content
-    done = staff.post(url, {"action": "bulk_change", "_selected_action": ids, "apply": "1", "max_nodes": "6"})
-    assert done.status_code == 302
-    assert sorted(a.after["max_nodes"] for a in _audits("quota.update")) == [6, 6]
+    assert b"on these 2 quotas." in form.content  # was "these 2 quota(s)"
+    one = staff.post(url, {"action": "bulk_change", "_selected_action": ids[:1]})
+    assert b"on this quota." in one.content and b"numbers of this quota" in one.content  # was "these 1 quota(s)"
+    done = staff.post(url, {"action": "bulk_change", "_selected_action": ids[:1], "apply": "1", "max_nodes": "5"},
+                      follow=True)
+    assert b"1 quota changed." in done.content  # was "1 quota(s) changed."
+    done = staff.post(url, {"action": "bulk_change", "_selected_action": ids, "apply": "1", "max_nodes": "6"},
+                      follow=True)
+    assert b"2 quotas changed." in done.content
+    assert sorted(a.after["max_nodes"] for a in _audits("quota.update")) == [5, 6, 6]
 
 
 def test_lowering_below_bookings_lists_them_before_saving(world, staff, t0, book):
