@@ -42,7 +42,7 @@ from django.utils import timezone
 from portal.core import egress
 from portal.core.conf import setting
 from portal.core.crypto import UnreadableSecret, mask
-from portal.core.exceptions import InvalidInput, InvalidState, NotFound
+from portal.core.exceptions import InvalidInput, InvalidState, NotFound, QuotaExceeded
 from portal.core.services import audit_record, refuse_stale
 from reservations.models import Reservation
 from reservations.selectors import tenant_peak_usage
@@ -139,6 +139,15 @@ def _backoff_cap() -> float:
 
 def _min_interval() -> float:
     return float(_setting("PORTAL_NOTIFY_MIN_INTERVAL", 1.0))
+
+
+def max_webhooks() -> int:
+    """How many signed webhooks one tenant may have (each is a secret, a URL checked on every send and a delivery
+    per event); 0: none."""
+    value = int(_setting("PORTAL_NOTIFY_MAX_WEBHOOKS", 20))
+    if value < 0:
+        raise ImproperlyConfigured("PORTAL_NOTIFY_MAX_WEBHOOKS must be 0 or more.")
+    return value
 
 
 _redis_clients: dict[str, Any] = {}
@@ -402,8 +411,17 @@ def webhook_create(
     name = _validate_channel_name(name)
     events = _validate_events(TENANT_DEFAULT_EVENTS if events is None else events)
     secret = signing.generate_secret()
+    cap = max_webhooks()
     with transaction.atomic(durable=True):
         _lock_rights(actor=actor, tenant_id=tenant.pk)
+        # The cap is a check-then-insert: two creates counting at once would both see a place left. The tenant's row
+        # (FOR NO KEY UPDATE, after the team lock, as every tenant settings write takes it) makes them take turns,
+        # whoever the actor (staff on a tenant without leads locks no lead row); bookings only key-share the row,
+        # so they do not wait on this.
+        Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
+        if Channel.objects.filter(tenant_id=tenant.pk, kind=ChannelKind.WEBHOOK).count() >= cap:
+            raise QuotaExceeded(
+                f"{tenant.name} already has the most signed webhooks a tenant may have ({cap}): delete one first.")
         channel = Channel.objects.create(
             tenant=tenant, kind=ChannelKind.WEBHOOK, name=name, url=url, secret=secret,
             events=events,

@@ -18,7 +18,7 @@ from django.views.decorators.debug import sensitive_post_parameters
 from django.views.decorators.http import require_GET, require_POST
 
 from portal.core.crypto import mask
-from portal.core.exceptions import DomainError, InvalidInput
+from portal.core.exceptions import DomainError, InvalidInput, QuotaExceeded
 from tenants.choices import Role
 from tenants.services import tenant_slack_webhook_set
 from tenants.views import portal_view, render_page
@@ -216,6 +216,11 @@ def webhook_create(request):
         form.add_error(None, exc.detail)
         return render_page(request, "notifications/settings.html",
                            _settings_context(request, tenant, webhook_form=form), status=400)
+    except QuotaExceeded as exc:
+        # The tenant has as many webhooks as it may: said beside the form, with what was typed still in it.
+        form.add_error(None, exc.detail)
+        return render_page(request, "notifications/settings.html",
+                           _settings_context(request, tenant, webhook_form=form), status=exc.status)
     except DomainError as exc:
         return _error(request, exc)
     # The secret is shown in this response only; it is stored encrypted and never displayed again.

@@ -230,6 +230,8 @@ PORTAL_DEMO_WEBHOOK_SECRET = env("PORTAL_DEMO_WEBHOOK_SECRET", default="")
 PORTAL_NOTIFY_HTTP_TIMEOUT = env.float("PORTAL_NOTIFY_HTTP_TIMEOUT", default=10.0)
 PORTAL_NOTIFY_MAX_ATTEMPTS = env.int("PORTAL_NOTIFY_MAX_ATTEMPTS", default=12)
 PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT = env.int("PORTAL_NOTIFY_QUOTA_THRESHOLD_PERCENT", default=80)
+# Signed webhooks one tenant may have (notifications.services.webhook_create refuses one more: quota_exceeded).
+PORTAL_NOTIFY_MAX_WEBHOOKS = env.int("PORTAL_NOTIFY_MAX_WEBHOOKS", default=20)
 # Finished deliveries (delivered, failed, skipped) leave the delivery log this long after their last change.
 PORTAL_NOTIFY_RETENTION_DAYS = env.int("PORTAL_NOTIFY_RETENTION_DAYS", default=90)
 
