@@ -386,7 +386,7 @@ def platform_channel_update(*, actor: Any, channel: Channel, events: list[str] |
                             enabled: bool | None = None, expected: dict[str, Any] | None = None) -> Channel:
     """Choose what the platform channel receives (its URL is PORTAL_PLATFORM_SLACK_WEBHOOK).
 
-    expected: as webhook_update's."""
+    A change that changes nothing is neither written nor audited. expected: as webhook_update's."""
     with transaction.atomic(durable=True):
         channel = _lock_channel(channel, actor=actor)
         if not channel.is_platform:
@@ -397,9 +397,10 @@ def platform_channel_update(*, actor: Any, channel: Channel, events: list[str] |
             channel.events = _validate_events(events)
         if enabled is not None:
             channel.enabled = bool(enabled)
-        channel.save()
-        audit_record(actor=actor, action="notifications.platform.update", obj=channel, before=before,
-                     after=_channel_snapshot(channel))
+        if _channel_snapshot(channel) != before:  # a save that changes nothing: no write, no audit row
+            channel.save()
+            audit_record(actor=actor, action="notifications.platform.update", obj=channel, before=before,
+                         after=_channel_snapshot(channel))
     return channel
 
 
