@@ -141,6 +141,11 @@ def _min_interval() -> float:
     return float(_setting("PORTAL_NOTIFY_MIN_INTERVAL", 1.0))
 
 
+def secret_overlap_hours() -> int:
+    """How long a rotated webhook's old secret keeps signing beside the new one (0: it stops at once)."""
+    return int(_setting("PORTAL_NOTIFY_SECRET_OVERLAP_HOURS", 24))
+
+
 def max_webhooks() -> int:
     """How many signed webhooks one tenant may have (each is a secret, a URL checked on every send and a delivery
     per event); 0: none."""
@@ -496,7 +501,7 @@ def webhook_rotate_secret(*, actor: Any, channel: Channel, overlap_hours: int | 
     Requests carry both signatures meanwhile (Standard Webhooks allows several), so the
     tenant can switch their receiver to the new secret at leisure.
     """
-    hours = int(_setting("PORTAL_NOTIFY_SECRET_OVERLAP_HOURS", 24) if overlap_hours is None else overlap_hours)
+    hours = secret_overlap_hours() if overlap_hours is None else int(overlap_hours)
     new_secret = signing.generate_secret()
     with transaction.atomic(durable=True):
         channel = _lock_channel(channel, actor=actor)

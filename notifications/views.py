@@ -15,7 +15,7 @@ from django.http import Http404, HttpResponseRedirect
 from django.urls import reverse
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.debug import sensitive_post_parameters
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from portal.core.crypto import mask
 from portal.core.exceptions import DomainError, InvalidInput, QuotaExceeded
@@ -265,13 +265,20 @@ def _webhook_edit_refused(request, tenant, channel: Channel, form: WebhookEditFo
     return render_page(request, "notifications/settings.html", context, status=400)
 
 
-@require_POST
+@require_http_methods(["GET", "POST"])
 @portal_view
 def webhook_rotate(request, pk: int):
+    """GET asks for confirmation (a page that works without JavaScript); POST with confirm rotates.
+
+    The receiver's old secret starts expiring (or stops at once): a POST without the confirmation (a settings
+    page still open from before, whose button rotated in one click) is asked the question too."""
     tenant = _lead_tenant(request)
+    channel = _channel(request, tenant, pk, ChannelKind.WEBHOOK)
+    if request.method == "GET" or request.POST.get("confirm") != "yes":
+        return render_page(request, "notifications/rotate_confirm.html",
+                           {"tenant": tenant, "channel": channel, "overlap_hours": services.secret_overlap_hours()})
     try:
-        channel, secret = services.webhook_rotate_secret(
-            actor=request.user, channel=_channel(request, tenant, pk, ChannelKind.WEBHOOK))
+        channel, secret = services.webhook_rotate_secret(actor=request.user, channel=channel)
     except DomainError as exc:
         return _error(request, exc)
     return _secret_page(request, _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel,

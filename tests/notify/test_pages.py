@@ -77,7 +77,7 @@ def test_webhook_secret_is_shown_once_then_masked(world, as_user):
     again = lead.get(reverse("notifications:settings")).content.decode()
     assert channel.secret not in again and "ci.alpha.example/hook" not in again
 
-    rotated = lead.post(reverse("notifications:webhook-rotate", args=[channel.pk]))
+    rotated = lead.post(reverse("notifications:webhook-rotate", args=[channel.pk]), {"confirm": "yes"})
     channel.refresh_from_db()
     assert channel.secret in rotated.content.decode() and channel.previous_secret_expires_at is not None
     assert "no-store" in rotated["Cache-Control"]

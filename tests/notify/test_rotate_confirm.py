@@ -1,0 +1,91 @@
+"""Rotating a webhook's signing secret asks first, on a page of its own (no JavaScript needed), as cancelling a
+reservation does: one click on "Rotate secret" replaced the secret at once, and the receiver's old secret
+started expiring (or, with PORTAL_NOTIFY_SECRET_OVERLAP_HOURS=0, stopped verifying) without a word."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from notifications import services
+from notifications.models import Channel
+from portal.core.models import AuditLog
+
+pytestmark = pytest.mark.django_db
+
+URL = "https://ci.alpha.example/hook"
+
+
+@pytest.fixture
+def lead(world):
+    client = Client()
+    client.force_login(world.users["alpha-lead"])
+    return client
+
+
+@pytest.fixture
+def webhook(world):
+    channel, secret = services.webhook_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                              url=URL, name="ci")
+    return channel, secret
+
+
+def _unchanged(channel: Channel, secret: str) -> bool:
+    stored = Channel.objects.get(pk=channel.pk)
+    return (stored.secret == secret and not stored.previous_secret
+            and not AuditLog.objects.filter(action="notifications.webhook.rotate").exists())
+
+
+def test_the_settings_page_links_to_a_confirmation_instead_of_rotating_in_one_click(lead, webhook):
+    channel, _ = webhook
+    rotate = reverse("notifications:webhook-rotate", args=[channel.pk])
+    html = lead.get(reverse("notifications:settings")).content.decode()
+    assert f'href="{rotate}"' in html  # a link to the question, not a form that rotates
+    assert f'action="{rotate}"' not in html
+
+
+def test_the_confirmation_page_says_what_happens_and_changes_nothing(lead, webhook, settings):
+    settings.PORTAL_NOTIFY_SECRET_OVERLAP_HOURS = 24
+    channel, secret = webhook
+    rotate = reverse("notifications:webhook-rotate", args=[channel.pk])
+    page = lead.get(rotate)
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "ci" in html and "24 hours" in html
+    assert f'action="{rotate}"' in html and 'name="confirm"' in html
+    assert reverse("notifications:settings") in html  # the way back, rotating nothing
+    assert _unchanged(channel, secret)
+
+    settings.PORTAL_NOTIFY_SECRET_OVERLAP_HOURS = 0
+    assert "at once" in lead.get(rotate).content.decode()
+
+
+def test_a_post_without_the_confirmation_rotates_nothing(lead, webhook):
+    """A settings page still open from before (its one-click form) asks instead of rotating."""
+    channel, secret = webhook
+    response = lead.post(reverse("notifications:webhook-rotate", args=[channel.pk]))
+    assert response.status_code == 200 and 'name="confirm"' in response.content.decode()
+    assert secret not in response.content.decode()
+    assert _unchanged(channel, secret)
+
+
+def test_confirming_rotates_and_shows_the_new_secret_once(lead, webhook):
+    channel, secret = webhook
+    response = lead.post(reverse("notifications:webhook-rotate", args=[channel.pk]), {"confirm": "yes"})
+    assert response.status_code == 200 and "no-store" in response["Cache-Control"]
+    stored = Channel.objects.get(pk=channel.pk)
+    assert stored.secret != secret and stored.previous_secret == secret
+    assert stored.secret in response.content.decode()
+    assert AuditLog.objects.filter(action="notifications.webhook.rotate").count() == 1
+
+
+@pytest.mark.parametrize("who", ["alpha-member", "beta-lead"])
+def test_others_get_no_confirmation_page(world, webhook, who):
+    channel, secret = webhook
+    client = Client()
+    client.force_login(world.users[who])
+    rotate = reverse("notifications:webhook-rotate", args=[channel.pk])
+    assert client.get(rotate).status_code in (403, 404)
+    assert client.post(rotate, {"confirm": "yes"}).status_code in (403, 404)
+    assert _unchanged(channel, secret)
