@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.template.defaultfilters import pluralize
 from django.template.response import TemplateResponse
 from django.utils.decorators import method_decorator
@@ -199,14 +200,29 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
 
     @admin.action(description="Rotate the signing secret (signed webhooks)")
     def rotate_secret(self, request, queryset):
+        webhooks = list(queryset.filter(kind=ChannelKind.WEBHOOK).select_related("tenant"))
+        if not webhooks:
+            self.message_user(request, "Only signed webhooks have a signing secret.", messages.WARNING)
+            return None
+        if request.POST.get("post") != "yes":
+            # Asked first, as delete_selected asks: the tenants' receivers' old secrets start expiring (or stop at
+            # once) for every webhook selected.
+            context = {
+                **self.admin_site.each_context(request),
+                "title": "Rotate signing secrets?",
+                "opts": self.model._meta,
+                "webhooks": webhooks,
+                "overlap_hours": services.secret_overlap_hours(),
+                "action_checkbox_name": ACTION_CHECKBOX_NAME,
+            }
+            return TemplateResponse(request, "admin/notifications/channel/rotate_confirm.html", context)
         rotated = []
-        for channel in queryset.filter(kind=ChannelKind.WEBHOOK).select_related("tenant"):
+        for channel in webhooks:
             result = self.run_service(request, services.webhook_rotate_secret, actor=request.user, channel=channel)
             if result is not None:
                 rotated.append(result)
         if not rotated:
-            self.message_user(request, "Only signed webhooks have a signing secret.", messages.WARNING)
-            return None
+            return None  # every one refused: run_service said why
         context = {
             **self.admin_site.each_context(request),
             "title": "New signing secrets",

@@ -530,10 +530,28 @@ def test_delivery_log_and_retry_in_the_admin(world, staff, t0, book, slack_for):
 def test_rotating_a_secret_in_the_admin_shows_it_once(world, staff, webhook_for):
     channel, old = webhook_for("alpha", "https://ci.example/hook")
     response = staff.post(reverse("admin:notifications_channel_changelist"),
-                          {"action": "rotate_secret", "_selected_action": [channel.pk]})
+                          {"action": "rotate_secret", "_selected_action": [channel.pk], "post": "yes"})
     new = Channel.objects.get(pk=channel.pk).secret
     assert new != old and new in response.content.decode()
     assert new not in staff.get(reverse("admin:notifications_channel_change", args=[channel.pk])).content.decode()
+
+
+def test_the_admin_asks_before_rotating_secrets(world, staff, webhook_for, slack_for, settings):
+    """The action rotated every selected webhook's secret on "Go", as delete_selected never deletes: it now lists
+    what it would rotate (and how long the old secrets keep signing) and rotates only when that is confirmed."""
+    settings.PORTAL_NOTIFY_SECRET_OVERLAP_HOURS = 6
+    channel, old = webhook_for("alpha", "https://ci.example/hook")
+    slack = slack_for("beta", "https://hooks.slack.com/services/T0/B0/x")
+    changelist = reverse("admin:notifications_channel_changelist")
+    asked = staff.post(changelist, {"action": "rotate_secret", "_selected_action": [channel.pk, slack.pk]})
+    assert asked.status_code == 200
+    text = asked.content.decode()
+    assert channel.label in text and slack.label not in text and "6 hours" in text
+    assert 'name="post" value="yes"' in text and f'name="_selected_action" value="{channel.pk}"' in text
+    assert 'name="action" value="rotate_secret"' in text
+    stored = Channel.objects.get(pk=channel.pk)
+    assert stored.secret == old and not stored.previous_secret and old not in text
+    assert not _audits("notifications.webhook.rotate")
 
 
 def test_audit_log_in_the_admin_shows_before_and_after(world, staff):
