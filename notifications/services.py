@@ -465,7 +465,8 @@ def webhook_update(
     *, actor: Any, channel: Channel, url: str | None = None, name: str | None = None,
     events: list[str] | None = None, enabled: bool | None = None, expected: dict[str, Any] | None = None,
 ) -> Channel:
-    """Change a signed webhook: only the fields given (None: left as they are).
+    """Change a signed webhook: only the fields given (None: left as they are). A change that changes nothing is
+    neither written nor audited.
 
     expected ({field: value} for name, events, enabled: what an edit page showed for the fields it changes):
     refused (InvalidState) if any is no longer so, checked under the channel's lock, so that a page opened
@@ -479,6 +480,8 @@ def webhook_update(
             raise InvalidState("Only signed webhooks are edited here.")
         _refuse_if_changed(channel, expected)
         before = _channel_snapshot(channel)
+        # Compared on what is stored (the snapshot shows the URL masked: two URLs may mask alike).
+        stored = (str(channel.url), channel.name, list(channel.events), channel.enabled)
         was_listening = _hears_quota_alerts(channel)
         if url is not None:
             channel.url = url
@@ -488,9 +491,10 @@ def webhook_update(
             channel.events = _validate_events(events)
         if enabled is not None:
             channel.enabled = bool(enabled)
-        channel.save()
-        audit_record(actor=actor, action="notifications.webhook.update", obj=channel, tenant_id=channel.tenant_id,
-                     before=before, after=_channel_snapshot(channel))
+        if (str(channel.url), channel.name, list(channel.events), channel.enabled) != stored:
+            channel.save()
+            audit_record(actor=actor, action="notifications.webhook.update", obj=channel,
+                         tenant_id=channel.tenant_id, before=before, after=_channel_snapshot(channel))
     _catch_up(channel, was_listening=was_listening)
     return channel
 
