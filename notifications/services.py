@@ -325,6 +325,10 @@ def demo_channel_ensure() -> Channel | None:
         return None  # not seeded yet; try again on the next event
     secret = _setting("PORTAL_DEMO_WEBHOOK_SECRET", "") or signing.generate_secret()
     with transaction.atomic():
+        # The tenant's row first (FOR NO KEY UPDATE, as webhook_create takes it): a lookup that finds no channel
+        # locks nothing, so two workers meeting the first event at once both made one, and every event went out
+        # twice. Now the second waits for the first's commit and finds its channel.
+        Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
         channel = (
             Channel.objects.select_for_update(of=("self",))  # not the tenant row its ordering joins
             .filter(tenant=tenant, kind=ChannelKind.WEBHOOK, name="demo")
