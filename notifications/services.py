@@ -533,6 +533,8 @@ def channel_delete(*, actor: Any, channel: Channel) -> None:
     PORTAL_PLATFORM_SLACK_WEBHOOK the same way: it is disabled, not deleted.
     """
     if channel.is_platform:
+        with transaction.atomic(durable=True):
+            _lock_rights(actor=actor, tenant_id=None)  # the right first (staff only): a non-staff hears 403, not why
         raise InvalidState("The platform channel comes from PORTAL_PLATFORM_SLACK_WEBHOOK and would be made "
                            "again on the next event: disable it instead (or unset the setting).")
     with transaction.atomic(durable=True):

@@ -197,3 +197,17 @@ def test_a_lead_demoted_or_removed_while_testing_a_channel_without_url_on_the_pa
     assert "error" not in result, result
     assert result["value"].status_code == 403
     assert not Delivery.objects.exists()
+
+
+@pytest.mark.django_db
+def test_deleting_the_platform_channel_is_refused_to_a_non_staff_for_the_right_first(world, notify_settings):
+    """The right comes first, as in every other channel service: a lead asking to delete the platform channel was
+    told it "comes from PORTAL_PLATFORM_SLACK_WEBHOOK" (409 invalid_state), not 403."""
+    notify_settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T0/B0/platform"
+    platform = services.platform_channel_ensure()
+    for who in ("alpha-lead", "alpha-member"):
+        with pytest.raises(PermissionDenied):
+            services.channel_delete(actor=world.users[who], channel=platform)
+    with pytest.raises(InvalidState):
+        services.channel_delete(actor=world.users["staff"], channel=platform)
+    assert Channel.objects.filter(pk=platform.pk).exists()
