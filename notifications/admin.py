@@ -211,14 +211,17 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
                 **self.admin_site.each_context(request),
                 "title": "Rotate signing secrets?",
                 "opts": self.model._meta,
-                "webhooks": webhooks,
+                "webhooks": [(channel, services.secret_version(channel)) for channel in webhooks],
                 "overlap_hours": services.secret_overlap_hours(),
                 "action_checkbox_name": ACTION_CHECKBOX_NAME,
             }
             return TemplateResponse(request, "admin/notifications/channel/rotate_confirm.html", context)
         rotated = []
         for channel in webhooks:
-            result = self.run_service(request, services.webhook_rotate_secret, actor=request.user, channel=channel)
+            # The version the confirmation showed: its second post (a double click) is refused for each webhook
+            # it rotated already, rather than rotating it again (which ended its old secret's overlap at once).
+            result = self.run_service(request, services.webhook_rotate_secret, actor=request.user, channel=channel,
+                                      expected_version=request.POST.get(f"version-{channel.pk}"))
             if result is not None:
                 rotated.append(result)
         if not rotated:

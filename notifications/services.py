@@ -79,6 +79,7 @@ __all__ = [
     "webhook_update",
     "webhook_url_check",
     "webhook_rotate_secret",
+    "secret_version",
     "channel_delete",
     "channel_clear_broken",
     "channel_send_test",
@@ -503,11 +504,23 @@ def webhook_update(
     return channel
 
 
-def webhook_rotate_secret(*, actor: Any, channel: Channel, overlap_hours: int | None = None) -> tuple[Channel, str]:
+def secret_version(channel: Channel) -> str:
+    """A short hash naming the webhook's current signing secret (not the secret): what a confirmation page shows
+    it is replacing, so that a second post of the same page is told the secret has changed."""
+    return url_fingerprint(str(channel.secret or ""))
+
+
+def webhook_rotate_secret(*, actor: Any, channel: Channel, overlap_hours: int | None = None,
+                          expected_version: str | None = None) -> tuple[Channel, str]:
     """Issue a new signing secret; the old one keeps signing alongside it for overlap_hours.
 
     Requests carry both signatures meanwhile (Standard Webhooks allows several), so the
-    tenant can switch their receiver to the new secret at leisure.
+    tenant can switch their receiver to the new secret at leisure. Only one previous secret is
+    kept: one still in its overlap stops signing now.
+
+    expected_version (secret_version of what a confirmation page showed): refused (InvalidState, nothing changed)
+    when the secret is another one by now. A confirmation posted twice (a double click) rotated twice, and the
+    second made the first's new secret the "previous" one: the receiver's secret stopped verifying at once.
     """
     hours = secret_overlap_hours() if overlap_hours is None else int(overlap_hours)
     new_secret = signing.generate_secret()
@@ -515,6 +528,9 @@ def webhook_rotate_secret(*, actor: Any, channel: Channel, overlap_hours: int | 
         channel = _lock_channel(channel, actor=actor)
         if channel.kind != ChannelKind.WEBHOOK:
             raise InvalidState("Only signed webhooks have a signing secret.")
+        if expected_version is not None and expected_version != secret_version(channel):
+            raise InvalidState("This webhook's signing secret was rotated since you opened this page (a second "
+                               "click?); nothing was changed. Rotate again only if the secret shown then is lost.")
         channel.previous_secret = channel.secret if hours > 0 else ""
         channel.previous_secret_expires_at = timezone.now() + timedelta(hours=hours) if hours > 0 else None
         channel.secret = new_secret

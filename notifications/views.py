@@ -13,6 +13,7 @@ from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponseRedirect
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.debug import sensitive_post_parameters
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
@@ -275,10 +276,16 @@ def webhook_rotate(request, pk: int):
     tenant = _lead_tenant(request)
     channel = _channel(request, tenant, pk, ChannelKind.WEBHOOK)
     if request.method == "GET" or request.POST.get("confirm") != "yes":
-        return render_page(request, "notifications/rotate_confirm.html",
-                           {"tenant": tenant, "channel": channel, "overlap_hours": services.secret_overlap_hours()})
+        previous_until = channel.previous_secret_expires_at if channel.previous_secret else None
+        return render_page(request, "notifications/rotate_confirm.html", {
+            "tenant": tenant, "channel": channel, "overlap_hours": services.secret_overlap_hours(),
+            "version": services.secret_version(channel),
+            "previous_until": previous_until if previous_until and previous_until > timezone.now() else None,
+        })
     try:
-        channel, secret = services.webhook_rotate_secret(actor=request.user, channel=channel)
+        # The version the confirmation showed: its second post (a double click) is refused, not a second rotation.
+        channel, secret = services.webhook_rotate_secret(actor=request.user, channel=channel,
+                                                         expected_version=request.POST.get("version"))
     except DomainError as exc:
         return _error(request, exc)
     return _secret_page(request, _settings_context(request, tenant, new_secret=secret, new_secret_channel=channel,

@@ -553,6 +553,17 @@ def test_the_admin_asks_before_rotating_secrets(world, staff, webhook_for, slack
     assert stored.secret == old and not stored.previous_secret and old not in text
     assert not _audits("notifications.webhook.rotate")
 
+    # The confirmation, posted as the page has it: rotated once; posted again (a double click), refused.
+    fields = {"action": "rotate_secret", "_selected_action": [channel.pk], "post": "yes",
+              f"version-{channel.pk}": re.search(rf'name="version-{channel.pk}" value="([^"]+)"', text).group(1)}
+    first = staff.post(changelist, fields)
+    rotated = Channel.objects.get(pk=channel.pk)
+    assert rotated.secret != old and rotated.secret in first.content.decode() and rotated.previous_secret == old
+    staff.post(changelist, fields)
+    again = Channel.objects.get(pk=channel.pk)
+    assert (again.secret, again.previous_secret) == (rotated.secret, old)
+    assert len(_audits("notifications.webhook.rotate")) == 1
+
 
 def test_audit_log_in_the_admin_shows_before_and_after(world, staff):
     from tenants.services import quota_update

@@ -89,3 +89,41 @@ def test_others_get_no_confirmation_page(world, webhook, who):
     assert client.get(rotate).status_code in (403, 404)
     assert client.post(rotate, {"confirm": "yes"}).status_code in (403, 404)
     assert _unchanged(channel, secret)
+
+
+def _confirmation(page) -> dict:
+    """The confirmation form's fields, as the browser posts them (the button's name and value included)."""
+    import re
+
+    html = page.content.decode()
+    form = html[html.index('<form method="post" action="/notifications/webhooks/'):]
+    form = form[:form.index("</form>")]
+    fields = dict(re.findall(r'<input type="hidden" name="(?!csrfmiddlewaretoken)([^"]+)" value="([^"]*)"', form))
+    fields.update(re.findall(r'<button type="submit" name="([^"]+)" value="([^"]*)"', form))
+    return fields
+
+
+def test_a_double_submitted_confirmation_rotates_once_and_keeps_the_old_secret_signing(lead, webhook):
+    """Two posts of one confirmation (a double click, a resubmitted form) rotated twice: the second made the
+    first's new secret the "previous" one, and the receiver's old secret stopped verifying at once, overlap or
+    not. The confirmation names the secret it replaces; the second post is refused and changes nothing."""
+    channel, secret = webhook
+    rotate = reverse("notifications:webhook-rotate", args=[channel.pk])
+    fields = _confirmation(lead.get(rotate))
+    assert fields.get("confirm") == "yes" and secret not in str(fields)
+    first = lead.post(rotate, fields)
+    assert first.status_code == 200
+    after_first = Channel.objects.get(pk=channel.pk)
+    assert after_first.previous_secret == secret
+    second = lead.post(rotate, fields, follow=True)
+    stored = Channel.objects.get(pk=channel.pk)
+    assert (stored.secret, stored.previous_secret) == (after_first.secret, secret)
+    assert "rotated since you opened" in second.content.decode()
+    assert AuditLog.objects.filter(action="notifications.webhook.rotate").count() == 1
+
+
+def test_the_confirmation_warns_when_a_previous_secret_still_signs(lead, webhook, world):
+    channel, _ = webhook
+    services.webhook_rotate_secret(actor=world.users["alpha-lead"], channel=channel)
+    html = lead.get(reverse("notifications:webhook-rotate", args=[channel.pk])).content.decode()
+    assert "stops signing at once" in html
