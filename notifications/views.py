@@ -87,6 +87,7 @@ def _settings_context(request, tenant, **extra):
             for c in webhooks
         ],
         "webhook_form": WebhookForm(),
+        "webhook_cap": services.max_webhooks(),
         "event_labels": EVENT_LABELS,
         "recent": selectors.deliveries_for_user(user=request.user, tenant=tenant)[:10],
     }

@@ -69,6 +69,9 @@ def test_the_page_shows_the_refusal_beside_the_form_and_stores_nothing(world, se
     html = response.content.decode()
     assert "whsec_" not in html and "already has the most signed webhooks" in html
     assert _webhooks(tenant) == 1
+    # The page says how many there are of how many allowed, and that the team is at the limit.
+    shown = client.get(reverse("notifications:settings")).content.decode()
+    assert "(1 of 1)" in shown and "as many webhooks as it may" in shown
 
 
 def _create(actor, tenant, name: str):
