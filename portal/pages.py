@@ -15,8 +15,8 @@ __all__ = ["MethodNotAllowedPageMiddleware"]
 
 
 class MethodNotAllowedPageMiddleware:
-    """Answer a browser's GET of an action's address (cancel, remove a member, run a check, rotate a
-    secret: views under ``require_POST``, Django's logout) with a 405 page in the portal's layout.
+    """Answer a browser's GET of an action's address (cancel, remove a member, run a check, delete a
+    webhook: views under ``require_POST``, Django's logout) with a 405 page in the portal's layout.
 
     Django's ``HttpResponseNotAllowed`` has an empty body, so a reload after pressing such a button,
     a bookmark or an opened link showed a blank page. The page says the action needs its button and

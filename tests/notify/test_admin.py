@@ -893,8 +893,11 @@ def test_the_admins_lowering_warning_and_new_secrets_name_the_zone_of_their_time
     assert not unzoned_times(warning), unzoned_times(warning)
 
     channel, _ = webhook_for("alpha", "https://ci.example/hook")
+    from notifications import services as notify_services
+
     secrets = staff.post(reverse("admin:notifications_channel_changelist"),
-                         {"action": "rotate_secret", "_selected_action": [channel.pk]}).content.decode()
+                         {"action": "rotate_secret", "_selected_action": [channel.pk], "post": "yes",
+                          f"version-{channel.pk}": notify_services.secret_version(channel)}).content.decode()
     channel.refresh_from_db()
     assert f"{channel.previous_secret_expires_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC" in secrets
     assert not unzoned_times(secrets), unzoned_times(secrets)

@@ -281,7 +281,10 @@ def test_every_time_on_the_notification_pages_names_its_zone(world, as_user, sla
     page = lead.get(reverse("notifications:settings")).content.decode()
     assert f"{broken_at.astimezone(tokyo):%H:%M} JST" in page and "channel_is_archived" in page
     assert not unzoned_times(page), unzoned_times(page)
-    rotated = lead.post(reverse("notifications:webhook-rotate", args=[hook.pk])).content.decode()
+    asked = lead.get(reverse("notifications:webhook-rotate", args=[hook.pk])).content.decode()
+    assert not unzoned_times(asked), unzoned_times(asked)
+    rotated = lead.post(reverse("notifications:webhook-rotate", args=[hook.pk]),
+                        {"confirm": "yes", "version": services.secret_version(hook)}).content.decode()
     hook.refresh_from_db()
     assert f"Until {hook.previous_secret_expires_at.astimezone(tokyo):%a %-d %b %H:%M} JST requests" in rotated
     assert not unzoned_times(rotated), unzoned_times(rotated)

@@ -58,7 +58,7 @@ POST_ONLY = [
     ("reservation-extend-page", [1], "POST"),  # reservations
     ("cluster-page-teardown", [1], "POST"),  # provisioning
     ("health-node-check", ["gpu-node-1"], "POST"),  # provisioning/health
-    ("notifications:webhook-rotate", [1], "POST"),  # notifications
+    ("notifications:webhook-delete", [1], "POST"),  # notifications
 ]
 
 
