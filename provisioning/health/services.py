@@ -53,6 +53,7 @@ from tenants.models import Membership
 from ..constants import LOCK_NODE_HEALTH
 from ..selectors import failed_teardown_hold, nodes_held_after_failed_teardown
 from . import conf
+from .checks import cuda_major_minor
 from .choices import (
     ACCEPTABLE_VERDICTS,
     LEVEL_RANK,
@@ -308,7 +309,10 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
     and its jobs may still be there until a retried teardown succeeds).
 
     ``cuda_min`` is the CUDA version the check's cluster chose (None without a cluster): the agent
-    fails a node whose driver supports only older ones, and a failing gate check swaps it out.
+    fails a node whose driver supports only older ones, and a failing gate check swaps it out. A node
+    whose open repair a failing ``cuda_support`` check opened needs at least the version that failed it
+    in every check (its re-test above all): otherwise the re-test, of no cluster, passes the node and it
+    rejoins whether or not its driver was upgraded.
     """
     from provisioning.choices import ClusterStatus  # the cluster app may load after this one
     from provisioning.models import VirtualCluster
@@ -335,7 +339,7 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
         .annotate(busy=Exists(busy) | Exists(still_on_it), healed=Subquery(healed))
         .values_list(
             "pk", "level", "trigger", "reservation_id", "node__hostname", "node__pool__gpu_model",
-            "node__pool__gpus_per_node", "busy", "healed",
+            "node__pool__gpus_per_node", "busy", "healed", "node_id",
         )
         .order_by("pk")
     )
@@ -356,10 +360,11 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
         VirtualCluster.objects.filter(reservation_id__in={r[3] for r in rows if r[3] is not None})
         .values_list("reservation_id", "cuda_version")
     )
+    repair_cuda_min = _repair_cuda_min({r[9] for r in rows})
     pins = conf.pins()
     simulated = conf.agent_queue_mode() == "fleet"
     jobs = []
-    for pk, level, trigger, reservation_id, host, model, gpus, is_busy, healed_at in rows:
+    for pk, level, trigger, reservation_id, host, model, gpus, is_busy, healed_at, node_id in rows:
         job: dict[str, Any] = {
             "id": pk,
             "host": host,
@@ -369,7 +374,7 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
             "idle": not is_busy and host not in held_hosts,
             "peers": [p for p in peers.get(reservation_id, []) if p != host],
             "pins": pins,
-            "cuda_min": cuda_min.get(reservation_id) or None,
+            "cuda_min": _newest_cuda(cuda_min.get(reservation_id), repair_cuda_min.get(node_id)),
             # Scheduled checks keep passing readings as names only; anything a person asked for in full.
             "detail": "compact" if trigger == CheckTrigger.SCHEDULE else "full",
         }
@@ -377,6 +382,35 @@ def jobs_for(check_ids: Sequence[int], *, now: datetime | None = None) -> list[d
             job["heal"] = healed_at.timestamp() if healed_at else None
         jobs.append(job)
     return jobs
+
+
+def _repair_cuda_min(node_ids: Iterable[int]) -> dict[int, str]:
+    """Return, per node, the CUDA version a failing ``cuda_support`` check required when it opened the node's
+    open repair (the version the check stored as its expected value); nodes without one are left out."""
+    out: dict[int, str] = {}
+    repairs = (
+        Repair.objects.filter(
+            node_id__in=list(node_ids), state__in=OPEN_REPAIR_STATES,
+            triggering_check__report__node_checks__contains=[{"name": "cuda_support", "status": "fail"}],
+        )
+        .values_list("node_id", "triggering_check__report")
+    )
+    for node_id, report in repairs:
+        for check in (report or {}).get("node_checks") or []:
+            if not isinstance(check, Mapping) or (check.get("name"), check.get("status")) != ("cuda_support", "fail"):
+                continue
+            required = check.get("threshold")
+            if isinstance(required, str) and cuda_major_minor(required) is not None:
+                out[node_id] = _newest_cuda(out.get(node_id), required) or required
+    return out
+
+
+def _newest_cuda(*versions: str | None) -> str | None:
+    """Return the newest of the CUDA versions given (compared as numbers), None when none is one."""
+    known = [v for v in versions if v and cuda_major_minor(v) is not None]
+    if not known:
+        return next((v for v in versions if v), None)  # an unreadable one reaches the agent, which says so
+    return max(known, key=cuda_major_minor)
 
 
 def dispatch(check_ids: Sequence[int]) -> int:

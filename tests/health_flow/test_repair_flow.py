@@ -553,3 +553,64 @@ def test_node_failed_says_the_state_the_failure_left_the_node_in(
     said = {p["node"]: p["state"] for name, p in captured_events if name == "node.failed"}
     assert said == {held.hostname: "maintenance", available.hostname: "draining"}
     assert {n.hostname: n.state for n in Node.objects.filter(pk__in=[held.pk, available.pk])} == said
+
+
+@pytest.mark.django_db
+def test_the_retest_of_a_repair_a_failing_cuda_support_check_opened_requires_that_cuda_version(
+        fleet, settings, eager, tmp_path, tomorrow, django_capture_on_commit_callbacks):
+    """A gate check failed the node because its driver supports only CUDA 12.2 and the team chose 12.4. The
+    repair's re-test carried no CUDA version, so the node passed it and rejoined whether or not its driver was
+    upgraded, and failed the next cluster needing 12.4 again. The re-test now requires the version that failed
+    it: a driver that was not upgraded fails it and the node stays out; an upgraded one passes and rejoins."""
+    from provisioning.health.services import jobs_for
+    from provisioning.models import VirtualCluster
+    from provisioning.services import RetryLater
+
+    cb = django_capture_on_commit_callbacks
+    staff = fleet.users["staff"]
+    victim = fleet.node("gpu-001")
+    spec = tmp_path / "fleet.json"
+    spec.write_text(fleet_spec({victim.hostname: [{"kind": "cuda_mismatch"}]}))  # the driver supports 12.2
+    settings.PORTAL_FAKE_NVML = f"@{spec}"
+    booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
+    cluster = VirtualCluster.objects.create(
+        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.4", default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )
+    from provisioning.health.services import health_acceptance_gate
+
+    with cb(execute=True), pytest.raises(RetryLater):
+        health_acceptance_gate(cluster=cluster)
+    repair = Repair.objects.get(node=victim)
+    assert "cuda_support" in repair.triggering_check.summary
+    for to in ("accepted", "cordoned", "remediating"):
+        repair = _step(cb, repair, to, staff, "driver upgrade")
+    # The "remediation" did not upgrade the driver: it still supports only 12.2.
+    spec.write_text(fleet_spec({victim.hostname: [{"kind": "cuda_mismatch"}]}))
+    later = time.time() + 5
+    os.utime(spec, (later, later))
+    repair = repair_advance(actor=staff, repair=repair, to="retesting")
+    assert jobs_for([repair.retest_check_id])[0]["cuda_min"] == "12.4"
+    with cb(execute=True):
+        from provisioning.health.services import dispatch
+
+        dispatch([repair.retest_check_id])
+    repair.refresh_from_db()
+    retest = repair.retest_check
+    assert retest.verdict == "fail" and "cuda_support: driver supports CUDA 12.2; this cluster needs 12.4" in (
+        retest.summary)
+    assert repair.state == "remediating"  # back to remediation: it cannot rejoin
+    with pytest.raises(InvalidState):
+        repair_advance(actor=staff, repair=repair, to="rejoined")
+    assert Node.objects.get(pk=victim.pk).state == "maintenance"
+    # Upgraded for real this time: the re-test passes and the node rejoins.
+    time.sleep(0.01)
+    spec.write_text(fleet_spec())
+    os.utime(spec, (time.time() - 60, time.time() - 60))
+    repair = _step(cb, repair, "retesting", staff)
+    repair.refresh_from_db()
+    assert repair.retest_check.verdict == "pass"
+    assert jobs_for([repair.retest_check_id]) == []  # done; it was sent with the version required
+    _step(cb, repair, "rejoined", staff)
+    assert Node.objects.get(pk=victim.pk).state == "available"
