@@ -50,6 +50,8 @@ from .results import (
     CheckResult,
     GpuResult,
     Status,
+    counted,
+    gpus_named,
     recommended_action,
     worst_status,
 )
@@ -350,7 +352,7 @@ def run_checks(
                         Status.PASS,
                         {"registered_gpus": sorted(watcher.registered), "events": len(live)},
                         None,
-                        f"listened for XID events on {len(watcher.registered)} GPU(s)",
+                        f"listened for XID events on {counted(len(watcher.registered), 'GPU')}",
                     )
                 )
     else:
@@ -479,7 +481,7 @@ def _active_parts(
     ]
     if busy:
         # Active tests consume the GPUs (DD) and would disturb, and be disturbed by, those processes.
-        return [tools.skipped(p, f"not run: processes on GPU(s) {busy}") for p in parts]
+        return [tools.skipped(p, f"not run: processes on {gpus_named(busy)}") for p in parts]
     # Only a process list read empty proves a GPU idle; unreadable (NoPermission under MIG, an old
     # driver) or never reached (hung or lost GPU) is not "no processes".
     unproven = [
@@ -489,7 +491,8 @@ def _active_parts(
                    for c in g.checks)
     ]
     if unproven:
-        return [tools.skipped(p, f"not run: GPU(s) {unproven} not known to be idle") for p in parts]
+        verb = "is" if len(unproven) == 1 else "are"
+        return [tools.skipped(p, f"not run: {gpus_named(unproven)} {verb} not known to be idle") for p in parts]
     results = [
         tools.dcgm_diag(3 if level == "full" else 2, timeouts["dcgm_diag"], runner),
         tools.nvbandwidth(profile, timeouts["nvbandwidth"], runner),

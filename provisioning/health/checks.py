@@ -19,7 +19,7 @@ from typing import Any
 
 import pynvml
 
-from .results import Action, CheckResult, Status, recommended_action, worst_status
+from .results import Action, CheckResult, Status, counted, gpus_named, recommended_action, worst_status
 from .thresholds import GpuModelThresholds
 from .xid import KernelXid, format_pci, without_process, xid_policy
 
@@ -287,7 +287,7 @@ def check_ecc_uncorrected_volatile(nvml: Nvml, handle: Any, ctx: GpuContext) -> 
             Status.FAIL,
             count,
             0,
-            f"{count} uncorrected ECC error(s) since the driver loaded; drain the GPU and reset it",
+            f"{counted(count, 'uncorrected ECC error')} since the driver loaded; drain the GPU and reset it",
             Action.DRAIN_AND_RESET,
         )
     return CheckResult("ecc_uncorrected_volatile", Status.PASS, count, 0, "no uncorrected ECC errors")
@@ -310,7 +310,7 @@ def check_ecc_uncorrected_aggregate(nvml: Nvml, handle: Any, ctx: GpuContext) ->
             Status.FAIL,
             {"total": count, "new": int(delta[0])},
             0,
-            f"{int(delta[0])} new uncorrected ECC error(s) since the last check",
+            f"{counted(int(delta[0]), 'new uncorrected ECC error')} since the last check",
             Action.DRAIN_AND_RESET,
         )
     if delta is None and count > 0:
@@ -320,7 +320,8 @@ def check_ecc_uncorrected_aggregate(nvml: Nvml, handle: Any, ctx: GpuContext) ->
             Status.WARN,
             {"total": count},
             0,
-            f"{count} uncorrected ECC error(s) over the GPU's life; no baseline to tell whether they are new",
+            f"{counted(count, 'uncorrected ECC error')} over the GPU's life; no baseline to tell whether "
+            f"{'it is' if count == 1 else 'they are'} new",
             Action.MONITOR,
         )
     return CheckResult("ecc_uncorrected_aggregate", Status.PASS, {"total": count}, 0, "no new uncorrected errors")
@@ -347,7 +348,7 @@ def check_ecc_corrected(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckResult
             Status.FAIL,
             value,
             {**threshold, "sram_uncorrected": 0},
-            f"{value['sram_uncorrected']} uncorrected SRAM error(s); the GPU should be replaced",
+            f"{counted(value['sram_uncorrected'], 'uncorrected SRAM error')}; the GPU should be replaced",
             Action.REPLACE_GPU,
         )
     over = [
@@ -849,7 +850,7 @@ def check_compute_processes(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckRe
         # acceptance gate checks a node still in use for the booking that follows): count them, name none.
         return CheckResult(
             "compute_processes", Status.PASS, {"count": len(processes)}, None,
-            f"{len(processes)} compute process(es) of the node's current work",
+            f"{counted(len(processes), 'compute process', 'compute processes')} of the node's current work",
         )
     value = [
         {"pid": int(p.pid), "used_mib": (int(p.usedGpuMemory) // (1024 * 1024)) if p.usedGpuMemory else None}
@@ -862,10 +863,10 @@ def check_compute_processes(nvml: Nvml, handle: Any, ctx: GpuContext) -> CheckRe
             value,
             [],
             # The ids stay in the readings (staff's view); the message reaches the teams booked on the node.
-            f"{len(value)} stray compute process(es) on an idle GPU",
+            f"{counted(len(value), 'stray compute process', 'stray compute processes')} on an idle GPU",
             Action.DRAIN_AND_RESET,
         )
-    return CheckResult("compute_processes", Status.PASS, value, [], "0 compute process(es)")
+    return CheckResult("compute_processes", Status.PASS, value, [], "no compute processes")
 
 
 def process_count(result: CheckResult) -> int:
@@ -1189,7 +1190,7 @@ def check_vbios_consistency(vbios_by_gpu: Mapping[int, str | None], errors: Sequ
             Status.UNKNOWN,
             {str(i): v for i, v in sorted(vbios_by_gpu.items())},
             "identical",
-            f"VBIOS version unreadable on GPU(s) {unreadable}{reason}",
+            f"VBIOS version unreadable on {gpus_named(unreadable)}{reason}",
             Action.INVESTIGATE,
         )
     if len(versions) > 1:

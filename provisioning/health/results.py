@@ -150,3 +150,18 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return value
+
+
+# --- wording -------------------------------------------------------------------------------------
+# The node agent imports no portal code (portal.core.words), so the health library counts in words itself.
+
+
+def counted(n: int, singular: str, plural: str | None = None) -> str:
+    """Return "1 path", "2 paths" (``plural`` for nouns not made by adding an "s": "processes")."""
+    return f"{n} {singular if n == 1 else plural or singular + 's'}"
+
+
+def gpus_named(indices: Iterable[int]) -> str:
+    """Return "GPU 2" or "GPUs 0, 3" for GPU indices."""
+    indices = list(indices)
+    return f"{'GPU' if len(indices) == 1 else 'GPUs'} {', '.join(str(i) for i in indices)}"

@@ -23,7 +23,7 @@ from .parsers import (
     parse_nccl_tests,
     parse_nvbandwidth,
 )
-from .results import Action, CheckResult, Status, recommended_action, worst_status
+from .results import Action, CheckResult, Status, counted, recommended_action, worst_status
 from .thresholds import GpuModelThresholds
 
 DEFAULT_TIMEOUTS_S: dict[str, float] = {
@@ -251,7 +251,7 @@ def judge_nvbandwidth(run: ToolRun, thresholds: GpuModelThresholds, timeout_s: f
                 CheckResult(
                     part,
                     Status.FAIL,
-                    message=f"{test}: {len(slow)} path(s) below {floor} GB/s (min {min(matrix.values()):.1f})",
+                    message=f"{test}: {counted(len(slow), 'path')} below {floor} GB/s (min {min(matrix.values()):.1f})",
                     action=Action.INVESTIGATE,
                 )
             )
@@ -287,7 +287,7 @@ def judge_nccl(part: str, run: ToolRun, floor: float | None, timeout_s: float) -
     busbw = min(peak.oop_busbw, peak.ip_busbw) if peak else None
     value = {"busbw_gbps": busbw, "avg_busbw_gbps": nccl.avg_busbw, "wrong": nccl.wrong, "rc": run.rc}
     if nccl.failures or nccl.wrong:
-        detail = "; ".join(nccl.failures[:3]) or f"{nccl.wrong} result row(s) with #wrong > 0"
+        detail = "; ".join(nccl.failures[:3]) or f"{counted(nccl.wrong, 'result row')} with #wrong > 0"
         return PartResult(
             part, CheckResult(part, Status.FAIL, value, floor, f"NCCL test failed: {detail}", Action.INVESTIGATE), True
         )

@@ -49,8 +49,10 @@ def test_hung_gpu_blocks_active_tests(toolbox: ToolBox) -> None:
         seed=4, hostname="gpu-h100-001",
         faults=[Fault("hang", gpu=1, call="nvmlDeviceGetPowerUsage", seconds=3)],
     )
-    _run("medium", fake, nvml_timeout_s=0.5)
+    report = _run("medium", fake, nvml_timeout_s=0.5)
     assert not (toolbox.bindir / "dcgmi.args").exists(), "dcgmi diag ran while GPU 1's checks were still hanging"
+    dcgm = [c for c in report["node_checks"] if c["name"] == "dcgm_diag"]
+    assert [c["message"] for c in dcgm] == ["not run: GPU 1 is not known to be idle"]
 
 
 # 2. A live XID whose device can no longer be named is silently dropped.

@@ -338,7 +338,7 @@ OLD_GPU_RESULTS = [{
     "checks": [
         {"name": "compute_processes", "status": "fail", "value": [{"pid": 4242, "used_mib": 31337},
                                                                  {"pid": 5353, "used_mib": None}],
-         "threshold": [], "message": "2 stray compute process(es) on an idle GPU: pids [4242, 5353]",
+         "threshold": [], "message": "2 stray compute processes on an idle GPU: pids [4242, 5353]",
          "action": "drain_and_reset"},
         {"name": "xid", "status": "fail", "threshold": "see XID policy", "action": "drain_and_reset",
          "value": [{"xid": 13, "sources": ["kernel_log"], "count": 1, "meaning": "Graphics Engine Exception",
@@ -353,7 +353,7 @@ OLD_REPORT = {
                                 "detail": "pid=7575, name=other_job.py, GPU has fallen off the bus."}],
                      "message": "XIDs from GPUs NVML cannot see: XID 79 x1"}],
     "problems": [{"gpu": 0, "check": "compute_processes", "status": "fail", "action": "drain_and_reset",
-                  "message": "2 stray compute process(es) on an idle GPU: pids [4242, 5353]"}],
+                  "message": "2 stray compute processes on an idle GPU: pids [4242, 5353]"}],
     "parts_unknown": [],
 }
 OLD_SECRETS = ("4242", "5353", "31337", "6464", "secret_train", "7575", "other_job")
@@ -363,7 +363,7 @@ def old_check(node, reservation):
     return HealthCheck.objects.create(
         node=node, reservation=reservation, level="quick", trigger="acceptance", status="done", verdict="fail",
         recommended_action="drain_and_reset", gpu_results=OLD_GPU_RESULTS, report=OLD_REPORT,
-        summary="gpu0 compute_processes: 2 stray compute process(es) on an idle GPU: pids [4242, 5353]",
+        summary="gpu0 compute_processes: 2 stray compute processes on an idle GPU: pids [4242, 5353]",
     )
 
 
@@ -382,7 +382,7 @@ def test_a_check_stored_from_an_older_agent_shows_a_tenant_no_process_in_the_api
         assert not [s for s in OLD_SECRETS if s in text], text
         checks = {c["name"]: c for c in body["gpus"][0]["checks"]}
         assert checks["compute_processes"]["value"] == {"count": 2}
-        assert "2 stray compute process(es)" in checks["compute_processes"]["message"]
+        assert "2 stray compute processes" in checks["compute_processes"]["message"]
         assert "Graphics SM Warp Exception" in checks["xid"]["value"][0]["detail"]
     assert "fallen off the bus" in detail["report"]["node_checks"][0]["value"][0]["detail"]
     staff = json.dumps(fleet.client("staff").get(f"/api/v1/health-checks/{check.pk}/").json())

@@ -526,7 +526,7 @@ def test_an_older_agents_pids_and_process_names_stay_out_of_what_a_team_is_told(
     check = HealthCheck.objects.create(node=node, level="quick", trigger="schedule", status="running")
     report = {"verdict": "fail", "recommended_action": "drain_and_reset", "gpus": [], "problems": [
         {"gpu": 0, "check": "compute_processes", "status": "fail", "action": "drain_and_reset",
-         "message": "2 stray compute process(es) on an idle GPU: pids [4242, 5353]"},
+         "message": "2 stray compute processes on an idle GPU: pids [4242, 5353]"},
         {"gpu": 1, "check": "xid", "status": "fail", "action": "drain_and_reset",
          "message": "XID 13 (Graphics Engine Exception): NVRM: Xid (PCI:0000:18:00): 13, pid=6464, "
                     "name=secret_train.py, Graphics SM Warp Exception"},
