@@ -283,3 +283,16 @@ def test_the_schema_documents_the_real_bodies_and_requires_every_field_they_alwa
     # A PATCH changes only what it names: no documented default for a client to fill in.
     patch = schemas["PatchedTenantInputRequest"]["properties"]
     assert not [name for name, prop in patch.items() if "default" in prop], patch
+
+
+def test_the_schema_documents_the_retry_after_header_of_every_429(world):
+    # DESIGN §6: a 429 comes "with Retry-After". A client generated from the schema reads a response header only
+    # where the schema declares it; the header was named in the 429's description text alone.
+    spec = yaml.safe_load(world.client("alpha-viewer").get("/api/schema/").content)
+    operations = [op for item in spec["paths"].values() for op in item.values() if isinstance(op, dict)]
+    throttled = [op["responses"]["429"] for op in operations if "429" in op.get("responses", {})]
+    assert throttled and len(throttled) == len([op for op in operations if op.get("security") != [{}]])
+    for response in throttled:
+        header = response.get("headers", {}).get("Retry-After")
+        assert header and header["schema"] == {"type": "integer", "minimum": 1}, response
+    validate(spec)

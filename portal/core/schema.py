@@ -61,6 +61,10 @@ _ERRORS = {  # status: (description, when it applies to an operation)
     "429": ("Rate limit (`throttled`), with `Retry-After`.", lambda m, path: True),
 }
 
+# The header a 429 always carries (portal.core.api: the throttle's wait, rounded up to a whole second, at least 1).
+_RETRY_AFTER = {"description": "Seconds to wait before the next request.", "required": True,
+                "schema": {"type": "integer", "minimum": 1}}
+
 
 def add_error_responses(result, generator, request, public):  # noqa: ARG001 - drf-spectacular's hook signature
     """Document DESIGN §6's error envelope on every operation, for the statuses it can answer."""
@@ -87,5 +91,8 @@ def add_error_responses(result, generator, request, public):  # noqa: ARG001 - d
                 continue
             for status, (description, applies) in _ERRORS.items():
                 if applies(method, path):
-                    operation["responses"].setdefault(status, {"description": description, "content": reference})
+                    response = {"description": description, "content": reference}
+                    if status == "429":
+                        response["headers"] = {"Retry-After": _RETRY_AFTER}
+                    operation["responses"].setdefault(status, response)
     return result
