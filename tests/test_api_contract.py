@@ -296,3 +296,16 @@ def test_the_schema_documents_the_retry_after_header_of_every_429(world):
         header = response.get("headers", {}).get("Retry-After")
         assert header and header["schema"] == {"type": "integer", "minimum": 1}, response
     validate(spec)
+
+
+def test_the_schema_states_availabilitys_step_rules(world):
+    # DESIGN §6: step is in seconds, a multiple of the pool's slot, at most 2,000 slots a request. The schema gave
+    # step as a bare integer (60 to a year), so a generated client learnt the rules from its first 400s.
+    from django.conf import settings
+
+    spec = yaml.safe_load(world.client("alpha-viewer").get("/api/schema/").content)
+    params = {p["name"]: p for p in spec["paths"]["/api/v1/availability/"]["get"]["parameters"]}
+    step = params["step"]["description"]
+    assert "seconds" in step and "multiple of the pool's slot" in step, step
+    assert f"{settings.PORTAL_AVAILABILITY_MAX_SLOTS:,} slots" in step, step
+    assert "slot" in params["start"]["description"] and "step" in params["end"]["description"]

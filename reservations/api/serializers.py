@@ -1,3 +1,4 @@
+from django.conf import settings
 from rest_framework import serializers
 
 from portal.core.actors import actor_name
@@ -193,10 +194,15 @@ class ReservationFilterSerializer(serializers.Serializer):
 
 
 class AvailabilityQuerySerializer(serializers.Serializer):
-    pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all())
-    start = AwareDateTimeField(required=False)
-    end = AwareDateTimeField(required=False)
-    step = serializers.IntegerField(required=False, min_value=60, max_value=366 * 24 * 3600)
+    pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all(), help_text="The pool's name.")
+    start = AwareDateTimeField(required=False, help_text="With a UTC offset. Default: the pool's slot running now.")
+    end = AwareDateTimeField(required=False, help_text=(
+        "With a UTC offset; after start. Default: a week after start, or as many steps as one request may hold "
+        "if that is less."))
+    step = serializers.IntegerField(required=False, min_value=60, max_value=366 * 24 * 3600, help_text=(
+        "Length of each slot of the answer, in seconds: a multiple of the pool's slot (slot_minutes × 60). "
+        f"Default: the pool's slot. At most {settings.PORTAL_AVAILABILITY_MAX_SLOTS:,} slots a request "
+        "((end − start) / step); widen the step for a longer window."))
 
 
 class SlotSerializer(serializers.Serializer):
