@@ -56,23 +56,39 @@ class ContentNegotiation(negotiation.DefaultContentNegotiation):
         return matching
 
 
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 0
+
+
 class Pagination(pagination.PageNumberPagination):
     page_size_query_param = "page_size"
     max_page_size = 500
 
     def paginate_queryset(self, queryset, request, view=None):
-        # DRF answers a page number that is no number, or below 1, with 404; DESIGN §6 keeps 404 for
-        # unknown objects (and, as the schema says, a page past the end) and answers malformed input
-        # with 400 invalid naming the field.
+        # DRF answers a page number that is no number, or below 1, with 404, and ignores a page_size that
+        # is no number (the default page) or cuts one over the maximum down to it; DESIGN §6 keeps 404 for
+        # unknown objects (and, as the schema says, a page past the end) and answers malformed or
+        # out-of-range input with 400 invalid naming the field.
         page = request.query_params.get(self.page_query_param)
-        if page is not None and page not in self.last_page_strings:
-            try:
-                number = int(page)
-            except ValueError:
-                number = 0
-            if number < 1:
-                raise exceptions.ValidationError({self.page_query_param: "A whole number, 1 or more."})
+        if page is not None and page not in self.last_page_strings and _whole_number(page) < 1:
+            raise exceptions.ValidationError({self.page_query_param: "A whole number, 1 or more."})
+        size = request.query_params.get(self.page_size_query_param)
+        if size is not None and not 1 <= _whole_number(size) <= self.max_page_size:
+            raise exceptions.ValidationError(
+                {self.page_size_query_param: f"A whole number from 1 to {self.max_page_size}."})
         return super().paginate_queryset(queryset, request, view)
+
+    def get_schema_operation_parameters(self, view):
+        parameters = super().get_schema_operation_parameters(view)
+        for parameter in parameters:
+            if parameter["name"] == self.page_query_param:
+                parameter["schema"] = {"type": "integer", "minimum": 1}
+            elif parameter["name"] == self.page_size_query_param:
+                parameter["schema"] = {"type": "integer", "minimum": 1, "maximum": self.max_page_size}
+        return parameters
 
 
 class UserThrottle(RedisRateThrottle):
