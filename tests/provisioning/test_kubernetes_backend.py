@@ -147,11 +147,11 @@ def test_reconcile_lifts_node_claims_of_reservations_that_are_not_live(world, t0
         call_command("reconcile", "--backend", "kubernetes")
     out = capsys.readouterr().out
     assert f"kubernetes: orphan {spare[0]}: claimed for reservation 99999 (tenant beta)" in out, out
-    assert "1 drift(s), 0 repaired" in out
+    assert "1 drift, 0 repaired" in out
     assert is_claimed(k8s, spare[0])  # report only
 
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
     released = k8s.nodes[spare[0]]
     assert not is_claimed(k8s, spare[0])
     assert operator_taint in released["spec"]["taints"]
@@ -161,7 +161,7 @@ def test_reconcile_lifts_node_claims_of_reservations_that_are_not_live(world, t0
         assert k8s.nodes[host]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
         assert {"key": "dedicated", "value": "alpha", "effect": "NoSchedule"} in k8s.nodes[host]["spec"]["taints"]
     call_command("reconcile", "--backend", "kubernetes")
-    assert "0 drift(s)" in capsys.readouterr().out
+    assert "0 drifts" in capsys.readouterr().out
 
 
 def test_reconcile_lifts_an_orphan_claim_only_once_its_namespace_is_gone(world, t0, k8s, capsys):
@@ -182,7 +182,7 @@ def test_reconcile_lifts_an_orphan_claim_only_once_its_namespace_is_gone(world, 
     assert is_claimed(k8s, host)  # a tenant pod may still be on it
 
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
     assert namespace not in k8s.namespaces and not is_claimed(k8s, host)
 
 
@@ -196,9 +196,9 @@ def test_reconcile_again_while_an_orphan_namespace_terminates_is_not_an_error(wo
         "name": namespace, "labels": {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.RESERVATION_LABEL: "99997"}}}
     k8s.terminating_reads = 5
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "0 drift(s)" in capsys.readouterr().out  # going already: nothing to do
+    assert "0 drifts" in capsys.readouterr().out  # going already: nothing to do
     assert [r.path for r in k8s.of("DELETE")] == [f"/api/v1/namespaces/{namespace}"]
 
 
@@ -255,16 +255,16 @@ def test_reconcile_puts_the_claims_on_the_node_set_a_failed_swap_left_behind(wor
     out = capsys.readouterr().out
     assert f"kubernetes: mismatch {bad}: claimed for reservation {reservation.pk}, which no longer holds it" in out
     assert f"kubernetes: missing {spare}: not claimed for reservation {reservation.pk}" in out
-    assert "2 drift(s), 0 repaired" in out
+    assert "2 drifts, 0 repaired" in out
 
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "2 drift(s), 2 repaired" in capsys.readouterr().out
+    assert "2 drifts, 2 repaired" in capsys.readouterr().out
     assert not is_claimed(k8s, bad)
     for host in held_hosts(reservation):
         assert k8s.nodes[host]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
         assert {"key": "dedicated", "value": "alpha", "effect": "NoSchedule"} in k8s.nodes[host]["spec"]["taints"]
     call_command("reconcile", "--backend", "kubernetes")
-    assert "0 drift(s)" in capsys.readouterr().out
+    assert "0 drifts" in capsys.readouterr().out
 
 
 def test_an_unreachable_api_server_is_a_backend_error_not_a_crash(world, t0, k8s, settings, tmp_path, capsys):
@@ -293,7 +293,7 @@ def test_an_unreachable_api_server_is_a_backend_error_not_a_crash(world, t0, k8s
     with pytest.raises(SystemExit):
         call_command("reconcile", "--backend", "kubernetes", "--fix")
     out = capsys.readouterr().out
-    assert "kubernetes: unreachable kubernetes: backend unreachable: " in out and "1 drift(s), 0 repaired" in out
+    assert "kubernetes: unreachable kubernetes: backend unreachable: " in out and "1 drift, 0 repaired" in out
 
 
 def test_reconcile_fix_reports_a_refused_claim_and_still_makes_the_other_repairs(world, t0, k8s, capsys):
@@ -310,7 +310,7 @@ def test_reconcile_fix_reports_a_refused_claim_and_still_makes_the_other_repairs
     out = capsys.readouterr().out
     assert f"mismatch {bad}: claimed for reservation {reservation.pk}, which no longer holds it (repaired)" in out
     assert f"missing {spare}: not claimed for reservation {reservation.pk}; repair failed: claim node: " in out
-    assert "2 drift(s), 1 repaired" in out, out
+    assert "2 drifts, 1 repaired" in out, out
     assert not is_claimed(k8s, bad) and foreign in k8s.nodes[spare]["spec"]["taints"]
 
 
@@ -334,10 +334,10 @@ def test_reconcile_renews_a_claim_whose_window_end_is_stale(world, t0, k8s, caps
     for host in hosts:
         assert f"kubernetes: mismatch {host}: claim for reservation {reservation.pk} ends " in out, out
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert f"{len(hosts)} drift(s), {len(hosts)} repaired" in capsys.readouterr().out
+    assert f"{len(hosts)} drift{'s' if len(hosts) != 1 else ''}, {len(hosts)} repaired" in capsys.readouterr().out
     assert all(k8s.nodes[h]["metadata"]["annotations"][m.WINDOW_END_ANNOTATION] == new_end for h in hosts)
     call_command("reconcile", "--backend", "kubernetes")
-    assert "0 drift(s)" in capsys.readouterr().out
+    assert "0 drifts" in capsys.readouterr().out
 
 
 def test_reconcile_leaves_a_reservation_booked_after_its_snapshot_alone(world, t0, k8s, settings):
@@ -455,11 +455,11 @@ def test_a_teardown_in_progress_is_no_drift(world, t0, k8s, capsys):
         "name": namespace, "deletionTimestamp": "2026-12-02T01:00:00Z",
         "labels": {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.RESERVATION_LABEL: "99996"}}}
     call_command("reconcile", "--backend", "kubernetes", "--fix")  # exit 0: no SystemExit
-    assert "0 drift(s)" in capsys.readouterr().out
+    assert "0 drifts" in capsys.readouterr().out
     assert is_claimed(k8s, host) and not k8s.of("DELETE")
     del k8s.namespaces[namespace]  # gone: a claim left now is a real orphan
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
     assert not is_claimed(k8s, host)
 
 
@@ -522,14 +522,14 @@ def test_a_pod_its_disruption_budget_keeps_is_retried_and_reported_until_evicted
     out = capsys.readouterr().out
     assert (f"kubernetes: node {bad}: portal says failed, cordoned; 1 tenant pod(s) still on it: "
             f"{namespace}/serve-0; repair failed:") in out, out
-    assert "1 drift(s), 0 repaired" in out
+    assert "1 drift, 0 repaired" in out
 
     k8s.pdbs[(namespace, "serve")]["status"]["disruptionsAllowed"] = 1  # its replacement is ready elsewhere
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
     assert terminating(k8s, namespace, "serve-0")
     call_command("reconcile", "--backend", "kubernetes")
-    assert "0 drift(s)" in capsys.readouterr().out
+    assert "0 drifts" in capsys.readouterr().out
     assert services.node_sync(node_id=Node.objects.get(hostname=bad).pk) == {}  # the task's retry: done
 
 
@@ -555,7 +555,7 @@ def test_a_cluster_left_with_no_nodes_keeps_an_empty_namespace_and_reconcile_con
     assert ClusterCredential.objects.current().filter(cluster=cluster, kind="kubeconfig").exists()
 
     call_command("reconcile", "--backend", "kubernetes")  # exit 0: no SystemExit
-    assert "0 drift(s)" in capsys.readouterr().out
+    assert "0 drifts" in capsys.readouterr().out
 
     # A claim left behind on the lost node (the sync was lost) is a drift --fix repairs, then none.
     claim_by_hand(k8s, lost, reservation_id=reservation.pk, tenant="alpha")
@@ -564,10 +564,10 @@ def test_a_cluster_left_with_no_nodes_keeps_an_empty_namespace_and_reconcile_con
     assert f"mismatch {lost}: claimed for reservation {reservation.pk}, which no longer holds it" in \
         capsys.readouterr().out
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert "1 drift(s), 1 repaired" in capsys.readouterr().out
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
     assert not is_claimed(k8s, lost)
     call_command("reconcile", "--backend", "kubernetes")
-    assert "0 drift(s)" in capsys.readouterr().out
+    assert "0 drifts" in capsys.readouterr().out
 
     # The window ends: the empty cluster is torn down like any other.
     services.lifecycle_tick(now=t0 + timedelta(hours=4))

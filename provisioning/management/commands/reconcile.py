@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from django.core.management.base import BaseCommand, CommandError
+from django.template.defaultfilters import pluralize
 
 from provisioning.backends.base import BackendError
 from provisioning.backends.registry import BACKENDS
@@ -40,7 +41,7 @@ class Command(BaseCommand):
                 self.stdout.write(f"{drift['backend']}: {drift['kind']} {drift['name']}: {drift['detail']} ({state})")
         unrepaired = [d for d in drifts if not d["repaired"]]
         # With --json stdout carries nothing but the drifts' JSON lines; the summary is for a person.
-        summary = f"{len(drifts)} drift(s), {len(drifts) - len(unrepaired)} repaired"
+        summary = f"{len(drifts)} drift{pluralize(len(drifts))}, {len(drifts) - len(unrepaired)} repaired"
         (self.stderr if json else self.stdout).write(summary)
         if unrepaired:
             raise SystemExit(1)
