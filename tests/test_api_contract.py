@@ -309,3 +309,18 @@ def test_the_schema_states_availabilitys_step_rules(world):
     assert "seconds" in step and "multiple of the pool's slot" in step, step
     assert f"{settings.PORTAL_AVAILABILITY_MAX_SLOTS:,} slots" in step, step
     assert "slot" in params["start"]["description"] and "step" in params["end"]["description"]
+
+
+def test_the_reservation_lists_filters_are_documented_as_the_server_checks_them(world):
+    # The reservations list refuses a status outside the reservation statuses (400 naming status), but the schema
+    # gave status as any string: a generated client knew neither the values nor that others are refused (the
+    # health-check and node lists document theirs as enums).
+    from reservations.choices import ReservationStatus
+
+    spec = yaml.safe_load(world.client("alpha-viewer").get("/api/schema/").content)
+    params = {p["name"]: p for p in spec["paths"]["/api/v1/reservations/"]["get"]["parameters"]}
+    assert sorted(params["status"]["schema"]["enum"]) == sorted(ReservationStatus.values)
+    assert params["start"]["schema"]["format"] == params["end"]["schema"]["format"] == "date-time"
+    assert params["pool"]["schema"]["type"] == "string"
+    r = world.client("alpha-viewer").get("/api/v1/reservations/", {"status": "bogus"})
+    assert r.status_code == 400 and "status" in r.json()["fields"]

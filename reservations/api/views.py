@@ -5,7 +5,6 @@ from datetime import timedelta
 from django.conf import settings
 from django.db.models import Count, Prefetch, Q
 from django.utils import timezone
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -74,10 +73,8 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         return Response(self.get_serializer(node).data)
 
 
-@extend_schema_view(list=extend_schema(parameters=[  # the list's filters, not the detail routes'
-    OpenApiParameter("status", str), OpenApiParameter("pool", str),
-    OpenApiParameter("start", OpenApiTypes.DATETIME), OpenApiParameter("end", OpenApiTypes.DATETIME),
-]))
+# The list's filters (not the detail routes'), documented from the serializer that checks them.
+@extend_schema_view(list=extend_schema(parameters=[s.ReservationFilterSerializer]))
 class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
     serializer_class = s.ReservationSerializer
