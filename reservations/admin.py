@@ -22,6 +22,7 @@ from django.utils.html import format_html
 from portal.core.actors import STAFF_WORDS
 from portal.core.admin import ReadOnlyAdminMixin, ServiceAdminMixin, ShownValuesMixin, admin_hooks
 from portal.core.exceptions import InvalidState
+from portal.core.words import count_of
 
 from . import selectors, services
 from .choices import HOLDING_STATUSES, AllocationKind, NodeState
@@ -203,7 +204,7 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
             if self.run_service(request, services.node_update, actor=request.user, node=node, state=state,
                                 reason=reason) is not None:
                 done += 1
-        self.message_user(request, f"{verb} {done} node(s).", messages.SUCCESS if done else messages.WARNING)
+        self.message_user(request, f"{verb} {count_of(done, 'node')}.", messages.SUCCESS if done else messages.WARNING)
 
     @admin.action(description="Drain selected nodes (no new bookings)")
     def drain(self, request, queryset):

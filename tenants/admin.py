@@ -653,7 +653,8 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
         for form in edited:
             self.log_change(request, originals[form.instance.pk], self.construct_change_message(request, form, None))
         if updated:
-            self.message_user(request, f"{len(updated)} quota(s) changed; each change is in the audit log.",
+            self.message_user(request,
+                              f"{count_of(len(updated), 'quota')} changed; each change is in the audit log.",
                               messages.SUCCESS)
         return HttpResponseRedirect(request.get_full_path())
 
@@ -715,7 +716,9 @@ class ApiTokenAdmin(ServiceAdminMixin, admin.ModelAdmin):
     def revoke(self, request, queryset) -> None:
         done = sum(1 for token in queryset.filter(revoked=False)
                    if self.run_service(request, services.token_revoke, actor=request.user, token=token) is not None)
-        self.message_user(request, f"Revoked {done} token(s); requests presenting them are refused from now on.",
+        presenting = "it" if done == 1 else "them"
+        self.message_user(request, f"Revoked {count_of(done, 'token')}; requests presenting {presenting} are refused"
+                          " from now on.",
                           messages.SUCCESS if done else messages.WARNING)
 
 

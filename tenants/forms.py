@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from rest_framework.throttling import BaseThrottle
 
 from portal.core.conf import setting_int
+from portal.core.words import count_of
 
 from .choices import Role
 from .models import Tenant
@@ -170,7 +171,7 @@ class LockoutMixin:
 
     error_messages = {
         **AuthenticationForm.error_messages,
-        "locked": "Too many failed sign-in attempts. Try again in %(minutes)d minute(s).",
+        "locked": "Too many failed sign-in attempts. Try again in %(wait)s.",
     }
 
     def clean(self):
@@ -181,9 +182,8 @@ class LockoutMixin:
         if taken is None:
             self.locked = True
             seconds = remaining or _setting("PORTAL_LOGIN_LOCKOUT_SECONDS", LOGIN_LOCKOUT_SECONDS)
-            raise forms.ValidationError(
-                self.error_messages["locked"], code="locked", params={"minutes": max(1, -(-seconds // 60))}
-            )
+            wait = count_of(max(1, -(-seconds // 60)), "minute")
+            raise forms.ValidationError(self.error_messages["locked"], code="locked", params={"wait": wait})
         try:
             cleaned = super().clean()
         except forms.ValidationError as exc:

@@ -646,3 +646,23 @@ def test_a_stale_pool_capability_page_does_not_revert_a_newer_edit(world, staff)
     clash = other.post(url, _page_post(opened, max_memory_per_gpu_gib="40"))
     assert clash.status_code == 200 and "changed since you opened" in clash.content.decode()
     assert PoolCapability.objects.get(pk=capability.pk).max_memory_per_gpu_gib == 120
+
+
+def test_node_and_token_actions_count_in_words(world, staff):
+    """The admin said "Drained 1 node(s)." and "Revoked 1 token(s)"; counts now agree with their noun."""
+    from tenants.models import ApiToken
+    from tenants.services import token_issue
+
+    nodes = reverse("admin:reservations_node_changelist")
+    one = staff.post(nodes, {"action": "drain", "_selected_action": [world.nodes[0].pk]}, follow=True)
+    assert "Drained 1 node." in one.content.decode()
+    two = staff.post(nodes, {"action": "return_to_service", "_selected_action": [n.pk for n in world.nodes[:2]]},
+                     follow=True).content.decode()
+    assert "Returned to service 2 nodes." in two and "(s)" not in two
+
+    token_issue(user=world.users["alpha-lead"])
+    token_issue(user=world.users["alpha-lead"])
+    tokens = [t.pk for t in ApiToken.objects.filter(user=world.users["alpha-lead"], revoked=False)]
+    revoked = staff.post(reverse("admin:tenants_apitoken_changelist"),
+                         {"action": "revoke", "_selected_action": tokens}, follow=True).content.decode()
+    assert f"Revoked {len(tokens)} tokens; requests presenting them are refused from now on." in revoked

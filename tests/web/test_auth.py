@@ -157,3 +157,15 @@ def test_change_controls_follow_the_role_in_the_reservations_tenant(world, multi
         f"/reservations/{beta_run.pk}/").content.decode()
     assert f"/reservations/{beta_run.pk}/extend/" not in web("beta-viewer").get(
         f"/reservations/{beta_run.pk}/").content.decode()
+
+
+def test_the_lockout_message_counts_its_minutes_in_words(world, client, settings):
+    """"Try again in 1 minute(s)." now reads "1 minute" (and "15 minutes")."""
+    settings.PORTAL_LOGIN_MAX_FAILURES = 2
+    for lockout, words in ((60, b"Try again in 1 minute."), (900, b"Try again in 15 minutes.")):
+        settings.PORTAL_LOGIN_LOCKOUT_SECONDS = lockout
+        cache.clear()
+        for _ in range(2):
+            _post_login(client, "alpha-lead", "wrong")
+        response = _post_login(client, "alpha-lead", PASSWORD)
+        assert response.status_code == 429 and words in response.content, response.content
