@@ -264,3 +264,32 @@ def test_the_check_page_names_the_zone_of_its_started_and_finished_times(fleet, 
         assert f"started {check.started_at.astimezone(tokyo):%H:%M:%S} JST" in html, who
         assert f"finished {check.finished_at.astimezone(tokyo):%H:%M:%S} JST" in html, who
         assert not unzoned_times(html), (who, unzoned_times(html))
+
+
+@pytest.mark.django_db
+def test_a_checks_times_show_the_date_when_it_changed_since_it_was_queued(fleet, checked):
+    """The check page showed "queued 2026-03-01 23:59:30 JST · started 00:00:10 JST · finished 00:04:00 JST": a
+    check that ran past midnight (in the reader's zone) read as if it had started before it was queued. The
+    started and finished times carry their date when it is not the queued time's date there."""
+    import re
+    from datetime import UTC, datetime
+
+    check = HealthCheck.objects.get(node__hostname="gpu-002")
+    queued = datetime(2026, 3, 1, 14, 59, 30, tzinfo=UTC)  # 23:59:30 in Tokyo, 14:59:30 in UTC
+    HealthCheck.objects.filter(pk=check.pk).update(created_at=queued, started_at=queued + timedelta(seconds=40),
+                                                   finished_at=queued + timedelta(minutes=4, seconds=30))
+
+    def times(zone: str) -> str:
+        client = browser(fleet.users["staff"])  # a tenant sees a check run in its booking; this one is not now
+        session = client.session
+        session["portal_tz"] = zone
+        session.save()
+        html = client.get(f"/health/checks/{check.pk}/").content.decode()
+        found = re.search(r"<dt>Times</dt><dd>(.*?)</dd>", html, re.S)
+        assert found, html
+        return found.group(1)
+
+    assert times("Asia/Tokyo") == ("queued 2026-03-01 23:59:30 JST · started 2026-03-02 00:00:10 JST"
+                                   " · finished 2026-03-02 00:04:00 JST")
+    # The same day: the times alone, as before.
+    assert times("UTC") == "queued 2026-03-01 14:59:30 UTC · started 15:00:10 UTC · finished 15:04:00 UTC"
