@@ -10,4 +10,11 @@ BEAT: dict = {
         # backlog still counts rather than expiring unrun.
         "options": {"expires": 120},
     },
+    # Expired sessions: Django never deletes them itself; without this django_session grows by a
+    # row per sign-in for ever.
+    "core-sessions-prune": {
+        "task": "core.sessions_prune",
+        "schedule": 3600.0,
+        "options": {"expires": 3000},
+    },
 }

@@ -28,3 +28,11 @@ def outbox_relay() -> int:
     from . import events
 
     return len(events.outbox_relay())
+
+
+@shared_task(name="core.sessions_prune", ignore_result=True)
+def sessions_prune() -> int:
+    """Hourly (beat): delete expired sessions, a bounded batch at a time."""
+    from . import services
+
+    return services.sessions_prune()
