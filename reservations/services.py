@@ -1174,20 +1174,27 @@ def slot_usage_rebuild(*, pool_id: int | None = None) -> dict[int, int]:
     return written
 
 
-def idempotency_keys_prune(*, now: datetime | None = None, batch: int = 10_000) -> int:
-    """Forget Idempotency-Keys older than PORTAL_IDEMPOTENCY_KEY_TTL_HOURS (beat, hourly; one batch a call).
+def idempotency_keys_prune(*, now: datetime | None = None, batch: int = 10_000, max_batches: int = 1) -> int:
+    """Forget Idempotency-Keys older than PORTAL_IDEMPOTENCY_KEY_TTL_HOURS; return how many went.
 
     A key replays its booking for at least that long; a client that retries later than that
     with the same key books again. A key whose twin request is still running is never taken
-    (its row is locked until that booking commits or rolls back).
+    (its row is locked until that booking commits or rolls back). Up to ``max_batches`` batches
+    of ``batch`` keys, each one statement (its own transaction outside an atomic block); the
+    beat's hourly run takes as many as it needs (reservations.tasks), so the prune keeps up with
+    more than one batch an hour and drains a backlog the beat left while it was down.
     """
     hours = settings.PORTAL_IDEMPOTENCY_KEY_TTL_HOURS
     cutoff = (now or timezone.now()) - timedelta(hours=hours)
+    pruned = 0
     with connection.cursor() as cur:
-        cur.execute(
-            "DELETE FROM reservations_idempotencykey WHERE id IN (SELECT id FROM reservations_idempotencykey"
-            " WHERE created_at < %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)", [cutoff, batch])
-        pruned = cur.rowcount
+        for _ in range(max_batches):
+            cur.execute(
+                "DELETE FROM reservations_idempotencykey WHERE id IN (SELECT id FROM reservations_idempotencykey"
+                " WHERE created_at < %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)", [cutoff, batch])
+            pruned += cur.rowcount
+            if cur.rowcount < batch:
+                break
     if pruned:
         logger.info("pruned %d idempotency keys older than %d h", pruned, hours)
     return pruned

@@ -13,6 +13,9 @@ from celery import shared_task
 
 logger = logging.getLogger(__name__)
 
+# Batches (of 10,000 keys) one hourly prune may take: 500,000 keys, far more than an hour brings.
+PRUNE_MAX_BATCHES = 50
+
 __all__ = ["slot_usage_compact_task", "idempotency_keys_prune_task"]
 
 
@@ -29,7 +32,7 @@ def slot_usage_compact_task() -> int:
 
 @shared_task(name="reservations.idempotency_keys_prune", ignore_result=True)
 def idempotency_keys_prune_task() -> int:
-    """Hourly (beat): forget Idempotency-Keys past their replay period."""
+    """Hourly (beat): forget Idempotency-Keys past their replay period, up to PRUNE_MAX_BATCHES batches."""
     from .services import idempotency_keys_prune
 
-    return idempotency_keys_prune()
+    return idempotency_keys_prune(max_batches=PRUNE_MAX_BATCHES)

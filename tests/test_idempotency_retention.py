@@ -196,3 +196,22 @@ def test_two_retries_of_an_expired_key_book_once(t0):
     assert results[0].pk == results[1].pk
     assert Reservation.objects.count() == 2
     assert IdempotencyKey.objects.get(key="k").reservation_id == results[0].pk
+
+
+@pytest.mark.django_db
+def test_the_hourly_run_drains_more_than_one_batch(world):
+    """One 10,000-row batch an hour capped the prune at 240,000 keys a day: any busier API (or a backlog
+    after the beat was down) outgrew it for good. The beat's run takes batches until the backlog is gone."""
+    from django.contrib.auth import get_user_model
+
+    from reservations.tasks import idempotency_keys_prune_task
+
+    user = get_user_model().objects.get(username="alpha-lead")
+    old = timezone.now() - timedelta(days=3)
+    IdempotencyKey.objects.bulk_create(
+        [IdempotencyKey(user=user, key=f"bulk{i}", request_hash="h") for i in range(25_001)], batch_size=5000)
+    IdempotencyKey.objects.update(created_at=old)
+    IdempotencyKey.objects.create(user=user, key="young", request_hash="h")
+
+    assert idempotency_keys_prune_task() == 25_001
+    assert list(IdempotencyKey.objects.values_list("key", flat=True)) == ["young"]
