@@ -1151,25 +1151,31 @@ def deliveries_requeue_stuck(*, now: datetime | None = None, grace_s: float = 60
     return ids
 
 
-def deliveries_prune(*, now: datetime | None = None, batch: int = 10_000) -> int:
+def deliveries_prune(*, now: datetime | None = None, batch: int = 10_000, max_batches: int = 1) -> int:
     """Delete finished deliveries (and their attempt logs) untouched for PORTAL_NOTIFY_RETENTION_DAYS (beat).
 
     Only delivered, failed and skipped ones: nothing more happens to them unless someone requeues
     one, which touches it (updated_at) and so keeps it another retention period; the rows are
     locked while they go, so a requeue racing the prune either wins (and the row stays) or finds
-    the row gone. Open deliveries are never pruned, however old. One batch per call.
+    the row gone. Open deliveries are never pruned, however old. Up to ``max_batches`` batches of
+    ``batch``, each its own transaction; the beat's hourly run takes as many as it needs
+    (notifications.tasks), so a busy cluster or a backlog the beat left while down is drained.
     """
     days = int(_setting("PORTAL_NOTIFY_RETENTION_DAYS", 90))
     cutoff = (now or timezone.now()) - timedelta(days=days)
-    with transaction.atomic():
-        ids = list(
-            Delivery.objects.select_for_update(skip_locked=True)
-            .filter(status__in=TERMINAL_STATUSES, created_at__lt=cutoff, updated_at__lt=cutoff)
-            .order_by("id").values_list("id", flat=True)[:batch]
-        )
-        if not ids:
-            return 0
-        _, by_model = Delivery.objects.filter(pk__in=ids).delete()
-    pruned = by_model.get(Delivery._meta.label, 0)
-    logger.info("pruned %d deliveries finished more than %d days ago", pruned, days)
+    pruned = 0
+    for _ in range(max_batches):
+        with transaction.atomic():
+            ids = list(
+                Delivery.objects.select_for_update(skip_locked=True)
+                .filter(status__in=TERMINAL_STATUSES, created_at__lt=cutoff, updated_at__lt=cutoff)
+                .order_by("id").values_list("id", flat=True)[:batch]
+            )
+            if ids:
+                _, by_model = Delivery.objects.filter(pk__in=ids).delete()
+                pruned += by_model.get(Delivery._meta.label, 0)
+        if len(ids) < batch:
+            break
+    if pruned:
+        logger.info("pruned %d deliveries finished more than %d days ago", pruned, days)
     return pruned

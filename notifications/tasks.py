@@ -11,6 +11,9 @@ from django.db import DatabaseError
 
 __all__ = ["fanout_task", "deliver_task", "sweep_task", "reminders_task", "prune_task", "quota_recheck_task"]
 
+# Batches (of 10,000 deliveries) one hourly prune may take: 500,000, far more than an hour brings.
+PRUNE_MAX_BATCHES = 50
+
 
 @shared_task(
     name="notifications.fanout", acks_late=True, ignore_result=True,
@@ -56,10 +59,10 @@ def reminders_task() -> int:
 
 @shared_task(name="notifications.prune", ignore_result=True)
 def prune_task() -> int:
-    """Delete finished deliveries older than the retention period (hourly; one batch a run)."""
+    """Delete finished deliveries older than the retention period (hourly; up to PRUNE_MAX_BATCHES batches)."""
     from .services import deliveries_prune
 
-    return deliveries_prune()
+    return deliveries_prune(max_batches=PRUNE_MAX_BATCHES)
 
 
 @shared_task(name="notifications.quota_recheck", ignore_result=True)

@@ -108,3 +108,23 @@ def test_a_requeue_racing_the_prune_answers_invalid_state_not_500(world):
     assert "no longer kept" in str(result["value"])
 
 
+
+
+@pytest.mark.django_db
+def test_the_hourly_run_drains_more_than_one_batch(world, settings):
+    """One 10,000-row batch an hour capped the prune at 240,000 deliveries a day: a busier cluster (or a
+    backlog after the beat was down) outgrew it for good. The beat's run takes batches until none is left."""
+    from notifications.tasks import prune_task
+
+    settings.PORTAL_NOTIFY_RETENTION_DAYS = 90
+    tenant = world.tenants["alpha"]
+    Delivery.objects.bulk_create([
+        Delivery(key=f"bulk:{i}", kind="webhook", tenant=tenant, event="reservation.confirmed", message_id=f"m{i}",
+                 body="{}", status=DeliveryStatus.SKIPPED) for i in range(25_001)
+    ], batch_size=5000)
+    old = timezone.now() - timedelta(days=91)
+    Delivery.objects.update(created_at=old, updated_at=old)
+    young = _delivery(world, DeliveryStatus.DELIVERED, age_days=1)
+
+    assert prune_task() == 25_001
+    assert list(Delivery.objects.values_list("pk", flat=True)) == [young.pk]
