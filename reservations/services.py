@@ -1174,6 +1174,14 @@ def slot_usage_rebuild(*, pool_id: int | None = None) -> dict[int, int]:
     return written
 
 
+# One batch. = ANY(ARRAY(...)) looks the batch's ids up in the primary key; with IN (subquery)
+# PostgreSQL hash-joined them against a sequential scan of the whole table, once per batch.
+IDEMPOTENCY_KEYS_PRUNE_SQL = (
+    "DELETE FROM reservations_idempotencykey WHERE id = ANY(ARRAY(SELECT id FROM reservations_idempotencykey"
+    " WHERE created_at < %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED))"
+)
+
+
 def idempotency_keys_prune(*, now: datetime | None = None, batch: int = 10_000, max_batches: int = 1) -> int:
     """Forget Idempotency-Keys older than PORTAL_IDEMPOTENCY_KEY_TTL_HOURS; return how many went.
 
@@ -1189,9 +1197,7 @@ def idempotency_keys_prune(*, now: datetime | None = None, batch: int = 10_000, 
     pruned = 0
     with connection.cursor() as cur:
         for _ in range(max_batches):
-            cur.execute(
-                "DELETE FROM reservations_idempotencykey WHERE id IN (SELECT id FROM reservations_idempotencykey"
-                " WHERE created_at < %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)", [cutoff, batch])
+            cur.execute(IDEMPOTENCY_KEYS_PRUNE_SQL, [cutoff, batch])
             pruned += cur.rowcount
             if cur.rowcount < batch:
                 break

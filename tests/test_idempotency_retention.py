@@ -215,3 +215,22 @@ def test_the_hourly_run_drains_more_than_one_batch(world):
 
     assert idempotency_keys_prune_task() == 25_001
     assert list(IdempotencyKey.objects.values_list("key", flat=True)) == ["young"]
+
+
+@pytest.mark.django_db
+def test_a_batch_is_deleted_by_index_not_by_scanning_the_table(world):
+    """Each batch's DELETE looked its ids up by hash-joining them against a sequential scan of the whole
+    table: with the hourly run taking batch after batch, a backlog cost one full scan per batch."""
+    from django.contrib.auth import get_user_model
+
+    from reservations.services import IDEMPOTENCY_KEYS_PRUNE_SQL
+
+    user = get_user_model().objects.get(username="alpha-lead")
+    IdempotencyKey.objects.bulk_create(
+        [IdempotencyKey(user=user, key=f"bulk{i}", request_hash="h") for i in range(20_000)], batch_size=5000)
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE reservations_idempotencykey")
+        cur.execute("EXPLAIN " + IDEMPOTENCY_KEYS_PRUNE_SQL, [timezone.now(), 10_000])
+        plan = "\n".join(row[0] for row in cur.fetchall())
+    assert "Seq Scan" not in plan, plan
+    assert "Index Scan using reservations_idempotencykey_pkey" in plan
