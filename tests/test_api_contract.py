@@ -94,6 +94,23 @@ def test_swagger_ui_is_served_locally(world):
     assert external == [], external
 
 
+def test_redoc_is_served_locally_too(world):
+    """drf-spectacular's Redoc page links Google Fonts (fonts.googleapis.com, fonts.gstatic.com): every visit told
+    Google the reader's address and the page it came from, against "no CDN at run time" (DESIGN §2), and under the
+    production Content-Security-Policy (style-src 'self') the stylesheet was refused with a violation report."""
+    client = APIClient()
+    client.force_login(world.users["alpha-viewer"])
+    r = client.get("/api/redoc/")
+    assert r.status_code == 200
+    html = r.content.decode()
+    assert "redoc.standalone.js" in html and 'spec-url="/api/schema/"' in html
+    # The bundle's own logo (cdn.redoc.ly) is refused by the page itself, in every environment.
+    policy = "img-src 'self' data:; font-src 'self' data:"
+    assert f'<meta http-equiv="Content-Security-Policy" content="{policy}">' in html
+    external = re.findall(r"""(?:src|href)=["'](https?://[^"']+)""", html)
+    assert external == [], external
+
+
 def test_issue_token_prints_a_working_token_last(world):
     out, err = io.StringIO(), io.StringIO()
     call_command("issue_token", "alpha-lead", stdout=out, stderr=err)
