@@ -5,8 +5,10 @@ POSTs to it from inside the platform's network and records the answer's status f
 see. Left unchecked that is a probe of the internal network (metadata services, Redis, the
 portal itself): server-side request forgery. So a tenant-supplied URL must name a host whose every
 address is public (``ipaddress``'s ``is_global``: not loopback, private, link-local, shared,
-reserved or multicast), checked when the URL is saved and again, after resolving the name, before
-every POST (a name can be re-pointed after it was saved).
+reserved or multicast; for an IPv6 address that stands for an IPv4 one — IPv4-mapped, NAT64, 6to4,
+IPv4-compatible — that IPv4 address, which a translating network delivers to), checked when the URL
+is saved and again, after resolving the name, before every POST (a name can be re-pointed after it
+was saved).
 
 ``PORTAL_WEBHOOK_ALLOW_PRIVATE = True`` lifts the rule for platforms whose chat or webhook
 receivers live on their own network (and for the local demo receiver). The platform's own Slack
@@ -41,10 +43,35 @@ MAX_URL_LENGTH = 2000
 _LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 
 
+# IPv6 prefixes whose addresses carry an IPv4 one that a translating network delivers to: NAT64's well-known
+# prefix (RFC 6052, the last 32 bits) and its local-use one (RFC 8215, any embedding, so all of it is refused).
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d (RFC 4291 2.5.5.1)
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one stands for: IPv4-mapped, NAT64, 6to4 or IPv4-compatible; else None."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in _NAT64 or ip in _IPV4_COMPATIBLE:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip.sixtofour  # 2002:a.b.c.d::/48 (RFC 3056), else None
+
+
 def _private(address: str) -> bool:
+    """Whether the portal must not connect to address: not global, multicast, or an IPv6 address standing for
+    an IPv4 one that is (Python calls NAT64 and 6to4 addresses global whatever IPv4 address they carry)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone ("fe80::1%eth0") is link-local anyway
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return not (mapped or ip).is_global or ip.is_multicast
+    if ip.is_multicast:
+        return True
+    if ip.version == 6:
+        if ip in _NAT64_LOCAL:
+            return True
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            return not embedded.is_global or embedded.is_multicast
+    return not ip.is_global
 
 
 def destination_problem(url: str, *, resolve: bool = True) -> str | None:

@@ -42,6 +42,25 @@ def test_public_destinations_pass(public_only, url):
     assert destination_problem(url) is None
 
 
+@pytest.mark.parametrize("url", [
+    "http://[64:ff9b::a9fe:a9fe]/latest/meta-data/",  # NAT64 (RFC 6052) of 169.254.169.254
+    "http://[64:ff9b::10.0.0.1]/", "http://[64:ff9b::7f00:1]:6379/",
+    "http://[2002:a00:1::1]/",  # 6to4 (RFC 3056) of 10.0.0.1
+    "http://[::10.0.0.1]/", "http://[::127.0.0.1]/",  # IPv4-compatible (deprecated, RFC 4291 2.5.5.1)
+])
+def test_private_ipv4_addresses_inside_ipv6_ones_are_named(public_only, url):
+    """An IPv6 address that carries an IPv4 one reaches that IPv4 address where the network translates it:
+    behind NAT64 (an IPv6-only cluster's way out, which may also reach the VPC's own IPv4 services)
+    64:ff9b::a9fe:a9fe is the metadata service. Python calls these prefixes global, so only the
+    IPv4-mapped form (::ffff:a.b.c.d) was refused; a name resolving to such an address was let through."""
+    assert destination_problem(url) is not None
+
+
+@pytest.mark.parametrize("url", ["https://[64:ff9b::5db8:d822]/hook", "https://[2002:5db8:d822::1]/hook"])
+def test_public_ipv4_addresses_inside_ipv6_ones_pass(public_only, url):
+    assert destination_problem(url) is None  # 93.184.216.34 by NAT64 and by 6to4
+
+
 def test_the_setting_lets_private_addresses_through(settings):
     settings.PORTAL_WEBHOOK_ALLOW_PRIVATE = True
     assert destination_problem("http://127.0.0.1:1/x") is None
