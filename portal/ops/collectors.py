@@ -1,7 +1,9 @@
 """Collectors that read PostgreSQL and the Celery broker when /metrics is scraped.
 
 Each section runs in its own savepoint with a statement timeout, so a slow or failing query
-costs one section (reported by ``portal_metrics_source_up``), never the whole scrape.
+costs one section (reported by ``portal_metrics_source_up``), never the whole scrape. The sections
+share one budget (SCRAPE_BUDGET_S, below Prometheus' scrape_timeout): however slow the database,
+the scrape answers in time, with the sections it had no time left for reported down.
 
 Families of apps that may not be installed or migrated yet (provisioning, health, notifications)
 are looked up with ``apps.get_model`` and only emitted when their table exists, so this module
@@ -48,6 +50,12 @@ PROVISIONING_PHASES = (
 # the authority when that app is installed).
 CLOSED_REPAIR_STATES = frozenset({"rejoined", "failed", "closed", "cancelled"})
 STATEMENT_TIMEOUT_MS = 5000
+# The whole scrape's time: every section's statement timeout (and Redis read) is cut to what is left
+# of it, and a section that finds it spent is reported down unread. Six slow sections at
+# STATEMENT_TIMEOUT_MS each would otherwise run past Prometheus' scrape_timeout (10 s,
+# deploy/prometheus.yml), losing the whole scrape, and hold a web worker towards gunicorn's timeout.
+SCRAPE_BUDGET_S = 8.0
+MIN_SECTION_MS = 50  # less than this left: the section is skipped, not started
 
 # Every family /metrics can expose: name -> (type, when). "always": every scrape; otherwise the
 # app whose tables must exist (provisioning, notifications) or the source that must answer.
@@ -108,15 +116,22 @@ def _q(identifier: str) -> str:
 class _Section:
     """Run one group of queries; on failure report the source as down instead of failing the scrape."""
 
-    def __init__(self, up: GaugeMetricFamily, took: GaugeMetricFamily, name: str) -> None:
-        self.up, self.took, self.name = up, took, name
+    def __init__(self, up: GaugeMetricFamily, took: GaugeMetricFamily, name: str, deadline: float) -> None:
+        self.up, self.took, self.name, self.deadline = up, took, name, deadline
 
     def run(self, fn) -> list[Metric]:
         started = time.perf_counter()
+        left_ms = int((self.deadline - time.monotonic()) * 1000)
+        if left_ms < MIN_SECTION_MS:
+            logger.warning("metrics section %s skipped: the scrape's %s s budget is spent", self.name,
+                           SCRAPE_BUDGET_S)
+            self.up.add_metric([self.name], 0)
+            self.took.add_metric([self.name], 0.0)
+            return []
         try:
             with transaction.atomic():
                 with connection.cursor() as cur:
-                    cur.execute(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}")
+                    cur.execute(f"SET LOCAL statement_timeout = {min(STATEMENT_TIMEOUT_MS, left_ms)}")
                 metrics = list(fn())
         except DatabaseError as exc:
             logger.warning("metrics section %s failed: %s", self.name, exc.__class__.__name__, exc_info=True)
@@ -139,8 +154,9 @@ class PortalCollector:
                                labels=["source"])
         took = GaugeMetricFamily("portal_metrics_collect_duration_seconds",
                                  "Time spent reading this section of the scrape.", labels=["source"])
-        yield from _queue_depths(up, took)
-        yield from _event_counts(up, took)
+        deadline = time.monotonic() + SCRAPE_BUDGET_S
+        yield from _queue_depths(up, took, deadline)
+        yield from _event_counts(up, took, deadline)
         now = timezone.now()
         try:
             tables = set(connection.introspection.table_names())
@@ -160,7 +176,7 @@ class PortalCollector:
             ("events", self._events),
         ]
         for name, fn in sections:
-            yield from _Section(up, took, name).run(fn)
+            yield from _Section(up, took, name, deadline).run(fn)
         yield up
         yield took
 
@@ -522,13 +538,13 @@ def _rows(sql: str, params: dict | None = None) -> list[tuple]:
 
 
 def _read_redis(source: str, url: str, read: Callable[[Any], Any], up: GaugeMetricFamily,
-                took: GaugeMetricFamily) -> Any:
-    """read(client) on the Redis at url, within the readyz timeout; source's up (1/0) and time are recorded.
-    None when Redis could not be read (logged, up 0)."""
+                took: GaugeMetricFamily, deadline: float) -> Any:
+    """read(client) on the Redis at url, within the readyz timeout (and what is left of the scrape's
+    budget); source's up (1/0) and time are recorded. None when Redis could not be read (logged, up 0)."""
     import redis
 
     started = time.perf_counter()
-    timeout = float(_setting("PORTAL_READYZ_TIMEOUT", 2.0))
+    timeout = min(float(_setting("PORTAL_READYZ_TIMEOUT", 2.0)), max(deadline - time.monotonic(), 0.05))
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
         try:
@@ -545,7 +561,7 @@ def _read_redis(source: str, url: str, read: Callable[[Any], Any], up: GaugeMetr
     return result
 
 
-def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Metric]:
+def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily, deadline: float) -> Iterator[Metric]:
     """Celery queue depths: LLEN of each queue's Redis lists on the broker (all priority levels)."""
     queues = list(_setting("PORTAL_CELERY_QUEUES", DEFAULT_QUEUES))
 
@@ -557,7 +573,8 @@ def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Me
                 pipe.llen(f"{queue}{REDIS_PRIORITY_SEPARATOR}{step}")
         return pipe.execute()
 
-    lengths = _read_redis("broker", _setting("CELERY_BROKER_URL", None) or _setting("REDIS_URL", ""), read, up, took)
+    lengths = _read_redis("broker", _setting("CELERY_BROKER_URL", None) or _setting("REDIS_URL", ""), read, up, took,
+                          deadline)
     if lengths is None:
         return
     family = GaugeMetricFamily("portal_celery_queue_length", "Messages waiting in each Celery queue.",
@@ -568,12 +585,12 @@ def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Me
     yield family
 
 
-def _event_counts(up: GaugeMetricFamily, took: GaugeMetricFamily) -> Iterator[Metric]:
+def _event_counts(up: GaugeMetricFamily, took: GaugeMetricFamily, deadline: float) -> Iterator[Metric]:
     """Domain events by name, as every process (web, Celery workers) counted them in Redis."""
     from .metrics import domain_events_key
 
     counts = _read_redis("redis", _setting("REDIS_URL", ""), lambda client: client.hgetall(domain_events_key()),
-                         up, took)
+                         up, took, deadline)
     if not counts:
         return  # unreachable, or no event yet: the family appears with the first one
     family = CounterMetricFamily("portal_domain_events", "Domain events emitted, by name (every process).",
