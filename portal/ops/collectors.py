@@ -41,9 +41,11 @@ UTILIZATION_WINDOWS = {
 }
 GPU_STATES = ("reserved", "idle", "failed", "unavailable")
 PHASE_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
-# The virtual-cluster phases whose durations are provisioning work (DESIGN §5), plus teardown.
+# The virtual-cluster phases whose durations are provisioning work (DESIGN §5), plus teardown. Not
+# "pending": a cluster is pending from the booking until provisioning starts (PORTAL_PROVISION_LEAD_MINUTES
+# before the window), so its duration is the booking's lead time, days or weeks, not work.
 PROVISIONING_PHASES = (
-    "pending", "allocating_nodes", "configuring_network", "attaching_storage", "installing_drivers",
+    "allocating_nodes", "configuring_network", "attaching_storage", "installing_drivers",
     "running_acceptance_tests", "tearing_down",
 )
 # Repair records in one of these states are no longer open (health.choices.OPEN_REPAIR_STATES is
