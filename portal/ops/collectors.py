@@ -40,7 +40,9 @@ UTILIZATION_WINDOWS = {
     "next_7d": (timedelta(0), timedelta(days=7)),
 }
 GPU_STATES = ("reserved", "idle", "failed", "unavailable")
-PHASE_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+# Up to 6 h: running_acceptance_tests can wait one check's timeout of the acceptance level (4 h for
+# "full", PORTAL_HEALTH_TIMEOUT_FULL) and a retry.
+PHASE_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 10800, 14400, 21600)
 # The virtual-cluster phases whose durations are provisioning work (DESIGN §5), plus teardown. Not
 # "pending": a cluster is pending from the booking until provisioning starts (PORTAL_PROVISION_LEAD_MINUTES
 # before the window), so its duration is the booking's lead time, days or weeks, not work.

@@ -54,3 +54,25 @@ def test_the_wait_for_a_bookings_start_is_not_counted_as_a_provisioning_phase(op
     assert s.value(f"{FAMILY}_sum", phase="configuring_network") == 60
     phases = {dict(labels).get("phase") for name, labels in s.samples if name.startswith(FAMILY)}
     assert "pending" not in phases, phases
+
+
+def test_the_buckets_reach_the_longest_acceptance_phase(ops):
+    """running_acceptance_tests waits for the acceptance checks up to one check's timeout of the level
+    (PORTAL_HEALTH_TIMEOUT_FULL: 4 h with PORTAL_HEALTH_ACCEPTANCE_LEVEL=full). The top bucket was 2 h: a
+    3.5 h acceptance phase fell in +Inf only, and histogram_quantile read it as 2 h."""
+    from provisioning.health.conf import LEVEL_TIMEOUTS_S
+
+    world = make_world(nodes=2)
+    t0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
+    cluster_with_phases(world, t0, [
+        ("installing_drivers", t0),
+        ("running_acceptance_tests", t0 + timedelta(minutes=10)),
+        ("ready", t0 + timedelta(minutes=10, hours=3, seconds=1800)),
+    ])
+    s = scrape(Client())
+    buckets = {float(dict(labels)["le"]): value for (name, labels), value in s.samples.items()
+               if name == f"{FAMILY}_bucket" and dict(labels)["phase"] == "running_acceptance_tests"}
+    finite = sorted(le for le in buckets if le != float("inf"))
+    assert finite[-1] >= max(LEVEL_TIMEOUTS_S.values()), finite
+    assert buckets[7200.0] == 0
+    assert any(buckets[le] == 1 for le in finite), buckets
