@@ -81,6 +81,7 @@ FAMILIES = {
     "portal_pool_utilization_ratio": ("gauge", "always"),
     "portal_reservations": ("gauge", "always"),
     "portal_virtual_clusters": ("gauge", "provisioning"),
+    "portal_virtual_cluster_failures_last_hour": ("gauge", "provisioning"),
     "portal_provisioning_phase_duration_seconds": ("histogram", "provisioning"),
     "portal_health_checks": ("gauge", "provisioning"),
     "portal_node_health": ("gauge", "provisioning"),
@@ -324,7 +325,27 @@ class PortalCollector:
                     f"SELECT {_q(status)}, count(*) FROM {_q(cluster._meta.db_table)} GROUP BY 1"  # noqa: S608
                 )))
             yield family
+            yield from self._recent_failures(cluster, tables)
         yield from self._phase_durations(cluster, tables)
+
+    def _recent_failures(self, cluster: type[Model], tables: set[str]) -> Iterator[Metric]:
+        """Clusters that entered the failed phase in the last hour, from the transition log.
+
+        A failed cluster leaves the failed state when its window ends (torn down): a delta() over
+        portal_virtual_clusters{status="failed"} reads an old one torn down and a new failure as no change.
+        """
+        log = _transition_log(cluster, tables)
+        if log is None:
+            return
+        model, _, phase, at = log
+        (count,), = _rows(
+            f"SELECT count(*) FROM {_q(model._meta.db_table)} "  # noqa: S608
+            f"WHERE {_q(phase)} = 'failed' AND {_q(at)} > clock_timestamp() - interval '1 hour'"
+        )
+        family = GaugeMetricFamily("portal_virtual_cluster_failures_last_hour",
+                                   "Virtual clusters that entered the failed state in the last hour.")
+        family.add_metric([], count)
+        yield family
 
     def _phase_durations(self, cluster: type[Model], tables: set[str]) -> Iterator[Metric]:
         """Histogram of how long clusters spent in each phase, from the recorded phase timestamps.
@@ -504,7 +525,8 @@ def _open_repair_states(repair: type[Model], column: str) -> list[str]:
         return [value for value, _ in field.choices or [] if value not in CLOSED_REPAIR_STATES]
 
 
-def _timelines_from_log(cluster: type[Model], tables: set[str]) -> list[list[tuple[str, datetime]]] | None:
+def _transition_log(cluster: type[Model], tables: set[str]) -> tuple[type[Model], str, str, str] | None:
+    """The cluster's transition log model (cluster FK + phase + timestamp) and those three columns."""
     for model in apps.get_app_config(cluster._meta.app_label).get_models():
         if model is cluster or model._meta.db_table not in tables:
             continue
@@ -514,13 +536,21 @@ def _timelines_from_log(cluster: type[Model], tables: set[str]) -> list[list[tup
         at = _field(model, "at", "entered_at", "timestamp")
         if fk is None or phase is None or at is None:
             continue
-        by_cluster: dict[int, list[tuple[str, datetime]]] = defaultdict(list)
-        for cid, value, when in _rows(
-            f"SELECT {_q(fk.column)}, {_q(phase)}, {_q(at)} FROM {_q(model._meta.db_table)}"  # noqa: S608
-        ):
-            by_cluster[cid].append((str(value), when))
-        return list(by_cluster.values())
+        return model, fk.column, phase, at
     return None
+
+
+def _timelines_from_log(cluster: type[Model], tables: set[str]) -> list[list[tuple[str, datetime]]] | None:
+    log = _transition_log(cluster, tables)
+    if log is None:
+        return None
+    model, fk, phase, at = log
+    by_cluster: dict[int, list[tuple[str, datetime]]] = defaultdict(list)
+    for cid, value, when in _rows(
+        f"SELECT {_q(fk)}, {_q(phase)}, {_q(at)} FROM {_q(model._meta.db_table)}"  # noqa: S608
+    ):
+        by_cluster[cid].append((str(value), when))
+    return list(by_cluster.values())
 
 
 def _timelines_from_columns(cluster: type[Model]) -> list[list[tuple[str, datetime]]] | None:
