@@ -354,24 +354,22 @@ class PortalCollector:
         (cluster FK + phase + timestamp, one row per phase entered) or one ``<phase>_at`` column
         per phase on the cluster. A phase's duration is the time until the next phase began.
         """
-        timelines = _timelines_from_log(cluster, tables)
-        if timelines is None:
+        log = _transition_log(cluster, tables)
+        if log is not None:
+            # Summed in the database: the log is never pruned, and a scrape reads a row per phase.
+            stats = _phase_stats_from_log(*log)
+        else:
             timelines = _timelines_from_columns(cluster)
-        if timelines is None:
-            return
-        observations: dict[str, list[float]] = defaultdict(list)
-        for entries in timelines:
-            entries = sorted((at, phase) for phase, at in entries if at is not None)
-            for (at, phase), (next_at, _) in zip(entries, entries[1:], strict=False):
-                if phase in PROVISIONING_PHASES:
-                    observations[phase].append(max(0.0, (next_at - at).total_seconds()))
+            if timelines is None:
+                return
+            stats = _phase_stats(timelines)
         family = HistogramMetricFamily("portal_provisioning_phase_duration_seconds",
                                        "Time virtual clusters spent in each provisioning phase.", labels=["phase"])
-        for phase in sorted(observations):
-            values = observations[phase]
-            buckets = [(str(float(b)), sum(1 for v in values if v <= b)) for b in PHASE_BUCKETS]
-            buckets.append(("+Inf", len(values)))
-            family.add_metric([phase], buckets, sum_value=sum(values))
+        for phase in sorted(stats):
+            counts, total, observed = stats[phase]
+            buckets = [(str(float(b)), count) for b, count in zip(PHASE_BUCKETS, counts, strict=True)]
+            buckets.append(("+Inf", observed))
+            family.add_metric([phase], buckets, sum_value=total)
         yield family
 
     def _health(self, tables: set[str]) -> Iterator[Metric]:
@@ -540,17 +538,42 @@ def _transition_log(cluster: type[Model], tables: set[str]) -> tuple[type[Model]
     return None
 
 
-def _timelines_from_log(cluster: type[Model], tables: set[str]) -> list[list[tuple[str, datetime]]] | None:
-    log = _transition_log(cluster, tables)
-    if log is None:
-        return None
-    model, fk, phase, at = log
-    by_cluster: dict[int, list[tuple[str, datetime]]] = defaultdict(list)
-    for cid, value, when in _rows(
-        f"SELECT {_q(fk)}, {_q(phase)}, {_q(at)} FROM {_q(model._meta.db_table)}"  # noqa: S608
-    ):
-        by_cluster[cid].append((str(value), when))
-    return list(by_cluster.values())
+# phase -> (observations at or under each of PHASE_BUCKETS, sum of the durations, observations)
+PhaseStats = dict[str, tuple[list[int], float, int]]
+
+
+def _phase_stats_from_log(model: type[Model], fk: str, phase: str, at: str) -> PhaseStats:
+    """Each provisioning phase's histogram from the transition log, summed by PostgreSQL: a phase
+    lasted until the cluster's next transition (by time, then id)."""
+    pk = model._meta.pk.column
+    buckets = ", ".join(f"count(*) FILTER (WHERE d <= {float(b)})" for b in PHASE_BUCKETS)
+    rows = _rows(
+        f"""
+        SELECT phase, {buckets}, coalesce(sum(d), 0), count(*) FROM (
+            SELECT phase, greatest(extract(epoch FROM next_at - at), 0) AS d FROM (
+                SELECT {_q(phase)} AS phase, {_q(at)} AS at,
+                       lead({_q(at)}) OVER (PARTITION BY {_q(fk)} ORDER BY {_q(at)}, {_q(pk)}) AS next_at
+                FROM {_q(model._meta.db_table)} WHERE {_q(at)} IS NOT NULL
+            ) timeline
+            WHERE next_at IS NOT NULL AND phase = ANY(%(phases)s)
+        ) durations
+        GROUP BY phase
+        """,  # noqa: S608
+        {"phases": list(PROVISIONING_PHASES)},
+    )
+    n = len(PHASE_BUCKETS)
+    return {str(row[0]): (list(row[1:n + 1]), float(row[n + 1]), int(row[n + 2])) for row in rows}
+
+
+def _phase_stats(timelines: list[list[tuple[str, datetime]]]) -> PhaseStats:
+    observations: dict[str, list[float]] = defaultdict(list)
+    for entries in timelines:
+        entries = sorted((at, phase) for phase, at in entries if at is not None)
+        for (at, phase), (next_at, _) in zip(entries, entries[1:], strict=False):
+            if phase in PROVISIONING_PHASES:
+                observations[phase].append(max(0.0, (next_at - at).total_seconds()))
+    return {phase: ([sum(1 for v in values if v <= b) for b in PHASE_BUCKETS], sum(values), len(values))
+            for phase, values in observations.items()}
 
 
 def _timelines_from_columns(cluster: type[Model]) -> list[list[tuple[str, datetime]]] | None:

@@ -76,3 +76,39 @@ def test_the_buckets_reach_the_longest_acceptance_phase(ops):
     assert finite[-1] >= max(LEVEL_TIMEOUTS_S.values()), finite
     assert buckets[7200.0] == 0
     assert any(buckets[le] == 1 for le in finite), buckets
+
+
+def test_the_histogram_is_summed_in_the_database_not_read_row_by_row(ops, monkeypatch):
+    """Cluster transitions are never pruned and the scrape runs every 15 s: reading every transition ever
+    recorded into the web worker on each scrape grew without bound. The database sums the histogram: what
+    a scrape reads stays a row per phase, however many clusters there have been."""
+    from portal.ops import collectors
+
+    ClusterTransition = apps.get_model("provisioning", "ClusterTransition")
+    table = ClusterTransition._meta.db_table
+    world = make_world(nodes=2)
+    t0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
+    for i in range(40):
+        at = t0 + timedelta(hours=i)
+        cluster_with_phases(world, t0 + timedelta(days=i), [
+            ("pending", at - timedelta(days=1)), ("allocating_nodes", at),
+            ("configuring_network", at + timedelta(seconds=10 + i)),
+            ("attaching_storage", at + timedelta(seconds=100)), ("ready", at + timedelta(seconds=200)),
+        ])
+    read = []
+    real_rows = collectors._rows
+
+    def counting_rows(sql, params=None):
+        rows = real_rows(sql, params)
+        if table in sql:
+            read.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(collectors, "_rows", counting_rows)
+    s = scrape(Client())
+    assert s.value(f"{FAMILY}_count", phase="configuring_network") == 40
+    assert s.value(f"{FAMILY}_sum", phase="configuring_network") == sum(100 - (10 + i) for i in range(40))
+    assert s.value(f"{FAMILY}_bucket", phase="configuring_network", le="60.0") == 10  # i >= 30: 90 - i <= 60
+    assert s.value(f"{FAMILY}_count", phase="attaching_storage") == 40
+    assert s.value(f"{FAMILY}_bucket", phase="attaching_storage", le="+Inf") == 40
+    assert sum(read) <= 2 * len(collectors.PROVISIONING_PHASES), read
