@@ -40,8 +40,10 @@ proc_name = "portal-web"
 # Prometheus multiprocess mode: every worker writes its counters under this directory and the
 # worker answering /metrics sums them. It must be set before a worker imports prometheus_client,
 # i.e. here in the master; it is emptied at start so values of an earlier run never leak in.
+# A directory made here is removed again when gunicorn exits (on_exit); one named by the operator stays.
+_made_multiproc_dir = None
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="portal-prometheus-")
+    _made_multiproc_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="portal-prometheus-")
 
 
 def on_starting(server):
@@ -60,3 +62,10 @@ def child_exit(server, worker):
         multiproc.mark_process_dead(worker.pid)
     except Exception:  # an exception here would stop the master
         server.log.exception("prometheus: could not fold the metric files of worker %s", worker.pid)
+
+
+def on_exit(server):
+    if _made_multiproc_dir:
+        import shutil
+
+        shutil.rmtree(_made_multiproc_dir, ignore_errors=True)
