@@ -49,6 +49,12 @@ if _token_file and not PORTAL_METRICS_TOKEN:
         raise ImproperlyConfigured(
             f"PORTAL_METRICS_TOKEN_FILE={_token_file} does not exist (mount the metrics_token secret, or unset it)"
         ) from None
+    if not PORTAL_METRICS_TOKEN:
+        # Read as "no token", it would close /metrics to Prometheus too (no network is trusted here).
+        raise ImproperlyConfigured(
+            f"PORTAL_METRICS_TOKEN_FILE={_token_file} is empty (put a token in it, e.g. "
+            "python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
 # No network is trusted by default here: behind a reverse proxy on the same host every request
 # arrives from loopback, so "allow loopback" would publish /metrics. List networks explicitly.
 PORTAL_METRICS_ALLOWED_NETWORKS = [n for n in env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=[]) if n]
