@@ -15,6 +15,16 @@ from reservations.schedule import BEAT as _reservations_beat
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 
 env = environ.Env()
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    """A comma-separated list setting: spaces around each entry stripped, empty entries dropped.
+
+    django-environ's env.list keeps them, so ALLOWED_HOSTS="a.com, b.com" would allow " b.com" (and answer
+    every request to b.com with a 400). The default applies only when the variable is unset.
+    """
+    return [item.strip() for item in env.list(name, default=default) if item.strip()]
+
 # A developer's var/dev.env (written by bin/devservices.py) fills in DATABASE_URL/REDIS_URL
 # for the embedded services; real environment variables always win. Never under the production
 # or node agent settings: on a host where `make services` once ran, they must not quietly use those.
@@ -24,8 +34,8 @@ if _dev_env.exists() and not os.environ.get("DJANGO_SETTINGS_MODULE", "").endswi
 
 SECRET_KEY = env("SECRET_KEY", default="")
 DEBUG = env.bool("DEBUG", default=False)
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
-CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", default=[])
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -209,18 +219,18 @@ CELERY_BEAT_SCHEDULE = {**_core_beat, **_reservations_beat, **_provisioning_beat
 PORTAL_BOOKING_HORIZON_DAYS = env.int("PORTAL_BOOKING_HORIZON_DAYS", default=365)
 PORTAL_BOOKING_MAX_ATTEMPTS = env.int("PORTAL_BOOKING_MAX_ATTEMPTS", default=12)
 PORTAL_SUGGESTION_SEARCH_DAYS = env.int("PORTAL_SUGGESTION_SEARCH_DAYS", default=60)
-# An Idempotency-Key replays its booking for at least this long; older keys are pruned hourly.
 # The largest JSON body the API parses (a booking is ~200 bytes; a bulk of anything stays far below).
 PORTAL_API_MAX_BODY_BYTES = env.int("PORTAL_API_MAX_BODY_BYTES", default=1024 * 1024)
+# An Idempotency-Key replays its booking for at least this long; older keys are pruned hourly.
 PORTAL_IDEMPOTENCY_KEY_TTL_HOURS = env.int("PORTAL_IDEMPOTENCY_KEY_TTL_HOURS", default=24)
 PORTAL_AVAILABILITY_MAX_SLOTS = 2000
 PORTAL_PROVISIONING_BACKEND = env("PORTAL_PROVISIONING_BACKEND", default="simulated")
-PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=[])
+PORTAL_FERNET_KEYS = env_list("PORTAL_FERNET_KEYS", default=[])
 PORTAL_BASE_URL = env("PORTAL_BASE_URL", default="http://127.0.0.1:8000")
 
 # Notifications (notifications/): platform channel, demo receiver, delivery policy.
 PORTAL_PLATFORM_SLACK_WEBHOOK = env("PORTAL_PLATFORM_SLACK_WEBHOOK", default="")
-PORTAL_PLATFORM_SLACK_EVENTS = env.list("PORTAL_PLATFORM_SLACK_EVENTS", default=[])
+PORTAL_PLATFORM_SLACK_EVENTS = env_list("PORTAL_PLATFORM_SLACK_EVENTS", default=[])
 # Tenants' webhook and Slack URLs must name public addresses (portal/core/egress.py: no probing of the
 # platform's own network through the notifier); true lets them reach private and loopback ones.
 PORTAL_WEBHOOK_ALLOW_PRIVATE = env.bool("PORTAL_WEBHOOK_ALLOW_PRIVATE", default=False)
@@ -237,7 +247,7 @@ PORTAL_NOTIFY_RETENTION_DAYS = env.int("PORTAL_NOTIFY_RETENTION_DAYS", default=9
 
 # Operations (portal/ops): /metrics access, /readyz, queues watched.
 PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
-PORTAL_METRICS_ALLOWED_NETWORKS = env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=["127.0.0.0/8", "::1/128"])
+PORTAL_METRICS_ALLOWED_NETWORKS = env_list("PORTAL_METRICS_ALLOWED_NETWORKS", default=["127.0.0.0/8", "::1/128"])
 PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
 PORTAL_CELERY_QUEUES = ["default", "provisioning", "health", "fleet", "notifications"]
 # Background event subscribers (cluster creation, notification fan-out) run in a worker: the event

@@ -12,14 +12,14 @@ from csp.constants import NONCE, NONE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
 from .base import *  # noqa: F403
-from .base import INSTALLED_APPS, MIDDLEWARE, env
+from .base import INSTALLED_APPS, MIDDLEWARE, env, env_list
 
 DEBUG = False
 
 SECRET_KEY = env("SECRET_KEY", default="")
 if not SECRET_KEY:
     raise ImproperlyConfigured("SECRET_KEY must be set in production")
-PORTAL_FERNET_KEYS = env.list("PORTAL_FERNET_KEYS", default=[])
+PORTAL_FERNET_KEYS = env_list("PORTAL_FERNET_KEYS", default=[])
 if not PORTAL_FERNET_KEYS:
     raise ImproperlyConfigured("PORTAL_FERNET_KEYS must be set in production (comma-separated Fernet keys)")
 for _key in PORTAL_FERNET_KEYS:  # refuse to start, rather than fail at the first secret written
@@ -57,7 +57,7 @@ if _token_file and not PORTAL_METRICS_TOKEN:
         )
 # No network is trusted by default here: behind a reverse proxy on the same host every request
 # arrives from loopback, so "allow loopback" would publish /metrics. List networks explicitly.
-PORTAL_METRICS_ALLOWED_NETWORKS = [n for n in env.list("PORTAL_METRICS_ALLOWED_NETWORKS", default=[]) if n]
+PORTAL_METRICS_ALLOWED_NETWORKS = env_list("PORTAL_METRICS_ALLOWED_NETWORKS", default=[])
 PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
 
 # --- HTTPS -------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ LOGGING = {
     },
 }
 
-ADMINS = [("Platform team", a) for a in env.list("ADMIN_EMAILS", default=[])]
+ADMINS = [("Platform team", a) for a in env_list("ADMIN_EMAILS", default=[])]
 SERVER_EMAIL = env("SERVER_EMAIL", default="portal@localhost")
 
 # Clusters are handed over only when their nodes pass the medium GPU checks (provisioning/health).
