@@ -98,7 +98,9 @@ def test_badge_and_results_tags(fleet, checked):
     annotated = {n.hostname: n for n in nodes_with_health(Node.objects.all())}
     tpl = Template("{% load health %}{% health_badge node %}")
     assert 'data-verdict="fail"' in tpl.render(Context({"node": annotated["gpu-002"]}))
-    assert 'data-verdict="pass"' in tpl.render(Context({"node": Node.objects.get(hostname="gpu-003")}))
+    assert 'data-verdict="pass"' in tpl.render(Context({"node": annotated["gpu-003"]}))
+    gpu_003_check = HealthCheck.objects.get(node__hostname="gpu-003")
+    assert 'data-verdict="pass"' in tpl.render(Context({"node": gpu_003_check}))
     assert "not checked" in tpl.render(Context({"node": None}))
     request = RequestFactory().get("/")
     request.user = fleet.users["alpha-viewer"]
@@ -109,6 +111,21 @@ def test_badge_and_results_tags(fleet, checked):
     html = Template("{% load health %}{% cluster_health cluster %}").render(
         Context({"cluster": checked, "request": request}))
     assert "gpu-001" not in html and 'data-verdict="pass"' not in html
+
+
+@pytest.mark.django_db
+def test_badge_refuses_a_plain_node(fleet, checked, django_assert_num_queries):
+    """A plain node carries no say over whose checks may be shown: the tag would read its newest check
+    for anyone, another tenant's included. The caller passes what the reader may see (an annotated node
+    from a staff-only selector, or a check it scoped itself); a plain node is an error, and nothing is read."""
+    tpl = Template("{% load health %}{% health_badge node %}")
+    node = Node.objects.get(hostname="gpu-002")
+    with django_assert_num_queries(0), pytest.raises(TypeError, match="health_badge"):
+        tpl.render(Context({"node": node}))
+    # The staff node page passes an annotated node, and still shows its badge.
+    page = browser(fleet.users["staff"]).get("/health/nodes/gpu-002/").content.decode()
+    heading = page.split("<h1>", 1)[1].split("</h1>", 1)[0]
+    assert heading.startswith("gpu-002 ") and 'data-verdict="fail"' in heading
 
 
 @pytest.mark.django_db

@@ -1,8 +1,8 @@
 """Health on any page: ``{% load health %}``.
 
-- ``{% health_badge node %}``: the node's newest verdict as a badge. Pass nodes annotated by
-  ``selectors.nodes_with_health`` (one query for a whole list) or plain nodes (one query each);
-  a HealthCheck or a verdict string works too.
+- ``{% health_badge value %}``: a verdict as a badge. Pass a HealthCheck or a verdict string the reader
+  may see, or a node annotated by ``selectors.nodes_with_health`` (staff pages). A plain node is refused
+  (TypeError): the tag cannot know whose checks the reader may see, so it never looks one up itself.
 - ``{{ step.at|stored_time }}``: an ISO timestamp kept in JSON (a repair's steps) as a time in the
   reader's zone, like the page's other times.
 - ``{% cluster_health cluster %}``: the per-GPU results of the cluster's nodes as the signed-in
@@ -16,7 +16,6 @@ from typing import Any
 from django import template
 from django.utils import timezone
 
-from ..choices import CheckStatus
 from ..models import HealthCheck
 
 register = template.Library()
@@ -64,7 +63,7 @@ def _local(when) -> str:
 
 @register.inclusion_tag("health/_badge.html")
 def health_badge(value: Any) -> dict[str, Any]:
-    """Render a verdict badge for a node, a check or a verdict string."""
+    """Render a verdict badge for a check, a verdict string or an annotated node; refuse anything else."""
     if value is None or isinstance(value, str):
         return _badge_context(value or None)
     if isinstance(value, HealthCheck):
@@ -76,14 +75,12 @@ def health_badge(value: Any) -> dict[str, Any]:
         title = (value.health_summary or "") + (f" · {_local(when)}" if when else "")
         return _badge_context(value.health_verdict, title=title, check_id=value.health_check_id,
                               running=bool(getattr(value, "health_running", False)))
-    latest = (
-        HealthCheck.objects.filter(node_id=value.pk, status=CheckStatus.DONE)
-        .order_by("-finished_at", "-pk").only("pk", "verdict", "summary", "finished_at").first()
+    # A plain node (or anything else): looking up its newest check here would show it to whoever reads
+    # the page, another tenant included. The view decides what the reader may see and passes that.
+    raise TypeError(
+        f"health_badge takes a HealthCheck, a verdict string or a node annotated by "
+        f"selectors.nodes_with_health, not {type(value).__name__}"
     )
-    if latest is None:
-        return _badge_context(None)
-    return _badge_context(latest.verdict, title=f"{latest.summary} · {_local(latest.finished_at)}",
-                          check_id=latest.pk)
 
 
 @register.filter
