@@ -1537,8 +1537,9 @@ def credentials_rotate(*, actor: Any = None, batch_size: int = 200) -> tuple[int
             last_id = batch[-1].pk
             rotated += len(done)
     if unreadable:
-        logger.error("%d cluster credential(s) cannot be decrypted with PORTAL_FERNET_KEYS and were not re-encrypted: "
-                     "%s", len(unreadable), ", ".join(f"#{pk}" for pk in unreadable))
+        logger.error("%s cannot be decrypted with PORTAL_FERNET_KEYS and %s not re-encrypted: %s",
+                     count_of(len(unreadable), "cluster credential"), "was" if len(unreadable) == 1 else "were",
+                     ", ".join(f"#{pk}" for pk in unreadable))
     if rotated or unreadable:
         with transaction.atomic():
             audit_record(actor=actor, action="cluster.credentials_rotated",

@@ -317,6 +317,27 @@ def test_rebuild_command_repairs_and_checks(t0):
 
 
 @pytest.mark.django_db
+def test_rebuild_command_counts_in_words(t0):
+    """Its lines said "slot(s)" and "pool(s)": one pool, one drifted slot read as such now."""
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    pool = Pool.objects.create(name="solo", gpu_model="H100", gpus_per_node=8, slot_minutes=60)
+    out = io.StringIO()
+    call_command("rebuild_slot_usage", "--check", stdout=out)
+    assert out.getvalue() == "rebuild_slot_usage: no drift in 1 pool\n"
+    PoolSlotUsageDelta.objects.create(pool=pool, slot=t0, delta=3)  # drift in one slot
+    with pytest.raises(CommandError, match=r"^1 slot drifted; run without --check to rebuild\.$"):
+        call_command("rebuild_slot_usage", "--check", stdout=io.StringIO())
+    node = Node.objects.create(hostname="solo-1", pool=pool)
+    Allocation.objects.create(node=node, kind="maintenance", period=DateTimeTZRange(t0, t0 + timedelta(hours=1), "[)"))
+    out = io.StringIO()
+    call_command("rebuild_slot_usage", stdout=out)
+    assert out.getvalue() == "rebuild_slot_usage: 1 slot row in 1 pool, 0 pending deltas compacted since\n"
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("name", ["h1\x0000", "h100\udcff"], ids=["NUL", "not UTF-8 (a byte from the shell)"])
 def test_rebuild_command_refuses_an_unstorable_pool_name_with_a_message(name):
     # --pool went straight into the query: psycopg's DataError / UnicodeEncodeError traceback, not a message.

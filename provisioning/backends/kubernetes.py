@@ -297,7 +297,7 @@ class KubernetesBackend(ProvisioningBackend):
         _evicted, refused = self._call("evict pods", self.applier.evict_tenant_pods, hostname, namespaces)
         if refused:
             more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
-            raise DrainIncomplete(f"node {hostname}: {len(refused)} tenant pod(s) not evicted: "
+            raise DrainIncomplete(f"node {hostname}: {count_of(len(refused), 'tenant pod')} not evicted: "
                                f"{'; '.join(refused[:3])}{more}")
 
     def resume_node(self, hostname: str) -> None:
@@ -327,7 +327,7 @@ class KubernetesBackend(ProvisioningBackend):
             cordoned = bool((node.get("spec") or {}).get("unschedulable"))
             ours = CORDON_ANNOTATION in (meta.get("annotations") or {})
             pods = running.get(hostname) or []
-            still = f"; {len(pods)} tenant pod(s) still on it: {', '.join(pods[:3])}" if pods else ""
+            still = f"; {count_of(len(pods), 'tenant pod')} still on it: {', '.join(pods[:3])}" if pods else ""
             if out_of_service and not cordoned:
                 drifts.append(repaired_drift(
                     "node", hostname, f"portal says {state}, the node is schedulable{still}", fix=fix,

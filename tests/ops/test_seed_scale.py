@@ -115,6 +115,16 @@ def test_days_back_outside_one_day_to_ten_years_is_refused_before_anything_is_lo
     assert not Pool.objects.filter(name__startswith="scale-").exists()
 
 
+def test_seed_scale_counts_in_words():
+    """Its summary said "1 pool(s)": one pool, one tenant read as such now."""
+    import io
+
+    out = io.StringIO()
+    call_command("seed_scale", nodes=4, allocations=1, pools=1, tenants=1, no_vacuum=True, stdout=out)
+    assert out.getvalue().startswith("seed_scale: 4 nodes in 1 pool, 1 tenant, 1 reservation, 1 allocation in "), \
+        out.getvalue()
+
+
 @pytest.mark.parametrize("days_back", [1, 3650])
 def test_days_back_at_the_ends_of_its_range_loads(days_back):
     call_command("seed_scale", nodes=8, allocations=40, days_back=days_back, no_vacuum=True, verbosity=0)

@@ -103,7 +103,7 @@ def test_plaintext_never_reaches_the_logs_or_the_api_listings(world, t0, setting
     assert "attempt failed" in caplog.text  # the logs did capture the run
 
 
-def test_one_secret_no_key_decrypts_does_not_stop_the_rotation_of_the_others(cluster, settings, world):
+def test_one_secret_no_key_decrypts_does_not_stop_the_rotation_of_the_others(cluster, settings, world, caplog):
     """A credential whose key was dropped too early made rotate_credentials crash with SecretUnreadable and
     roll its whole batch back: no other credential (nor any webhook secret) was re-encrypted, so dropping the
     old key afterwards, as the procedure says, made every one of them unreadable. The readable ones are
@@ -127,6 +127,8 @@ def test_one_secret_no_key_decrypts_does_not_stop_the_rotation_of_the_others(clu
     with pytest.raises(CommandError, match=rf"^1 credential no key decrypts \(left as stored\): #{good.pk}$"):
         call_command("rotate_credentials", stdout=out)
     assert out.getvalue() == "re-encrypted 1 credential and 1 other secret\n"  # was "1 credential(s) and …"
+    assert (f"1 cluster credential cannot be decrypted with PORTAL_FERNET_KEYS and was not re-encrypted: #{good.pk}"
+            in caplog.text)  # was "1 cluster credential(s) … and were not re-encrypted"
     settings.PORTAL_FERNET_KEYS = [NEW_KEY]  # the old key can go now
     assert crypto.decrypt(ClusterCredential.objects.get(pk=moved.pk).ciphertext) == plaintext
     assert Tenant.objects.get(pk=tenant.pk).slack_webhook_url == "https://hooks.slack.com/services/x"

@@ -510,7 +510,8 @@ def test_a_pod_its_disruption_budget_keeps_is_retried_and_reported_until_evicted
     put_pods(k8s, make_pod("serve-0", namespace, bad, labels={"app": "serve"}), make_pod("train-0", namespace, bad))
     k8s.pdbs[(namespace, "serve")] = make_pdb("serve", namespace, {"app": "serve"}, disruptions_allowed=0)
 
-    with pytest.raises(services.RetryLater, match=f"{namespace}/serve-0: its PodDisruptionBudget allows no"):
+    with pytest.raises(services.RetryLater,
+                       match=f"1 tenant pod not evicted: {namespace}/serve-0: its PodDisruptionBudget allows no"):
         fail_node(world, bad)
     assert terminating(k8s, namespace, "train-0") and not terminating(k8s, namespace, "serve-0")
     [spare] = set(held_hosts(reservation)) - set(before)  # the booking moved to a spare all the same
@@ -520,7 +521,7 @@ def test_a_pod_its_disruption_budget_keeps_is_retried_and_reported_until_evicted
     with pytest.raises(SystemExit):
         call_command("reconcile", "--backend", "kubernetes", "--fix")
     out = capsys.readouterr().out
-    assert (f"kubernetes: node {bad}: portal says failed, cordoned; 1 tenant pod(s) still on it: "
+    assert (f"kubernetes: node {bad}: portal says failed, cordoned; 1 tenant pod still on it: "
             f"{namespace}/serve-0; repair failed:") in out, out
     assert "1 drift, 0 repaired" in out
 

@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 
 from portal.core.cli import storable_text
+from portal.core.words import count_of
 from reservations.models import Pool
 from reservations.services import slot_usage_compact, slot_usage_rebuild
 
@@ -44,16 +45,16 @@ class Command(BaseCommand):
             for pool_id, slot, summary, actual in drift[:20]:
                 self.stdout.write(f"pool {pool_id} slot {slot:%Y-%m-%dT%H:%M:%SZ}: summary {summary}, actual {actual}")
             if drift:
-                raise CommandError(f"{len(drift)} slot(s) drifted; run without --check to rebuild.")
-            self.stdout.write(f"rebuild_slot_usage: no drift in {len(pool_ids)} pool(s)")
+                raise CommandError(f"{count_of(len(drift), 'slot')} drifted; run without --check to rebuild.")
+            self.stdout.write(f"rebuild_slot_usage: no drift in {count_of(len(pool_ids), 'pool')}")
             return
         with transaction.atomic():
             written = {}
             for pool_id in pool_ids:
                 written.update(slot_usage_rebuild(pool_id=pool_id))
         moved = slot_usage_compact()
-        self.stdout.write(f"rebuild_slot_usage: {sum(written.values())} slot rows in {len(written)} pool(s), "
-                          f"{moved} pending deltas compacted since")
+        self.stdout.write(f"rebuild_slot_usage: {count_of(sum(written.values()), 'slot row')} in "
+                          f"{count_of(len(written), 'pool')}, {count_of(moved, 'pending delta')} compacted since")
 
     def _drift(self, pool_ids: list[int]) -> list[tuple]:
         """Return (pool id, slot, summary, rebuilt) where they differ; the rebuild is rolled back."""

@@ -35,6 +35,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 from django.utils import timezone
 
+from portal.core.words import count_of
 from reservations.choices import AllocationKind, Billing, NodeState, Orchestrator, ReservationStatus
 from reservations.models import Allocation, Node, Pool, PoolSlotUsage, PoolSlotUsageDelta, Reservation
 from reservations.services import slot_usage_compact, slot_usage_rebuild
@@ -118,8 +119,9 @@ class Command(BaseCommand):
                 for table in ("reservations_node", *BIG_TABLES, "reservations_poolslotusage"):
                     cur.execute(f"VACUUM ANALYZE {table}")
         self.stdout.write(
-            f"seed_scale: {len(node_rows)} nodes in {len(pools)} pool(s), {len(tenants)} tenants, "
-            f"{reservations} reservations, {allocations} allocations in {time.monotonic() - started:.1f} s"
+            f"seed_scale: {count_of(len(node_rows), 'node')} in {count_of(len(pools), 'pool')}, "
+            f"{count_of(len(tenants), 'tenant')}, {count_of(reservations, 'reservation')}, "
+            f"{count_of(allocations, 'allocation')} in {time.monotonic() - started:.1f} s"
         )
 
     # --- steps ------------------------------------------------------------------------------
