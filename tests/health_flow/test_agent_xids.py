@@ -140,3 +140,24 @@ def test_an_xid_is_acknowledged_when_recording_is_retried_after_the_report_was_s
     tasks.agent_run(job)
     second.refresh_from_db()
     assert "xid" not in second.summary.lower(), second.summary  # reported once
+
+
+@pytest.mark.django_db
+def test_an_acknowledgement_delivered_twice_changes_nothing_the_second_time(fleet, eager, settings, tmp_path,
+                                                                            monkeypatch):
+    """record_report acknowledges a stored report again when it is retried or redelivered: the agent's second
+    xids_accepted finds nothing held under that receipt and leaves its state file as it was."""
+    monkeypatch.setenv("PORTAL_FAKE_NVML", json.dumps(XID))
+    settings.PORTAL_HEALTH_STATE_DIR = str(tmp_path)
+    node = fleet.nodes[0]
+    state_file = tmp_path / f"health-state-{node.hostname}.json"
+    check = _check(node)
+    [job] = jobs_for([check.pk])
+    assert tasks.agent_run(job) == "fail"  # eager: recorded, then acknowledged once
+    before = state_file.read_bytes()
+    assert len(HealthState.load(state_file).reported_xids) == 1
+
+    assert tasks.record_report(check.pk, {"verdict": "fail", "problems": [], "gpus": []}, agent=node.hostname) \
+        == {"recorded": 0, "handled": 0}  # a redelivered report: acknowledged again (eager: runs here)
+    assert tasks.xids_accepted(node.hostname, check.pk) is False
+    assert state_file.read_bytes() == before
