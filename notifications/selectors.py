@@ -693,7 +693,7 @@ def quota_alert_obsolete(delivery: Delivery) -> str:
     if state is None:
         return "quota_deleted"
     if not state["above"] or state["crossings"] != int(match[2]):
-        return f"quota_below_threshold: {state['last_peak']} node(s) booked at the last check"
+        return f"quota_below_threshold: {count_of(state['last_peak'], 'node')} booked at the last check"
     return ""
 
 
