@@ -415,6 +415,17 @@ def _running_reservations(node: Node) -> list[Reservation]:
     )
 
 
+def _as_told_to_tenants(data: dict[str, Any]) -> dict[str, Any]:
+    """data as the teams hear it: the reason and a check's failures name no process (another team's work:
+    portal.core.redact); staff hear it all."""
+    told = dict(data)
+    if isinstance(told.get("reason"), str):
+        told["reason"] = without_processes(told["reason"])
+    if isinstance(told.get("failures"), list):
+        told["failures"] = [without_processes(str(f)) for f in told["failures"]]
+    return told
+
+
 def _node_notices(slack_event: str, name: str, payload: dict[str, Any], node: Node, *, key: str,
                   extra: dict[str, Any]) -> list[Notice]:
     """One notice per tenant running on the node (tenant channels), one for the platform channel."""
@@ -423,8 +434,7 @@ def _node_notices(slack_event: str, name: str, payload: dict[str, Any], node: No
     base = {"node": node.hostname, "pool": node.pool.name, **extra}
     if node.state_reason and "reason" not in base:
         base["reason"] = node.state_reason
-    # What the teams hear of the reason names no process (another team's work: redact.py); staff hear it all.
-    told = {**base, "reason": without_processes(base["reason"])} if isinstance(base.get("reason"), str) else base
+    told = _as_told_to_tenants(base)
     for reservation in holders:
         data = {**reservation_payload(reservation), **told}
         data.pop("nodes", None)
@@ -514,7 +524,7 @@ def _health_check_failed(name: str, payload: dict[str, Any]) -> list[Notice]:
     key = f"{Event.HEALTH_CHECK_FAILED}:n{node.pk}:{ident}"
     reservation = _reservation(payload.get("reservation_id"))
     if reservation is not None:
-        data = {**reservation_payload(reservation), "node": node.hostname, **extra}
+        data = {**reservation_payload(reservation), "node": node.hostname, **_as_told_to_tenants(extra)}
         data.pop("nodes", None)
         return [
             Notice(event=Event.HEALTH_CHECK_FAILED, key=f"{key}:r{reservation.pk}", payload=data, source_event=name,

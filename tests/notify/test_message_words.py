@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from notifications import selectors
+from notifications import selectors, services
 from notifications.models import Delivery, QuotaAlertState
 from notifications.slack import Event
 
@@ -20,3 +22,43 @@ def test_a_quota_alert_skipped_below_the_threshold_counts_in_words(world, peak, 
     reason = selectors.quota_alert_obsolete(delivery)
 
     assert reason == f"quota_below_threshold: {words} at the last check"  # was "1 node(s) booked"
+
+
+SLACK_URL = "https://hooks.slack.com/services/T000/B000/alpha-secret"
+PLATFORM_URL = "https://hooks.slack.com/services/T9/B9/platform"
+PROCESS_PROBLEMS = [
+    {"gpu": 0, "check": "processes", "status": "fail", "message": "1 stray compute process: pids [4242]"},
+    {"gpu": 1, "check": "xid", "status": "fail", "action": "drain",
+     "message": "XID 79 pid=48213, name=train.py, GPU has fallen off the bus"},
+]
+
+
+def _told(delivery) -> str:
+    return json.dumps(delivery.payload) + delivery.body
+
+
+@pytest.mark.parametrize("booked", [False, True], ids=["named-tenant", "reservation"])
+def test_a_health_check_failure_reaches_the_tenants_without_the_processes_it_names(
+        world, t0, book, slack_for, settings, booked):
+    """A failed check's problem messages can name processes on the node (an agent's "pids [...]", an XID
+    line's "pid=…, name=…"): another team's work (portal.core.redact). The node's reason was told without
+    them, but the check's failures went to the tenant's channel as the agent wrote them; the platform
+    channel still reads them as stored."""
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = PLATFORM_URL
+    slack_for("alpha", SLACK_URL)
+    node = world.nodes[0]
+    payload = {"check_id": 41, "node_id": node.pk, "node": node.hostname, "level": "quick", "verdict": "fail",
+               "problems": PROCESS_PROBLEMS, "tenant_ids": [world.tenants["alpha"].pk], "reservation_id": None}
+    if booked:
+        payload["reservation_id"] = book("alpha", t0).pk
+        payload["reason"] = "check #41: pids [4242]"
+
+    created = services.event_fanout(event="health_check.failed", payload=payload)
+
+    by_tenant = {d.tenant_id: d for d in created}
+    assert set(by_tenant) == {world.tenants["alpha"].pk, None}
+    told = _told(by_tenant[world.tenants["alpha"].pk])
+    assert "4242" not in told and "48213" not in told and "train.py" not in told, told
+    assert "GPU has fallen off the bus" in told and "stray compute process" in told
+    staff = _told(by_tenant[None])
+    assert "pids [4242]" in staff and "pid=48213, name=train.py" in staff
