@@ -402,7 +402,7 @@ def _reservation_cancelled(c: _Ctx) -> _Msg:
     n = int(c.p["node_count"])
     lead = f"{c.reservation_link()} of *{c.tenant}* was cancelled"
     lead += f" by {escape(c.p['actor'])}." if c.get("actor") else "."
-    lead += f" Its {_plural(n, 'node')} of {_code(c.p['pool'])} are free again."
+    lead += f" Its {_plural(n, 'node')} of {_code(c.p['pool'])} {'is' if n == 1 else 'are'} free again."
     blocks = [_section(lead, _reservation_fields(c)), *c.reason_blocks()]
     return _Msg(_summary_text(c, "Reservation cancelled"), ":x: Reservation cancelled", blocks)
 
