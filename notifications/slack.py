@@ -552,7 +552,7 @@ def _quota_threshold(c: _Ctx) -> _Msg:
         start, end = c.start_end()
         lead += f" Peak between {slack_date(start)} and {slack_date(end)}."
     lead += f" Bookings beyond the quota are refused or billed as burst. {link(c.url('quota'), 'See bookings')}"
-    text = f"Quota {percent} % used: {c.tenant_plain}, pool {c.p['pool']} ({used}/{limit} nodes)"
+    text = f"Quota {percent} % used: {c.tenant_plain}, pool {c.p['pool']} ({used} of {_plural(limit, 'node')})"
     return _Msg(text, f":bar_chart: Quota {percent} % used", [_section(lead)])
 
 
