@@ -62,3 +62,31 @@ def test_a_health_check_failure_reaches_the_tenants_without_the_processes_it_nam
     assert "GPU has fallen off the bus" in told and "stray compute process" in told
     staff = _told(by_tenant[None])
     assert "pids [4242]" in staff and "pid=48213, name=train.py" in staff
+
+
+STORED_REASON = ("health check #41 (quick) failed: GPU 0: 1 stray compute process: pids [4242]; "
+                 "XID 79 pid=48213, name=train.py, GPU has fallen off the bus")
+
+
+@pytest.mark.parametrize("event", ["reservation.degraded", "node.replaced"])
+def test_a_moved_booking_is_told_why_without_the_processes_the_reason_names(world, t0, book, slack_for, settings,
+                                                                           event):
+    """A node taken out of service by a failed check moves its bookings (a spare, or one node short) with the
+    check's summary as the reason; a summary stored by an older agent names processes, possibly of the team
+    before. The teams' notices told it as stored; now without them, and the platform channel as stored."""
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = PLATFORM_URL
+    services.platform_channel_update(actor=world.users["staff"], channel=services.platform_channel_ensure(),
+                                     events=[Event.CLUSTER_DEGRADED, Event.NODE_REPLACED])
+    slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0)
+    payload = {"reservation_id": reservation.pk, "tenant_id": reservation.tenant_id, "reason": STORED_REASON,
+               "node": "h100-001", "missing_nodes": 1, "failed": "h100-001", "spare": "h100-004"}
+
+    created = services.event_fanout(event=event, payload=payload)
+
+    by_tenant = {d.tenant_id: d for d in created}
+    assert set(by_tenant) == {world.tenants["alpha"].pk, None}
+    told = _told(by_tenant[world.tenants["alpha"].pk])
+    assert "4242" not in told and "48213" not in told and "train.py" not in told, told
+    assert "GPU has fallen off the bus" in told
+    assert "pids [4242]" in _told(by_tenant[None]) and "name=train.py" in _told(by_tenant[None])
