@@ -306,8 +306,8 @@ class SlurmBackend(ProvisioningBackend):
         lacking = sorted({node for ctx in wanted if ctx.end > now for node in ctx.nodes} - set(partition.nodes))
         if lacking:
             drifts.append(repaired_drift(
-                "mismatch", f"partition {name}", f"lacks booked node(s) {','.join(lacking)}: the tenants' jobs "
-                "never run there", fix=fix,
+                "mismatch", f"partition {name}", f"lacks booked {'node' if len(lacking) == 1 else 'nodes'} "
+                f"{','.join(lacking)}: the tenants' jobs never run there", fix=fix,
                 repair=lambda: self._update_partition(name, nodes=[*partition.nodes, *lacking])))
         if partition.state != "UP":
             drifts.append(repaired_drift(

@@ -395,7 +395,7 @@ def test_reconcile_finds_and_repairs_a_partition_changed_by_hand(fleet, t0, prov
         with pytest.raises(SystemExit):
             call_command("reconcile")
         report = capsys.readouterr().out
-        assert f"slurm: mismatch partition gpu: lacks booked node(s) {second}" in report, report
+        assert f"slurm: mismatch partition gpu: lacks booked node {second}: " in report, report
         assert "slurm: mismatch partition gpu: is DOWN: no tenant job starts" in report
         assert "2 drifts, 0 repaired" in report
 
@@ -405,6 +405,24 @@ def test_reconcile_finds_and_repairs_a_partition_changed_by_hand(fleet, t0, prov
         assert "State=UP " in raw and "TotalNodes=6 " in raw, raw
         call_command("reconcile")
         assert "0 drifts" in capsys.readouterr().out
+    finally:
+        scontrol(prov_slurm, "update", "PartitionName=gpu", f"Nodes={','.join(SLURM_NODES)}", "State=UP")
+
+
+def test_reconcile_names_the_booked_nodes_a_partition_lacks_in_the_plural(fleet, t0, prov_slurm, slurm_backend,
+                                                                          capsys):
+    """The report said "lacks booked node(s)" whatever the count."""
+    from .conftest import SLURM_NODES
+
+    held = booked(fleet, "alpha-lead", t0, hours=2, nodes=2)
+    booked_hosts = hosts(held)
+    try:
+        kept = [n for n in SLURM_NODES if n not in booked_hosts]
+        scontrol(prov_slurm, "update", "PartitionName=gpu", f"Nodes={','.join(kept)}")
+        with pytest.raises(SystemExit):
+            call_command("reconcile")
+        report = capsys.readouterr().out
+        assert f"slurm: mismatch partition gpu: lacks booked nodes {','.join(booked_hosts)}: " in report, report
     finally:
         scontrol(prov_slurm, "update", "PartitionName=gpu", f"Nodes={','.join(SLURM_NODES)}", "State=UP")
 
