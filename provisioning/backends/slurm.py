@@ -39,6 +39,7 @@ from .base import (
     repaired_drift,
 )
 from .slurm_client import (
+    NodeInfo,
     NodeNotFound,
     Partition,
     ReservationAlreadyStarted,
@@ -213,22 +214,34 @@ class SlurmBackend(ProvisioningBackend):
         # Slurm takes one line of text: a reason with line breaks or tabs (an agent's multi-line
         # message, a staff note) is folded onto one line, not refused (the node must still drain).
         line = " ".join("".join(c if ord(c) >= 32 and ord(c) != 127 else " " for c in reason).split()) or "-"
+        info = self._show_node(hostname)
+        if info is None or info.drained:
+            return
         try:
-            info = self.client.show_node(hostname)
-            if not info.drained:
-                self.client.drain_node(hostname, f"{DRAIN_REASON_PREFIX} {line}"[:200])
+            self.client.drain_node(hostname, f"{DRAIN_REASON_PREFIX} {line}"[:200])
         except NodeNotFound:
             return
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
 
     def resume_node(self, hostname: str) -> None:
+        info = self._show_node(hostname)
+        if info is None or not (info.drained and (info.reason or "").startswith(DRAIN_REASON_PREFIX)):
+            return
         try:
-            info = self.client.show_node(hostname)
-            if info.drained and (info.reason or "").startswith(DRAIN_REASON_PREFIX):
-                self.client.resume_node(hostname)
+            self.client.resume_node(hostname)
         except NodeNotFound:
             return
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+
+    def _show_node(self, hostname: str) -> NodeInfo | None:
+        """Slurm's view of a node; None for one Slurm does not know, or cannot know: a hostname no Slurm node
+        can have (the admin takes any, "gpu node 7") is refused by the client before scontrol runs."""
+        try:
+            return self.client.show_node(hostname)
+        except (NodeNotFound, ValueError):
+            return None
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
 
@@ -320,6 +333,8 @@ class SlurmBackend(ProvisioningBackend):
             self.client.update_partition(name, **changes)  # type: ignore[arg-type]
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
+        except ValueError as exc:  # a booked hostname no Slurm node can have
+            raise BackendError(f"Slurm request refused: {exc}", transient=False)
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool,
                         guard: NodeRepairGuard | None = None) -> list[Drift]:
@@ -328,12 +343,9 @@ class SlurmBackend(ProvisioningBackend):
         # leaves a report, not repairs nobody was told about.
         infos = {}
         for hostname in sorted(states):
-            try:
-                infos[hostname] = self.client.show_node(hostname)
-            except NodeNotFound:
-                continue
-            except SlurmError as exc:
-                raise BackendError(f"Slurm: {exc.message}")
+            info = self._show_node(hostname)
+            if info is not None:
+                infos[hostname] = info
         drifts: list[Drift] = []
         for hostname, info in infos.items():
             state = states[hostname]

@@ -526,3 +526,26 @@ def test_reconcile_fix_leaves_a_cluster_degraded_for_a_lost_node_degraded(fleet,
     call_command("reconcile", "--fix")
     cluster.refresh_from_db()
     assert cluster.status == "degraded"
+
+
+def test_a_node_named_so_slurm_cannot_have_it_neither_crashes_its_sync_nor_reconcile(fleet, t0, slurm_backend,
+                                                                                     capsys):
+    """The admin takes any hostname ("gpu node 7", a typo with a space); Slurm has no node by such a name. The
+    client refuses it before running scontrol (ValueError), and the backend let that escape where it looks nodes
+    up: the failed node's sync crashed before its bookings were moved, and reconcile died with a traceback
+    instead of reporting, for every backend. Such a node is one Slurm does not know, as a Kubernetes node is."""
+    held = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    odd = Node.objects.create(hostname="gpu node 7", pool=fleet.pool, state=NodeState.FAILED)
+    assert services.node_sync(node_id=odd.pk) == {}
+    call_command("reconcile")  # exit 0: no SystemExit, no traceback
+    assert "0 drifts" in capsys.readouterr().out
+
+    # Booked on it (written straight to the database, as the admin could): reported and its repair refused,
+    # the run goes on instead of dying with a traceback.
+    Allocation.objects.filter(reservation=held).update(node=odd)
+    Node.objects.filter(pk=odd.pk).update(state=NodeState.AVAILABLE)
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--fix")
+    report = capsys.readouterr().out
+    assert "slurm: mismatch partition gpu: lacks booked node gpu node 7" in report, report
+    assert "repair failed: Slurm request refused: invalid hostname 'gpu node 7'" in report, report
