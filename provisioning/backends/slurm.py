@@ -104,7 +104,8 @@ class SlurmBackend(ProvisioningBackend):
         except SlurmUnavailable as exc:
             raise BackendError(f"Slurm unavailable: {exc.message}")
         except NodeNotFound as exc:
-            raise BackendError(f"Slurm does not know a node: {exc.message}", transient=False)
+            raise BackendError(f"Slurm does not know {self._unknown_nodes(ctx.nodes)}: {exc.message}",
+                               transient=False)
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
         except ValueError as exc:
@@ -128,6 +129,16 @@ class SlurmBackend(ProvisioningBackend):
         self._delete(name)
         return PhaseResult(connection=self._connection(ctx),
                            detail=f"booking holds no nodes: Slurm reservation {name} removed")
+
+    def _unknown_nodes(self, hostnames: Collection[str]) -> str:
+        """Name the nodes Slurm does not know: its "Invalid node name specified" names none."""
+        try:
+            unknown = [hostname for hostname in sorted(hostnames) if self._show_node(hostname) is None]
+        except BackendError:
+            unknown = []  # the controller stopped answering: the refusal is still reported
+        if not unknown:
+            return "a node"
+        return f"{'node' if len(unknown) == 1 else 'nodes'} {','.join(unknown)}"
 
     def _overlapping(self, ctx: ClusterContext, *, exclude: str) -> list[str]:
         """Name the Slurm reservations that hold any of ctx's nodes during its window."""

@@ -549,3 +549,17 @@ def test_a_node_named_so_slurm_cannot_have_it_neither_crashes_its_sync_nor_recon
     report = capsys.readouterr().out
     assert "slurm: mismatch partition gpu: lacks booked node gpu node 7" in report, report
     assert "repair failed: Slurm request refused: invalid hostname 'gpu node 7'" in report, report
+
+
+def test_a_booking_on_a_node_slurm_does_not_know_names_that_node(fleet, t0, slurm_backend, caplog):
+    """Slurm answers "Invalid node name specified" and names no node: the refusal said "Slurm does not know a
+    node" and left the operator to find which of the booking's nodes (here one of six) by hand."""
+    Node.objects.filter(hostname="h100-004").update(hostname="h100-042")
+    reservation = book(fleet, "alpha-lead", t0, hours=2, nodes=6)
+    services.cluster_create_for_reservation(reservation_id=reservation.pk)
+
+    with caplog.at_level("ERROR", logger="provisioning"):
+        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    assert "Slurm does not know node h100-042: Error creating the reservation: Invalid node name specified" \
+        in caplog.text, caplog.text
+    assert f"alpha-{reservation.pk}" not in slurm_backend.show_reservations()
