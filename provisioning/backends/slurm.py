@@ -332,12 +332,24 @@ class SlurmBackend(ProvisioningBackend):
             drifts.append(repaired_drift(
                 "mismatch", f"partition {name}", f"lacks booked {'node' if len(lacking) == 1 else 'nodes'} "
                 f"{','.join(lacking)}: the tenants' jobs never run there", fix=fix,
-                repair=lambda: self._update_partition(name, nodes=[*partition.nodes, *lacking])))
+                repair=lambda: self._add_to_partition(partition, lacking)))
         if partition.state != "UP":
             drifts.append(repaired_drift(
                 "mismatch", f"partition {name}", f"is {partition.state}: no tenant job starts", fix=fix,
                 repair=lambda: self._update_partition(name, state="UP")))
         return drifts
+
+    def _add_to_partition(self, partition: Partition, lacking: list[str]) -> None:
+        """Put the lacking booked nodes Slurm knows into the partition; name those it does not know.
+
+        Slurm refuses a node list with one unknown name whole, without naming it: one booked node Slurm lacks
+        must not keep the others out of the partition."""
+        known = [hostname for hostname in lacking if self._show_node(hostname) is not None]
+        if known:
+            self._update_partition(partition.name, nodes=[*partition.nodes, *known])
+        if unknown := [hostname for hostname in lacking if hostname not in known]:
+            raise BackendError(f"Slurm does not know {'node' if len(unknown) == 1 else 'nodes'} "
+                               f"{','.join(unknown)}", transient=False)
 
     def _update_partition(self, name: str, **changes: object) -> None:
         try:
