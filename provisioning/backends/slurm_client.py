@@ -55,6 +55,8 @@ _FLAG = re.compile(r"^[A-Z_]+(=[0-9:-]+)?$")
 # In ``--oneliner`` output a new field starts with ``Key=``; a token without one continues
 # the previous value (free text such as a node's Reason may contain spaces).
 _FIELD_START = re.compile(r"^[A-Za-z][A-Za-z0-9_:/]*=")
+# A reservation's name runs up to " StartTime=", the field scontrol always prints after it.
+_RESERVATION_LINE = re.compile(r"^ReservationName=(?P<name>.*?) (?P<rest>StartTime=.*)$")
 _NULL = {"(null)", "", "N/A", "n/a", "None"}
 # Lines of ``scontrol show node`` (multi-line form) whose value is free text to line end.
 _FREE_TEXT_KEYS = ("Reason=", "Comment=", "Extra=", "OS=")
@@ -311,7 +313,14 @@ class SlurmClient:
         for line in output.splitlines():
             if not line.startswith("ReservationName="):
                 continue  # "No reservations in the system"
-            reservation = _parse_reservation(_parse_fields(line.split()))
+            # The name is printed unquoted and may hold spaces and "Key=value" text (an operator's
+            # "ops Users=x"): it runs up to StartTime=, which scontrol always prints next.
+            named = _RESERVATION_LINE.match(line)
+            if named is None:
+                fields = _parse_fields(line.split())
+            else:
+                fields = {**_parse_fields(named["rest"].split()), "ReservationName": named["name"]}
+            reservation = _parse_reservation(fields)
             reservations[reservation.name] = reservation
         return reservations
 

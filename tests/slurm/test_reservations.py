@@ -218,3 +218,26 @@ def test_ensure_with_start_in_the_past_starts_now_and_stays_unchanged(slurm: Slu
     assert live.active
     assert now - timedelta(seconds=5) <= live.start <= datetime.now(UTC)
     assert live.end == end
+
+
+def test_an_operators_reservation_whose_name_holds_a_space_and_key_value_text_is_read_whole(
+        slurm: SlurmClient, scontrol) -> None:
+    """scontrol takes any reservation name from an operator ("ops Users=x", quotes too) and prints it unquoted
+    in --oneliner output; the parser cut the name at the space and read "Users=x" as a field, so it reported a
+    reservation "ops" that does not exist (and two such names as one)."""
+    names = ["maint Accounts=research", 'ops "q" 1']
+    try:
+        for name, node in zip(names, ["h100-sxm-001", "h100-sxm-002"], strict=True):
+            assert "Reservation created" in scontrol("create", "reservation", f"ReservationName={name}",
+                                                     f"Nodes={node}", "StartTime=2030-03-01T08:00:00",
+                                                     "Duration=60", "Users=root")
+        reservations = slurm.show_reservations()
+        assert set(reservations) == set(names)
+        maint = reservations["maint Accounts=research"]
+        assert maint.name == "maint Accounts=research"
+        assert (maint.nodes, maint.accounts, maint.users) == (("h100-sxm-001",), frozenset(), {"root"})
+        assert maint.start == START and maint.end == START + timedelta(hours=1)
+        assert reservations['ops "q" 1'].nodes == ("h100-sxm-002",)
+    finally:
+        for name in names:
+            scontrol("delete", f"ReservationName={name}")
