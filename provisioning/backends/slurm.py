@@ -42,6 +42,7 @@ from .slurm_client import (
     NodeInfo,
     NodeNotFound,
     Partition,
+    PartitionNotFound,
     ReservationAlreadyStarted,
     ReservationOverlap,
     SlurmClient,
@@ -105,6 +106,10 @@ class SlurmBackend(ProvisioningBackend):
             raise BackendError(f"Slurm unavailable: {exc.message}")
         except NodeNotFound as exc:
             raise BackendError(f"Slurm does not know {self._unknown_nodes(ctx.nodes)}: {exc.message}",
+                               transient=False)
+        except PartitionNotFound as exc:
+            # A setting (or a partition removed by hand) that no retry changes; reconcile reports it too.
+            raise BackendError(f"Slurm has no partition {self.partition} (PORTAL_SLURM_PARTITION): {exc.message}",
                                transient=False)
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")

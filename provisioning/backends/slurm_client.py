@@ -35,6 +35,7 @@ __all__ = [
     "NodeInfo",
     "NodeNotFound",
     "Partition",
+    "PartitionNotFound",
     "Reservation",
     "ReservationAlreadyStarted",
     "ReservationExists",
@@ -98,6 +99,10 @@ class ReservationAlreadyStarted(SlurmError):
 
 class NodeNotFound(SlurmError):
     """Raised when a node name is unknown to Slurm."""
+
+
+class PartitionNotFound(SlurmError):
+    """Raised when a reservation names a partition Slurm does not have."""
 
 
 @dataclass(frozen=True)
@@ -548,6 +553,8 @@ def _classify(message: str) -> type[SlurmError]:
         return ReservationNotFound
     if re.search(r"node \S+ not found", text) or "invalid node name specified" in text:
         return NodeNotFound
+    if "invalid partition name specified" in text:
+        return PartitionNotFound
     if "unable to contact slurm controller" in text or "socket timed out" in text:
         return SlurmUnavailable
     return SlurmError

@@ -587,3 +587,18 @@ def test_partition_repair_adds_the_booked_nodes_slurm_knows_and_names_those_it_d
         assert known in slurm_backend.show_partitions()["gpu"].nodes
     finally:
         scontrol(prov_slurm, "update", "PartitionName=gpu", f"Nodes={','.join(SLURM_NODES)}", "State=UP")
+
+
+def test_a_partition_slurm_does_not_have_refuses_the_booking_once_and_says_so(fleet, t0, slurm_backend, settings,
+                                                                              caplog):
+    """PORTAL_SLURM_PARTITION naming a partition Slurm lacks (a typo, a partition removed) made every booking's
+    sync fail as if the controller were down ("Invalid partition name specified", transient): each was retried
+    with backoff until its retries ran out, for a setting no retry changes."""
+    settings.PORTAL_SLURM_PARTITION = "gpu-typo"
+    reservation = book(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    services.cluster_create_for_reservation(reservation_id=reservation.pk)
+
+    with caplog.at_level("ERROR", logger="provisioning"):
+        assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
+    assert "Slurm has no partition gpu-typo (PORTAL_SLURM_PARTITION): " in caplog.text, caplog.text
+    assert f"alpha-{reservation.pk}" not in slurm_backend.show_reservations()
