@@ -361,8 +361,6 @@ class SlurmBackend(ProvisioningBackend):
             self.client.update_partition(name, **changes)  # type: ignore[arg-type]
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
-        except ValueError as exc:  # a booked hostname no Slurm node can have
-            raise BackendError(f"Slurm request refused: {exc}", transient=False)
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool,
                         guard: NodeRepairGuard | None = None) -> list[Drift]:
