@@ -12,6 +12,7 @@ import pytest
 import yaml
 from django.core.management import get_commands
 from django.test import Client
+from django.urls import reverse
 
 from portal.ops.collectors import FAMILIES
 from reservations import services
@@ -84,6 +85,21 @@ def test_every_metric_an_alert_reads_is_exported():
             continue
         assert families, name
         assert families <= set(FAMILIES), f"{name}: {families - set(FAMILIES)} is not exported by portal.ops"
+
+
+def test_the_error_rate_leaves_out_the_health_endpoints_and_needs_traffic():
+    """Every selector of PortalServerErrorRate leaves out /healthz and /readyz by the URL names the
+    request metrics label them with (a misspelt name would count /readyz's deliberate 503s again),
+    and the alert needs a minimum request rate (alerts_test.yml shows both)."""
+    expr = ALERTS["PortalServerErrorRate"]["expr"]
+    selectors = re.findall(r"portal_http_requests_total(\{[^}]*\})?", expr)
+    assert len(selectors) == 3
+    for matchers in selectors:
+        (excluded,) = re.findall(r'view!~"([^"]+)"', matchers)
+        assert set(excluded.split("|")) == {"ops-healthz", "ops-readyz"}
+    assert reverse("ops-healthz") == "/healthz"
+    assert reverse("ops-readyz") == "/readyz"
+    assert re.search(r"\band\s+sum\(rate\(portal_http_requests_total\{[^}]*\}\[5m\]\)\) >= 0\.1\s*$", expr)
 
 
 def test_prometheus_loads_the_rules_the_compose_file_mounts(tmp_path):
