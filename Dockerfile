@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # GPU Portal: one image for web (gunicorn), Celery workers and beat. Multi-stage: the build stage
-# installs the locked dependencies into a virtualenv and collects static files; the runtime stage
-# copies only those and runs as an unprivileged user.
+# installs the locked runtime dependencies (not the dev group) into a virtualenv and collects static
+# files; the runtime stage copies only those and runs as an unprivileged user.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -10,8 +10,10 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
-COPY requirements.lock pyproject.toml ./
-RUN pip install -r requirements.lock
+COPY requirements.lock pyproject.toml bin/runtime_requirements.py ./
+# requirements.lock also pins the dev group (pytest, Playwright, ruff, …): install only the locked pins
+# the runtime dependencies reach, exactly those (--no-deps), and let pip check that none is missing.
+RUN python runtime_requirements.py requirements.lock > runtime-requirements.txt && pip install --no-deps -r runtime-requirements.txt && pip check
 COPY manage.py gunicorn.conf.py ./
 COPY portal ./portal
 COPY tenants ./tenants
