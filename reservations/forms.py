@@ -195,6 +195,12 @@ class ExtendForm(forms.Form):
     end = ZonedDateTimeField(label="New end")
 
 
+class RenameForm(forms.Form):
+    # The service checks the rest (control characters); a blank name clears it, as in the API.
+    name = forms.CharField(label="Name", max_length=200, required=False, strip=True,
+                           widget=forms.TextInput(attrs={"placeholder": "e.g. pretrain run 7"}))
+
+
 class _DefaultedDateField(forms.DateField):
     """A date box that shows its initial value when the query leaves it out (?days=7 starts today)."""
 

@@ -13,6 +13,7 @@ urlpatterns = [
     path("reservations/<int:pk>/", views.reservation_detail, name="reservation-page"),
     path("reservations/<int:pk>/panel/", views.reservation_panel, name="reservation-panel"),
     path("reservations/<int:pk>/extend/", views.reservation_extend, name="reservation-extend-page"),
+    path("reservations/<int:pk>/rename/", views.reservation_rename, name="reservation-rename-page"),
     path("reservations/<int:pk>/cancel/", views.reservation_cancel, name="reservation-cancel-page"),
     path("availability/", views.heatmap, name="heatmap"),
     path("availability/grid/", views.heatmap_grid, name="heatmap-grid"),

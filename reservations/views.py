@@ -36,7 +36,7 @@ from tenants.views import portal_json, portal_view, render_page
 
 from . import selectors, services
 from .choices import FINAL_STATUSES, NodeState, ReservationStatus
-from .forms import BookingForm, CalendarWindowForm, ExtendForm, FleetWindowForm, ReservationListForm
+from .forms import BookingForm, CalendarWindowForm, ExtendForm, FleetWindowForm, RenameForm, ReservationListForm
 from .ical import build_feed
 from .models import Allocation, Pool
 from .timeutil import is_aligned, slot_ceil
@@ -473,6 +473,7 @@ def _detail_context(request, reservation) -> dict:
         "extendable": changeable and reservation.status != ReservationStatus.ENDING,
         "extend_form": _extend_form(reservation),
         "extend_options": extend_options,
+        "rename_form": _rename_form(reservation),
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,
         "cluster_template": select_template(CLUSTER_TEMPLATES).template.name,
@@ -543,6 +544,37 @@ def reservation_extend(request, pk: int):
     context = {**_detail_context(request, reservation), "extend_form": form}
     if not context["extendable"]:  # no field to show the reason beside (the role, or the booking's state)
         messages.error(request, "Not changed: " + " ".join(form.errors.get("end", [])))
+    return render_page(request, "reservations/detail.html", context, status=status)
+
+
+def _rename_form(reservation, data=None) -> RenameForm:
+    return RenameForm(data, initial={"name": reservation.name}, auto_id=f"rename-%s-{reservation.pk}")
+
+
+@require_POST
+@portal_view
+def reservation_rename(request, pk: int):
+    """Rename; a refusal comes back as the page with the name typed and the reason beside it."""
+    reservation = get_object_or_404(_own_reservations(request), pk=pk)
+    form = _rename_form(reservation, request.POST)
+    status = 400
+    if form.is_valid():
+        try:
+            reservation = services.reservation_update(actor=request.user, reservation=reservation,
+                                                      name=form.cleaned_data["name"])
+        except DomainError as exc:
+            reason = exc.fields.get("name") if isinstance(exc, InvalidInput) else None
+            form.add_error("name", f"Not renamed: {reason or _refusal(exc)}")
+            status = exc.status
+        else:
+            text = (f"Reservation #{reservation.pk} renamed to “{reservation.name}”." if reservation.name
+                    else f"Reservation #{reservation.pk} no longer has a name.")
+            messages.success(request, text)
+            return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
+    reservation = get_object_or_404(_own_reservations(request), pk=pk)  # as stored: nothing changed
+    context = {**_detail_context(request, reservation), "rename_form": form}
+    if not context["changeable"]:  # no field to show the reason beside (the role, or the booking's state)
+        messages.error(request, " ".join(form.errors.get("name", [])))
     return render_page(request, "reservations/detail.html", context, status=status)
 
 

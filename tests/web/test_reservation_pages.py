@@ -262,3 +262,38 @@ def test_the_lifecycle_pills_are_words_not_status_codes(world, web, book, t0):
     r.save(update_fields=["status"])
     lifecycle = web("alpha-lead").get(f"/reservations/{r.pk}/").content.decode()
     assert re.search(r'<li data-status="cancelled"[^>]*aria-current="step"[^>]*>Cancelled</li>', lifecycle)
+
+
+def test_a_booking_can_be_renamed_from_its_page(world, web, book, t0):
+    """The service and the API rename a booking; its page offered no way to, so a lead had to use the API."""
+    r = book("alpha-lead", t0, name="pretrain")
+    client = web("alpha-lead")
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    form = re.search(rf'<form[^>]*action="/reservations/{r.pk}/rename/"(?:(?!</form>).)*</form>', page, re.S)
+    assert form and 'name="name"' in form.group(0) and 'value="pretrain"' in form.group(0)
+    assert re.search(rf'<label for="rename-name-{r.pk}">', page)
+    response = client.post(f"/reservations/{r.pk}/rename/", {"name": "pretrain run 8"})
+    assert response.status_code == 302 and response["Location"] == f"/reservations/{r.pk}/"
+    r.refresh_from_db()
+    assert r.name == "pretrain run 8"
+    assert "renamed to “pretrain run 8”" in client.get(f"/reservations/{r.pk}/").content.decode()
+
+
+def test_a_refused_name_keeps_what_was_typed_with_the_reason_beside_it(world, web, book, t0):
+    r = book("alpha-lead", t0, name="pretrain")
+    response = web("alpha-lead").post(f"/reservations/{r.pk}/rename/", {"name": "bad\x07name"})
+    assert response.status_code == 400
+    html = response.content.decode()
+    assert 'value="bad\x07name"' in html or "bad&#x07;name" in html or "bad\x07name" in html
+    assert re.search(rf'id="rename-name-{r.pk}_error"[^>]*>.*Not renamed: Control characters', html, re.S)
+    r.refresh_from_db()
+    assert r.name == "pretrain"
+
+
+def test_only_who_may_change_a_booking_can_rename_it(world, web, book, t0):
+    r = book("alpha-lead", t0, name="pretrain")
+    assert b"/rename/" not in web("alpha-viewer").get(f"/reservations/{r.pk}/").content
+    assert web("alpha-viewer").post(f"/reservations/{r.pk}/rename/", {"name": "x"}).status_code in (403, 404)
+    assert web("beta-lead").post(f"/reservations/{r.pk}/rename/", {"name": "x"}).status_code == 404
+    r.refresh_from_db()
+    assert r.name == "pretrain"
