@@ -24,6 +24,13 @@
     if (open) {
       open.removeAttribute("open");
       open.querySelector("summary").focus();
+      return;
+    }
+    // Escape closes the calendar's side panel (what its Close button does) while focus is in it.
+    var panel = document.getElementById("side-panel");
+    if (panel && panel.contains(document.activeElement) && panel.querySelector("[data-close-panel]")) {
+      event.preventDefault();
+      closePanel(panel);
     }
   }
 
@@ -40,18 +47,19 @@
       return;
     }
     var close = event.target.closest("[data-close-panel]");
-    if (close) {
-      var panel = close.closest("#side-panel");
-      var away = panel && panel.getAttribute("data-close-href");
-      if (away) { window.location.assign(away); return; }
-      if (panel) { panel.innerHTML = ""; }
-      // Focus goes back to what opened the panel (the New booking button, an event), not to <body>:
-      // a keyboard user's next Tab would otherwise start again at the top of the page.
-      var back = panelOpener && panelOpener.isConnected ? panelOpener : document.getElementById("new-booking");
-      panelOpener = null;
-      if (back) { back.focus(); }
-      document.dispatchEvent(new CustomEvent("portal:panel-closed"));
-    }
+    if (close) { closePanel(close.closest("#side-panel")); }
+  }
+
+  function closePanel(panel) {
+    var away = panel && panel.getAttribute("data-close-href");
+    if (away) { window.location.assign(away); return; }
+    if (panel) { panel.innerHTML = ""; }
+    // Focus goes back to what opened the panel (the New booking button, an event), not to <body>:
+    // a keyboard user's next Tab would otherwise start again at the top of the page.
+    var back = panelOpener && panelOpener.isConnected ? panelOpener : document.getElementById("new-booking");
+    panelOpener = null;
+    if (back) { back.focus(); }
+    document.dispatchEvent(new CustomEvent("portal:panel-closed"));
   }
 
   // What had focus when a side panel was asked for (outside the panel itself): Close returns focus there.

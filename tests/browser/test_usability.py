@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from playwright.sync_api import expect
 
@@ -280,3 +282,38 @@ def test_the_sign_in_page_puts_the_cursor_in_the_username_field(world, live_serv
     expect(page.locator(".login [role=alert]")).to_be_visible()
     expect(page.get_by_label("Username")).to_be_focused()
     expect(page.get_by_label("Username")).to_have_value("alpha-lead")
+
+
+def test_an_events_panel_closes_with_escape_or_its_close_button_and_focus_goes_back_to_the_event(
+        world, live_server, new_page, sign_in, day):
+    """The reservation panel (and the "Booked #" panel) had no Close button and Escape did nothing:
+    once opened, a keyboard user could not dismiss it."""
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=at(day, 6), end=at(day, 8), name="esc run")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    event = page.locator(f".fc-event[data-reservation-id='{r.pk}']")
+    event.focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#side-panel h2")).to_contain_text("esc run")
+    page.keyboard.press("Escape")
+    expect(page.locator("#side-panel [data-reservation-id]")).to_have_count(0)
+    expect(event).to_be_focused()
+    page.keyboard.press("Enter")
+    close = page.locator("#side-panel").get_by_role("button", name="Close")
+    expect(close).to_be_visible()
+    close.focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#side-panel [data-reservation-id]")).to_have_count(0)
+    expect(event).to_be_focused()
+    # The panel saying "Booked #": closable too.
+    page.get_by_role("button", name="New booking").focus()
+    page.keyboard.press("Enter")
+    page.get_by_label(re.compile("^Start")).fill(f"{day.isoformat()}T10:00")
+    page.get_by_label(re.compile("^End")).fill(f"{day.isoformat()}T12:00")
+    page.get_by_label("Name").press("Enter")
+    expect(page.locator("#side-panel [data-reservation-id]")).to_contain_text("Booked #")
+    expect(page.locator("#side-panel").get_by_role("button", name="Close")).to_be_visible()
+    page.keyboard.press("Escape")
+    expect(page.locator("#side-panel [data-reservation-id]")).to_have_count(0)
+    expect(page.get_by_role("button", name="New booking")).to_be_focused()
