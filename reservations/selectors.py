@@ -419,7 +419,9 @@ def booking_preview(
         SELECT count(*) FILTER (WHERE NOT EXISTS (
                    SELECT 1 FROM reservations_allocation a
                    WHERE a.node_id = n.id AND a.active AND a.period && tstzrange(%(start)s, %(end)s)
-                     AND a.reservation_id IS DISTINCT FROM %(exclude)s)),
+                     -- a maintenance window (no reservation) always takes its node; NULL is not
+                     -- "distinct from" an exclude of NULL, so it needs saying
+                     AND (a.reservation_id IS NULL OR a.reservation_id IS DISTINCT FROM %(exclude)s))),
                count(*)
         FROM reservations_node n WHERE n.pool_id = %(pool)s AND n.state = %(available)s
     """

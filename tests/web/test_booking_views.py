@@ -126,6 +126,19 @@ def test_preview_shows_free_nodes_quota_billing_and_burst_cost(world, web, book,
     assert "Fill in pool, nodes, start and end" in page
 
 
+def test_preview_counts_a_maintenance_window_as_taking_its_node(world, web, t0):
+    """The preview left out allocations without a reservation (maintenance windows): it said every
+    node was free while the booking itself was refused for want of them."""
+    for node in world.nodes[:3]:
+        services.maintenance_window_create(actor=world.users["staff"], node=node, start=t0,
+                                           end=t0 + timedelta(hours=2), note="firmware")
+    page = web("alpha-lead").post("/reservations/preview/", _data(world, t0, node_count=2)).content.decode()
+    assert "1 of 4 available h100 nodes" in page and "Only 1 of 4" in page
+    preview = selectors.booking_preview(tenant=world.tenants["alpha"], pool=world.pool, node_count=1, start=t0,
+                                        end=t0 + timedelta(hours=2), exclude_reservation_id=12345)
+    assert preview.free_nodes == 1
+
+
 @pytest.mark.parametrize("held,asked,burst_enabled", [(0, 1, True), (2, 1, True), (3, 1, True), (3, 1, False),
                                                       (2, 2, True), (0, 3, True)])
 def test_preview_billing_agrees_with_the_booking_service(world, book, t0, held, asked, burst_enabled):
