@@ -109,3 +109,14 @@ def now_slot():
 @pytest.fixture
 def tomorrow():
     return slot_floor(timezone.now(), 60) + timedelta(days=1)
+
+
+def gate_cluster(booking, cuda_version: str = "12.8"):
+    """A cluster of booking waiting on its acceptance gate (simulated backend), with the team's CUDA version."""
+    from provisioning.models import VirtualCluster
+
+    return VirtualCluster.objects.create(
+        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
+        orchestrator="slurm", orchestrator_version="24.11", cuda_version=cuda_version, default_memory_per_gpu_gib=80,
+        shared_storage_gib=100,
+    )

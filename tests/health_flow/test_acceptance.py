@@ -11,7 +11,7 @@ from provisioning.health.models import HealthCheck, Repair
 from provisioning.health.services import acceptance_verdict, health_acceptance_gate
 from reservations.models import Allocation
 
-from .conftest import fleet_spec
+from .conftest import fleet_spec, gate_cluster
 
 ECC = [{"kind": "ecc_uncorrected", "gpu": 5}]
 
@@ -119,16 +119,11 @@ def test_unknown_results_fail_then_run_again(fleet, settings, eager, tomorrow, d
 @pytest.mark.django_db
 def test_gate_waits_while_checks_run_then_answers(fleet, settings, eager, tomorrow,
                                                   django_capture_on_commit_callbacks):
-    from provisioning.models import VirtualCluster
     from provisioning.services import GateResult, RetryLater
 
     settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": ECC})
     booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
-    cluster = VirtualCluster.objects.create(
-        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
-        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
-        shared_storage_gib=100,
-    )
+    cluster = gate_cluster(booking, "12.8")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
         health_acceptance_gate(cluster=cluster)
     # gpu-001 failed and was swapped for a spare; the gate now checks the spare.
@@ -140,7 +135,7 @@ def test_gate_waits_while_checks_run_then_answers(fleet, settings, eager, tomorr
 
 
 @pytest.mark.django_db(transaction=True)
-def test_gate_waits_for_a_failing_nodes_swap_instead_of_failing_the_cluster(fleet, tomorrow, eager):
+def test_gate_waits_for_a_failing_nodes_swap_instead_of_failing_thegate_cluster(fleet, tomorrow, eager):
     """The gate read a failing acceptance check as soon as it was stored, before its consequences (drain,
     swap to a spare) ran: while another worker held the node's health lock the cluster failed its
     acceptance attempt (counted against PORTAL_PROVISIONING_MAX_ATTEMPTS) for a node about to leave it."""
@@ -151,15 +146,10 @@ def test_gate_waits_for_a_failing_nodes_swap_instead_of_failing_the_cluster(flee
 
     from provisioning.health.runner import SimulatedFleet
     from provisioning.health.services import LOCK_NODE_HEALTH, health_check_record
-    from provisioning.models import VirtualCluster
     from provisioning.services import RetryLater
 
     booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
-    cluster = VirtualCluster.objects.create(
-        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
-        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
-        shared_storage_gib=100,
-    )
+    cluster = gate_cluster(booking, "12.8")
     node = fleet.node("gpu-001")
     check = HealthCheck.objects.create(node=node, level="medium", trigger="acceptance", reservation=booking,
                                        status="running")
@@ -208,17 +198,12 @@ def test_a_fresh_unknown_result_is_waited_for_and_run_again_not_failed(fleet, se
     """An acceptance check that just finished unknown (NVML could not start, a tool timed out) failed the
     provisioning attempt at once (counted against PORTAL_PROVISIONING_MAX_ATTEMPTS), though the gate runs
     it again once it is PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS old. The gate now waits for that re-run."""
-    from provisioning.models import VirtualCluster
     from provisioning.services import RetryLater
 
     settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "init_failure", "error": "NoPermission"}]})
     settings.PORTAL_HEALTH_ACCEPTANCE_RETRY_SECONDS = 3600
     booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
-    cluster = VirtualCluster.objects.create(
-        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
-        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
-        shared_storage_gib=100,
-    )
+    cluster = gate_cluster(booking, "12.8")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
         health_acceptance_gate(cluster=cluster)  # queued and run (eagerly): gpu-001 unknown, gpu-002 pass
     assert HealthCheck.objects.get(node__hostname="gpu-001").verdict == "unknown"
@@ -235,16 +220,6 @@ def test_a_fresh_unknown_result_is_waited_for_and_run_again_not_failed(fleet, se
     assert HealthCheck.objects.count() == 3
 
 
-def _cluster(booking, cuda_version):
-    from provisioning.models import VirtualCluster
-
-    return VirtualCluster.objects.create(
-        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
-        orchestrator="slurm", orchestrator_version="24.11", cuda_version=cuda_version, default_memory_per_gpu_gib=80,
-        shared_storage_gib=100,
-    )
-
-
 @pytest.mark.django_db
 def test_the_gate_job_carries_the_clusters_cuda_version(fleet, tomorrow, now_slot):
     """The agent was never told which CUDA version the team chose, so it could not refuse a node whose driver
@@ -252,13 +227,13 @@ def test_the_gate_job_carries_the_clusters_cuda_version(fleet, tomorrow, now_slo
     from provisioning.health.services import health_checks_request, health_sweep, jobs_for
 
     booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
-    _cluster(booking, "12.6")
+    gate_cluster(booking, "12.6")
     gate = health_checks_request(nodes=_node_ids(booking), level="medium", trigger="acceptance", reservation=booking)
     assert {job["host"]: job["cuda_min"] for job in jobs_for([c.pk for c in gate])} == {
         "gpu-001": "12.6", "gpu-002": "12.6"}
     # A tenant's check of its running cluster is of that cluster too.
     running = fleet.book("beta", ["gpu-003"], now_slot, now_slot + timedelta(hours=2))
-    _cluster(running, "13.0")
+    gate_cluster(running, "13.0")
     [tenant] = health_checks_request(nodes=_node_ids(running), level="quick", trigger="tenant", reservation=running)
     assert jobs_for([tenant.pk])[0]["cuda_min"] == "13.0"
     # A sweep belongs to no cluster: its jobs require no version, as before.
@@ -273,7 +248,7 @@ def test_a_node_whose_driver_cannot_run_the_clusters_cuda_fails_the_gate_and_is_
     # gpu-001's driver supports CUDA 12.2 at most; the team chose 12.4. gpu-003 (the spare) is current.
     settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "cuda_mismatch"}]})
     booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
-    cluster = _cluster(booking, "12.4")
+    cluster = gate_cluster(booking, "12.4")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
         health_acceptance_gate(cluster=cluster)
     failed = HealthCheck.objects.get(node__hostname="gpu-001")
@@ -299,7 +274,7 @@ def test_an_older_driver_still_passes_a_cluster_that_chose_an_older_cuda(fleet, 
 
     settings.PORTAL_FAKE_NVML = fleet_spec({"gpu-001": [{"kind": "cuda_mismatch"}]})  # supports 12.2
     booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
-    cluster = _cluster(booking, "12.2")
+    cluster = gate_cluster(booking, "12.2")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
         health_acceptance_gate(cluster=cluster)
     assert health_acceptance_gate(cluster=cluster).passed
@@ -310,18 +285,13 @@ def test_an_older_driver_still_passes_a_cluster_that_chose_an_older_cuda(fleet, 
 def test_the_gates_answer_counts_one_missing_node_in_the_singular(fleet, settings, eager, tomorrow,
                                                                   django_capture_on_commit_callbacks):
     """A cluster handed over one node short was told "…; 1 node(s) missing: no spare was free"."""
-    from provisioning.models import VirtualCluster
     from provisioning.services import RetryLater
     from reservations.models import Reservation
 
     settings.PORTAL_FAKE_NVML = fleet_spec()
     booking = fleet.book("alpha", ["gpu-001"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
     Reservation.objects.filter(pk=booking.pk).update(node_count=2, missing_nodes=1)  # one failed, no spare
-    cluster = VirtualCluster.objects.create(
-        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
-        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
-        shared_storage_gib=100,
-    )
+    cluster = gate_cluster(booking, "12.8")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(RetryLater):
         health_acceptance_gate(cluster=cluster)
     result = health_acceptance_gate(cluster=cluster)

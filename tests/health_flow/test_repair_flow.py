@@ -23,7 +23,7 @@ from provisioning.health.services import (
 from reservations.models import Allocation, Node
 from reservations.services import node_update
 
-from .conftest import fleet_spec
+from .conftest import fleet_spec, gate_cluster
 
 ECC = [{"kind": "ecc_uncorrected", "gpu": 2}]
 
@@ -32,6 +32,18 @@ def _run(callbacks, **kwargs):
     with callbacks(execute=True):
         return health_checks_request(**kwargs)
 
+
+
+def _fixed_and_retested(cb, repair, spec, staff):
+    """The node's fault is gone (the fleet spec rewritten healthy, its mtime moved so it is read again): the
+    repair's re-test runs and passes; return the repair."""
+    time.sleep(0.01)
+    spec.write_text(fleet_spec())
+    os.utime(spec, (time.time() - 60, time.time() - 60))
+    repair = _step(cb, repair, "retesting", staff)
+    repair.refresh_from_db()
+    assert repair.retest_check.verdict == "pass"
+    return repair
 
 def _step(callbacks, repair, to, actor, note=""):
     with callbacks(execute=True):
@@ -130,12 +142,7 @@ def test_failed_retest_goes_back_to_remediation(fleet, settings, eager, tmp_path
     assert victim.state == "maintenance"  # still out, still one repair
     assert Repair.objects.filter(node=victim).count() == 1
     # A second round: fixed for real this time.
-    time.sleep(0.01)
-    spec.write_text(fleet_spec())
-    os.utime(spec, (time.time() - 60, time.time() - 60))
-    repair = _step(cb, repair, "retesting", staff)
-    repair.refresh_from_db()
-    assert repair.retest_check.verdict == "pass"
+    repair = _fixed_and_retested(cb, repair, spec, staff)
     _step(cb, repair, "rejoined", staff)
     victim.refresh_from_db()
     assert victim.state == "available"
@@ -563,7 +570,6 @@ def test_the_retest_of_a_repair_a_failing_cuda_support_check_opened_requires_tha
     upgraded, and failed the next cluster needing 12.4 again. The re-test now requires the version that failed
     it: a driver that was not upgraded fails it and the node stays out; an upgraded one passes and rejoins."""
     from provisioning.health.services import jobs_for
-    from provisioning.models import VirtualCluster
     from provisioning.services import RetryLater
 
     cb = django_capture_on_commit_callbacks
@@ -573,11 +579,7 @@ def test_the_retest_of_a_repair_a_failing_cuda_support_check_opened_requires_tha
     spec.write_text(fleet_spec({victim.hostname: [{"kind": "cuda_mismatch"}]}))  # the driver supports 12.2
     settings.PORTAL_FAKE_NVML = f"@{spec}"
     booking = fleet.book("alpha", ["gpu-001", "gpu-002"], tomorrow, tomorrow + timedelta(hours=3), "provisioning")
-    cluster = VirtualCluster.objects.create(
-        reservation=booking, tenant=booking.tenant, status="running_acceptance_tests", backend="simulated",
-        orchestrator="slurm", orchestrator_version="24.11", cuda_version="12.4", default_memory_per_gpu_gib=80,
-        shared_storage_gib=100,
-    )
+    cluster = gate_cluster(booking, "12.4")
     from provisioning.health.services import health_acceptance_gate
 
     with cb(execute=True), pytest.raises(RetryLater):
@@ -605,12 +607,7 @@ def test_the_retest_of_a_repair_a_failing_cuda_support_check_opened_requires_tha
         repair_advance(actor=staff, repair=repair, to="rejoined")
     assert Node.objects.get(pk=victim.pk).state == "maintenance"
     # Upgraded for real this time: the re-test passes and the node rejoins.
-    time.sleep(0.01)
-    spec.write_text(fleet_spec())
-    os.utime(spec, (time.time() - 60, time.time() - 60))
-    repair = _step(cb, repair, "retesting", staff)
-    repair.refresh_from_db()
-    assert repair.retest_check.verdict == "pass"
+    repair = _fixed_and_retested(cb, repair, spec, staff)
     assert jobs_for([repair.retest_check_id]) == []  # done; it was sent with the version required
     _step(cb, repair, "rejoined", staff)
     assert Node.objects.get(pk=victim.pk).state == "available"
