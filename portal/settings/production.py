@@ -49,6 +49,11 @@ if _token_file and not PORTAL_METRICS_TOKEN:
         raise ImproperlyConfigured(
             f"PORTAL_METRICS_TOKEN_FILE={_token_file} does not exist (mount the metrics_token secret, or unset it)"
         ) from None
+    except OSError as exc:  # a secret mounted 0600 for another user, a directory in its place, ...
+        raise ImproperlyConfigured(
+            f"PORTAL_METRICS_TOKEN_FILE={_token_file} cannot be read ({type(exc).__name__}: {exc.strerror or exc}); "
+            "make it a file readable by the portal's user, or unset it"
+        ) from None
     if not PORTAL_METRICS_TOKEN:
         # Read as "no token", it would close /metrics to Prometheus too (no network is trusted here).
         raise ImproperlyConfigured(

@@ -29,3 +29,30 @@ def test_production_refuses_an_empty_metrics_token_file(tmp_path):
     proc = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-800:]
+
+
+def _check(token_file: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SECRET_KEY": "x" * 60, "PORTAL_FERNET_KEYS": Fernet.generate_key().decode(),
+           "ALLOWED_HOSTS": "portal.example.com", "DJANGO_SETTINGS_MODULE": "portal.settings.production",
+           "PORTAL_METRICS_TOKEN": "", "PORTAL_METRICS_TOKEN_FILE": str(token_file), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_production_refuses_an_unreadable_metrics_token_file_with_a_clear_message(tmp_path):
+    """A token file that exists but cannot be read (a secret mounted 0600 for another user, or a directory
+    where the file should be) crashed start-up with a bare PermissionError/IsADirectoryError traceback;
+    it now gets the same ImproperlyConfigured message as a missing file, naming the file and the cause."""
+    directory = tmp_path / "metrics_token_dir"
+    directory.mkdir()  # open() on a directory fails even for root
+    unreadable = [(directory, "IsADirectoryError: Is a directory")]
+    if os.geteuid() != 0:  # root reads a mode-000 file regardless
+        no_access = tmp_path / "metrics_token_0000"
+        no_access.write_text("t0ken\n")
+        no_access.chmod(0)
+        unreadable.append((no_access, "PermissionError: Permission denied"))
+    for path, cause in unreadable:
+        proc = _check(path)
+        assert proc.returncode != 0
+        assert "ImproperlyConfigured" in proc.stderr, proc.stderr[-800:]
+        assert f"PORTAL_METRICS_TOKEN_FILE={path} cannot be read ({cause})" in proc.stderr, proc.stderr[-800:]
