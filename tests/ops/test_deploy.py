@@ -101,6 +101,22 @@ def test_the_stack_has_every_service_the_design_names():
             assert dep in SERVICES, f"{name} depends on unknown service {dep}"
 
 
+def test_no_portal_service_inherits_the_images_web_healthcheck():
+    """The image's HEALTHCHECK probes :8000, where only web listens. The one-shot migrate inherited it:
+    a long migration showed as "unhealthy" and its Docker events fired for a probe of nothing. Every
+    service on the portal image states its own check, and a one-shot one (restart "no") disables it."""
+    assert "HEALTHCHECK" in (ROOT / "Dockerfile").read_text()  # what would be inherited
+    one_shot = {n for n, s in PORTAL_SERVICES.items() if str(s.get("restart")) in ("no", "False")}
+    assert "migrate" in one_shot
+    for name, service in PORTAL_SERVICES.items():
+        assert "healthcheck" in service, f"{name} inherits the image's :8000 healthcheck"
+        check = service["healthcheck"]
+        if name in one_shot:
+            assert check == {"disable": True}, f"one-shot {name} must disable the healthcheck, not run {check}"
+        elif name != "web":
+            assert ":8000" not in " ".join(check.get("test", [])), f"{name} probes :8000, where nothing listens"
+
+
 def test_every_celery_queue_has_a_worker_and_every_worker_queue_exists():
     from provisioning.health import conf as health_conf
 
