@@ -541,6 +541,16 @@ class SlurmClient:
 # ------------------------------------------------------------------------ helpers
 
 
+# Transient outages of slurmctld or munged, not a refusal: "protocol authentication error" is munge down
+# (or keys that differ), "zero bytes were transmitted or received" a controller that dropped the RPC.
+_UNAVAILABLE = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "protocol authentication error",
+    "zero bytes were transmitted or received",
+)
+
+
 def _classify(message: str) -> type[SlurmError]:
     text = message.lower()
     if "overlaps with another reservation" in text:
@@ -555,7 +565,7 @@ def _classify(message: str) -> type[SlurmError]:
         return NodeNotFound
     if "invalid partition name specified" in text:
         return PartitionNotFound
-    if "unable to contact slurm controller" in text or "socket timed out" in text:
+    if any(sign in text for sign in _UNAVAILABLE):
         return SlurmUnavailable
     return SlurmError
 
