@@ -14,6 +14,7 @@ from django.db.models import F, Func, OuterRef, Subquery
 from django.utils import timezone
 
 from portal.core.redact import without_processes
+from portal.core.words import count_of
 
 from .choices import HOLDING_STATUSES, NodeState
 from .models import Node, Pool, Reservation
@@ -384,6 +385,18 @@ class BookingPreview:
     @property
     def limit(self) -> int:
         return self.max_nodes + (self.burst_nodes if self.burst_enabled else 0)
+
+    @property
+    def over_limit_text(self) -> str:
+        """Over the limit, what the tenant would hold at its peak against it, in words; "" within it."""
+        over = self.peak_after - self.limit
+        if not self.has_quota or over <= 0:
+            return ""
+        parts = f"{self.max_nodes} guaranteed"
+        if self.burst_enabled and self.burst_nodes:
+            parts += f" + {self.burst_nodes} burst"
+        return (f"You would hold up to {count_of(self.peak_after, 'node')} at once; "
+                f"your limit is {self.limit} ({parts}): {over} over.")
 
     @property
     def burst_gpu_hours(self):

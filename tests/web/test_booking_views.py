@@ -126,6 +126,27 @@ def test_preview_shows_free_nodes_quota_billing_and_burst_cost(world, web, book,
     assert "Fill in pool, nodes, start and end" in page
 
 
+def test_an_over_quota_preview_says_the_peak_the_limit_and_how_far_over(world, web, book, t0):
+    """The quota line read "5 of 3 guaranteed + 1 burst" over the limit: a reader had to work out what the
+    numbers meant. It says what the tenant would hold, its limit and by how much it is over."""
+    book("alpha-member", t0, nodes=3, hours=2)
+    page = web("alpha-lead").post("/reservations/preview/", _data(world, t0, node_count=2)).content.decode()
+    assert ("You would hold up to 5 nodes at once; your limit is 4 (3 guaranteed + 1 burst): 1 over."
+            in page)
+    assert "5 of 3 guaranteed" not in page
+
+
+def test_the_over_quota_sentence_counts_in_words(world, t0):
+    pool = world.pool
+    preview = selectors.BookingPreview(pool=pool, node_count=1, start=t0, end=t0 + timedelta(hours=1),
+                                       available_nodes=4, free_nodes=4, has_quota=True, max_nodes=0,
+                                       burst_nodes=2, burst_enabled=False)
+    assert preview.over_limit_text == "You would hold up to 1 node at once; your limit is 0 (0 guaranteed): 1 over."
+    within = selectors.BookingPreview(pool=pool, node_count=1, start=t0, end=t0 + timedelta(hours=1),
+                                      available_nodes=4, free_nodes=4, has_quota=True, max_nodes=1)
+    assert within.over_limit_text == ""
+
+
 def test_preview_counts_a_maintenance_window_as_taking_its_node(world, web, t0):
     """The preview left out allocations without a reservation (maintenance windows): it said every
     node was free while the booking itself was refused for want of them."""
