@@ -459,8 +459,9 @@ def _detail_context(request, reservation) -> dict:
     changeable = (portal.can_change(reservation)
                   and reservation.status not in FINAL_STATUSES and reservation.end > now)
     slot = timedelta(minutes=pool.slot_minutes)
+    # (label, the new end as the form posts it, the new end to show beside the label in the reader's zone)
     extend_options = [
-        (label, format_utc(reservation.end + delta))
+        (label, format_utc(reservation.end + delta), reservation.end + delta)
         for label, delta in (("+1 slot", slot), ("+4 hours", timedelta(hours=4)), ("+1 day", timedelta(days=1)))
         if delta >= slot and delta % slot == timedelta(0)
     ]

@@ -289,3 +289,16 @@ def test_a_whole_day_picked_in_the_month_view_opens_on_the_pools_grid(world, liv
     start = at(day, 0, tz=kolkata).replace(minute=30)
     assert (booked.period.lower, booked.period.upper) == (start, start + timedelta(days=1))
     assert page.errors == []
+
+
+def test_the_extend_buttons_name_the_end_they_would_give(world, live_server, new_page, sign_in, day):
+    """"+4 hours" did not say what the new end would be; each button's accessible name now does."""
+    mine = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12),
+                                       name="alpha-run")
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/reservations/{mine.pk}/")
+    for label, end in (("+4 hours", at(day, 16)), ("+1 day", at(day, 12) + timedelta(days=1))):
+        name = f"{label} (ends {end:%a} {end.day} {end:%b %H:%M} UTC)"
+        expect(page.get_by_role("button", name=name, exact=True)).to_have_count(1)
+    assert page.errors == []

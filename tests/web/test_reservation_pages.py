@@ -59,6 +59,25 @@ def test_extend_goes_through_the_service(world, web, book, t0):
     assert "now ends" in page and "end " in page  # the message, and the change in the timeline
 
 
+def test_each_extend_button_says_the_end_it_would_give_in_the_readers_zone(world, web, book, t0):
+    """The buttons said "+1 slot", "+4 hours", "+1 day" but not the end each would give: the reader had to
+    add it up (in their own zone). Each button's text, and so its accessible name, now includes it."""
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Europe/Berlin"})
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+    slot = timedelta(minutes=world.pool.slot_minutes)
+    for url in (f"/reservations/{r.pk}/", f"/reservations/{r.pk}/panel/"):
+        page = client.get(url, **HTMX).content.decode()
+        buttons = {label: re.sub(r"<[^>]+>|\s+", " ", inner).split()
+                   for label, inner in re.findall(r'<button type="submit" name="end" value="[^"]*"[^>]*>'
+                                                  r'\s*(\+1 slot|\+4 hours|\+1 day)(.*?)</button>', page, re.S)}
+        assert set(buttons) == {"+1 slot", "+4 hours", "+1 day"}, url
+        for label, delta in (("+1 slot", slot), ("+4 hours", timedelta(hours=4)), ("+1 day", timedelta(days=1))):
+            local = (r.end + delta).astimezone(berlin)
+            assert " ".join(buttons[label]) == f"(ends {local:%a} {local.day} {local:%b %H:%M %Z})", (url, label)
+
+
 def test_extend_into_a_conflict_is_refused_with_the_reason(world, web, book, t0):
     r = book("alpha-lead", t0, nodes=2)
     book("beta-lead", r.end, nodes=3)
