@@ -13,6 +13,7 @@ from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
+from django.utils.dateformat import format as date_format
 
 from portal.core import events
 from portal.core.exceptions import (
@@ -291,15 +292,20 @@ def _capacity_error(
     return error
 
 
+# How the pages write an instant (the templates' date:"D j M H:i T"): "Fri 11 Dec 09:00 CET".
+PAGE_TIME_FORMAT = "D j M H:i T"
+
+
 def capacity_text(
     *, free: int, total: int, pool_name: str, node_count: int, start: datetime, end: datetime, tz: Any = None,
 ) -> str:
-    """Why a booking did not fit, with the window in tz (UTC, as the API has it, when None)."""
+    """Why a booking did not fit, with the window in UTC as the API has it (tz None), or for a page in tz
+    as the pages write times ("Fri 11 Dec 09:00 CET", the templates' date:"D j M H:i T")."""
     if tz is None:
         window = f"from {start:%Y-%m-%d %H:%M}Z to {end:%Y-%m-%d %H:%M}Z"
     else:
         lo, hi = timezone.localtime(start, tz), timezone.localtime(end, tz)
-        window = f"from {lo:%Y-%m-%d %H:%M %Z} to {hi:%Y-%m-%d %H:%M %Z}"
+        window = f"from {date_format(lo, PAGE_TIME_FORMAT)} to {date_format(hi, PAGE_TIME_FORMAT)}"
     return f"Only {free} of {total} available {pool_name} nodes are free {window}; {node_count} requested."
 
 

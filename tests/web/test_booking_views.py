@@ -63,6 +63,25 @@ def test_local_wall_clock_input_is_converted_to_utc(world, web, t0):
     assert r.start == t0
 
 
+def test_a_capacity_refusal_gives_its_window_as_the_rest_of_the_page_does(world, web, book, t0):
+    """The page's refusal said "from 2026-12-11 09:00 CET to ..." where every other time on it reads
+    "Fri 11 Dec 09:00 CET". It uses the UI's format in the reader's zone; the API keeps its UTC text."""
+    book("beta-lead", t0, nodes=4, hours=4)
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Europe/Berlin"})
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+    lo, hi = t0.astimezone(berlin), (t0 + timedelta(hours=2)).astimezone(berlin)
+    page = client.post("/reservations/new/", _data(world, t0), **HTMX).content.decode()
+    assert (f"Only 0 of 4 available h100 nodes are free from {lo:%a} {lo.day} {lo:%b %H:%M %Z} "
+            f"to {hi:%a} {hi.day} {hi:%b %H:%M %Z}; 1 requested.") in page
+    response = client.post("/api/v1/reservations/", {"tenant": "alpha", "pool": "h100", "node_count": 1,
+                                                     "start": iso(t0), "end": iso(t0 + timedelta(hours=2))},
+                           content_type="application/json")
+    assert response.status_code == 409
+    assert response.json()["detail"] == (f"Only 0 of 4 available h100 nodes are free from {t0:%Y-%m-%d %H:%M}Z to "
+                                         f"{t0 + timedelta(hours=2):%Y-%m-%d %H:%M}Z; 1 requested.")
+
+
 def test_conflict_shows_suggestions_that_each_book_their_window(world, web, book, t0):
     book("beta-lead", t0, nodes=3, hours=4)
     book("beta-member", t0, nodes=1, hours=4)
@@ -247,8 +266,8 @@ def test_a_capacity_refusal_gives_the_window_in_the_readers_zone(world, web, boo
     page = client.post("/reservations/new/", _data(
         world, t0, name="wanted", start=f"{start_local:%Y-%m-%dT%H:%M}",
         end=f"{start_local + timedelta(hours=1):%Y-%m-%dT%H:%M}"), **HTMX).content.decode()
-    assert f"free from {start_local:%Y-%m-%d %H:%M} IST to {start_local + timedelta(hours=1):%Y-%m-%d %H:%M} IST" \
-        in page, page[:3000]
+    lo, hi = start_local, start_local + timedelta(hours=1)  # as the page writes times: "Thu 3 Dec 22:30 IST"
+    assert f"free from {lo:%a} {lo.day} {lo:%b %H:%M} IST to {hi:%a} {hi.day} {hi:%b %H:%M} IST" in page, page[:3000]
     assert f"{t0:%H:%M}Z" not in page and not Reservation.objects.filter(name="wanted").exists()
 
 
