@@ -72,11 +72,14 @@
     if (!target.contains(active)) { panelOpener = active; }
   }
 
-  // After htmx swaps a panel in, move focus to its heading so keyboard and screen-reader users follow.
+  // After htmx swaps a panel in, move focus so keyboard and screen-reader users follow: to what went wrong
+  // (an alert) first, else to what happened (a status), else to the heading. One selector list would take
+  // whichever comes first in the panel, and its heading comes before the error of a refused booking.
   function onSwap(event) {
     var target = event.detail && event.detail.target;
     if (!target || target.id !== "side-panel") { return; }
-    var focus = target.querySelector("[role=alert], [role=status], h2");
+    var focus = target.querySelector("[role=alert]") || target.querySelector("[role=status]") ||
+                target.querySelector("h2");
     if (focus) {
       if (!focus.hasAttribute("tabindex")) { focus.setAttribute("tabindex", "-1"); }
       focus.focus({ preventScroll: false });

@@ -9,7 +9,7 @@ from playwright.sync_api import expect
 
 from reservations import services
 
-from .conftest import PHONE, at, open_day
+from .conftest import PHONE, at, drag, open_day
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -144,6 +144,24 @@ def test_closing_the_booking_panel_puts_focus_back_where_it_came_from(world, liv
     expect(page.locator("#booking-form")).to_have_count(0)
     # Not lost on <body> (the next Tab would start over at the top of the page): back on the button.
     expect(opener).to_be_focused()
+
+
+def test_a_refused_booking_puts_focus_on_what_went_wrong(world, live_server, new_page, sign_in, day):
+    """After a refused booking the focus went to the "New booking" heading, above the error: a keyboard or
+    screen-reader user started reading from the top instead of at the reason. It lands on the error."""
+    services.reservation_create(actor=world.users["beta-lead"], tenant=world.tenants["beta"], pool=world.pool,
+                                node_count=4, start=at(day, 10), end=at(day, 14), name="beta-wall")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    drag(page, day, "10:00", "11:00")
+    expect(page.locator("#booking-form")).to_be_visible()
+    page.get_by_role("button", name="Book", exact=True).focus()
+    page.keyboard.press("Enter")
+    error = page.locator("#booking-error")
+    expect(error).to_contain_text("Only 0 of 4")
+    expect(error).to_be_focused()
+    expect(error).to_have_attribute("tabindex", "-1")
+    assert page.errors == []
 
 
 # Every reservation event's time and title: how far each overflows its box, its ellipsis and its tooltip.
