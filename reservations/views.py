@@ -521,31 +521,49 @@ def _extend_form(reservation, data=None) -> ExtendForm:
     return ExtendForm(data, initial={"end": reservation.end + slot}, auto_id=f"extend-%s-{reservation.pk}")
 
 
-@require_POST
-@portal_view
-def reservation_extend(request, pk: int):
-    """Change the end; a refusal comes back as the page with the value given and the reason beside it."""
+def _change_from_page(request, pk: int, *, form_for, field: str, refused: str, done, form_key: str, shown_key: str):
+    """Change one field of a booking from its page (extend, rename); a refusal comes back as the page with the
+    value given and the reason beside the field, or above the page when the field is not shown (shown_key: the
+    context flag of the role or the booking's state)."""
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
-    form = _extend_form(reservation, request.POST)
+    form = form_for(reservation, request.POST)
     status = 400
     if form.is_valid():
         try:
             reservation = services.reservation_update(actor=request.user, reservation=reservation,
-                                                      end=form.cleaned_data["end"])
+                                                      **{field: form.cleaned_data[field]})
         except DomainError as exc:
             # The service names the API's field ("end: Must be after start."); beside the field, its reason.
-            reason = exc.fields.get("end") if isinstance(exc, InvalidInput) else None
-            form.add_error("end", f"Not changed: {reason or _refusal(exc)}")
+            reason = exc.fields.get(field) if isinstance(exc, InvalidInput) else None
+            form.add_error(field, f"{refused}: {reason or _refusal(exc)}")
             status = exc.status
         else:
-            end = timezone.localtime(reservation.end)
-            messages.success(request, f"Reservation #{reservation.pk} now ends {end:%a %d %b %H:%M %Z}.")
+            messages.success(request, done(reservation))
             return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
     reservation = get_object_or_404(_own_reservations(request), pk=pk)  # as stored: nothing changed
-    context = {**_detail_context(request, reservation), "extend_form": form}
-    if not context["extendable"]:  # no field to show the reason beside (the role, or the booking's state)
-        messages.error(request, "Not changed: " + " ".join(form.errors.get("end", [])))
+    context = {**_detail_context(request, reservation), form_key: form}
+    if not context[shown_key]:  # no field to show the reason beside
+        text = " ".join(form.errors.get(field, []))
+        messages.error(request, text if text.startswith(refused) else f"{refused}: {text}")
     return render_page(request, "reservations/detail.html", context, status=status)
+
+
+def _extended(reservation) -> str:
+    return f"Reservation #{reservation.pk} now ends {timezone.localtime(reservation.end):%a %d %b %H:%M %Z}."
+
+
+def _renamed(reservation) -> str:
+    if reservation.name:
+        return f"Reservation #{reservation.pk} renamed to “{reservation.name}”."
+    return f"Reservation #{reservation.pk} no longer has a name."
+
+
+@require_POST
+@portal_view
+def reservation_extend(request, pk: int):
+    """Change the end."""
+    return _change_from_page(request, pk, form_for=_extend_form, field="end", refused="Not changed", done=_extended,
+                             form_key="extend_form", shown_key="extendable")
 
 
 def _rename_form(reservation, data=None) -> RenameForm:
@@ -555,28 +573,9 @@ def _rename_form(reservation, data=None) -> RenameForm:
 @require_POST
 @portal_view
 def reservation_rename(request, pk: int):
-    """Rename; a refusal comes back as the page with the name typed and the reason beside it."""
-    reservation = get_object_or_404(_own_reservations(request), pk=pk)
-    form = _rename_form(reservation, request.POST)
-    status = 400
-    if form.is_valid():
-        try:
-            reservation = services.reservation_update(actor=request.user, reservation=reservation,
-                                                      name=form.cleaned_data["name"])
-        except DomainError as exc:
-            reason = exc.fields.get("name") if isinstance(exc, InvalidInput) else None
-            form.add_error("name", f"Not renamed: {reason or _refusal(exc)}")
-            status = exc.status
-        else:
-            text = (f"Reservation #{reservation.pk} renamed to “{reservation.name}”." if reservation.name
-                    else f"Reservation #{reservation.pk} no longer has a name.")
-            messages.success(request, text)
-            return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
-    reservation = get_object_or_404(_own_reservations(request), pk=pk)  # as stored: nothing changed
-    context = {**_detail_context(request, reservation), "rename_form": form}
-    if not context["changeable"]:  # no field to show the reason beside (the role, or the booking's state)
-        messages.error(request, " ".join(form.errors.get("name", [])))
-    return render_page(request, "reservations/detail.html", context, status=status)
+    """Rename."""
+    return _change_from_page(request, pk, form_for=_rename_form, field="name", refused="Not renamed", done=_renamed,
+                             form_key="rename_form", shown_key="changeable")
 
 
 @require_http_methods(["GET", "POST"])
