@@ -44,7 +44,7 @@ PORTAL_METRICS_TOKEN = env("PORTAL_METRICS_TOKEN", default="")
 _token_file = env("PORTAL_METRICS_TOKEN_FILE", default="")
 if _token_file and not PORTAL_METRICS_TOKEN:
     try:
-        PORTAL_METRICS_TOKEN = Path(_token_file).read_text().strip()
+        PORTAL_METRICS_TOKEN = Path(_token_file).read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         raise ImproperlyConfigured(
             f"PORTAL_METRICS_TOKEN_FILE={_token_file} does not exist (mount the metrics_token secret, or unset it)"
@@ -53,6 +53,11 @@ if _token_file and not PORTAL_METRICS_TOKEN:
         raise ImproperlyConfigured(
             f"PORTAL_METRICS_TOKEN_FILE={_token_file} cannot be read ({type(exc).__name__}: {exc.strerror or exc}); "
             "make it a file readable by the portal's user, or unset it"
+        ) from None
+    except UnicodeDecodeError as exc:  # a binary blob, or a token saved as UTF-16 by an editor
+        raise ImproperlyConfigured(
+            f"PORTAL_METRICS_TOKEN_FILE={_token_file} cannot be read (not UTF-8 text: byte "
+            f"{exc.object[exc.start]:#04x} at offset {exc.start}); put the token in it as plain UTF-8 text, or unset it"
         ) from None
     if not PORTAL_METRICS_TOKEN:
         # Read as "no token", it would close /metrics to Prometheus too (no network is trusted here).

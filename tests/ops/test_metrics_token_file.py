@@ -56,3 +56,16 @@ def test_production_refuses_an_unreadable_metrics_token_file_with_a_clear_messag
         assert proc.returncode != 0
         assert "ImproperlyConfigured" in proc.stderr, proc.stderr[-800:]
         assert f"PORTAL_METRICS_TOKEN_FILE={path} cannot be read ({cause})" in proc.stderr, proc.stderr[-800:]
+
+
+def test_production_refuses_a_metrics_token_file_that_is_not_utf8_with_a_clear_message(tmp_path):
+    """A token file holding bytes that are not UTF-8 (a binary blob copied in by mistake, a token saved in
+    UTF-16 by an editor) crashed start-up with a bare UnicodeDecodeError traceback that did not name the
+    file; it now gets an ImproperlyConfigured message like the other unreadable cases."""
+    token = tmp_path / "metrics_token_utf16"
+    token.write_bytes("t0ken\n".encode("utf-16"))  # starts with the BOM 0xff 0xfe: never valid UTF-8
+    proc = _check(token)
+    assert proc.returncode != 0
+    assert "ImproperlyConfigured" in proc.stderr, proc.stderr[-800:]
+    assert "UnicodeDecodeError" not in proc.stderr, proc.stderr[-800:]
+    assert f"PORTAL_METRICS_TOKEN_FILE={token} cannot be read (not UTF-8 text" in proc.stderr, proc.stderr[-800:]
