@@ -372,6 +372,8 @@ class BookingPreview:
     peak_before: int = 0
     billing: str | None = None
     burst_part_nodes: int = 0
+    # What else stops the booking (free nodes, duration, no quota). Over the limit is not repeated
+    # here: `over_limit_text` says it, once, in the quota row.
     problems: tuple[str, ...] = ()
 
     @property
@@ -414,7 +416,7 @@ class BookingPreview:
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.over_limit_text
 
 
 def booking_preview(
@@ -462,8 +464,7 @@ def booking_preview(
     elif peak + node_count <= limit:
         billing = "burst"
         burst_part = min(node_count, peak + node_count - quota.max_nodes)
-    else:
-        problems.append(f"Over quota: up to {peak} already held, {node_count} more exceeds {limit}.")
+    # else over the limit: no billing, and BookingPreview.over_limit_text says so (not ok).
     return BookingPreview(
         pool=pool, node_count=node_count, start=start, end=end, available_nodes=available, free_nodes=free,
         has_quota=True, max_nodes=quota.max_nodes, burst_nodes=quota.burst_nodes,

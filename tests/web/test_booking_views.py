@@ -140,7 +140,8 @@ def test_preview_shows_free_nodes_quota_billing_and_burst_cost(world, web, book,
     assert "1 node above the guarantee" in page
     assert "<strong>40.00</strong> = 16.00 GPU-hours × 2.50 per GPU-hour" in page
     page = client.post("/reservations/preview/", _data(world, t0, node_count=3)).content.decode()
-    assert "Over quota" in page and "Only 2 of 4" in page
+    assert "You would hold up to 5 nodes at once; your limit is 4 (3 guaranteed + 1 burst): 1 over." in page
+    assert "Only 2 of 4" in page and 'class="preview bad"' in page
     page = client.post("/reservations/preview/", _data(world, t0, start="", end="")).content.decode()
     assert "Fill in pool, nodes, start and end" in page
 
@@ -153,6 +154,18 @@ def test_an_over_quota_preview_says_the_peak_the_limit_and_how_far_over(world, w
     assert ("You would hold up to 5 nodes at once; your limit is 4 (3 guaranteed + 1 burst): 1 over."
             in page)
     assert "5 of 3 guaranteed" not in page
+
+
+def test_an_over_quota_preview_states_the_quota_fact_once(world, web, book, t0):
+    """Over the limit, the preview showed the plain sentence in the quota row and, below it, the older
+    problem line "Over quota: up to 3 already held, 2 more exceeds 4." saying the same thing again in
+    harder words. The quota fact is stated once, as the plain sentence; the preview is still marked bad."""
+    book("alpha-member", t0, nodes=3, hours=2)
+    page = web("alpha-lead").post("/reservations/preview/", _data(world, t0, node_count=2)).content.decode()
+    sentence = "You would hold up to 5 nodes at once; your limit is 4 (3 guaranteed + 1 burst): 1 over."
+    assert page.count(sentence) == 1
+    assert "Over quota" not in page and "exceeds" not in page
+    assert 'class="preview bad"' in page
 
 
 def test_the_over_quota_sentence_counts_in_words(world, t0):
@@ -193,7 +206,7 @@ def test_preview_billing_agrees_with_the_booking_service(world, book, t0, held, 
         r = services.reservation_create(actor=world.users["alpha-lead"], tenant=alpha, pool=world.pool,
                                         node_count=asked, start=t0, end=t0 + timedelta(hours=2))
     except QuotaExceeded:
-        assert preview.billing is None and any("Over quota" in p for p in preview.problems)
+        assert preview.billing is None and preview.over_limit_text and not preview.ok
     else:
         assert preview.billing == r.billing and preview.ok
         if r.billing == "burst":
