@@ -73,11 +73,17 @@
   }
 
   // After htmx swaps a panel in, move focus so keyboard and screen-reader users follow: to what went wrong
-  // (an alert) first, else to what happened (a status), else to the heading. One selector list would take
-  // whichever comes first in the panel, and its heading comes before the error of a refused booking.
+  // (an alert) first, else to the first field refused on its own (aria-invalid, its message next to it
+  // through aria-describedby), else to what happened (a status), else to the heading. One selector list
+  // would take whichever comes first in the panel, and its heading comes before the error of a refused booking.
   function onSwap(event) {
     var target = event.detail && event.detail.target;
     if (!target || target.id !== "side-panel") { return; }
+    var invalid = target.querySelector("[aria-invalid=true]");
+    if (!target.querySelector("[role=alert]") && invalid) {
+      invalid.focus({ preventScroll: false });
+      return;
+    }
     var focus = target.querySelector("[role=alert]") || target.querySelector("[role=status]") ||
                 target.querySelector("h2");
     if (focus) {

@@ -335,3 +335,25 @@ def test_an_events_panel_closes_with_escape_or_its_close_button_and_focus_goes_b
     page.keyboard.press("Escape")
     expect(page.locator("#side-panel [data-reservation-id]")).to_have_count(0)
     expect(page.get_by_role("button", name="New booking")).to_be_focused()
+
+
+def test_a_booking_refused_for_a_field_takes_focus_to_that_field(world, live_server, new_page, sign_in, day):
+    """A Book refused only for a field (an end before the start) has no alert in the panel, so focus went to
+    the "New booking" heading: a keyboard or screen-reader user landed at the top of the form, far from
+    what to fix. Focus goes to the first field marked aria-invalid, which says what is wrong next to it."""
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    page.get_by_role("button", name="New booking").click()
+    page.get_by_label(re.compile("^Start")).fill(f"{day.isoformat()}T10:00")
+    page.get_by_label(re.compile("^End")).fill(f"{day.isoformat()}T08:00")
+    page.get_by_label("Name").fill("backwards")
+    with page.expect_response(re.compile(r"/reservations/new/")):
+        page.get_by_role("button", name="Book", exact=True).click()
+    end = page.get_by_label(re.compile("^End"))
+    expect(page.locator("#side-panel")).to_contain_text("Must be after the start.")
+    expect(page.locator("#side-panel [role=alert]")).to_have_count(0)
+    expect(end).to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#side-panel [aria-invalid=true]")).to_have_count(1)
+    expect(end).to_be_focused()
+    expect(page.get_by_label("Name")).to_have_value("backwards")
+    assert page.errors == []
