@@ -138,7 +138,8 @@ class SlurmBackend(ProvisioningBackend):
     def _unknown_nodes(self, hostnames: Collection[str]) -> str:
         """Name the nodes Slurm does not know: its "Invalid node name specified" names none."""
         try:
-            unknown = [hostname for hostname in sorted(hostnames) if self._show_node(hostname) is None]
+            known = self._show_nodes(hostnames)
+            unknown = [hostname for hostname in sorted(hostnames) if hostname not in known]
         except BackendError:
             unknown = []  # the controller stopped answering: the refusal is still reported
         if not unknown:
@@ -251,6 +252,15 @@ class SlurmBackend(ProvisioningBackend):
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
 
+    def _show_nodes(self, hostnames: Collection[str]) -> dict[str, NodeInfo]:
+        """Slurm's view of those of ``hostnames`` it knows, by name and in name order, read with one scontrol call
+        (not one per node: a 1,000-node fleet was 1,000 subprocesses and RPCs to slurmctld per reconcile)."""
+        try:
+            nodes = self.client.show_nodes()
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
+        return {hostname: nodes[hostname] for hostname in sorted(hostnames) if hostname in nodes}
+
     def _show_node(self, hostname: str) -> NodeInfo | None:
         """Slurm's view of a node; None for one Slurm does not know, or cannot know: a hostname no Slurm node
         can have (the admin takes any, "gpu node 7") is refused by the client before scontrol runs."""
@@ -349,7 +359,8 @@ class SlurmBackend(ProvisioningBackend):
 
         Slurm refuses a node list with one unknown name whole, without naming it: one booked node Slurm lacks
         must not keep the others out of the partition."""
-        known = [hostname for hostname in lacking if self._show_node(hostname) is not None]
+        in_slurm = self._show_nodes(lacking)
+        known = [hostname for hostname in lacking if hostname in in_slurm]
         if known:
             self._update_partition(partition.name, nodes=[*partition.nodes, *known])
         if unknown := [hostname for hostname in lacking if hostname not in known]:
@@ -367,11 +378,7 @@ class SlurmBackend(ProvisioningBackend):
         """Drain in Slurm what the portal took out of service; resume what it put back."""
         # Read every node before changing any: a controller that stops answering half-way
         # leaves a report, not repairs nobody was told about.
-        infos = {}
-        for hostname in sorted(states):
-            info = self._show_node(hostname)
-            if info is not None:
-                infos[hostname] = info
+        infos = self._show_nodes(states)
         drifts: list[Drift] = []
         for hostname, info in infos.items():
             state = states[hostname]

@@ -449,20 +449,19 @@ class SlurmClient:
     def show_node(self, hostname: str) -> NodeInfo:
         """Return Slurm's view of node ``hostname``."""
         _check_name(hostname, "hostname")
-        # The multi-line form keeps free-text fields (Reason) on lines of their own, which
-        # is unambiguous even when a reason contains "key=value" text.
         output = self._run(["show", "node", hostname])
-        tokens: dict[str, str] = {}
-        for line in output.splitlines():
-            stripped = line.strip()
-            free = next((key for key in _FREE_TEXT_KEYS if stripped.startswith(key)), None)
-            if free is not None:
-                tokens[free[:-1]] = stripped[len(free) :]
-            elif stripped:
-                tokens.update(_parse_fields(stripped.split()))
-        if tokens.get("NodeName") != hostname:
+        node = _parse_node_records(output).get(hostname)
+        if node is None:
             raise NodeNotFound(f"Node {hostname} not found", command=("show", "node", hostname))
-        return _parse_node(tokens)
+        return node
+
+    def show_nodes(self) -> dict[str, NodeInfo]:
+        """Return every node Slurm knows, by name, read with one ``scontrol show node``.
+
+        One subprocess and one RPC to slurmctld whatever the number of nodes: a reconcile of a
+        large fleet must not ask node by node.
+        """
+        return _parse_node_records(self._run(["show", "node"]))
 
     def drain_node(self, hostname: str, reason: str) -> NodeInfo:
         """Drain node ``hostname`` with ``reason`` (no new jobs; running ones finish)."""
@@ -602,6 +601,29 @@ def _parse_reservation(fields: Mapping[str, str]) -> Reservation:
         partition=_value(fields, "PartitionName"),
         raw=dict(fields),
     )
+
+
+def _parse_node_records(output: str) -> dict[str, NodeInfo]:
+    """Parse the multi-line form of ``scontrol show node``: one record per node, each opening with ``NodeName=``.
+
+    The multi-line form (not ``--oneliner``) keeps free-text fields (Reason) on lines of their
+    own, which is unambiguous even when a reason contains "key=value" text ("State=IDLE").
+    """
+    records: list[dict[str, str]] = []
+    for line in output.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("NodeName="):
+            records.append({})
+        elif not records:
+            continue  # not a node record ("No nodes in the system")
+        free = next((key for key in _FREE_TEXT_KEYS if stripped.startswith(key)), None)
+        if free is not None:
+            records[-1][free[:-1]] = stripped[len(free) :]
+        else:
+            records[-1].update(_parse_fields(stripped.split()))
+    return {fields["NodeName"]: _parse_node(fields) for fields in records if fields.get("NodeName")}
 
 
 def _parse_node(fields: Mapping[str, str]) -> NodeInfo:

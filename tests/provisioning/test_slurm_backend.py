@@ -602,3 +602,36 @@ def test_a_partition_slurm_does_not_have_refuses_the_booking_once_and_says_so(fl
         assert services.reservation_sync(reservation_id=reservation.pk) == "refused"
     assert "Slurm has no partition gpu-typo (PORTAL_SLURM_PARTITION): " in caplog.text, caplog.text
     assert f"alpha-{reservation.pk}" not in slurm_backend.show_reservations()
+
+
+def test_reconcile_nodes_reads_every_node_with_one_scontrol_call(fleet, prov_slurm, slurm_backend):
+    """reconcile_nodes ran one `scontrol show node` per portal node: a 1,000-node fleet cost 1,000 subprocesses and
+    1,000 RPCs to slurmctld on every reconcile. It reads them all at once, and finds the same drifts."""
+    backend = SlurmBackend(client=prov_slurm.client())
+    calls = []
+    run = backend.client._run
+
+    def counting(args):
+        calls.append(tuple(args))
+        return run(args)
+
+    backend.client._run = counting
+    fleet_hosts = sorted(n.hostname for n in fleet.nodes)
+    slurm_backend.drain_node(fleet_hosts[0], "portal: stale drain Users=x State=IDLE")
+    slurm_backend.drain_node(fleet_hosts[1], "Kill task failed State=DOWN")
+    states = {host: "available" for host in fleet_hosts} | {fleet_hosts[2]: "failed", fleet_hosts[3]: "maintenance",
+                                                            "h100-999": "available", "gpu node 7": "failed"}
+
+    drifts = backend.reconcile_nodes(states, fix=False)
+
+    assert len(calls) == 1, calls
+    assert [(d.name, d.detail) for d in drifts] == [
+        (fleet_hosts[0], "portal says available, Slurm drained it for us"),
+        (fleet_hosts[1], "portal says available, Slurm drained it (Kill task failed State=DOWN): set the node's "
+                         "state in the portal or resume it in Slurm"),
+        (fleet_hosts[2], "portal says failed, Slurm says IDLE+NOT_RESPONDING"),
+        (fleet_hosts[3], "portal says maintenance, Slurm says IDLE+NOT_RESPONDING"),
+    ]
+    calls.clear()
+    assert backend.reconcile_nodes({fleet_hosts[2]: "failed"}, fix=False)[0].name == fleet_hosts[2]
+    assert len(calls) == 1, calls

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from provisioning.backends.slurm_client import NodeNotFound, SlurmClient
+from tests.slurm.conftest import NODES
 
 pytestmark = pytest.mark.slurm
 
@@ -55,3 +56,16 @@ def test_unknown_node(slurm: SlurmClient) -> None:
         slurm.show_node("h100-sxm-999")
     with pytest.raises(NodeNotFound):
         slurm.drain_node("h100-sxm-999", "test")
+
+
+def test_show_nodes_reads_every_node_at_once_as_show_node_does(slurm: SlurmClient) -> None:
+    reason = "operator: gpu node 7 State=IDLE Users=x xid=79 fell off"
+    slurm.drain_node("h100-sxm-003", reason)
+
+    nodes = slurm.show_nodes()
+
+    assert sorted(nodes) == NODES
+    assert nodes == {node: slurm.show_node(node) for node in NODES}
+    assert nodes["h100-sxm-003"].reason == reason and nodes["h100-sxm-003"].drained
+    assert nodes["h100-sxm-003"].state == "IDLE+DRAIN+NOT_RESPONDING"
+    assert [n.name for n in nodes.values() if n.drained] == ["h100-sxm-003"]
