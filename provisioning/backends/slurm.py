@@ -9,7 +9,9 @@ Through :class:`~provisioning.backends.slurm_client.SlurmClient` (``scontrol``):
   instead of failing when a task runs twice;
 - a failed node is drained (``update NodeName=… State=DRAIN Reason="portal: …"``) and a
   replacement node swapped into the reservation's node list;
-- ``reconcile`` compares Slurm's reservations with the database both ways.
+- ``reconcile`` compares Slurm's reservations with the database both ways; a portal reservation
+  changed by hand (nodes, window, accounts, ``Users=`` added, partition) is reported as a
+  mismatch, and only ``--fix`` puts it back as the portal holds it.
 
 The tenant's Slurm account is the ``Accounts=`` of its reservations. Creating the account
 in slurmdbd (``sacctmgr``) is not done here: the clusters this was written against run
@@ -319,10 +321,14 @@ class SlurmBackend(ProvisioningBackend):
                 kind, detail = "missing", "Slurm has no reservation for this booking"
             elif (set(res.nodes) != set(ctx.nodes) or res.end != ctx.end.astimezone(UTC).replace(microsecond=0)
                   or not same_start(res, ctx.start, now) or res.accounts != {ctx.tenant_slug}
+                  # The portal names no Users=: users added by hand run in the tenant's window, and the next
+                  # _ensure removes them, so they are drift to report (and --fix removes them), not to keep.
+                  or res.users
                   or (self.partition is not None and res.partition != self.partition)):
                 where = f" in partition {res.partition}" if self.partition is not None else ""
+                users = f" and users {','.join(sorted(res.users))}" if res.users else ""
                 kind, detail = "mismatch", (f"Slurm holds {','.join(res.nodes)} from {res.start} until {res.end} "
-                                            f"for {','.join(sorted(res.accounts)) or 'no account'}{where}")
+                                            f"for {','.join(sorted(res.accounts)) or 'no account'}{users}{where}")
             else:
                 continue
             drifts.append(repaired_drift(kind, name, detail, fix=fix, repair=lambda ctx=ctx: self._hold(ctx),

@@ -356,6 +356,10 @@ class SlurmClient:
         future matches any reservation that has begun. Moving the start of a reservation
         that has begun raises :class:`ReservationAlreadyStarted`; a clash with another
         reservation raises :class:`ReservationOverlap`.
+
+        The caller owns the reservation: accounts and users not asked for (an operator's
+        ``Users=`` added by hand) are removed, and named in ``changed_fields``. Report such a
+        difference before calling this (the backend's ``reconcile`` does) if it must be seen.
         """
         node_set = frozenset(_node_names(nodes))
         accounts_t, users_t = _principals(accounts, users)

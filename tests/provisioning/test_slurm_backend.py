@@ -635,3 +635,29 @@ def test_reconcile_nodes_reads_every_node_with_one_scontrol_call(fleet, prov_slu
     calls.clear()
     assert backend.reconcile_nodes({fleet_hosts[2]: "failed"}, fix=False)[0].name == fleet_hosts[2]
     assert len(calls) == 1, calls
+
+
+def test_reconcile_reports_users_an_operator_added_to_a_portal_reservation_before_removing_them(
+        fleet, t0, slurm_backend, capsys):
+    """The portal owns its <tenant>-<id> reservations (Accounts=<tenant>, no Users=). Users= added by hand let those
+    users run in the tenant's window; reconcile said nothing of it, and the next sync of the booking (an extension,
+    a node swap) removed them silently. Reconcile reports it as a mismatch, and only --fix removes them."""
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    name = f"alpha-{reservation.pk}"
+    slurm_backend.update_reservation(name, users=["root"])
+    assert slurm_backend.show_reservation(name).users == {"root"}
+
+    with pytest.raises(SystemExit) as exit_info:
+        call_command("reconcile")
+    assert exit_info.value.code == 1
+    report = capsys.readouterr().out
+    assert f"slurm: mismatch {name}: " in report and "for alpha and users root" in report, report
+    assert "1 drift, 0 repaired" in report, report
+    assert slurm_backend.show_reservation(name).users == {"root"}  # reported, not touched
+
+    call_command("reconcile", "--fix")
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
+    repaired = slurm_backend.show_reservation(name)
+    assert (repaired.users, repaired.accounts) == (frozenset(), {"alpha"})
+    call_command("reconcile")
+    assert "0 drifts" in capsys.readouterr().out

@@ -204,6 +204,20 @@ def test_ensure_updates_only_what_differs(slurm: SlurmClient) -> None:
     assert again.action is EnsureAction.UNCHANGED
 
 
+def test_ensure_removes_users_added_by_hand_and_says_so(slurm: SlurmClient) -> None:
+    """The portal owns its reservations: Users= an operator added goes, and the result names "users" as changed
+    (reconcile reports the same difference as a mismatch before --fix repairs it)."""
+    slurm.ensure_reservation("research-72", ["h100-sxm-002"], START, END, accounts=["research"])
+    slurm.update_reservation("research-72", users=["root"])
+
+    result = slurm.ensure_reservation("research-72", ["h100-sxm-002"], START, END, accounts=["research"])
+
+    assert result.action is EnsureAction.UPDATED
+    assert result.changed_fields == ("users",)
+    after = slurm.show_reservation("research-72")
+    assert (after.users, after.accounts) == (frozenset(), {"research"})
+
+
 def test_ensure_with_start_in_the_past_starts_now_and_stays_unchanged(slurm: SlurmClient) -> None:
     now = datetime.now(UTC)
     slot_start = now.replace(minute=0, second=0, microsecond=0)
