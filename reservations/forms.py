@@ -193,6 +193,23 @@ class BookingForm(forms.Form):
 
 class ExtendForm(forms.Form):
     end = ZonedDateTimeField(label="New end")
+    # The end the page showed (UTC, hidden): a page opened before someone else changed the end is refused,
+    # not allowed to set an end worked out from the old one. Left out (a hand-made POST): not checked.
+    shown_end = forms.CharField(required=False, widget=forms.HiddenInput)
+
+    def clean_shown_end(self):
+        raw = self.cleaned_data.get("shown_end") or ""
+        if not raw:
+            return None
+        try:
+            shown = datetime.fromisoformat(raw)
+        except ValueError:
+            shown = None
+        if shown is None or shown.utcoffset() is None:
+            # Said beside the field the page shows (the hidden one has no place for it).
+            self.add_error("end", forms.ValidationError(
+                "This page is out of date; reload it and make your change again.", code="stale"))
+        return shown
 
 
 class RenameForm(forms.Form):

@@ -599,12 +599,19 @@ def _lock(reservation: Reservation) -> Reservation:
 
 def reservation_update(
     *, actor: Any, reservation: Reservation, start: datetime | None = None, end: datetime | None = None,
-    name: str | None = None,
+    name: str | None = None, expected: dict[str, Any] | None = None,
 ) -> Reservation:
-    """Extend, shorten, move (before it begins) or rename, under the same rules as booking."""
+    """Extend, shorten, move (before it begins) or rename, under the same rules as booking.
+
+    expected ({"start"/"end"/"name": value}, what a page showed): refused (InvalidState, nothing written) if any
+    of them is no longer so, checked under the row lock — a page's "+1 slot" made before someone else changed
+    the end must not set an end the user never meant (an earlier one than the booking has by now)."""
     with transaction.atomic(durable=True):
         reservation = _lock(reservation)
         _can_change(actor=actor, reservation=reservation)
+        shown_now = {"start": reservation.period.lower, "end": reservation.period.upper, "name": reservation.name}
+        refuse_stale((k for k, v in (expected or {}).items() if k in shown_now and shown_now[k] != v),
+                     by="someone else")
         if reservation.status in FINAL_STATUSES:
             raise InvalidState(f"Reservation #{reservation.pk} is {reservation.status}; it can no longer change.")
         if reservation.status == ReservationStatus.ENDING and (start is not None or end is not None):

@@ -474,6 +474,7 @@ def _detail_context(request, reservation) -> dict:
         "extendable": changeable and reservation.status != ReservationStatus.ENDING,
         "extend_form": _extend_form(reservation),
         "extend_options": extend_options,
+        "shown_end": format_utc(reservation.end),  # the extend forms send it back: a stale page is refused
         "rename_form": _rename_form(reservation),
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,
@@ -521,17 +522,21 @@ def _extend_form(reservation, data=None) -> ExtendForm:
     return ExtendForm(data, initial={"end": reservation.end + slot}, auto_id=f"extend-%s-{reservation.pk}")
 
 
-def _change_from_page(request, pk: int, *, form_for, field: str, refused: str, done, form_key: str, shown_key: str):
+def _change_from_page(request, pk: int, *, form_for, field: str, refused: str, done, form_key: str, shown_key: str,
+                      shown_field: str | None = None):
     """Change one field of a booking from its page (extend, rename); a refusal comes back as the page with the
     value given and the reason beside the field, or above the page when the field is not shown (shown_key: the
-    context flag of the role or the booking's state)."""
+    context flag of the role or the booking's state). shown_field: the form's hidden field with the value the
+    page showed, which the service checks is still so."""
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
     form = form_for(reservation, request.POST)
     status = 400
     if form.is_valid():
+        shown = form.cleaned_data.get(shown_field) if shown_field else None
         try:
             reservation = services.reservation_update(actor=request.user, reservation=reservation,
-                                                      **{field: form.cleaned_data[field]})
+                                                      **{field: form.cleaned_data[field]},
+                                                      expected={field: shown} if shown is not None else None)
         except DomainError as exc:
             # The service names the API's field ("end: Must be after start."); beside the field, its reason.
             reason = exc.fields.get(field) if isinstance(exc, InvalidInput) else None
@@ -563,7 +568,7 @@ def _renamed(reservation) -> str:
 def reservation_extend(request, pk: int):
     """Change the end."""
     return _change_from_page(request, pk, form_for=_extend_form, field="end", refused="Not changed", done=_extended,
-                             form_key="extend_form", shown_key="extendable")
+                             form_key="extend_form", shown_key="extendable", shown_field="shown_end")
 
 
 def _rename_form(reservation, data=None) -> RenameForm:

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from reservations import services
 from tests.conftest import iso, next_fall_back
 
 pytestmark = pytest.mark.django_db
@@ -316,3 +317,51 @@ def test_only_who_may_change_a_booking_can_rename_it(world, web, book, t0):
     assert web("beta-lead").post(f"/reservations/{r.pk}/rename/", {"name": "x"}).status_code == 404
     r.refresh_from_db()
     assert r.name == "pretrain"
+
+
+def _extend_forms(html: str, pk: int) -> list[dict]:
+    """Each extend form of a page as a browser would post it: its inputs, and each submit button's name/value."""
+    forms = []
+    for body in re.findall(rf'<form[^>]*action="/reservations/{pk}/extend/"[^>]*>(.*?)</form>', html, re.S):
+        fields = {name: value for name, value in re.findall(r'<input[^>]*name="([^"]+)"[^>]*value="([^"]*)"', body)}
+        buttons = re.findall(r'<button[^>]*name="([^"]+)"[^>]*value="([^"]*)"', body)
+        forms.append({"fields": fields, "buttons": buttons})
+    return forms
+
+
+def test_a_stale_extend_button_never_shortens_a_booking_changed_since(world, web, book, t0):
+    # The panel was opened when the booking ended at t0+2h; meanwhile another lead extended it to t0+6h.
+    # "+1 slot (ends t0+3h)" on the stale panel used to set the end to t0+3h: three hours cut off a booking
+    # the user meant to lengthen, with "now ends …" as the only hint.
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    buttons, field = _extend_forms(client.get(f"/reservations/{r.pk}/panel/").content.decode(), r.pk)
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=r, end=t0 + timedelta(hours=6))
+    name, value = buttons["buttons"][0]
+    response = client.post(f"/reservations/{r.pk}/extend/", {**buttons["fields"], name: value})
+    assert response.status_code == 409
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=6)
+    assert "changed since you opened this page" in response.content.decode()
+    # The typed new end on the same stale page is refused the same way.
+    typed = {**field["fields"], "end": (t0 + timedelta(hours=4)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M")}
+    response = client.post(f"/reservations/{r.pk}/extend/", typed)
+    assert response.status_code == 409
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=6)
+    # A fresh page extends as before.
+    buttons, _ = _extend_forms(client.get(f"/reservations/{r.pk}/").content.decode(), r.pk)
+    name, value = buttons["buttons"][0]
+    assert client.post(f"/reservations/{r.pk}/extend/", {**buttons["fields"], name: value}).status_code == 302
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=7)
+
+
+def test_a_mangled_shown_end_is_refused_beside_the_field_and_changes_nothing(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    response = web("alpha-lead").post(f"/reservations/{r.pk}/extend/",
+                                      {"end": iso(r.end + timedelta(hours=1)), "shown_end": "yesterday"})
+    assert response.status_code == 400
+    assert "This page is out of date" in response.content.decode()
+    r.refresh_from_db()
+    assert r.end == t0 + timedelta(hours=2)
