@@ -120,28 +120,47 @@
     }).then(function (r) { return r.ok ? r.json() : Promise.reject(r); }).then(success).catch(failure);
   }
 
+  function answer(r) {
+    return r.json().catch(function () { return {}; }).then(function (data) {
+      if (!r.ok) { throw data; }
+      return data;
+    });
+  }
+
+  // Two ISO times (one from the API, one an event's startStr/endStr, offsets and all) naming the same instant.
+  function sameInstant(a, b) {
+    return !!a && !!b && new Date(a).valueOf() === new Date(b).valueOf();
+  }
+
   // Move or extend through the REST API; the server decides, a refusal puts the event back.
+  // The new window is worked out from the box as shown: if the booking was changed since the calendar loaded
+  // it (another lead extended it), the gesture is refused and the calendar reloaded — a stale box dragged
+  // "longer" would otherwise send an end earlier than the booking has by now.
   function change(info, body, verb) {
     var id = info.event.id;
+    var url = cfg.apiUrl.replace("/0/", "/" + id + "/");
     say("Saving reservation #" + id + "…");
-    fetch(cfg.apiUrl.replace("/0/", "/" + id + "/"), {
-      method: "PATCH",
-      credentials: "same-origin",
-      headers: { "Content-Type": "application/json", Accept: "application/json", "X-CSRFToken": csrf },
-      body: JSON.stringify(body)
-    }).then(function (r) {
-      return r.json().catch(function () { return {}; }).then(function (data) {
-        if (!r.ok) { throw data; }
-        return data;
+    fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } }).then(answer)
+      .then(function (now) {
+        if (!sameInstant(now.start, info.oldEvent.startStr) || !sameInstant(now.end, info.oldEvent.endStr)) {
+          throw { stale: true, detail: "reservation #" + id + " was changed since this calendar was loaded (it " +
+                  "now runs " + when(now.start) + " – " + when(now.end) + "); the calendar shows it as it is now." };
+        }
+        return fetch(url, {
+          method: "PATCH",
+          credentials: "same-origin",
+          headers: { "Content-Type": "application/json", Accept: "application/json", "X-CSRFToken": csrf },
+          body: JSON.stringify(body)
+        }).then(answer);
+      }).then(function (data) {
+        say("Reservation #" + id + " " + verb + ": " + when(data.start) + " – " + when(data.end) + ".", "ok");
+        cal.refetchEvents();
+      }).catch(function (err) {
+        info.revert();
+        say("Not changed — " + ((err && err.detail && localTimes(err.detail)) || "the server refused the change."),
+            "error");
+        if (err && err.stale) { cal.refetchEvents(); }
       });
-    }).then(function (data) {
-      say("Reservation #" + id + " " + verb + ": " + when(data.start) + " – " + when(data.end) + ".", "ok");
-      cal.refetchEvents();
-    }).catch(function (err) {
-      info.revert();
-      say("Not changed — " + ((err && err.detail && localTimes(err.detail)) || "the server refused the change."),
-          "error");
-    });
   }
 
   // The browser's own zone needs no conversion library: only a different chosen zone goes through Luxon.

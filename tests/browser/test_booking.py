@@ -101,7 +101,8 @@ def test_drag_to_extend_into_a_conflict_is_refused_and_snaps_back(world, live_se
     event = page.locator(f".fc-event[data-reservation-id='{mine.pk}']")
     before = event.bounding_box()
 
-    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url) as answer:
+    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url
+                              and r.request.method == "PATCH") as answer:
         _resize(page, mine.pk, 2)
     assert answer.value.status == 409
     assert answer.value.json()["code"] == "capacity_unavailable"
@@ -125,7 +126,8 @@ def test_drag_to_extend_into_a_conflict_is_refused_and_snaps_back(world, live_se
     assert mine.end == at(day, 12)
 
     # Shortening is allowed: the same gesture upwards goes through and sticks.
-    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url) as answer:
+    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url
+                              and r.request.method == "PATCH") as answer:
         _resize(page, mine.pk, -1)
     assert answer.value.status == 200, answer.value.text()
     expect(page.locator("#calendar-status")).to_contain_text("shortened")
@@ -142,7 +144,8 @@ def test_drag_moves_a_booking_that_has_not_begun(world, live_server, new_page, s
     box = event.bounding_box()
     lane = page.locator("td.fc-timegrid-slot-lane").first.bounding_box()
     x, y = box["x"] + box["width"] / 2, box["y"] + 8
-    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url) as answer:
+    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url
+                              and r.request.method == "PATCH") as answer:
         page.mouse.move(x, y)
         page.mouse.down()
         page.mouse.move(x, y + lane["height"], steps=4)
@@ -302,3 +305,29 @@ def test_the_extend_buttons_name_the_end_they_would_give(world, live_server, new
         name = f"{label} (ends {end:%a} {end.day} {end:%b %H:%M} UTC)"
         expect(page.get_by_role("button", name=name, exact=True)).to_have_count(1)
     assert page.errors == []
+
+
+def test_a_drag_on_a_stale_calendar_never_undoes_someone_elses_change(world, live_server, new_page, sign_in, day):
+    # The calendar shows 10:00-12:00; meanwhile another lead extends the booking to 15:00. Dragging the stale
+    # box's end down one slot (to 13:00, "extend") used to PATCH end=13:00 and say "extended" while cutting two
+    # hours off the booking.
+    mine = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12),
+                                       name="alpha-run")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=mine, end=at(day, 15))
+    patches = []
+    page.on("request", lambda r: patches.append(r.url) if r.method == "PATCH" else None)
+    _resize(page, mine.pk, 1)
+    expect(page.locator("#calendar-status")).to_contain_text("changed since")
+    expect(page.locator("#calendar-status")).to_have_attribute("data-kind", "error")
+    assert patches == []
+    mine.refresh_from_db()
+    assert mine.end == at(day, 15)
+    # The calendar now shows the booking as it is: 10:00-15:00, five slots tall.
+    page.wait_for_selector("#calendar[data-ready='1']")
+    lane = page.locator("td.fc-timegrid-slot-lane").first.bounding_box()
+    expect(page.locator(f".fc-event[data-reservation-id='{mine.pk}']")).to_have_count(1)
+    box = page.locator(f".fc-event[data-reservation-id='{mine.pk}']").bounding_box()
+    assert abs(box["height"] - 5 * lane["height"]) < lane["height"] / 2, (box, lane)
