@@ -158,6 +158,14 @@ class NodeForm(ShownValuesMixin, forms.ModelForm):
         model = Node
         fields = ("hostname", "pool", "state", "state_reason")
 
+    def clean_hostname(self):
+        # Asked here, as node_create will: refused there, staff got a message over an emptied form.
+        value = self.cleaned_data["hostname"]
+        why = services.hostname_error(value)
+        if why:
+            raise forms.ValidationError(why)
+        return value
+
 
 @admin.register(Node)
 class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):

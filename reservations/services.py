@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
@@ -808,9 +809,25 @@ def pool_create(*, actor: Any, name: str, gpu_model: str, gpus_per_node: int, sl
     return pool
 
 
+# A hostname as the backends name nodes: Slurm node lists are comma-separated and scontrol lines split on spaces,
+# so anything else (a comma, a space, a ';') would name other nodes or break the command the node is used in.
+HOSTNAME_PATTERN = r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$"
+HOSTNAME_RULE = "Letters, digits, dots and hyphens only (at most 253), starting and ending with a letter or digit."
+
+
+def hostname_error(hostname: Any) -> str | None:
+    """Why a node cannot have this hostname, or None; the admin's form asks too."""
+    if not isinstance(hostname, str) or not re.fullmatch(HOSTNAME_PATTERN, hostname):
+        return HOSTNAME_RULE
+    return None
+
+
 @transaction.atomic(durable=True)
 def node_create(*, actor: Any, hostname: str, pool: Pool, state: str = NodeState.AVAILABLE,
                 gpus: list[dict[str, Any]] | None = None) -> Node:
+    if hostname_error(hostname):
+        raise InvalidInput(f"hostname: {HOSTNAME_RULE[0].lower()}{HOSTNAME_RULE[1:]}",
+                           fields={"hostname": HOSTNAME_RULE})
     if Node.objects.filter(hostname=hostname).exists():
         raise InvalidInput("hostname: a node with that hostname exists.", fields={"hostname": "Already in use."})
     node = _create_unique(Node, "hostname", hostname=hostname, pool=pool, state=state, gpus=gpus or [])

@@ -9,6 +9,7 @@ from tenants.models import Tenant
 from ..choices import CUDA_VERSIONS, DEFAULT_CUDA_VERSION, NodeState, Orchestrator, ReservationStatus
 from ..models import Node, Pool, Reservation
 from ..selectors import node_state_reason_as_seen_by, pools_for_booking
+from ..services import HOSTNAME_PATTERN
 
 
 class PoolSerializer(serializers.ModelSerializer):
@@ -45,7 +46,7 @@ class NodeSerializer(serializers.ModelSerializer):
 
 
 class NodeInputSerializer(serializers.Serializer):
-    hostname = serializers.RegexField(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$", max_length=253)
+    hostname = serializers.RegexField(HOSTNAME_PATTERN, max_length=253)
     pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all())
     state = serializers.ChoiceField(choices=NodeState.choices, required=False, default=NodeState.AVAILABLE)
 

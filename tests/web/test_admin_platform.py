@@ -666,3 +666,35 @@ def test_node_and_token_actions_count_in_words(world, staff):
     revoked = staff.post(reverse("admin:tenants_apitoken_changelist"),
                          {"action": "revoke", "_selected_action": tokens}, follow=True).content.decode()
     assert f"Revoked {len(tokens)} tokens; requests presenting them are refused from now on." in revoked
+
+
+@pytest.mark.parametrize("hostname", ["h100-009,h100-001", "bad host", "-h100-009", "h100-009;reboot"])
+def test_a_hostname_the_backends_cannot_name_is_a_form_error_on_the_node_admin(world, staff, hostname):
+    """The API refused these (its serializer's pattern), the admin took them: a comma names two nodes in a Slurm
+    node list, a space or ';' breaks the scontrol line the node is drained and booked with."""
+    from portal.core.exceptions import InvalidInput
+    from reservations.models import Node
+    from reservations.services import node_create
+
+    response = staff.post(reverse("admin:reservations_node_add"), {
+        "hostname": hostname, "pool": world.pool.pk, "state": "available", "_save": "Save",
+        "allocations-TOTAL_FORMS": "0", "allocations-INITIAL_FORMS": "0"})
+    assert response.status_code == 200  # the form again, with the reason beside the field
+    assert "Letters, digits, dots and hyphens only" in response.content.decode()
+    assert not Node.objects.filter(hostname=hostname).exists()
+    assert not AuditLog.objects.filter(action="node.create").exists()
+    with pytest.raises(InvalidInput) as refused:  # the service's own rule, whoever calls it
+        node_create(actor=world.users["staff"], hostname=hostname, pool=world.pool)
+    assert "hostname" in refused.value.fields
+    assert not Node.objects.filter(hostname=hostname).exists()
+
+
+def test_a_valid_hostname_is_still_added_from_the_node_admin(world, staff):
+    from reservations.models import Node
+
+    response = staff.post(reverse("admin:reservations_node_add"), {
+        "hostname": "h100-009.rack2", "pool": world.pool.pk, "state": "available", "_save": "Save",
+        "allocations-TOTAL_FORMS": "0", "allocations-INITIAL_FORMS": "0"})
+    assert response.status_code == 302
+    assert Node.objects.filter(hostname="h100-009.rack2", pool=world.pool).exists()
+    assert AuditLog.objects.filter(action="node.create", actor=world.users["staff"]).count() == 1
