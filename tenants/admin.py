@@ -26,7 +26,7 @@ from django.contrib.auth import get_user_model, update_session_auth_hash
 from django.contrib.auth.admin import GroupAdmin as DjangoGroupAdmin
 from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
 from django.contrib.auth.models import Group
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ObjectDoesNotExist, PermissionDenied, ValidationError
 from django.forms.models import BaseInlineFormSet
 from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -573,6 +573,18 @@ class QuotaAdmin(ServiceAdminMixin, SimpleHistoryAdmin):
     def history_view(self, request, object_id, extra_context=None):
         self._require_ids(object_id)
         return super().history_view(request, object_id, extra_context)
+
+    def set_history_delta_changes(self, request, historical_records, foreign_keys_are_objs=True):
+        # Each row is named by the quota as it was (Quota.__str__ names its tenant and pool): give that quota the
+        # tenant and pool the history query joined already, not two queries of its own per row.
+        for record in historical_records:
+            quota = record.history_object
+            try:
+                quota.tenant, quota.pool = record.tenant, record.pool
+            except ObjectDoesNotExist:
+                continue  # named as before (simple-history keeps rows whose tenant or pool is gone)
+            record.history_object = quota
+        super().set_history_delta_changes(request, historical_records, foreign_keys_are_objs)
 
     def history_form_view(self, request, object_id, version_id, extra_context=None):
         if request.method == "POST":

@@ -219,3 +219,30 @@ def test_tenant_admin_page_runs_the_same_queries_for_3_and_13_members_and_quotas
     assert big == small, f"{small} queries for 3 members and 1 quota, {big} for 13 and 11 (per inline row)"
     page = client.get(url).content.decode()
     assert "user-p9" in page and ">p9</option>" in page  # the rows still name their user and list the pools
+
+
+# --- a quota's history page ----------------------------------------------------------------------------
+
+
+def test_quota_history_page_runs_the_same_queries_for_3_and_13_versions():
+    from tenants import services
+    from tenants.models import Quota
+
+    world = make_world()
+    client = _client(world, "staff")
+    quota = Quota.objects.get(tenant=world.tenants["alpha"], pool=world.pool)
+    url = f"/admin/tenants/quota/{quota.pk}/history/"
+
+    def edits(n):
+        for _ in range(n):
+            quota.refresh_from_db()
+            services.quota_update(actor=world.users["staff"], quota=quota, max_nodes=quota.max_nodes + 1)
+
+    edits(2)
+    small = _count(client, url)
+    edits(10)
+    big = _count(client, url)
+    assert big == small, f"{small} queries for 3 versions, {big} for 13 (each row's name loads its tenant and pool)"
+    page = client.get(url).content.decode()
+    assert page.count("alpha/h100: ") >= 13  # each version is still named by its tenant and pool, with its numbers
+    assert "alpha/h100: 15+1" in page and "alpha/h100: 3+1" in page
