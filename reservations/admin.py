@@ -206,19 +206,30 @@ class NodeAdmin(ServiceAdminMixin, admin.ModelAdmin):
             obj.pk = created.pk
             obj._state.adding = False
 
-    def _set_state(self, request, queryset, state: str, reason: str, verb: str) -> None:
-        done = 0
+    def _set_state(self, request, queryset, state: str, reason: str, verb: str,
+                   only_from: tuple[str, ...] | None = None) -> None:
+        done, left = 0, []
         for node in queryset:
-            if self.run_service(request, services.node_update, actor=request.user, node=node, state=state,
-                                reason=reason) is not None:
+            changed = self.run_service(request, services.node_update, actor=request.user, node=node, state=state,
+                                       reason=reason, only_from=only_from)
+            if changed is None:
+                continue  # refused: run_service said why
+            if changed.state == state and changed.state_reason == reason:
                 done += 1
+            else:  # its state was not in only_from (read under its lock): left as it was
+                left.append(f"{changed.hostname} ({changed.state})")
         self.message_user(request, f"{verb} {count_of(done, 'node')}.", messages.SUCCESS if done else messages.WARNING)
+        if left:
+            self.message_user(request, f"Left as they were (already out of service): {', '.join(left)}.",
+                              messages.WARNING)
 
     @admin.action(description="Drain selected nodes (no new bookings)")
     def drain(self, request, queryset):
         # The reason is shown to the tenants holding the node (the nodes API): "platform staff", never the
         # account (portal.core.actors); the node.update audit row records who it was.
-        self._set_state(request, queryset, NodeState.DRAINING, f"drained by {STAFF_WORDS}", "Drained")
+        # Available nodes only: a failed, retired or already drained node keeps its state and the reason for it.
+        self._set_state(request, queryset, NodeState.DRAINING, f"drained by {STAFF_WORDS}", "Drained",
+                        only_from=(NodeState.AVAILABLE,))
 
     @admin.action(description="Return selected nodes to service")
     def return_to_service(self, request, queryset):

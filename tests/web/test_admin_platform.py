@@ -698,3 +698,26 @@ def test_a_valid_hostname_is_still_added_from_the_node_admin(world, staff):
     assert response.status_code == 302
     assert Node.objects.filter(hostname="h100-009.rack2", pool=world.pool).exists()
     assert AuditLog.objects.filter(action="node.create", actor=world.users["staff"]).count() == 1
+
+
+def test_draining_a_selection_leaves_nodes_already_out_of_service_as_they_are(world, staff):
+    """Drain on a whole rack's selection: a failed node became "draining, drained by platform staff" (its failure
+    and the reason for it gone, a retired node back among the drained ones); only the available ones are drained."""
+    from reservations.models import Node
+
+    free, failed, retired, drained = world.nodes[:4]
+    Node.objects.filter(pk=failed.pk).update(state="failed", state_reason="GPU 3 fell off the bus")
+    Node.objects.filter(pk=retired.pk).update(state="retired", state_reason="end of life")
+    Node.objects.filter(pk=drained.pk).update(state="draining", state_reason="health check: ECC errors")
+
+    response = staff.post(reverse("admin:reservations_node_changelist"),
+                          {"action": "drain", "_selected_action": [n.pk for n in world.nodes[:4]]}, follow=True)
+    text = response.content.decode()
+    assert [(n.state, n.state_reason) for n in Node.objects.filter(pk__in=[n.pk for n in world.nodes[:4]])
+            .order_by("hostname")] == [("draining", "drained by platform staff"),
+                                       ("failed", "GPU 3 fell off the bus"),
+                                       ("retired", "end of life"),
+                                       ("draining", "health check: ECC errors")]
+    assert "Drained 1 node." in text
+    assert f"{failed.hostname} (failed), {retired.hostname} (retired), {drained.hostname} (draining)" in text
+    assert list(AuditLog.objects.filter(action="node.update").values_list("object_id", flat=True)) == [str(free.pk)]
