@@ -148,6 +148,9 @@ class QuotaAdminForm(forms.ModelForm):
     def checks_version(self) -> bool:
         return True
 
+    def clean_max_duration_hours(self):
+        return _clean_duration(self)
+
 
 class QuotaInlineForm(QuotaAdminForm):
     """A quota row on the tenant page. Each number also posts (hidden) what the page showed, so a row the
@@ -178,6 +181,9 @@ class QuotaListForm(forms.ModelForm):
             if name in self.fields:
                 self.fields[name].show_hidden_initial = True
 
+    def clean_max_duration_hours(self):
+        return _clean_duration(self)
+
     def shown(self) -> dict[str, Any]:
         """The numbers the page showed for this row (its hidden initial values; None where one is missing)."""
         values = {}
@@ -190,6 +196,16 @@ class QuotaListForm(forms.ModelForm):
                 except ValidationError:
                     values[name] = None
         return values
+
+
+def _clean_duration(form) -> int | None:
+    # Asked here, as the quota services will: 0 was refused by the database's constraint as "Quota numbers cannot
+    # be negative.", and more than the API takes was saved.
+    hours = form.cleaned_data.get("max_duration_hours")
+    why = services.quota_duration_error(hours)
+    if why:
+        raise forms.ValidationError(why)
+    return hours
 
 
 def _quota_values(form) -> dict[str, Any]:
@@ -526,7 +542,7 @@ class QuotaBulkForm(forms.Form):
     # The upper bound is the column's (the services refuse more): a field error here, not a refusal after.
     max_nodes = forms.IntegerField(required=False, min_value=0, max_value=MAX_QUOTA_NUMBER)
     burst_nodes = forms.IntegerField(required=False, min_value=0, max_value=MAX_QUOTA_NUMBER)
-    max_duration_hours = forms.IntegerField(required=False, min_value=1, max_value=MAX_QUOTA_NUMBER,
+    max_duration_hours = forms.IntegerField(required=False, min_value=1, max_value=services.MAX_DURATION_HOURS,
                                             help_text="Leave empty to keep; tick below to remove the limit.")
     no_duration_limit = forms.BooleanField(required=False, label="Remove the duration limit")
 

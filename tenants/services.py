@@ -396,10 +396,30 @@ def _add_member(*, actor, tenant: Tenant, user: Any, role: str, field: str) -> M
     return membership
 
 
+# A booking is at most a year ahead and cannot outlast its horizon: the longest duration limit (a year and a day).
+MAX_DURATION_HOURS = 24 * 366
+
+
+def quota_duration_error(hours: Any) -> str | None:
+    """Why a quota cannot have this max_duration_hours (None: no limit), or None; the admin's forms ask too."""
+    if hours is None:
+        return None
+    if isinstance(hours, bool) or not isinstance(hours, int) or not 1 <= hours <= MAX_DURATION_HOURS:
+        return f"At least 1 and at most {MAX_DURATION_HOURS} hours (a year and a day); leave it empty for no limit."
+    return None
+
+
+def _check_duration(values: dict[str, Any]) -> None:
+    why = quota_duration_error(values.get("max_duration_hours"))
+    if why:
+        raise InvalidInput(f"max_duration_hours: {why[0].lower()}{why[1:]}", fields={"max_duration_hours": why})
+
+
 @transaction.atomic(durable=True)
 def quota_create(
     *, actor, tenant: Tenant, pool: Any, max_nodes: int, burst_nodes: int = 0, max_duration_hours: int | None = None
 ) -> Quota:
+    _check_duration({"max_duration_hours": max_duration_hours})
     quota = Quota(tenant=tenant, pool=pool, max_nodes=max_nodes, burst_nodes=burst_nodes,
                   max_duration_hours=max_duration_hours)
     quota._change_reason = "quota_create"
@@ -424,6 +444,7 @@ def quota_update(*, actor, quota: Quota, expected_version: str | None = None, **
     is refused (InvalidState) if the quota was saved since, checked under the lock, so a stale form never
     writes the numbers it showed over a newer edit.
     """
+    _check_duration(changes)
     with transaction.atomic(durable=True):
         quota = _locked_quota(quota.pk)
         if expected_version is not None and quota_version(quota) != expected_version:
@@ -510,6 +531,8 @@ def quota_bulk_update(*, actor, changes: list[tuple[Any, dict[str, Any]]], reaso
     what it showed over a newer edit.
     """
     wanted = {getattr(q, "pk", q): values for q, values in changes}
+    for values in wanted.values():
+        _check_duration(values)
     updated: list[Quota] = []
     with transaction.atomic(durable=True):
         for quota in Quota.objects.select_for_update().filter(pk__in=list(wanted)).order_by("pk"):

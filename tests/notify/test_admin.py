@@ -901,3 +901,28 @@ def test_the_admins_lowering_warning_and_new_secrets_name_the_zone_of_their_time
     channel.refresh_from_db()
     assert f"{channel.previous_secret_expires_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC" in secrets
     assert not unzoned_times(secrets), unzoned_times(secrets)
+
+
+@pytest.mark.parametrize("hours,reason", [("0", "at least 1"), ("8785", "at most 8784")])
+def test_a_quota_duration_out_of_range_is_refused_with_its_own_reason(world, staff, hours, reason):
+    """0 hours was refused as "Quota numbers cannot be negative." (the database's constraint, naming the wrong
+    rule), and 100000 hours was saved from the admin while the API refuses more than 8784 (a year and a day)."""
+    from portal.core.exceptions import InvalidInput
+    from tenants import services
+
+    quota = _quota(world, "alpha")
+    url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    page = staff.get(url)
+    response = staff.post(url, {"max_nodes": 3, "burst_nodes": 1, "max_duration_hours": hours, "_save": "Save",
+                                "version": _version(page)})
+    text = response.content.decode()
+    assert response.status_code == 200 and reason in text.lower() and "cannot be negative" not in text
+    quota.refresh_from_db()
+    assert quota.max_duration_hours is None and not _audits("quota.update")
+    with pytest.raises(InvalidInput) as refused:  # the service's own rule, whoever calls it
+        services.quota_update(actor=world.users["staff"], quota=quota, max_duration_hours=int(hours))
+    assert "max_duration_hours" in refused.value.fields and reason in refused.value.detail
+    with pytest.raises(InvalidInput):
+        services.quota_bulk_update(actor=world.users["staff"], changes=[(quota.pk, {"max_duration_hours": int(hours)})])
+    quota.refresh_from_db()
+    assert quota.max_duration_hours is None and not _audits("quota.update")
