@@ -33,11 +33,14 @@ class HealthCheckAdmin(_ReadOnly):
 
 def _step_action(to: str, label: str):
     def action(modeladmin, request, queryset):
-        for repair in queryset:
+        for repair in queryset.select_related("node"):
             try:
                 services.repair_advance(actor=request.user, repair=repair, to=to, note="from the admin")
             except DomainError as exc:
                 modeladmin.message_user(request, f"Repair #{repair.pk}: {exc.detail}", messages.ERROR)
+            else:  # said, as every other admin action says what it did (the list alone read as "nothing")
+                modeladmin.message_user(request, f"Repair #{repair.pk} ({repair.node.hostname}): "
+                                        f"{RepairState(to).label.lower()}.", messages.SUCCESS)
 
     action.__name__ = f"repair_to_{to}"
     action.short_description = label

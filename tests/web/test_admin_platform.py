@@ -721,3 +721,21 @@ def test_draining_a_selection_leaves_nodes_already_out_of_service_as_they_are(wo
     assert "Drained 1 node." in text
     assert f"{failed.hostname} (failed), {retired.hostname} (retired), {drained.hostname} (draining)" in text
     assert list(AuditLog.objects.filter(action="node.update").values_list("object_id", flat=True)) == [str(free.pk)]
+
+
+def test_a_repair_step_from_the_admin_says_what_it_did(world, staff):
+    """"Accept the selected repairs" answered with the list alone, no word: staff could not tell it had worked."""
+    from provisioning.health.models import Repair
+    from provisioning.health.services import repair_open
+
+    repair = repair_open(actor=world.users["staff"], node=world.nodes[0], reason="ECC errors")
+    response = staff.post(reverse("admin:health_repair_changelist"),
+                          {"action": "repair_to_accepted", "_selected_action": [repair.pk]}, follow=True)
+    assert Repair.objects.get(pk=repair.pk).state == "accepted"
+    assert f"Repair #{repair.pk} ({world.nodes[0].hostname}): accepted." in response.content.decode()
+    # A refused step still says why, and nothing about a success.
+    response = staff.post(reverse("admin:health_repair_changelist"),
+                          {"action": "repair_to_rejoined", "_selected_action": [repair.pk]}, follow=True)
+    text = response.content.decode()
+    assert f"Repair #{repair.pk}: " in text and f"({world.nodes[0].hostname}): rejoined." not in text
+    assert Repair.objects.get(pk=repair.pk).state == "accepted"
