@@ -81,6 +81,9 @@ def _jsonable(value: Any) -> Any:
 
 # URL parameters that are secrets (the calendar feed's token): logged as "…", never in full.
 SECRET_URL_KWARGS = ("token",)
+# The same secret in an address that resolves to no view (a feed address with its ".ics" dropped or a slash
+# added, answered 404): the segment after /ical/<slug>/ is blanked whatever matched.
+_SECRET_PATH = re.compile(r"^(/ical/[^/]+/)[^/]+?(\.ics)?(?=/|$)")
 
 
 def loggable_path(request) -> str:
@@ -92,7 +95,7 @@ def loggable_path(request) -> str:
         value = kwargs.get(name)
         if value:
             path = path.replace(str(value), "…")
-    return path
+    return _SECRET_PATH.sub(r"\1…\2", path)
 
 
 class JsonFormatter(logging.Formatter):

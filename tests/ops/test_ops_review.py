@@ -124,6 +124,36 @@ def test_ical_feed_token_never_reaches_the_access_log(world):
     assert "alpha-feed-secret" not in stream.getvalue()
 
 
+@pytest.mark.django_db
+def test_a_mangled_feed_address_does_not_log_its_token_either(world):
+    """A calendar client or a paste that drops the ".ics" or adds a slash asks for no URL that resolves (404):
+    the access log must not write the (valid) token in it either."""
+    from portal.ops.logging import JsonFormatter, RequestIdFilter
+
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-feed-secret-0123456789"
+    alpha.save()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(RequestIdFilter())
+    lg = logging.getLogger("portal.request")
+    old = lg.level
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    path = feed_path(alpha, world.users["alpha-viewer"])
+    token = path.rsplit("/", 1)[1].removesuffix(".ics")
+    try:
+        for mangled in (path + "/", path.removesuffix(".ics"), path.removesuffix(".ics") + "/", path + ".ics"):
+            assert Client().get(mangled).status_code == 404, mangled
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(old)
+    logged = stream.getvalue()
+    assert logged.count("GET /ical/alpha/") == 4, logged
+    assert token not in logged and token[:16] not in logged, logged
+
+
 # --- F5: one undecryptable Slack URL makes every load of its tenant raise -------------------------
 @pytest.mark.django_db
 def test_unreadable_slack_url_does_not_take_down_the_tenants_calendar_feed(world, settings):
