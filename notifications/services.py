@@ -24,7 +24,6 @@ The network call happens outside any transaction; the outcome is written in a sh
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import logging
 import random
@@ -594,7 +593,7 @@ def _build_body(channel_kind: str, event: str, payload: dict[str, Any], message_
     """Return (body to POST, one-line summary). Raise ValueError for a payload the builders reject."""
     message = slack.build_message(event, payload, settings.PORTAL_BASE_URL)
     # The log's one line is plain text (the page escapes it); the message's own text is Slack-escaped.
-    summary = html.unescape(message["text"])
+    summary = slack.plain(message["text"])
     if channel_kind == ChannelKind.SLACK:
         return slack.to_body(message).decode("utf-8"), summary
     envelope = {

@@ -22,7 +22,8 @@ except for ``test``):
 
 Why the care with text: names and reasons are typed by users, and Slack parses ``<...>``
 as links and mentions, so an unescaped reservation called ``<!channel>`` would page the
-whole channel. Everything user-supplied goes through ``escape`` and length limits are
+whole channel, and ``*urgent*`` would be bold. Everything user-supplied goes through ``escape`` (entities
+for &<>, zero-width fences around *_~`; inside code spans only the entities) and length limits are
 enforced here, because Slack rejects an oversized message outright (``invalid_blocks``)
 instead of truncating it.
 """
@@ -30,7 +31,9 @@ instead of truncating it.
 from __future__ import annotations
 
 import enum
+import html
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -42,6 +45,7 @@ __all__ = [
     "build_message",
     "to_body",
     "escape",
+    "plain",
     "fit",
     "link",
     "slack_date",
@@ -104,9 +108,30 @@ EVENTS = frozenset(Event)
 # --- text primitives -------------------------------------------------------------------
 
 
-def escape(text: Any) -> str:
-    """Escape &, < and > so Slack shows text literally (no links, no @channel)."""
+# Slack's formatting marks (bold, italics, strike, code). Slack has no escape for them; a mark fenced by
+# zero-width spaces on both sides is no longer at a word boundary, so Slack shows it as typed.
+_MARKS = re.compile(r"[*_~`]")
+_ZWSP = "\u200b"
+
+
+def _entities(text: Any) -> str:
+    """Escape &, < and > as Slack asks (inside code spans, where nothing else is parsed)."""
     return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def escape(text: Any) -> str:
+    """Return user text for mrkdwn, shown literally: no links, no @channel/@here/<@U…> mentions, no formatting.
+
+    &, < and > become entities (Slack's documented escaping); *, _, ~ and ` are fenced by zero-width
+    spaces so a reservation called ``*urgent*`` is not shown in bold. Every piece of user text in a
+    message goes through here (code spans use ``_entities``: nothing is formatted inside them).
+    """
+    return _MARKS.sub(lambda m: f"{_ZWSP}{m.group()}{_ZWSP}", _entities(text))
+
+
+def plain(text: str) -> str:
+    """Undo ``escape``: the text as typed (for the delivery log's one line, which is no mrkdwn)."""
+    return html.unescape(text.replace(_ZWSP, ""))
 
 
 def fit(text: str, limit: int) -> str:
@@ -141,19 +166,19 @@ def _clip_value(value: Any) -> Any:
 
 def _code(text: Any) -> str:
     # A backtick would end the code span early; hostnames and slugs never contain one.
-    return "`" + escape(text).replace("`", "'") + "`"
+    return "`" + _entities(text).replace("`", "'") + "`"
 
 
 def _block_quote(text: str, limit: int) -> str:
     # A code block keeps error messages' formatting and stops mrkdwn (*_~) inside them.
-    body = escape(text).replace("```", "'''")
+    body = _entities(text).replace("```", "'''")
     return "```" + fit(body, limit - 6) + "```"
 
 
 def link(url: str, label: str) -> str:
     """Return a mrkdwn link ``<url|label>``; label is user text and gets escaped."""
     # In the URL, '|' would end it early; escape &<> as Slack asks for all message text.
-    safe_url = escape(url.replace("|", "%7C"))
+    safe_url = _entities(url.replace("|", "%7C"))
     return f"<{safe_url}|{escape(label).replace('|', '¦')}>"
 
 

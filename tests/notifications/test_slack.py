@@ -303,3 +303,37 @@ def test_every_mrkdwn_text_is_verbatim_so_tenant_text_is_not_linkified(event: Ev
 
     found = list(objects(message["blocks"]))
     assert found and all(o.get("verbatim") is True for o in found)
+
+
+ZW = "\u200b"
+
+
+def test_user_text_cannot_format_the_message() -> None:
+    """A reservation called *urgent* (or ~x~, _y_, `z`) shows those characters, not bold, strike, italics or code:
+    Slack has no escape for them, so each one typed by a user is fenced off by zero-width spaces."""
+    payload = {**RESERVATION, "name": "*urgent* ~x~ _y_ `z`", "tenant_name": "_team_", "actor": "*bob*",
+               "reason": "~struck~", "cluster_id": 7}
+    for event in (Event.RESERVATION_CONFIRMED, Event.RESERVATION_CANCELLED, Event.CLUSTER_FAILED):
+        message = build_message(event, payload, BASE)
+        texts = _all_texts(message)
+        for raw in ("*urgent*", "~x~", "_y_", "`z`", "_team_", "*bob*"):
+            assert not any(raw in t for t in texts), (event, raw)
+        body = "\n".join(texts)
+        assert f"{ZW}*{ZW}urgent{ZW}*{ZW}" in body
+        assert f"{ZW}_{ZW}team{ZW}_{ZW}" in body
+        # Without the fences, the name reads as typed.
+        assert any("*urgent* ~x~ _y_ 'z'" in t.replace(ZW, "") or "*urgent* ~x~ _y_ `z`" in t.replace(ZW, "")
+                   for t in texts)
+    health = build_message(Event.HEALTH_CHECK_FAILED, {**SAMPLES[Event.HEALTH_CHECK_FAILED],
+                                                       "failures": ["GPU 1: *bold* failure"]}, BASE)
+    assert not any("*bold*" in t for t in _all_texts(health))
+
+
+def test_code_spans_stay_copyable() -> None:
+    """Inside code (hostnames, the access command, a reason's code block) nothing is formatted: no fences there,
+    so a command copied from Slack runs."""
+    payload = {**RESERVATION, "cluster_id": 7, "access": "ssh my_team@login_1.example.com",
+               "nodes": ["gpu_node_1"], "pool": "h100_sxm"}
+    body = "\n".join(_all_texts(build_message(Event.CLUSTER_READY, payload, BASE)))
+    assert "ssh my_team@login_1.example.com" in body
+    assert "`gpu_node_1`" in body and "`h100_sxm`" in body

@@ -42,6 +42,18 @@ def test_confirmed_booking_becomes_one_slack_delivery_with_block_kit(world, t0, 
     assert delivery.tenant_id == world.tenants["alpha"].pk
 
 
+def test_a_name_with_formatting_marks_is_fenced_in_slack_and_plain_in_the_delivery_log(world, t0, book, slack_for):
+    """Slack reads *x* as bold, so the message fences the marks; the delivery log's summary (the pages, the
+    admin's search) shows the name as typed, with no invisible characters in it."""
+    slack_for("alpha", SLACK_URL)
+    reservation = book("alpha", t0, name="llm_pretrain *now*")
+    [delivery] = services.event_fanout(event="reservation.confirmed", payload={"reservation_id": reservation.pk})
+    assert "*now*" not in json.loads(delivery.body)["text"]
+    assert delivery.summary.startswith("Reservation confirmed: llm_pretrain *now* (Team Alpha)")
+    assert "\u200b" not in delivery.summary
+    assert Delivery.objects.filter(summary__contains="llm_pretrain").count() == 1
+
+
 def test_the_same_event_twice_adds_nothing(world, t0, book, slack_for, webhook_for):
     slack_for("alpha", SLACK_URL)
     webhook_for("alpha", "https://ci.alpha.example/hook")
