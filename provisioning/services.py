@@ -49,6 +49,7 @@ from portal.core.actors import STAFF_WORDS, actor_name
 from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
 from portal.core.locks import advisory_lock, locked_keys
 from portal.core.models import AuditLog
+from portal.core.redact import without_secrets
 from portal.core.services import audit_record, refuse_stale
 from portal.core.words import count_of
 from reservations.choices import HOLDING_STATUSES, NodeState, ReservationStatus
@@ -197,6 +198,9 @@ def _transition(
     """Move a locked cluster to phase: the status, its timestamp, the audit row, the event."""
     now = timezone.now()
     previous = cluster.status
+    # The detail is what the team reads (its cluster's page, the API, its Slack channel): a backend's error in
+    # it goes without the credentials it may carry; the whole error is in last_error (admin) and the log.
+    detail = without_secrets(detail, limit=500)
     if phase == ClusterStatus.TEARING_DOWN and previous != phase:
         # Teardown is a pipeline of its own: the attempts provisioning spent do not count against it.
         cluster.attempts = 0
@@ -673,14 +677,16 @@ def _record_failure(cluster_id: int, exc: BackendError, *, during: str) -> str:
             cluster.next_attempt_at = timezone.now() + timedelta(seconds=retry_in)
             cluster.save(update_fields=["attempts", "last_error", "next_attempt_at", "updated_at"])
             audit_record(actor=None, action="cluster.attempt_failed", obj=cluster, tenant_id=cluster.tenant_id,
-                         after={"phase": cluster.status, "attempt": cluster.attempts, "error": exc.message[:500],
+                         after={"phase": cluster.status, "attempt": cluster.attempts,
+                                "error": without_secrets(exc.message, limit=500),
                                 "retry_in_s": round(retry_in, 1)})
         else:
             cluster.next_attempt_at = None
             cluster.failed_during = during
             phase = cluster.status
-            reason = f"{phase}: {exc.message}"[:480] + (f" (after {cluster.attempts} attempts)"
-                                                         if cluster.attempts > 1 else "")
+            told = without_secrets(exc.message, limit=None)  # the team reads it; last_error keeps it whole
+            reason = f"{phase}: {told}"[:480] + (f" (after {cluster.attempts} attempts)"
+                                                 if cluster.attempts > 1 else "")
             _transition(cluster, ClusterStatus.FAILED, detail=reason, event_extra={"phase": phase})
             # A teardown that failed for good leaves the tenant's cluster on its nodes (read before the
             # reservation's failure releases its allocations): they must not go to the next booking.
@@ -1134,11 +1140,12 @@ def _window_refused(cluster_id: int, ctx: ClusterContext, error: str) -> None:
         cluster = _lock_cluster(cluster_id)
         if cluster.status not in LIVE_STATUSES:
             return
-        reason = (f"{_WINDOW_REFUSED.format(backend=cluster.backend)}: the booking ends "
-                  f"{ctx.end.astimezone(UTC):%Y-%m-%d %H:%M} UTC, but the backend still holds the cluster's previous "
-                  f"window (its jobs stop at that end). "
-                  f"Change the end again, or ask the platform team (reconcile --fix once the cause is cleared). "
-                  f"Backend: {error}")[:500]
+        reason = without_secrets(
+            f"{_WINDOW_REFUSED.format(backend=cluster.backend)}: the booking ends "
+            f"{ctx.end.astimezone(UTC):%Y-%m-%d %H:%M} UTC, but the backend still holds the cluster's previous "
+            f"window (its jobs stop at that end). "
+            f"Change the end again, or ask the platform team (reconcile --fix once the cause is cleared). "
+            f"Backend: {error}", limit=500)
         if cluster.status == ClusterStatus.DEGRADED and cluster.status_reason == reason:
             return
         _transition(cluster, ClusterStatus.DEGRADED, source=TransitionSource.LIFECYCLE, detail=reason)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django import template
 
+from portal.core.redact import without_secrets
+
 from ..models import VirtualCluster
 from ..selectors import clusters_for_user
 
@@ -58,3 +60,9 @@ def connection_label(key: str) -> str:
     """A connection detail's label: "login_host" -> "Login host"; a key not listed reads as its words."""
     key = str(key)
     return CONNECTION_LABELS.get(key) or key.replace("_", " ").strip().capitalize()
+
+
+@register.filter(name="without_secrets")
+def without_secrets_filter(text: str) -> str:
+    """A backend's error as the team reads it: no credentials (portal.core.redact; the admin has it whole)."""
+    return without_secrets(text or "")

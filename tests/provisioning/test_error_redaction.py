@@ -1,0 +1,81 @@
+"""A backend's error reaches the team (cluster page, API, Slack) without the credentials it may carry; the full
+text stays in the log and the admin (portal.core.redact.without_secrets)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from portal.core import events
+from portal.core.redact import without_secrets
+from provisioning import services
+from provisioning.backends.base import BackendError
+from provisioning.backends.simulated import SimulatedBackend
+from provisioning.choices import ClusterStatus
+from provisioning.models import ClusterTransition, VirtualCluster
+
+from .conftest import book
+
+pytestmark = pytest.mark.django_db
+
+SECRETS = ("hunter2", "eyJhbGciOiJIUzI1NiJ9", "s3cr3tpw", "0123456789abcdef0123456789abcdef")
+ERROR = ("Get https://admin:hunter2@k8s-api.internal:6443/api/v1/namespaces/alpha: dial tcp 10.0.3.4:6443: "
+         "Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl; "
+         "sbatch --password=s3cr3tpw; key 0123456789abcdef0123456789abcdef")
+
+
+def test_without_secrets_keeps_the_message_useful() -> None:
+    told = without_secrets(ERROR)
+    assert not any(s in told for s in SECRETS)
+    assert "k8s-api.internal:6443/api/v1/namespaces/alpha" in told and "Authorization: Bearer [redacted]" in told
+    assert "password=[redacted]" in told
+    for plain in ("token expired", "basic checks passed", "signal: 9", "injected transient fault in install_drivers",
+                  "scontrol: error: Invalid node name specified: gpu-017 (/etc/slurm/slurm.conf)",
+                  "GET https://k8s-api.internal:6443/apis/apps/v1/namespaces/alpha-team/statefulsets/worker-0: 409",
+                  "mount failed: /var/lib/kubelet/pods/0f3c2b9e-1d2a-4c5b/volumes/kubernetes.io~csi/shared"):
+        assert without_secrets(plain) == plain
+    assert len(without_secrets("x" * 5000)) == 500 and without_secrets("x" * 5000).endswith("…")
+    assert without_secrets(without_secrets(ERROR)) == without_secrets(ERROR)
+    assert without_secrets("key aGVsbG8gd29y/bGQgdGhpcyBpcyBhIGxvbmcgc2VjcmV0IGtleQ==") == "key [redacted]"
+
+
+def test_a_backend_error_reaches_the_team_without_its_secrets(world, t0, web, monkeypatch,
+                                                               django_capture_on_commit_callbacks):
+    def fail(self, ctx):
+        raise BackendError(ERROR, transient=False)
+
+    monkeypatch.setattr(SimulatedBackend, "install_drivers", fail)
+    seen: list[tuple[str, dict]] = []
+
+    def record(event, payload):
+        seen.append((event, payload))
+
+    events.subscribe("*", record)
+    try:
+        reservation = book(world, "alpha-lead", t0)
+        services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+        cluster = VirtualCluster.objects.get(reservation=reservation)
+        with django_capture_on_commit_callbacks(execute=True):
+            assert services.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.FAILED
+    finally:
+        events._subscribers["*"].remove(record)
+
+    cluster.refresh_from_db()
+    reservation.refresh_from_db()
+    failed = [p for name, p in seen if name == "cluster.failed"]
+    told = [cluster.status_reason, reservation.status_reason, failed[0]["reason"],
+            *ClusterTransition.objects.filter(cluster=cluster).values_list("detail", flat=True)]
+    for text in told:
+        assert not any(s in text for s in SECRETS), text
+    assert "k8s-api.internal" in cluster.status_reason and "[redacted]" in cluster.status_reason
+    assert cluster.last_error == ERROR  # the operators' copy (admin), whole
+
+    client = web("alpha-lead")
+    for path in (f"/clusters/{cluster.pk}/", f"/reservations/{reservation.pk}/",
+                 f"/api/v1/clusters/{cluster.pk}/", f"/api/v1/reservations/{reservation.pk}/"):
+        response = client.get(path)
+        assert response.status_code == 200, path
+        body = response.content.decode()
+        assert "k8s-api.internal" in body, path
+        assert not any(s in body for s in SECRETS), path
