@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from portal.core.actors import STAFF_WORDS, actor_name
 from portal.core.models import AuditLog
-from portal.core.redact import without_processes
+from portal.core.redact import without_processes, without_secrets
 from portal.core.timefmt import format_utc
 from portal.core.words import count_of
 from reservations.choices import HOLDING_STATUSES, AllocationKind
@@ -81,6 +81,18 @@ class Notice:
 def jsonable(payload: dict[str, Any]) -> dict[str, Any]:
     """Return payload as plain JSON types (datetimes become ISO strings), as Celery will carry it."""
     return json.loads(json.dumps(payload, cls=DjangoJSONEncoder))
+
+
+def without_secrets_in(payload: dict[str, Any]) -> dict[str, Any]:
+    """payload with its error texts (a reason, a check's failures: a backend's or a tool's output) passed through
+    portal.core.redact.without_secrets, for every channel: Slack and webhooks are no place for a credential (the
+    log and the admin keep the texts whole)."""
+    told = dict(payload)
+    if isinstance(told.get("reason"), str):
+        told["reason"] = without_secrets(told["reason"])
+    if isinstance(told.get("failures"), list):
+        told["failures"] = [without_secrets(str(f)) for f in told["failures"]]
+    return told
 
 
 def _digest(payload: dict[str, Any]) -> str:

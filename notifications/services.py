@@ -616,7 +616,7 @@ def _delivery_for(notice: Notice, channel: Channel) -> tuple[Delivery, bool]:
     if existing is not None:
         return existing, False
     message_id = signing.generate_message_id()
-    payload = selectors.jsonable(notice.payload)
+    payload = selectors.without_secrets_in(selectors.jsonable(notice.payload))
     status, error = DeliveryStatus.PENDING, ""
     if channel.is_broken and notice.event != Event.TEST:
         # Recorded (the lead sees what was missed) but not sent until the channel is fixed.

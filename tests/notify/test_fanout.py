@@ -166,6 +166,27 @@ def test_a_node_reason_stored_with_processes_reaches_the_tenants_without_them(wo
     assert by_channel[platform.pk].payload["reason"] == stored
 
 
+def test_no_channel_is_told_a_secret_an_error_text_carries(world, t0, book, slack_for, webhook_for, settings,
+                                                             notify_settings):
+    """Error texts (a node's reason from a tool's output, a check's failures) go to Slack and webhooks through
+    portal.core.redact.without_secrets, the platform channel too: a Slack channel is no place for a token."""
+    settings.PORTAL_PLATFORM_SLACK_WEBHOOK = "https://hooks.slack.com/services/T9/B9/platform"
+    slack_for("alpha", SLACK_URL)
+    webhook_for("alpha", "https://ci.alpha.example/hook")
+    reservation = book("alpha", t0)
+    secret = "https://ops:hunter2@bmc.internal/redfish token=ab12cd34ef56"
+    created = services.event_fanout(event="health_check.failed", payload={
+        "reservation_id": reservation.pk, "node": reservation.allocations.first().node.hostname,
+        "verdict": "fail", "reason": f"dcgmi diag: {secret}", "failures": [f"GPU 0: {secret}"],
+        "health_check_id": 12})
+    assert len(created) == 3  # the team's Slack and webhook, the platform's Slack
+    for delivery in created:
+        told = json.dumps(delivery.payload) + delivery.body + delivery.summary
+        assert "hunter2" not in told and "ab12cd34ef56" not in told, told
+        assert "bmc.internal/redfish" in delivery.payload["reason"]
+        assert "[redacted]" in delivery.payload["failures"][0]
+
+
 def test_replaced_node_and_degraded_reservation_are_translated(world, t0, book, slack_for):
     slack_for("alpha", SLACK_URL)
     reservation = book("alpha", t0)
