@@ -549,10 +549,10 @@ def _node_replaced(c: _Ctx) -> _Msg:
 
 def _health_check_failed(c: _Ctx) -> _Msg:
     c.need("tenant", "node")
-    level = escape(c.get("level", "health"))
+    level = f"*{escape(c.p['level'])}* " if c.get("level") else ""
     verdict = escape(c.get("verdict", "fail"))
     where = f" of {c.cluster_link()}" if c.get("reservation_id") is not None else ""
-    lead = f"A *{level}* health check on node {_code(c.p['node'])}{where} (*{c.tenant}*) ended *{verdict}*."
+    lead = f"A {level}health check on node {_code(c.p['node'])}{where} (*{c.tenant}*) ended *{verdict}*."
     blocks = [_section(lead, _cluster_fields(c))]
     failures = [str(f) for f in (c.get("failures") or [])]
     if failures:

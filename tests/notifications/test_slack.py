@@ -337,3 +337,12 @@ def test_code_spans_stay_copyable() -> None:
     body = "\n".join(_all_texts(build_message(Event.CLUSTER_READY, payload, BASE)))
     assert "ssh my_team@login_1.example.com" in body
     assert "`gpu_node_1`" in body and "`h100_sxm`" in body
+
+
+def test_a_health_check_without_a_level_reads_as_one() -> None:
+    """A check whose level is not known read "A *health* health check on node …"."""
+    payload = {k: v for k, v in SAMPLES[Event.HEALTH_CHECK_FAILED].items() if k != "level"}
+    lead = build_message(Event.HEALTH_CHECK_FAILED, payload, BASE)["blocks"][1]["text"]["text"]
+    assert lead.startswith("A health check on node `h100-sxm-003`") and "health* health" not in lead
+    with_level = build_message(Event.HEALTH_CHECK_FAILED, SAMPLES[Event.HEALTH_CHECK_FAILED], BASE)
+    assert with_level["blocks"][1]["text"]["text"].startswith("A *medium* health check on node")
