@@ -4,6 +4,8 @@ started expiring (or, with PORTAL_NOTIFY_SECRET_OVERLAP_HOURS=0, stopped verifyi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.test import Client
 from django.urls import reverse
@@ -127,3 +129,8 @@ def test_the_confirmation_warns_when_a_previous_secret_still_signs(lead, webhook
     services.webhook_rotate_secret(actor=world.users["alpha-lead"], channel=channel)
     html = lead.get(reverse("notifications:webhook-rotate", args=[channel.pk])).content.decode()
     assert "stops signing at once" in html
+    # The time says its zone, as every other time on these pages does ("D j M H:i T").
+    assert re.search(r"still signs until \w{3} \d{1,2} \w{3} \d\d:\d\d [A-Z][A-Za-z0-9+-]*:", html), html
+
+
+
