@@ -6,6 +6,8 @@ that follows creating or rotating one. Changes are service calls, audited like t
 
 from __future__ import annotations
 
+from datetime import UTC
+
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
@@ -117,8 +119,10 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
     @admin.display(description="status")
     def health(self, obj: Channel) -> str:
         if obj.is_broken:
-            return format_html('<strong style="color:#ba2121">broken: {}</strong> (since {:%Y-%m-%d %H:%M})',
-                               obj.broken_error, obj.broken_at)
+            # format_html escapes its arguments to strings first: the time is formatted here (a format spec
+            # in the template failed on that string, a 500 for the whole list), in UTC as the page says.
+            since = obj.broken_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+            return format_html('<strong style="color:#ba2121">broken: {}</strong> (since {})', obj.broken_error, since)
         return "ok" if obj.enabled else "disabled"
 
     @admin.display(description="events")

@@ -134,3 +134,22 @@ def test_the_confirmation_warns_when_a_previous_secret_still_signs(lead, webhook
 
 
 
+
+def test_the_admin_channel_list_shows_a_broken_channel_and_since_when_in_utc(world, webhook):
+    """The channel list's status column formatted the time after format_html had made it a string: the whole list
+    answered 500 as soon as one channel was broken. It now shows "(since … UTC)", in UTC whatever the offset."""
+    from datetime import datetime, timedelta, timezone
+
+    from notifications.models import url_fingerprint
+
+    channel, _ = webhook
+    Channel.objects.filter(pk=channel.pk).update(
+        broken_at=datetime(2026, 3, 1, 9, 30, tzinfo=timezone(timedelta(hours=2))), broken_error="http_404",
+        broken_url_fp=url_fingerprint(URL))
+    assert Channel.objects.get(pk=channel.pk).is_broken
+    staff = Client()
+    staff.force_login(world.users["staff"])
+    response = staff.get(reverse("admin:notifications_channel_changelist"))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "broken: http_404" in html and "(since 2026-03-01 07:30 UTC)" in html
