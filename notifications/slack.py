@@ -499,9 +499,20 @@ def _cluster_ready(c: _Ctx) -> _Msg:
 
 def _cluster_failed(c: _Ctx) -> _Msg:
     c.need("tenant", "reservation_id")
+    if c.get("phase") == "tearing_down":
+        # The window is over: the nodes stay out of service until staff have the cluster torn down.
+        lead = (
+            f"Tearing down the cluster for {c.cluster_link()} of *{c.tenant}* failed after its window. "
+            f"The platform team has the details and will clean it up; nothing is needed from you."
+        )
+        blocks = [_section(lead, _cluster_fields(c)), *c.reason_blocks()]
+        text = f"Cluster teardown failed: {c.reservation_label} ({c.tenant_plain})"
+        return _Msg(text, ":rotating_light: Cluster teardown failed", blocks)
+    # A cluster that fails for good fails its booking, whose nodes go back to the pool (a staff retry books
+    # them again when they are still free).
     lead = (
-        f"Provisioning the cluster for {c.cluster_link()} of *{c.tenant}* failed. "
-        f"The platform team has the details; the reservation keeps its nodes."
+        f"Provisioning the cluster for {c.cluster_link()} of *{c.tenant}* failed, so the booking has failed "
+        f"and its nodes were released. The platform team has the details and can retry it."
     )
     blocks = [_section(lead, _cluster_fields(c)), *c.reason_blocks()]
     text = f"Cluster failed: {c.reservation_label} ({c.tenant_plain})"

@@ -346,3 +346,16 @@ def test_a_health_check_without_a_level_reads_as_one() -> None:
     assert lead.startswith("A health check on node `h100-sxm-003`") and "health* health" not in lead
     with_level = build_message(Event.HEALTH_CHECK_FAILED, SAMPLES[Event.HEALTH_CHECK_FAILED], BASE)
     assert with_level["blocks"][1]["text"]["text"].startswith("A *medium* health check on node")
+
+
+def test_a_failed_cluster_says_what_became_of_the_booking() -> None:
+    """cluster.failed said "the reservation keeps its nodes", but a cluster that fails for good fails its booking
+    and the nodes go back to the pool (reservation_set_status → failed); a teardown that failed is no provisioning."""
+    lead = build_message(Event.CLUSTER_FAILED, SAMPLES[Event.CLUSTER_FAILED], BASE)["blocks"][1]["text"]["text"]
+    assert "keeps its nodes" not in lead
+    assert "Provisioning the cluster" in lead and "booking has failed" in lead and "nodes were released" in lead
+    teardown = build_message(Event.CLUSTER_FAILED, {**SAMPLES[Event.CLUSTER_FAILED], "phase": "tearing_down"}, BASE)
+    lead = teardown["blocks"][1]["text"]["text"]
+    assert "Provisioning" not in lead and "Tearing down the cluster" in lead and "keeps its nodes" not in lead
+    assert teardown["blocks"][0]["text"]["text"] == ":rotating_light: Cluster teardown failed"
+    assert teardown["text"].startswith("Cluster teardown failed: llm-pretrain")
