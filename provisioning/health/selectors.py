@@ -18,7 +18,7 @@ from django.contrib.postgres.fields.ranges import RangeStartsWith
 from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery
 from django.utils import timezone
 
-from portal.core.redact import without_processes
+from portal.core.redact import without_processes, without_secrets
 from reservations.choices import HOLDING_STATUSES, AllocationKind
 from reservations.models import Allocation, Node, Reservation
 
@@ -85,6 +85,12 @@ def checks_for_user(user) -> QuerySet[HealthCheck]:
     )
 
 
+def _told(text: str) -> str:
+    """A check's text as a tenant reads it: no process (another team's work), no credential a tool's output or an
+    exception's text carried (a URL's password, a token); staff read it as stored."""
+    return without_secrets(without_processes(text), limit=None)
+
+
 def _reading_as_seen_by_a_tenant(result: Any) -> Any:
     """One check result (a GPU's or the node's) without any process it names: compute processes counted
     (``{"count": n}``), process ids and an XID line's "pid=…, name=…" left out of its message and details."""
@@ -92,7 +98,7 @@ def _reading_as_seen_by_a_tenant(result: Any) -> Any:
         return result
     seen = dict(result)
     if isinstance(seen.get("message"), str):
-        seen["message"] = without_processes(seen["message"])
+        seen["message"] = _told(seen["message"])
     value = seen.get("value")
     if seen.get("name") == "compute_processes" and value is not None:
         # A list of {pid, used_mib} on an idle node (strays), {"count": n} on a node in use (newer agents).
@@ -100,7 +106,7 @@ def _reading_as_seen_by_a_tenant(result: Any) -> Any:
         seen["value"] = {"count": count if isinstance(count, int) and not isinstance(count, bool) else 0}
     elif isinstance(value, list):
         seen["value"] = [
-            {**entry, "detail": without_processes(entry["detail"])}
+            {**entry, "detail": _told(entry["detail"])}
             if isinstance(entry, Mapping) and isinstance(entry.get("detail"), str) else entry
             for entry in value
         ]
@@ -109,7 +115,7 @@ def _reading_as_seen_by_a_tenant(result: Any) -> Any:
 
 def check_as_seen_by(user, check: HealthCheck | None) -> HealthCheck | None:
     """Return the check as the user may read it: staff read it whole; anyone else reads an unsaved copy
-    whose readings, messages, problems and summary name no process.
+    whose readings, messages, problems and summary name no process and carry no credential (``_told``).
 
     A check a team reads may have seen another team's work: the acceptance gate checks an idle node
     for the booking that follows, and processes left there (strays, another team's) are named in the
@@ -131,13 +137,13 @@ def check_as_seen_by(user, check: HealthCheck | None) -> HealthCheck | None:
         report["node_checks"] = [_reading_as_seen_by_a_tenant(c) for c in report["node_checks"]]
     if isinstance(report.get("problems"), list):
         report["problems"] = [
-            {**p, "message": without_processes(p["message"])}
+            {**p, "message": _told(p["message"])}
             if isinstance(p, Mapping) and isinstance(p.get("message"), str) else p
             for p in report["problems"]
         ]
     seen.report = report
-    seen.summary = without_processes(check.summary or "")
-    seen.error = without_processes(check.error or "")
+    seen.summary = _told(check.summary or "")
+    seen.error = _told(check.error or "")
     seen.save = _never_saved  # the redacted copy must never overwrite the stored report
     return seen
 

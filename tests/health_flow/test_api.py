@@ -404,3 +404,28 @@ def test_a_check_as_a_tenant_reads_it_cannot_be_saved_over_the_stored_report(fle
     check.refresh_from_db()
     assert check.gpu_results == OLD_GPU_RESULTS
     assert check_as_seen_by(fleet.users["staff"], check) is check  # staff read (and may save) the row itself
+
+
+@pytest.mark.django_db
+def test_a_tools_error_reaches_a_tenant_without_the_credentials_it_carried(fleet, now_slot):
+    """A check's error and messages are a tool's output or an exception's text: a BMC URL with its password, a token.
+    Tenants read them without (portal.core.redact.without_secrets); staff read them whole."""
+    import json
+
+    alpha = fleet.book("alpha", ["gpu-003"], now_slot, now_slot + timedelta(hours=3))
+    secret_url = "https://ops:hunter2@bmc-17.internal/redfish/v1"
+    check = HealthCheck.objects.create(
+        node=fleet.node("gpu-003"), reservation=alpha, level="quick", trigger="acceptance", status="done",
+        verdict="fail", recommended_action="investigate", error=f"ConnectionError ({secret_url})",
+        summary="gpu0 ecc: fetch failed token=ab12cd34ef56",
+        report={"problems": [{"gpu": 0, "check": "ecc", "status": "fail", "message": f"GET {secret_url} 401"}]},
+        gpu_results=[{"index": 0, "checks": [{"name": "ecc", "status": "unknown", "value": None,
+                                              "message": f"GET {secret_url} failed: password=s3cr3tpw"}]}],
+    )
+    tenant = fleet.client("alpha-member")
+    body = json.dumps(tenant.get(f"/api/v1/health-checks/{check.pk}/").json())
+    for secret in ("hunter2", "ab12cd34ef56", "s3cr3tpw"):
+        assert secret not in body, body
+    assert "bmc-17.internal/redfish/v1" in body and "[redacted]" in body
+    staff = json.dumps(fleet.client("staff").get(f"/api/v1/health-checks/{check.pk}/").json())
+    assert "hunter2" in staff and "s3cr3tpw" in staff
