@@ -13,7 +13,7 @@ from django.db import connection
 from django.db.models import F, Func, OuterRef, Subquery
 from django.utils import timezone
 
-from portal.core.redact import without_processes
+from portal.core.redact import without_processes, without_secrets
 from portal.core.words import count_of
 
 from .choices import HOLDING_STATUSES, NodeState
@@ -531,7 +531,8 @@ def node_state_reason_as_seen_by(user, node: Node) -> str:
     whichever team was on the node. New reasons name none, but rows written before still do."""
     if getattr(user, "is_staff", False):
         return node.state_reason
-    return without_processes(node.state_reason or "")
+    # A reason may be a tool's or a backend's output too: no credential it carried (portal.core.redact).
+    return without_secrets(without_processes(node.state_reason or ""), limit=None)
 
 
 def fleet_nodes(*, pool: Pool | None = None):

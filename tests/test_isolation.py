@@ -231,3 +231,17 @@ def test_a_stored_node_reason_naming_processes_is_shown_to_a_tenant_without_them
         assert [n["state_reason"] for n in listed if n["hostname"] == hostname] == [shown]
     assert world.client("staff").get(f"/api/v1/nodes/{node.pk}/").json()["state_reason"] == stored
     assert Node.objects.get(pk=node.pk).state_reason == stored  # redacted on output only
+
+
+def test_a_node_reason_carrying_a_credential_is_shown_to_a_tenant_without_it(world, booked):
+    """A node's reason may be a tool's or a backend's output (a check's summary): a BMC URL with its password, a
+    token. The node API shows a tenant the reason without them (portal.core.redact.without_secrets), staff as stored."""
+    from reservations.models import Node
+
+    node = Node.objects.get(hostname=booked["alpha"]["nodes"][0])
+    stored = "health check failed: GET https://ops:hunter2@bmc-17.internal/redfish/v1 401 (token=ab12cd34ef56)"
+    Node.objects.filter(pk=node.pk).update(state_reason=stored)
+    shown = world.client("alpha-member").get(f"/api/v1/nodes/{node.pk}/").json()["state_reason"]
+    assert "hunter2" not in shown and "ab12cd34ef56" not in shown, shown
+    assert shown.startswith("health check failed: GET https://[redacted]@bmc-17.internal/redfish/v1 401")
+    assert world.client("staff").get(f"/api/v1/nodes/{node.pk}/").json()["state_reason"] == stored
