@@ -53,6 +53,8 @@ _JWT = re.compile(r"\beyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*")
 _LONG_HEX = re.compile(r"\b[0-9a-fA-F]{32,}\b")
 _LONG_B64 = re.compile(r"(?<![A-Za-z0-9+/_=-])(?=[A-Za-z0-9+/_-]*\d)(?=[A-Za-z0-9+/_-]*[A-Za-z])"
                        r"[A-Za-z0-9+/_-]{40,}={0,2}(?![A-Za-z0-9+/_=-])")
+
+
 def _b64_secret(match: re.Match[str]) -> str:
     # A run with "/" in it may be a path or a URL's ("/var/lib/kubelet/pods/…", "6443/apis/apps/v1/…"): those are
     # lowercase or start with "/"; a base64 key mixes cases and digits.
