@@ -218,3 +218,31 @@ def test_two_swaps_racing_for_the_last_spare_give_it_to_one(world, t0):
     assert Allocation.objects.filter(node=spare, active=True).count() == 1
     assert sorted(Reservation.objects.filter(pk__in=[a.pk, b.pk]).values_list("missing_nodes", flat=True)) == [0, 1]
     assert overlapping_allocations() == 0
+
+
+def test_a_quota_lowered_while_a_booking_and_an_extension_wait_refuses_both(world, t0):
+    """Staff lower the team's quota (fewer nodes, a shorter longest booking) while a booking and an extension of
+    the team queue on the quota row: both are judged on the lowered quota, and neither holds nodes past it.
+    Passed on the code as it was; a quota edit in flight had been raced only by other quota edits."""
+    from portal.core.exceptions import QuotaExceeded
+    from tenants.models import Quota
+
+    tenant, lead = world.tenants["alpha"], world.users["alpha-lead"]
+    r = _book(world, "alpha-lead", t0, t0 + timedelta(hours=2))
+
+    def lowers_quota() -> None:  # what quota_update writes, under the quota row's lock
+        quota = Quota.objects.select_for_update().get(tenant=tenant, pool=world.pool)
+        quota.max_nodes, quota.burst_nodes, quota.max_duration_hours = 1, 0, 3
+        quota.save(update_fields=["max_nodes", "burst_nodes", "max_duration_hours"])
+
+    extended, booked = in_turn(lowers_quota, [
+        lambda: reservation_update(actor=lead, reservation=r, end=t0 + timedelta(hours=4)),
+        lambda: reservation_create(actor=lead, tenant=tenant, pool=world.pool, node_count=1, start=t0,
+                                   end=t0 + timedelta(hours=1)),
+    ], waits_on="tenants_quota")
+    assert isinstance(extended, QuotaExceeded) and "longer than the 3 h" in str(extended), extended
+    assert isinstance(booked, QuotaExceeded), booked
+    r.refresh_from_db()
+    assert r.period.upper == t0 + timedelta(hours=2)
+    assert Reservation.objects.filter(tenant=tenant).count() == 1
+    assert Allocation.objects.filter(reservation__tenant=tenant, active=True).count() == 1
