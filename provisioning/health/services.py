@@ -239,36 +239,42 @@ def cluster_health_checks_request(
     The caller has already scoped the cluster to the user (another tenant's is a 404 there).
     Checks run only while the booking holds its nodes: before its start the nodes may still
     serve someone else (the acceptance gate checks them before hand-over).
+
+    The booking's row is locked while its nodes are read and the checks queued: a cancel or a node swap
+    (which lock it) in flight is waited for and seen, and one that comes later waits for the checks to be
+    queued. Otherwise a check could be queued for a node the booking had just let go of — free for, or
+    booked by, another tenant — and its results shown to this one.
     """
     level = _validate_level(level)
     member_role = _membership_role(actor, cluster.tenant_id)
     if member_role not in BOOKING_ROLES and not actor.is_staff:
         raise PermissionDenied("Only the tenant's leads and members can run health checks.")
-    reservation = Reservation.objects.get(pk=cluster.reservation_id)
-    now = _now()
-    if not booking_holds_nodes(reservation, now):
-        raise InvalidState(
-            f"Cluster #{cluster.pk}'s reservation is {reservation.status} and does not hold its nodes now; "
-            "checks run on nodes the reservation holds."
-        )
-    held = dict(
-        Allocation.objects.filter(reservation=reservation, active=True, period__contains=now)
-        .values_list("node__hostname", "node_id")
-    )
-    if nodes:
-        unknown = sorted(set(nodes) - set(held))
-        if unknown:
-            raise InvalidInput(
-                f"Not nodes of cluster #{cluster.pk}: {', '.join(unknown[:5])}.",
-                fields={"nodes": "Name nodes the cluster holds now."},
+    with transaction.atomic():
+        reservation = Reservation.objects.select_for_update(no_key=True).get(pk=cluster.reservation_id)
+        now = _now()
+        if not booking_holds_nodes(reservation, now):
+            raise InvalidState(
+                f"Cluster #{cluster.pk}'s reservation is {reservation.status} and does not hold its nodes now; "
+                "checks run on nodes the reservation holds."
             )
-        held = {host: held[host] for host in nodes}
-    if not held:
-        raise InvalidState(f"Cluster #{cluster.pk} holds no nodes right now.")
-    trigger = CheckTrigger.TENANT if member_role in BOOKING_ROLES else CheckTrigger.STAFF
-    return health_checks_request(
-        nodes=held.values(), level=level, trigger=trigger, actor=actor, reservation=reservation
-    )
+        held = dict(
+            Allocation.objects.filter(reservation=reservation, active=True, period__contains=now)
+            .values_list("node__hostname", "node_id")
+        )
+        if nodes:
+            unknown = sorted(set(nodes) - set(held))
+            if unknown:
+                raise InvalidInput(
+                    f"Not nodes of cluster #{cluster.pk}: {', '.join(unknown[:5])}.",
+                    fields={"nodes": "Name nodes the cluster holds now."},
+                )
+            held = {host: held[host] for host in nodes}
+        if not held:
+            raise InvalidState(f"Cluster #{cluster.pk} holds no nodes right now.")
+        trigger = CheckTrigger.TENANT if member_role in BOOKING_ROLES else CheckTrigger.STAFF
+        return health_checks_request(
+            nodes=held.values(), level=level, trigger=trigger, actor=actor, reservation=reservation
+        )
 
 
 def node_health_check_request(*, actor: Any, node: Node, level: Any) -> HealthCheck:
