@@ -544,6 +544,11 @@ def _with_resource_version(metadata: dict[str, Any], resource_version: str | Non
     return {"resourceVersion": resource_version, **metadata} if resource_version else metadata
 
 
+def _is_portal_mig_layout(value: str | None) -> bool:
+    """Return whether a ``nvidia.com/mig.config`` value is one the portal sets (``all-<profile>``)."""
+    return bool(value) and value.startswith("all-") and bool(_MIG_PROFILE_RE.match(value[len("all-"):]))
+
+
 def node_claim_patch(spec: TenantClusterSpec, node: Mapping[str, Any], *, now: datetime) -> Manifest:
     """Return the merge patch that dedicates ``node`` (as read from the API) to the reservation.
 
@@ -577,6 +582,10 @@ def node_claim_patch(spec: TenantClusterSpec, node: Mapping[str, Any], *, now: d
     }
     if spec.mig_profile:
         new_labels[MIG_CONFIG_LABEL] = f"all-{spec.mig_profile}"
+    elif _is_portal_mig_layout(labels.get(MIG_CONFIG_LABEL)):
+        # A stale claim taken over (its teardown never reset the layout): a whole-GPU booking must not
+        # get a node split into MIG slices, which offers no nvidia.com/gpu at all.
+        new_labels[MIG_CONFIG_LABEL] = MIG_DISABLED
     # Keep every other taint; ours replaces any earlier "dedicated" one.
     new_taints = [t for t in taints if t.get("key") != TAINT_KEY]
     new_taints.append({"key": TAINT_KEY, "value": spec.tenant_label, "effect": TAINT_EFFECT})
@@ -615,8 +624,7 @@ def claim_release_patch(node: Mapping[str, Any], *, reservation_id: str, tenant_
     if tenant_label is None:
         tenant_label = labels.get(TENANT_LABEL)
     if reset_mig is None:
-        mig = labels.get(MIG_CONFIG_LABEL, "")
-        reset_mig = mig.startswith("all-") and bool(_MIG_PROFILE_RE.match(mig[len("all-"):]))
+        reset_mig = _is_portal_mig_layout(labels.get(MIG_CONFIG_LABEL))
     removed_labels: dict[str, str | None] = {
         TENANT_LABEL: None,
         RESERVATION_LABEL: None,

@@ -425,3 +425,20 @@ def test_token_lifetime_ends_with_the_window() -> None:
     assert m.token_expiration_seconds(spec, now=NOW) == int((WINDOW_END - NOW).total_seconds())
     assert m.token_expiration_seconds(spec, now=WINDOW_END - timedelta(seconds=30)) == m.MIN_TOKEN_SECONDS
     assert m.token_expiration_seconds(spec, now=WINDOW_END + timedelta(days=1)) == m.MIN_TOKEN_SECONDS
+
+
+def test_taking_over_a_stale_mig_claim_switches_mig_off_for_a_whole_gpu_booking() -> None:
+    # A MIG booking whose teardown never finished left its partition layout on the node; the next
+    # booking wants whole GPUs, which a node split into MIG slices does not offer (nvidia.com/gpu = 0).
+    stale = make_spec(tenant_slug="vision", reservation_id=7, mig_profile="1g.10gb", mig_instances_per_gpu=7,
+                      window_end=NOW - timedelta(hours=1))
+    node = make_node("h100-sxm-001", labels={"nvidia.com/mig.config": "all-disabled"})
+    left_behind = merge_patch(node, m.node_claim_patch(stale, node, now=NOW - timedelta(days=1)))
+    claimed = merge_patch(left_behind, m.node_claim_patch(make_spec(), left_behind, now=NOW))
+    assert claimed["metadata"]["labels"]["nvidia.com/mig.config"] == "all-disabled"
+
+
+def test_claim_of_a_whole_gpu_booking_leaves_an_operators_mig_layout_alone() -> None:
+    node = make_node("h100-sxm-001", labels={"nvidia.com/mig.config": "custom-layout"})
+    claimed = merge_patch(node, m.node_claim_patch(make_spec(), node, now=NOW))
+    assert claimed["metadata"]["labels"]["nvidia.com/mig.config"] == "custom-layout"
