@@ -50,9 +50,12 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
 from .k8s_manifests import (
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
     RESERVATION_LABEL,
     SERVICE_ACCOUNT_NAME,
     Manifest,
+    NodeClaimConflict,
     TenantClusterSpec,
     claim_release_patch,
     kubeconfig_yaml,
@@ -233,10 +236,34 @@ class TenantClusterApplier:
         raise K8sApplyError(f"node {hostname} kept changing; gave up after {self.conflict_retries} retries")
 
     def claim_node(self, spec: TenantClusterSpec, hostname: str, *, now: datetime | None = None) -> None:
-        """Label, taint and annotate one node for the reservation (raises ``NodeClaimConflict``)."""
+        """Label, taint and annotate one node for the reservation (raises ``NodeClaimConflict``).
+
+        A claim of another reservation whose window has ended is taken over only once none of that
+        reservation's pods is on the node: its teardown is still running, and its pods (in their grace
+        period, or stuck) hold the node's GPUs. A namespace stuck terminating with none of its pods on the
+        node (a finalizer) does not hold the node.
+        """
         at = now or datetime.now(UTC)
+
+        def make_patch(node: dict[str, Any]) -> Manifest | None:
+            patch = node_claim_patch(spec, node, now=at)
+            holder = ((node.get("metadata") or {}).get("labels") or {}).get(RESERVATION_LABEL)
+            if holder is not None and holder != str(spec.reservation_id):
+                listed = self.list_namespaces(f"{MANAGED_BY_LABEL}={MANAGED_BY},{RESERVATION_LABEL}={holder}")
+                left = {name for ns in listed if (name := (ns.get("metadata") or {}).get("name"))}
+                running = [pod for pod in (self.pods_on_node(hostname) if left else [])
+                           if (pod.get("metadata") or {}).get("namespace") in left
+                           and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+                if running:
+                    meta = running[0]["metadata"]
+                    raise NodeClaimConflict(
+                        f"node {hostname} is still claimed for reservation {holder}, whose pod "
+                        f"{meta['namespace']}/{meta.get('name', '?')} is still on it", public=f"node {hostname} "
+                        "is held by another booking (its teardown has not finished)")
+            return patch
+
         try:
-            self._patch_node_until_settled(hostname, lambda node: node_claim_patch(spec, node, now=at))
+            self._patch_node_until_settled(hostname, make_patch)
         except ApiException as exc:
             raise K8sApplyError(f"claim node {hostname} failed: {exc.status} {exc.reason}") from exc
 

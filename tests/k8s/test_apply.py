@@ -180,6 +180,36 @@ def test_claim_conflict_sends_no_patch_and_creates_nothing(api_server: LoopbackA
     assert api_server.namespaces == {}
 
 
+def test_a_stale_claim_is_not_taken_over_while_its_pods_are_still_on_the_node(
+    api_server: LoopbackApiServer, applier: TenantClusterApplier, spec: m.TenantClusterSpec
+) -> None:
+    # Back to back: reservation 42's window ended, its teardown is still waiting for the namespace (its
+    # pod in its grace period, still on the node with the GPUs). The next booking must not get it yet.
+    add_nodes(api_server, spec)
+    applier.provision(spec, now=NOW)
+    api_server.terminating_reads = 100
+    assert applier.teardown(spec) is False
+    pod = make_pod("train-0", NS, "h100-sxm-002")
+    pod["metadata"]["deletionTimestamp"] = "2026-03-02T09:00:30Z"
+    api_server.pods[(NS, "train-0")] = pod
+    api_server.pods[("kube-system", "dcgm")] = make_pod("dcgm", "kube-system", "h100-sxm-002",
+                                                        owner_kind="DaemonSet")
+    following = make_spec(tenant_slug="vision", reservation_id=43, node_hostnames=["h100-sxm-002"],
+                          window_end=WINDOW_END + timedelta(days=2))
+    api_server.requests.clear()
+    with pytest.raises(m.NodeClaimConflict, match=f"reservation 42, whose pod {NS}/train-0 is still on it") \
+            as raised:
+        applier.claim_node(following, "h100-sxm-002", now=WINDOW_END + timedelta(minutes=1))
+    assert "teardown has not finished" in raised.value.public and "42" not in raised.value.public
+    assert api_server.of("PATCH") == []
+    assert api_server.nodes["h100-sxm-002"]["metadata"]["labels"]["gpuportal.io/reservation"] == "42"
+
+    # The pod is gone; the namespace stays, stuck terminating on a finalizer: nothing of 42 runs there now.
+    del api_server.pods[(NS, "train-0")]
+    applier.claim_node(following, "h100-sxm-002", now=WINDOW_END + timedelta(minutes=2))
+    assert api_server.nodes["h100-sxm-002"]["metadata"]["labels"]["gpuportal.io/reservation"] == "43"
+
+
 def test_claim_of_a_missing_node_fails(api_server: LoopbackApiServer, applier: TenantClusterApplier,
                                        spec: m.TenantClusterSpec) -> None:
     with pytest.raises(K8sApplyError, match="claim node h100-sxm-001 failed: 404"):
