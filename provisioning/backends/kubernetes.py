@@ -58,6 +58,19 @@ OUT_OF_SERVICE = frozenset({"failed", "draining", "maintenance", "retired"})
 
 _RENDER_ONLY_CA = base64.b64encode(b"render-only: no cluster configured").decode()
 
+# API answers no retry changes: a malformed or invalid request (400, 422), something that is not there (404:
+# a booked node the cluster does not have), a method or media type the server does not take (405, 415).
+# Not 401/403 (a rotated token, a namespace still terminating), 409, 429 or 5xx: those pass.
+PERMANENT_STATUSES = frozenset({400, 404, 405, 415, 422})
+
+
+def _api_status(exc: BaseException) -> int | None:
+    """The HTTP status of the API answer behind ``exc`` (itself, or the one it was raised from), if any."""
+    for candidate in (exc, exc.__cause__):
+        if isinstance(candidate, ApiException):
+            return candidate.status
+    return None
+
 
 def _cluster_entry(kubeconfig: str, context: str | None) -> tuple[str, str]:
     """Return (server URL, CA data) of the kubeconfig's current (or named) context."""
@@ -133,7 +146,7 @@ class KubernetesBackend(ProvisioningBackend):
             logger.warning("%s: %s", what, exc)
             raise BackendError(f"{what}: {exc.public}")
         except (K8sApplyError, ApiException) as exc:
-            raise BackendError(f"{what}: {exc}")
+            raise BackendError(f"{what}: {exc}", transient=_api_status(exc) not in PERMANENT_STATUSES)
         except urllib3.exceptions.HTTPError as exc:
             # Connection refused, a timeout, a reset: the API server is unreachable for now (retry).
             raise BackendError(f"{what}: Kubernetes API server unreachable: {exc}")

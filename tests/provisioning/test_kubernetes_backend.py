@@ -83,6 +83,28 @@ def test_a_node_held_by_someone_else_is_retried_then_fails(world, t0, k8s, setti
     assert "allocating_nodes: claim nodes" in cluster.status_reason and "taint" in cluster.status_reason
 
 
+def test_a_refusal_no_retry_changes_fails_at_once_and_an_outage_is_retried(world, t0, k8s, settings):
+    settings.PORTAL_PROVISIONING_MAX_ATTEMPTS = "5"
+    reservation = book(world, "beta-lead", t0, hours=2, nodes=1, orchestrator="kubernetes")
+    host = Allocation.objects.get(reservation=reservation).node.hostname
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+
+    k8s.inject[("GET", f"/api/v1/nodes/{host}")] = [503]  # the API server overloaded: try again later
+    with pytest.raises(services.RetryLater):
+        services.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.status == "allocating_nodes" and cluster.attempts == 1
+
+    # The booked node is not in the Kubernetes cluster: no retry makes it appear, so the tenant is told now
+    # instead of after every attempt's backoff.
+    del k8s.nodes[host]
+    VirtualCluster.objects.filter(pk=cluster.pk).update(next_attempt_at=None)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "failed"
+    cluster.refresh_from_db()
+    assert cluster.attempts == 2 and f"claim node {host} failed: 404" in cluster.status_reason
+
+
 def test_without_a_kubeconfig_the_backend_renders_only(world, t0, settings):
     settings.PORTAL_PROVISIONING_BACKEND = "kubernetes"
     settings.PORTAL_K8S_KUBECONFIG = ""
