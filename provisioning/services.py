@@ -62,6 +62,7 @@ from . import crypto
 from .backends.base import (
     BackendConflict,
     BackendError,
+    BackendWait,
     ClusterContext,
     DrainIncomplete,
     Drift,
@@ -530,6 +531,10 @@ def _provision_locked(cluster_id: int) -> str:
                 done = (phase, _run_phase(backend, phase, cluster_id))
     except _Stop:
         return "stopped"
+    except BackendWait as exc:
+        # The backend is waiting on the previous booking (its window, its teardown): no attempt is spent.
+        logger.info("cluster %s waits: %s", cluster_id, exc.message)
+        raise RetryLater(exc.countdown, exc.message) from exc
     except BackendConflict as exc:
         _repair_conflicts(exc, own_reservation_id=reservation.pk)
         return _record_failure(cluster_id, exc, during=FailedDuring.PROVISIONING)

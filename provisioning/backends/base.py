@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "BackendError",
     "BackendConflict",
+    "BackendWait",
     "DrainIncomplete",
     "ClusterContext",
     "PhaseResult",
@@ -49,6 +50,16 @@ class BackendConflict(BackendError):
     def __init__(self, message: str, *, conflicting: Iterable[str] = ()) -> None:
         super().__init__(message, transient=True)
         self.conflicting = tuple(conflicting)
+
+
+class BackendWait(BackendError):
+    """Not yet, and through no failure: what the step needs is still another booking's (a node the previous
+    booking holds until its window ends, just before this one starts). The caller tries again in about
+    ``countdown`` seconds without counting an attempt."""
+
+    def __init__(self, message: str, *, countdown: float) -> None:
+        super().__init__(message, transient=True)
+        self.countdown = countdown
 
 
 class DrainIncomplete(BackendError):

@@ -54,9 +54,11 @@ from .k8s_manifests import (
     MANAGED_BY_LABEL,
     RESERVATION_LABEL,
     SERVICE_ACCOUNT_NAME,
+    WINDOW_END_ANNOTATION,
     Manifest,
     NodeClaimConflict,
     TenantClusterSpec,
+    _parse_rfc3339,
     claim_release_patch,
     kubeconfig_yaml,
     node_claim_patch,
@@ -259,7 +261,8 @@ class TenantClusterApplier:
                     raise NodeClaimConflict(
                         f"node {hostname} is still claimed for reservation {holder}, whose pod "
                         f"{meta['namespace']}/{meta.get('name', '?')} is still on it", public=f"node {hostname} "
-                        "is held by another booking (its teardown has not finished)")
+                        "is held by another booking (its teardown has not finished)", held_until=_parse_rfc3339(
+                            ((node.get("metadata") or {}).get("annotations") or {}).get(WINDOW_END_ANNOTATION)))
             return patch
 
         try:

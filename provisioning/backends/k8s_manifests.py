@@ -101,11 +101,14 @@ class NodeClaimConflict(Exception):
 
     ``public`` says so without naming the other booking (its id, its window, a taint's value): it is what
     the tenant whose cluster could not claim the node is shown; the full message is for the operators.
+    ``held_until`` is when the other booking's window ends (None: unknown, or not a booking's claim): a
+    claim refused only until then is a hand-over still to come, not a failure.
     """
 
-    def __init__(self, message: str, *, public: str = "") -> None:
+    def __init__(self, message: str, *, public: str = "", held_until: datetime | None = None) -> None:
         super().__init__(message)
         self.public = public or message
+        self.held_until = held_until
 
 
 # --- Names ---
@@ -568,6 +571,7 @@ def node_claim_patch(spec: TenantClusterSpec, node: Mapping[str, Any], *, now: d
                 f"node {name} is held by reservation {holder} until "
                 f"{annotations.get(WINDOW_END_ANNOTATION, 'an unknown time')}",
                 public=f"node {name} is held by another booking (its teardown has not finished)",
+                held_until=held_until,
             )
     elif holder is None:
         foreign = [t for t in taints if t.get("key") == TAINT_KEY and t.get("value") != spec.tenant_label]

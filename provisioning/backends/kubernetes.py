@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Callable, Collection
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ..conf import setting
 from .base import (
     BackendError,
     BackendStatus,
+    BackendWait,
     ClusterContext,
     DrainIncomplete,
     Drift,
@@ -57,6 +59,10 @@ logger = logging.getLogger(__name__)
 OUT_OF_SERVICE = frozenset({"failed", "draining", "maintenance", "retired"})
 
 _RENDER_ONLY_CA = base64.b64encode(b"render-only: no cluster configured").decode()
+
+# How often a claim waiting for the previous booking's window (and teardown) to end is tried again.
+WAIT_POLL_MIN_SECONDS = 5.0
+WAIT_POLL_MAX_SECONDS = 60.0
 
 # API answers no retry changes: a malformed or invalid request (400, 422), something that is not there (404:
 # a booked node the cluster does not have), a method or media type the server does not take (405, 415).
@@ -144,7 +150,7 @@ class KubernetesBackend(ProvisioningBackend):
             # Usually the previous holder's teardown has not finished: retry, then fail. The error is shown to
             # the tenant (the cluster's reason, its page, Slack): the other booking is named in the log only.
             logger.warning("%s: %s", what, exc)
-            raise BackendError(f"{what}: {exc.public}")
+            raise BackendError(f"{what}: {exc.public}") from exc
         except (K8sApplyError, ApiException) as exc:
             raise BackendError(f"{what}: {exc}", transient=_api_status(exc) not in PERMANENT_STATUSES)
         except urllib3.exceptions.HTTPError as exc:
@@ -160,7 +166,21 @@ class KubernetesBackend(ProvisioningBackend):
     def allocate_nodes(self, ctx: ClusterContext) -> PhaseResult:
         spec = self.spec(ctx)
         if not self.render_only:
-            self._call("claim nodes", self.applier.claim_nodes, spec)
+            try:
+                self._call("claim nodes", self.applier.claim_nodes, spec)
+            except BackendError as exc:
+                # Provisioning runs its lead time ahead of the window: a node whose previous booking ends by
+                # this one's start is handed over then (its teardown lifts the claim). Until this window starts
+                # that is a wait, not a failed attempt; after it, a claim still held counts as any other.
+                conflict = exc.__cause__
+                now = datetime.now(UTC)
+                if (isinstance(conflict, NodeClaimConflict) and conflict.held_until is not None
+                        and conflict.held_until <= ctx.start and now < ctx.start):
+                    wait = min(WAIT_POLL_MAX_SECONDS, max(WAIT_POLL_MIN_SECONDS,
+                                                          (conflict.held_until - now).total_seconds()))
+                    raise BackendWait(f"{exc.message}; waiting for the previous booking to end",
+                                      countdown=wait) from conflict
+                raise
         return PhaseResult(connection=self._connection(spec), backend_state={"namespace": spec.namespace},
                            detail=f"{count_of(len(spec.node_hostnames), 'node')} labelled, "
                                   f"tainted dedicated={spec.tenant_label}")

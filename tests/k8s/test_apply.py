@@ -201,6 +201,7 @@ def test_a_stale_claim_is_not_taken_over_while_its_pods_are_still_on_the_node(
             as raised:
         applier.claim_node(following, "h100-sxm-002", now=WINDOW_END + timedelta(minutes=1))
     assert "teardown has not finished" in raised.value.public and "42" not in raised.value.public
+    assert raised.value.held_until == WINDOW_END
     assert api_server.of("PATCH") == []
     assert api_server.nodes["h100-sxm-002"]["metadata"]["labels"]["gpuportal.io/reservation"] == "42"
 

@@ -105,6 +105,35 @@ def test_a_refusal_no_retry_changes_fails_at_once_and_an_outage_is_retried(world
     assert cluster.attempts == 2 and f"claim node {host} failed: 404" in cluster.status_reason
 
 
+def test_back_to_back_bookings_wait_for_the_node_instead_of_failing(world, t0, k8s, settings):
+    # B starts where A ends, on the same nodes. B provisions its lead time ahead, while A still holds them:
+    # that is the normal hand-over, not a failure, and must not spend B's attempts.
+    settings.PORTAL_PROVISIONING_MAX_ATTEMPTS = "2"
+    first = book(world, "alpha-lead", t0 - timedelta(hours=2), hours=2, nodes=3, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(hours=2, minutes=10))
+    assert services.cluster_provision(cluster_id=VirtualCluster.objects.get(reservation=first).pk) == "ready"
+    second = book(world, "beta-lead", t0, hours=2, nodes=3, orchestrator="kubernetes")
+    shared = set(Allocation.objects.filter(reservation=first).values_list("node__hostname", flat=True)) & set(
+        Allocation.objects.filter(reservation=second).values_list("node__hostname", flat=True))
+    assert shared
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=second)
+    for _ in range(3):
+        with pytest.raises(services.RetryLater):
+            services.cluster_provision(cluster_id=cluster.pk)
+        cluster.refresh_from_db()
+        assert (cluster.status, cluster.attempts) == ("allocating_nodes", 0)
+        assert cluster.next_attempt_at is not None
+        VirtualCluster.objects.filter(pk=cluster.pk).update(next_attempt_at=None)
+    assert all(k8s.nodes[h]["metadata"]["labels"][m.RESERVATION_LABEL] == str(first.pk) for h in shared)
+
+    services.lifecycle_tick(now=t0)  # A's window is over: its teardown gives the nodes back
+    first_cluster = VirtualCluster.objects.get(reservation=first)
+    assert services.cluster_teardown(cluster_id=first_cluster.pk) == "deleted"
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    assert all(k8s.nodes[h]["metadata"]["labels"][m.RESERVATION_LABEL] == str(second.pk) for h in shared)
+
+
 def test_without_a_kubeconfig_the_backend_renders_only(world, t0, settings):
     settings.PORTAL_PROVISIONING_BACKEND = "kubernetes"
     settings.PORTAL_K8S_KUBECONFIG = ""
