@@ -90,7 +90,8 @@ def _cluster_entry(kubeconfig: str, context: str | None) -> tuple[str, str]:
         raise BackendError(f"kubeconfig {kubeconfig} has no cluster {ctx.get('cluster')!r}", transient=False)
     ca = cluster.get("certificate-authority-data")
     if not ca and cluster.get("certificate-authority"):
-        ca = Path(cluster["certificate-authority"]).read_text()
+        # A relative path is relative to the kubeconfig's folder, as kubectl and the client read it.
+        ca = (Path(kubeconfig).parent / cluster["certificate-authority"]).read_text()
     return cluster["server"], ca or _RENDER_ONLY_CA
 
 

@@ -817,3 +817,27 @@ def test_a_node_held_after_a_failed_teardown_never_shows_the_next_tenant_the_fai
     seen = world.client("beta-lead").get("/api/v1/nodes/").json()  # before its booking is moved off the node
     assert [n["hostname"] for n in seen["results"]] == [host]
     assert "alpha" not in json.dumps(seen), seen
+
+
+def test_a_ca_file_named_relative_to_the_kubeconfig_reaches_the_tenants_kubeconfig(tmp_path, settings, monkeypatch):
+    # kubectl and the kubernetes client read a relative certificate-authority path from the kubeconfig's own
+    # folder; the portal's workers run from another one.
+    from provisioning.backends.kubernetes import KubernetesBackend
+    from tests.k8s.conftest import FAKE_CA_PEM
+
+    folder = tmp_path / "kube"
+    folder.mkdir()
+    (folder / "ca.crt").write_text(FAKE_CA_PEM)
+    config = yaml.safe_load(m.kubeconfig_yaml(make_spec(api_server_url="https://k8s.example:6443"), "portal-token"))
+    del config["clusters"][0]["cluster"]["certificate-authority-data"]
+    config["clusters"][0]["cluster"]["certificate-authority"] = "ca.crt"
+    (folder / "config").write_text(yaml.safe_dump(config))
+    settings.PORTAL_K8S_KUBECONFIG = str(folder / "config")
+    elsewhere = tmp_path / "workdir"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    backend = KubernetesBackend()
+    try:
+        assert backend.api_ca_data == FAKE_CA_PEM
+    finally:
+        backend.close()
