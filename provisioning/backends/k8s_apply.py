@@ -197,6 +197,24 @@ class TenantClusterApplier:
             raise K8sApplyError(f"apply {object_ref(manifest)} failed: {exc.status} {exc.reason}") from exc
         return _json(response)
 
+    def read_object(self, manifest: Manifest) -> dict[str, Any] | None:
+        """Return the object ``manifest`` names as the API server has it now; None if it does not exist."""
+        key = (manifest["apiVersion"], manifest["kind"])
+        if key not in _APPLY_TABLE:
+            raise K8sApplyError(f"no read route for {key}")
+        api_name, method_name, namespaced = _APPLY_TABLE[key]
+        method: Callable[..., Any] = getattr(self._apis[api_name], method_name.replace("patch_", "read_", 1))
+        meta = manifest["metadata"]
+        kwargs: dict[str, Any] = {"namespace": meta["namespace"]} if namespaced else {}
+        try:
+            response = method(name=meta["name"], _preload_content=False, _request_timeout=self.request_timeout,
+                              **kwargs)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise K8sApplyError(f"read {object_ref(manifest)} failed: {exc.status} {exc.reason}") from exc
+        return _json(response)
+
     def apply_all(self, manifests: Iterable[Manifest]) -> list[str]:
         """Apply objects in the given order, stopping at the first failure; return their refs."""
         applied = []

@@ -44,6 +44,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
+from kubernetes.utils import parse_quantity
 
 Manifest = dict[str, Any]
 
@@ -516,6 +517,44 @@ def tenant_objects(spec: TenantClusterSpec) -> list[Manifest]:
         role_binding_manifest(spec),
         shared_pvc_manifest(spec),
     ]
+
+
+# --- Drift ---
+
+
+def drifted_fields(manifest: Manifest, live: Mapping[str, Any]) -> list[str]:
+    """Return the paths of what ``manifest`` declares that the object as the API server has it (``live``) lacks
+    or holds otherwise; [] when it holds all of it.
+
+    Only what the portal declares counts (its spec, rules, labels and annotations): fields the API server
+    adds (defaults, status, its own labels, a PVC's volumeName) are not drift, and a quantity written in
+    another form ("1Ti" for "1024Gi", as the API server canonicalises it) is the same quantity.
+    """
+    declared: dict[str, Any] = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")}
+    meta = manifest.get("metadata") or {}
+    declared["metadata"] = {k: meta[k] for k in ("labels", "annotations") if k in meta}
+    return _differences(declared, live, "")
+
+
+def _differences(want: Any, have: Any, path: str) -> list[str]:
+    if isinstance(want, dict):
+        if not isinstance(have, Mapping):
+            return [path or "."]
+        return [d for key, value in want.items() for d in _differences(value, have.get(key), f"{path}.{key}")]
+    if isinstance(want, list):
+        if not isinstance(have, list) or len(have) != len(want):
+            return [path]
+        return [d for i, (w, h) in enumerate(zip(want, have, strict=True)) for d in _differences(w, h, f"{path}[{i}]")]
+    if want == have or (isinstance(want, str) and isinstance(have, str) and _same_quantity(want, have)):
+        return []
+    return [path]
+
+
+def _same_quantity(a: str, b: str) -> bool:
+    try:
+        return parse_quantity(a) == parse_quantity(b)
+    except (ValueError, TypeError, ArithmeticError):
+        return False
 
 
 # --- Node patches ---

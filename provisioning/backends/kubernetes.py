@@ -38,7 +38,7 @@ from .base import (
     guarded_node_repair,
     repaired_drift,
 )
-from .k8s_apply import K8sApplyError, TenantClusterApplier
+from .k8s_apply import K8sApplyError, TenantClusterApplier, object_ref
 from .k8s_manifests import (
     CORDON_ANNOTATION,
     MANAGED_BY,
@@ -48,6 +48,7 @@ from .k8s_manifests import (
     WINDOW_END_ANNOTATION,
     NodeClaimConflict,
     TenantClusterSpec,
+    drifted_fields,
     tenant_objects,
 )
 
@@ -281,6 +282,11 @@ class KubernetesBackend(ProvisioningBackend):
                    if not self._call("read namespace", self.applier.namespace_exists, spec)}
         listed = self._call("list namespaces", self.applier.list_namespaces, f"{MANAGED_BY_LABEL}={MANAGED_BY}")
         claimed = self._call("list claimed nodes", self.applier.claimed_nodes)
+        # Each built cluster's objects as the API server has them: the guard rails (quota, limits, network
+        # policies, RBAC, the namespace's admission annotations) an operator may have edited or deleted.
+        observed = {holder: [(obj, self._call("read object", self.applier.read_object, obj))
+                             for obj in tenant_objects(spec)]
+                    for holder, spec in built.items() if holder not in missing}
         if live is not None:
             # Read after `wanted`: a reservation provisioned meanwhile is live, not an orphan.
             holders = {((ns.get("metadata") or {}).get("labels") or {}).get(RESERVATION_LABEL) for ns in listed}
@@ -291,6 +297,8 @@ class KubernetesBackend(ProvisioningBackend):
             drifts.append(repaired_drift("missing", spec.namespace, "namespace missing", fix=fix,
                                          repair=lambda spec=spec: self._rebuild(spec),
                                          cluster_id=ctx_of[holder].cluster_id, ctx=ctx_of[holder], guard=guard))
+        for holder, objects in observed.items():
+            drifts += self._object_drifts(objects, ctx_of[holder], fix=fix, guard=guard)
         orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
         terminating: set[str] = set()  # namespaces already going when listed (a teardown in progress)
         for ns in listed:
@@ -306,6 +314,28 @@ class KubernetesBackend(ProvisioningBackend):
                     repair=lambda name=meta["name"]: self._call("delete orphan", self.applier.delete_namespace, name)))
         drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, terminating, fix=fix,
                                          ctx_of=ctx_of, guard=guard)
+        return drifts
+
+    def _object_drifts(self, objects: list[tuple[dict[str, Any], dict[str, Any] | None]], ctx: ClusterContext, *,
+                       fix: bool, guard: RepairGuard | None) -> list[Drift]:
+        """A built cluster's objects that are missing or no longer hold what the portal applies; the repair
+        applies them again (server-side apply, as provisioning does)."""
+        drifts: list[Drift] = []
+        namespace = objects[0][1] if objects and objects[0][0]["kind"] == "Namespace" else None
+        if namespace is not None and ((namespace.get("metadata") or {}).get("deletionTimestamp")
+                                      or (namespace.get("status") or {}).get("phase") == "Terminating"):
+            return drifts  # its namespace is going (a teardown): nothing to put back
+        for obj, live in objects:
+            if live is None:
+                kind, detail = "missing", "object missing"
+            else:
+                changed = drifted_fields(obj, live)
+                if not changed:
+                    continue
+                more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+                kind, detail = "mismatch", f"differs from what the portal applies at {', '.join(changed[:3])}{more}"
+            drifts.append(repaired_drift(kind, object_ref(obj), detail, fix=fix, ctx=ctx, guard=guard,
+                                         repair=lambda obj=obj: self._call("re-apply", self.applier.apply, obj)))
         return drifts
 
     # --- nodes the portal took out of service ---

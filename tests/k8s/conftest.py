@@ -146,6 +146,8 @@ class LoopbackApiServer:
     pdbs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # Called with the node name just before a node PATCH is handled (to simulate a racing writer).
     before_node_patch: Callable[[str], None] | None = None
+    # Request path -> namespaced object as last server-side applied (GET answers it, DELETE removes it).
+    objects: dict[str, dict[str, Any]] = field(default_factory=dict)
     _pending_deletes: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -271,7 +273,14 @@ class LoopbackApiServer:
             obj.setdefault("metadata", {})["resourceVersion"] = "1"
             if obj.get("kind") == "Namespace":
                 self.namespaces[obj["metadata"]["name"]] = obj
+            else:
+                self.objects[path] = obj
             return 200, obj
+        if path in self.objects and method in ("GET", "DELETE"):
+            obj = self.objects[path] if method == "GET" else self.objects.pop(path)
+            return 200, copy.deepcopy(obj)
+        if method == "GET" and re.fullmatch(r"/apis?/.*/namespaces/[^/]+/[^/]+/[^/]+", path):
+            return 404, _status(404, "NotFound", f"{path.rsplit('/', 1)[-1]} not found")
         return 404, _status(404, "NotFound", f"no route for {method} {path}")
 
     def _read_namespace(self, name: str) -> tuple[int, dict[str, Any]]:
@@ -281,6 +290,8 @@ class LoopbackApiServer:
             if self._pending_deletes[name] <= 0:
                 del self._pending_deletes[name]
                 del self.namespaces[name]
+                for path in [p for p in self.objects if f"/namespaces/{name}/" in p]:
+                    del self.objects[path]  # the namespace controller deleted its content first
                 return 404, _status(404, "NotFound", f'namespaces "{name}" not found')
             self._pending_deletes[name] -= 1
         return 200, self.namespaces[name]

@@ -384,8 +384,11 @@ def test_reconcile_renews_a_claim_whose_window_end_is_stale(world, t0, k8s, caps
     out = capsys.readouterr().out
     for host in hosts:
         assert f"kubernetes: mismatch {host}: claim for reservation {reservation.pk} ends " in out, out
+    # The namespace's own window-end annotation is as stale.
+    assert (f"kubernetes: mismatch Namespace/tenant-alpha-r{reservation.pk}: differs from what the portal applies "
+            f"at .metadata.annotations.{m.WINDOW_END_ANNOTATION}") in out, out
     call_command("reconcile", "--backend", "kubernetes", "--fix")
-    assert f"{len(hosts)} drift{'s' if len(hosts) != 1 else ''}, {len(hosts)} repaired" in capsys.readouterr().out
+    assert f"{len(hosts) + 1} drifts, {len(hosts) + 1} repaired" in capsys.readouterr().out
     assert all(k8s.nodes[h]["metadata"]["annotations"][m.WINDOW_END_ANNOTATION] == new_end for h in hosts)
     call_command("reconcile", "--backend", "kubernetes")
     assert "0 drifts" in capsys.readouterr().out
@@ -841,3 +844,34 @@ def test_a_ca_file_named_relative_to_the_kubeconfig_reaches_the_tenants_kubeconf
         assert backend.api_ca_data == FAKE_CA_PEM
     finally:
         backend.close()
+
+
+def test_reconcile_reports_and_restores_guard_rails_edited_by_hand(world, t0, k8s):
+    # An operator deleted the tenant's default-deny policy and raised its GPU quota by hand: the tenant's
+    # pods were open to every other namespace and could use GPUs it did not book. Reconcile said nothing.
+    reservation, _cluster = ready_k8s_cluster(world, t0)
+    namespace = f"tenant-alpha-r{reservation.pk}"
+    deny = f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies/default-deny"
+    quota = f"/api/v1/namespaces/{namespace}/resourcequotas/gpu-quota"
+    pvc = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/shared"
+    assert deny in k8s.objects and quota in k8s.objects
+    # What the API server sends back is canonical (1024Gi is 1Ti) and defaulted: neither is drift.
+    k8s.objects[quota]["spec"]["hard"]["requests.storage"] = "1Ti"
+    k8s.objects[pvc]["spec"]["resources"]["requests"]["storage"] = "1Ti"
+    k8s.objects[pvc]["spec"]["volumeName"] = "pvc-0123"
+    assert [d for d in services.reconcile(backend_name="kubernetes") if d["kind"] != "node"] == []
+
+    del k8s.objects[deny]
+    k8s.objects[quota]["spec"]["hard"]["requests.nvidia.com/gpu"] = "64"
+    drifts = {(d["kind"], d["name"]): d for d in services.reconcile(backend_name="kubernetes")}
+    assert ("missing", f"NetworkPolicy/{namespace}/default-deny") in drifts
+    assert ("mismatch", f"ResourceQuota/{namespace}/gpu-quota") in drifts
+    assert not any(d["repaired"] for d in drifts.values())
+    assert deny not in k8s.objects  # a report only, without --fix
+
+    fixed = services.reconcile(fix=True, backend_name="kubernetes")
+    assert {(d["kind"], d["name"]) for d in fixed if d["repaired"]} == {
+        ("missing", f"NetworkPolicy/{namespace}/default-deny"), ("mismatch", f"ResourceQuota/{namespace}/gpu-quota")}
+    assert k8s.objects[deny]["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    assert k8s.objects[quota]["spec"]["hard"]["requests.nvidia.com/gpu"] == str(2 * 8)
+    assert [d for d in services.reconcile(backend_name="kubernetes") if d["kind"] != "node"] == []
