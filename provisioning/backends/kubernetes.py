@@ -59,6 +59,13 @@ logger = logging.getLogger(__name__)
 # Node states in which the portal keeps work off a node (reservations.choices.OUT_OF_SERVICE, by value).
 OUT_OF_SERVICE = frozenset({"failed", "draining", "maintenance", "retired"})
 
+
+def node_name(hostname: str) -> str:
+    """The Kubernetes Node of a portal hostname: the kubelet registers its node name lowercased, and the portal
+    takes hostnames as the inventory spells them."""
+    return hostname.lower()
+
+
 _RENDER_ONLY_CA = base64.b64encode(b"render-only: no cluster configured").decode()
 
 # How often a claim waiting for the previous booking's window (and teardown) to end is tried again.
@@ -129,7 +136,7 @@ class KubernetesBackend(ProvisioningBackend):
             return TenantClusterSpec(
                 tenant_slug=ctx.tenant_slug,
                 reservation_id=ctx.reservation_id,
-                node_hostnames=ctx.nodes,
+                node_hostnames=tuple(node_name(h) for h in ctx.nodes),
                 gpus_per_node=ctx.gpus_per_node,
                 window_end=ctx.end,
                 cuda_version=ctx.cuda_version,
@@ -350,7 +357,7 @@ class KubernetesBackend(ProvisioningBackend):
         the caller tries again later, as reconcile does. Safe to repeat.
         """
         if not self.render_only:
-            self._call("cordon node", self.applier.cordon_node, hostname, " ".join(reason.split())[:250])
+            self._call("cordon node", self.applier.cordon_node, node_name(hostname), " ".join(reason.split())[:250])
             self._evict(hostname, self._tenant_namespaces())
 
     def _tenant_namespaces(self) -> set[str]:
@@ -358,7 +365,7 @@ class KubernetesBackend(ProvisioningBackend):
         return {name for ns in listed if (name := (ns.get("metadata") or {}).get("name"))}
 
     def _evict(self, hostname: str, namespaces: set[str]) -> None:
-        _evicted, refused = self._call("evict pods", self.applier.evict_tenant_pods, hostname, namespaces)
+        _evicted, refused = self._call("evict pods", self.applier.evict_tenant_pods, node_name(hostname), namespaces)
         if refused:
             more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
             raise DrainIncomplete(f"node {hostname}: {count_of(len(refused), 'tenant pod')} not evicted: "
@@ -366,7 +373,7 @@ class KubernetesBackend(ProvisioningBackend):
 
     def resume_node(self, hostname: str) -> None:
         if not self.render_only:
-            self._call("uncordon node", self.applier.uncordon_node, hostname)
+            self._call("uncordon node", self.applier.uncordon_node, node_name(hostname))
 
     def reconcile_nodes(self, states: dict[str, str], *, fix: bool,
                         guard: NodeRepairGuard | None = None) -> list[Drift]:
@@ -375,22 +382,24 @@ class KubernetesBackend(ProvisioningBackend):
             return []
         drifts: list[Drift] = []
         nodes = self._call("list nodes", self.applier.list_nodes)
-        out = sorted(name for node in nodes if states.get(name := (node.get("metadata") or {}).get("name", "?"))
-                     in OUT_OF_SERVICE)
+        portal = {node_name(h): h for h in states}  # Kubernetes node name -> the portal's hostname
+        out = sorted(name for node in nodes if states.get(
+            portal.get(name := (node.get("metadata") or {}).get("name", "?"), "")) in OUT_OF_SERVICE)
         # Read every pod before changing anything (as everywhere in reconcile).
         namespaces = self._tenant_namespaces() if out else set()
         running = {hostname: [f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in self._call(
             "list pods", self.applier.tenant_pods_on_node, hostname, namespaces)] for hostname in out}
         for node in nodes:
             meta = node.get("metadata") or {}
-            hostname = meta.get("name", "?")
+            name = meta.get("name", "?")
+            hostname = portal.get(name, "")
             state = states.get(hostname)
             if state is None:
                 continue  # not a portal node
             out_of_service = state in OUT_OF_SERVICE
             cordoned = bool((node.get("spec") or {}).get("unschedulable"))
             ours = CORDON_ANNOTATION in (meta.get("annotations") or {})
-            pods = running.get(hostname) or []
+            pods = running.get(name) or []
             still = f"; {count_of(len(pods), 'tenant pod')} still on it: {', '.join(pods[:3])}" if pods else ""
             if out_of_service and not cordoned:
                 drifts.append(repaired_drift(

@@ -875,3 +875,29 @@ def test_reconcile_reports_and_restores_guard_rails_edited_by_hand(world, t0, k8
     assert k8s.objects[deny]["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
     assert k8s.objects[quota]["spec"]["hard"]["requests.nvidia.com/gpu"] == str(2 * 8)
     assert [d for d in services.reconcile(backend_name="kubernetes") if d["kind"] != "node"] == []
+
+
+def test_a_node_registered_in_capitals_is_the_kubelets_lowercase_node(world, t0, k8s, capsys):
+    # The portal takes hostnames as the inventory spells them ("H100-001"); the kubelet registers its Node
+    # lowercased ("h100-001"), as every Kubernetes node name is. Every booking on such a node failed for good
+    # ("not a DNS-1123 subdomain"), and its drain found no node to cordon.
+    from django.core.management import call_command
+
+    from reservations.models import Node
+
+    for node in world.nodes:
+        Node.objects.filter(pk=node.pk).update(hostname=node.hostname.upper())
+        node.refresh_from_db()
+    reservation, cluster = ready_k8s_cluster(world, t0, nodes=1)
+    host = Allocation.objects.get(reservation=reservation).node.hostname
+    assert host.isupper() and host.lower() in k8s.nodes and host not in k8s.nodes
+    assert k8s.nodes[host.lower()]["metadata"]["labels"][m.RESERVATION_LABEL] == str(reservation.pk)
+    call_command("reconcile", "--backend", "kubernetes")
+    assert "0 drifts" in capsys.readouterr().out
+
+    fail_node(world, host)
+    assert k8s.nodes[host.lower()]["spec"]["unschedulable"] is True
+    k8s.nodes[host.lower()]["spec"]["unschedulable"] = False  # uncordoned by hand: reconcile sees it
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes")
+    assert f"kubernetes: node {host}: portal says failed, the node is schedulable" in capsys.readouterr().out
