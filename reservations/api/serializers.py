@@ -123,10 +123,10 @@ class ReservationUpdateSerializer(serializers.Serializer):
 
 class ActorField(serializers.SlugRelatedField):
     """A user by username, as the requesting user may see it (portal.core.actors): a platform staff
-    account reads "platform" to a tenant."""
+    account reads "platform" to a tenant; null once the account is deleted (the foreign key is SET_NULL)."""
 
     def __init__(self, **kwargs):
-        super().__init__(slug_field="username", read_only=True, **kwargs)
+        super().__init__(slug_field="username", read_only=True, allow_null=True, **kwargs)
 
     def to_representation(self, obj):
         request = self.context.get("request")
@@ -141,7 +141,7 @@ class ReservationSerializer(serializers.ModelSerializer):
     nodes = serializers.SerializerMethodField()
     cluster = serializers.SerializerMethodField()
     created_by = ActorField(help_text='Who booked it: a username; "platform" to a tenant when platform staff '
-                                      "booked it for them.")
+                                      "booked it for them; null once that account is deleted.")
     created_at = AwareDateTimeField(read_only=True)
 
     class Meta:
