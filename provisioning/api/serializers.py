@@ -7,12 +7,13 @@ from rest_framework import serializers
 
 from portal.core.fields import AwareDateTimeField, StrictIntegerField
 
+from ..choices import ClusterStatus
 from ..models import ClusterCredential, ClusterTransition, VirtualCluster
 from ..selectors import cluster_node_hostnames, credential_tenant_ids
 
 
 class PhaseSerializer(serializers.ModelSerializer):
-    # Plain strings in the schema: the phase names are documented once, on ClusterStatus.
+    # Plain strings in the schema: the phase names are documented once, as the cluster status (ClusterStatusEnum).
     phase = serializers.CharField()
     at = AwareDateTimeField()
 
@@ -66,7 +67,6 @@ class ClusterSerializer(serializers.ModelSerializer):
     start = AwareDateTimeField(source="reservation.start")
     end = AwareDateTimeField(source="reservation.end")
     reservation_status = serializers.CharField(source="reservation.status")
-    status = serializers.CharField()
     nodes = serializers.SerializerMethodField()
     spec = serializers.SerializerMethodField()
     phases = PhaseSerializer(source="transitions", many=True)
@@ -131,6 +131,5 @@ class ClusterSpecInputSerializer(serializers.Serializer):
 
 
 class ClusterFilterSerializer(serializers.Serializer):
-    status = serializers.ChoiceField(choices=[c for c, _ in VirtualCluster._meta.get_field("status").choices],
-                                     required=False)
+    status = serializers.ChoiceField(choices=ClusterStatus.choices, required=False)
     reservation = serializers.IntegerField(required=False, min_value=1)  # a query string: digits in a string

@@ -18,8 +18,8 @@ from ..choices import CredentialKind, TransitionSource
 from . import serializers as s
 
 
-@extend_schema_view(list=extend_schema(  # the list's filters, not the detail routes'
-    parameters=[OpenApiParameter("status", str), OpenApiParameter("reservation", int)]))
+# The list's filters (not the detail routes'), documented from the serializer that checks them.
+@extend_schema_view(list=extend_schema(parameters=[s.ClusterFilterSerializer]))
 class ClusterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
     serializer_class = s.ClusterSerializer
