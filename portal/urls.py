@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, Spec
 from portal.core import views as core_views
 from tenants.views import portal_view
 
+handler400 = "portal.core.api.json_400"
 handler404 = "portal.core.api.json_404"
 handler500 = "portal.core.api.json_500"
 

@@ -401,3 +401,22 @@ def test_the_schema_enumerates_cluster_statuses_where_they_are_read_and_filtered
     assert sorted(spec["components"]["schemas"]["StatusEnum"]["enum"]) == sorted(ReservationStatus.values)
     r = world.client("alpha-viewer").get("/api/v1/clusters/", {"status": "bogus"})
     assert r.status_code == 400 and "status" in r.json()["fields"]
+
+
+def test_a_request_django_refuses_before_the_api_answers_with_the_envelope(world):
+    # Django refuses some requests itself, as SuspiciousOperation (more than DATA_UPLOAD_MAX_NUMBER_FIELDS query
+    # parameters; a Host not in ALLOWED_HOSTS): under /api/ that 400 was Django's HTML "Bad Request (400)" page,
+    # against DESIGN §6's one envelope for every 4xx (a client parsing the error read HTML).
+    from django.conf import settings
+
+    lead = world.client("alpha-lead")
+    crowded = "&".join(f"x{i}=1" for i in range(settings.DATA_UPLOAD_MAX_NUMBER_FIELDS + 1))
+    for r in (lead.get(f"/api/v1/reservations/?{crowded}"), lead.get(f"/api/v1/nothing-here/?{crowded}"),
+              lead.get("/api/v1/reservations/", HTTP_HOST="elsewhere.example")):
+        assert r.status_code == 400 and r["Content-Type"] == "application/json", r.content[:80]
+        body = r.json()
+        assert body["code"] == "invalid" and body["fields"] and set(body) == {"code", "detail", "fields"}, body
+        assert "elsewhere.example" not in body["detail"]  # what the client sent is not echoed back
+    # Outside the API, Django's page as before.
+    page = world.client("alpha-lead").get(f"/reservations/?{crowded}")
+    assert page.status_code == 400 and page["Content-Type"].startswith("text/html")

@@ -12,7 +12,7 @@ from rest_framework.views import set_rollback
 
 from .exceptions import DomainError
 
-__all__ = ["exception_handler", "envelope", "validated", "json_404", "json_500"]
+__all__ = ["exception_handler", "envelope", "validated", "json_400", "json_404", "json_500"]
 
 
 def envelope(code: str, detail: str, fields: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -81,6 +81,26 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 def is_api(request) -> bool:
     """Whether request is one of the API's, answered with the envelope rather than a page."""
     return request.path_info.startswith("/api/")
+
+
+def json_400(request, exception=None):
+    """Answer what Django itself refuses as SuspiciousOperation (too many query parameters, a Host it
+    does not serve) with the envelope under /api/, Django's page elsewhere. The client's own text (a
+    Host header) is not echoed back."""
+    if is_api(request):
+        from django.core.exceptions import DisallowedHost, TooManyFieldsSent, TooManyFilesSent
+
+        if isinstance(exception, DisallowedHost):
+            fields = {"host": "Not a host this server answers to."}
+        elif isinstance(exception, TooManyFieldsSent | TooManyFilesSent):
+            fields = {"query": "Too many parameters."}
+        else:
+            fields = {"request": "Refused as malformed."}
+        name, why = next(iter(fields.items()))
+        return JsonResponse(envelope("invalid", f"{name}: {why}", fields), status=400)
+    from django.views.defaults import bad_request
+
+    return bad_request(request, exception)
 
 
 def json_404(request, exception=None):  # noqa: ARG001
