@@ -420,3 +420,16 @@ def test_a_request_django_refuses_before_the_api_answers_with_the_envelope(world
     # Outside the API, Django's page as before.
     page = world.client("alpha-lead").get(f"/reservations/?{crowded}")
     assert page.status_code == 400 and page["Content-Type"].startswith("text/html")
+
+
+def test_the_schema_says_a_health_check_requests_nodes_may_not_be_empty(world):
+    # POST /api/v1/clusters/{id}/health-checks/ refuses "nodes": [] (400 naming nodes: leave it out to check every
+    # node), but the schema allowed an empty array: a client built from it learnt the rule from the 400.
+    from provisioning.health.api import RequestInputSerializer
+
+    spec = yaml.safe_load(world.client("alpha-viewer").get("/api/schema/").content)
+    nodes = spec["components"]["schemas"]["RequestInputRequest"]["properties"]["nodes"]
+    assert nodes["minItems"] == 1 and nodes["maxItems"] == 1000
+    refused = RequestInputSerializer(data={"nodes": []})
+    assert not refused.is_valid() and "nodes" in refused.errors
+    assert RequestInputSerializer(data={"nodes": ["h100-001"]}).is_valid()

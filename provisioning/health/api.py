@@ -76,7 +76,7 @@ class HealthCheckDetailSerializer(HealthCheckSerializer):
 class RequestInputSerializer(serializers.Serializer):
     level = serializers.ChoiceField(choices=CheckLevel.values, required=False, default=CheckLevel.QUICK)
     nodes = serializers.ListField(
-        child=serializers.CharField(max_length=253), required=False, allow_empty=False, max_length=1000
+        child=serializers.CharField(max_length=253), required=False, allow_empty=False, min_length=1, max_length=1000
     )
 
 
