@@ -433,3 +433,14 @@ def test_the_schema_says_a_health_check_requests_nodes_may_not_be_empty(world):
     refused = RequestInputSerializer(data={"nodes": []})
     assert not refused.is_valid() and "nodes" in refused.errors
     assert RequestInputSerializer(data={"nodes": ["h100-001"]}).is_valid()
+
+
+def test_the_schema_states_that_a_pools_slot_must_divide_a_day(world):
+    # POST /api/v1/pools/ refuses a slot_minutes that does not divide 1440 (400 naming slot_minutes: the slots
+    # tile a day), but the schema gave it as any integer from 1 to 1440 with no word of the rule, so 7 looked valid.
+    spec = yaml.safe_load(world.client("staff").get("/api/schema/").content)
+    slot = spec["components"]["schemas"]["PoolInputRequest"]["properties"]["slot_minutes"]
+    assert "divide 1440" in slot.get("description", ""), slot
+    r = world.client("staff").post("/api/v1/pools/", {"name": "odd", "gpu_model": "X", "gpus_per_node": 8,
+                                                      "slot_minutes": 7}, format="json")
+    assert r.status_code == 400 and "slot_minutes" in r.json()["fields"]

@@ -24,7 +24,9 @@ class PoolInputSerializer(serializers.Serializer):
     name = serializers.RegexField(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$", max_length=50)
     gpu_model = serializers.CharField(max_length=100)
     gpus_per_node = StrictIntegerField(min_value=1, max_value=64)
-    slot_minutes = StrictIntegerField(min_value=1, max_value=1440, required=False, default=60)
+    slot_minutes = StrictIntegerField(min_value=1, max_value=1440, required=False, default=60, help_text=(
+        "Length of the pool's booking slot in minutes; must divide 1440 (the slots tile a day), e.g. 15, 30 "
+        "or 60."))
     on_demand_rate = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0, required=False,
                                               default=0)
 
