@@ -1,9 +1,10 @@
 from csp.decorators import csp_update
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerSplitView
+from drf_spectacular.views import SpectacularRedocView, SpectacularSwaggerSplitView
 
 from portal.core import views as core_views
+from portal.core.schema import SchemaView
 from tenants.views import portal_view
 
 handler400 = "portal.core.api.json_400"
@@ -30,7 +31,7 @@ urlpatterns = [
     path("", include("provisioning.urls")),
     path("", include("provisioning.health.urls")),
     path("notifications/", include("notifications.urls")),
-    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/schema/", SchemaView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
     # Redoc runs its search in a Web Worker started from a blob: address; without worker-src the production
     # policy's script-src 'self' refuses it and the search box finds nothing. This page only.

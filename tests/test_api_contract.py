@@ -444,3 +444,24 @@ def test_the_schema_states_that_a_pools_slot_must_divide_a_day(world):
     r = world.client("staff").post("/api/v1/pools/", {"name": "odd", "gpu_model": "X", "gpus_per_node": 8,
                                                       "slot_minutes": 7}, format="json")
     assert r.status_code == 400 and "slot_minutes" in r.json()["fields"]
+
+
+def test_the_schema_endpoints_errors_are_the_json_envelope_not_yaml(world):
+    # /api/schema/ renders YAML by default, and its refusals were rendered by the same renderer: a throttled
+    # client (anonymous: PORTAL_THROTTLE_ANON) or one asking ?format=xml got the envelope as YAML, typed
+    # application/vnd.oai.openapi, where DESIGN §6 answers JSON with the one envelope.
+    import random
+
+    r = APIClient().get("/api/schema/", {"format": "xml"})
+    assert r.status_code == 400 and r["Content-Type"] == "application/json", r.content[:80]
+    assert r.json()["code"] == "invalid" and "format" in r.json()["fields"]
+    address = f"10.{random.randrange(256)}.{random.randrange(256)}.{random.randrange(1, 255)}"
+    with override_settings(PORTAL_THROTTLE_ANON="1/min"):
+        client = APIClient(REMOTE_ADDR=address)
+        assert client.get("/api/schema/").status_code == 200
+        r = client.get("/api/schema/")
+    assert r.status_code == 429 and r["Content-Type"] == "application/json", r.content[:80]
+    assert r.json()["code"] == "throttled" and int(r["Retry-After"]) >= 1
+    # The schema itself is unchanged: YAML by default, JSON when asked.
+    assert APIClient().get("/api/schema/")["Content-Type"].startswith("application/vnd.oai.openapi")
+    assert APIClient().get("/api/schema/", {"format": "json"}).json()["openapi"].startswith("3.")

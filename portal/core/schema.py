@@ -2,7 +2,9 @@
 a response always carries required; the error envelope on every operation."""
 
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
+from drf_spectacular.views import SpectacularAPIView
 from rest_framework import serializers
+from rest_framework.renderers import JSONRenderer
 
 
 class ScopedSlugRelatedFieldExtension(OpenApiSerializerFieldExtension):
@@ -96,3 +98,15 @@ def add_error_responses(result, generator, request, public):  # noqa: ARG001 - d
                         response["headers"] = {"Retry-After": _RETRY_AFTER}
                     operation["responses"].setdefault(status, response)
     return result
+
+
+class SchemaView(SpectacularAPIView):
+    """drf-spectacular's schema view, answering its refusals (a ?format it has no renderer for, a 429 to a
+    throttled client) as JSON with DESIGN §6's envelope: they were rendered by the schema's own renderer,
+    YAML by default, typed as an OpenAPI document."""
+
+    def handle_exception(self, exc):
+        response = super().handle_exception(exc)
+        self.request.accepted_renderer = JSONRenderer()
+        self.request.accepted_media_type = JSONRenderer.media_type
+        return response
