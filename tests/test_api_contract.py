@@ -465,3 +465,43 @@ def test_the_schema_endpoints_errors_are_the_json_envelope_not_yaml(world):
     # The schema itself is unchanged: YAML by default, JSON when asked.
     assert APIClient().get("/api/schema/")["Content-Type"].startswith("application/vnd.oai.openapi")
     assert APIClient().get("/api/schema/", {"format": "json"}).json()["openapi"].startswith("3.")
+
+
+def test_the_schema_enumerates_a_health_checks_level_trigger_status_and_verdict(world):
+    # GET /api/v1/health-checks/ filters by level, trigger, status and verdict, documented as enums of the
+    # model's choices, but a check's own fields were any strings in the schema: a generated client could filter
+    # by values it then could not read back as the same type.
+    from provisioning.health.choices import CheckLevel, CheckStatus, CheckTrigger, RecommendedAction, Verdict
+
+    spec = yaml.safe_load(world.client("alpha-viewer").get("/api/schema/").content)
+    schemas = spec["components"]["schemas"]
+
+    def values(prop):
+        refs = [prop] + prop.get("oneOf", []) + prop.get("allOf", [])
+        out = set()
+        for ref in refs:
+            if "$ref" in ref:
+                out |= set(schemas[ref["$ref"].rsplit("/", 1)[1]]["enum"])
+        return out
+
+    for name in ("HealthCheck", "HealthCheckDetail"):
+        props = schemas[name]["properties"]
+        assert values(props["level"]) == set(CheckLevel.values)
+        assert values(props["trigger"]) == set(CheckTrigger.values)
+        assert values(props["status"]) == set(CheckStatus.values)
+        assert values(props["verdict"]) == {*Verdict.values, ""}  # blank until the check is done
+        assert values(props["recommended_action"]) == {*RecommendedAction.values, ""}
+    # The other statuses keep their own enums and names.
+    assert "StatusEnum" in schemas and "ClusterStatusEnum" in schemas
+    validate(spec)
+    # Real bodies validate: one queued (no verdict yet) and one done.
+    from provisioning.health.models import HealthCheck
+
+    HealthCheck.objects.create(node=world.nodes[0], level=CheckLevel.QUICK, trigger=CheckTrigger.STAFF)
+    HealthCheck.objects.create(node=world.nodes[1], level=CheckLevel.FULL, trigger=CheckTrigger.SCHEDULE,
+                               status=CheckStatus.DONE, verdict=Verdict.FAIL,
+                               recommended_action=RecommendedAction.values[0])
+    listing = world.client("staff").get("/api/v1/health-checks/")
+    assert listing.json()["count"] == 2 and {c["verdict"] for c in listing.json()["results"]} == {"", "fail"}
+    assert [e.message for e in _response_validator(spec, "/api/v1/health-checks/", "get", "200").iter_errors(
+        listing.json())] == []

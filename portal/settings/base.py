@@ -186,10 +186,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
-    # A cluster's status and a reservation's share the field name: each enum keeps a name of its own
-    # (StatusEnum stays the reservations').
+    # A reservation's, a cluster's and a health check's status share the field name: each enum keeps a
+    # name of its own (StatusEnum stays the reservations').
     "ENUM_NAME_OVERRIDES": {"StatusEnum": "reservations.choices.ReservationStatus",
-                            "ClusterStatusEnum": "provisioning.choices.ClusterStatus"},
+                            "ClusterStatusEnum": "provisioning.choices.ClusterStatus",
+                            "CheckStatusEnum": "provisioning.health.choices.CheckStatus"},
     # Every field a response always carries is required; the error envelope of DESIGN §6 on every
     # operation, for the statuses it can answer.
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",

@@ -25,7 +25,7 @@ from portal.core.fields import AwareDateTimeField
 from reservations.models import Node
 
 from . import selectors, services
-from .choices import CheckLevel, CheckStatus, CheckTrigger, Verdict
+from .choices import CheckLevel, CheckStatus, CheckTrigger, RecommendedAction, Verdict
 
 __all__ = ["ClusterHealthCheckCreateApi", "HealthCheckListApi", "HealthCheckDetailApi"]
 
@@ -35,11 +35,12 @@ class HealthCheckSerializer(serializers.Serializer):
     node = serializers.CharField(source="node.hostname")
     pool = serializers.CharField(source="node.pool.name")
     reservation = serializers.IntegerField(source="reservation_id", allow_null=True)
-    level = serializers.CharField()
-    trigger = serializers.CharField()
-    status = serializers.CharField()
-    verdict = serializers.CharField(allow_blank=True)
-    recommended_action = serializers.CharField(allow_blank=True)
+    # Enums of the model's choices, as the list's filters document them (level: the values the request takes).
+    level = serializers.ChoiceField(choices=CheckLevel.values)
+    trigger = serializers.ChoiceField(choices=CheckTrigger.choices)
+    status = serializers.ChoiceField(choices=CheckStatus.choices)
+    verdict = serializers.ChoiceField(choices=Verdict.choices, allow_blank=True)  # blank until done
+    recommended_action = serializers.ChoiceField(choices=RecommendedAction.choices, allow_blank=True)
     summary = serializers.CharField(allow_blank=True)
     requested_by = serializers.SerializerMethodField()
     created_at = AwareDateTimeField()
