@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from django.urls import reverse
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from portal.core.fields import AwareDateTimeField, StrictIntegerField
+from reservations.choices import ReservationStatus
 
 from ..choices import ClusterStatus
 from ..models import ClusterCredential, ClusterTransition, VirtualCluster
@@ -54,6 +56,17 @@ class StorageSerializer(serializers.Serializer):
     mount_path = serializers.CharField()
 
 
+# StorageSerializer's body, or null, written out: OpenAPI 3.0 applies nullable only beside a type, so the
+# allOf-wrapped reference drf-spectacular makes of a nullable serializer refuses null in strict validators.
+STORAGE_SCHEMA = {
+    "type": "object", "nullable": True,
+    "description": "The cluster's shared storage volume; null before it is attached.",
+    "properties": {"name": {"type": "string"}, "size_gib": {"type": "integer"}, "status": {"type": "string"},
+                   "mount_path": {"type": "string"}},
+    "required": ["name", "size_gib", "status", "mount_path"],
+}
+
+
 class NetworkSerializer(serializers.Serializer):
     vlan_id = serializers.IntegerField(allow_null=True)
     cidr = serializers.CharField(allow_blank=True)
@@ -66,7 +79,7 @@ class ClusterSerializer(serializers.ModelSerializer):
     name = serializers.CharField(source="reservation.name")
     start = AwareDateTimeField(source="reservation.start")
     end = AwareDateTimeField(source="reservation.end")
-    reservation_status = serializers.CharField(source="reservation.status")
+    reservation_status = serializers.ChoiceField(choices=ReservationStatus.choices, source="reservation.status")
     nodes = serializers.SerializerMethodField()
     spec = serializers.SerializerMethodField()
     phases = PhaseSerializer(source="transitions", many=True)
@@ -88,16 +101,20 @@ class ClusterSerializer(serializers.ModelSerializer):
     def get_nodes(self, obj: VirtualCluster) -> list[str]:
         return cluster_node_hostnames(obj)
 
+    @extend_schema_field(SpecSerializer)
     def get_spec(self, obj: VirtualCluster) -> dict:
         return SpecSerializer(obj).data
 
+    @extend_schema_field(NetworkSerializer)
     def get_network(self, obj: VirtualCluster) -> dict:
         return NetworkSerializer(obj.tenant).data
 
+    @extend_schema_field(STORAGE_SCHEMA)
     def get_storage(self, obj: VirtualCluster) -> dict | None:
         volume = getattr(obj, "volume", None)
         return StorageSerializer(volume).data if volume is not None else None
 
+    @extend_schema_field(CredentialSerializer(many=True))
     def get_credentials(self, obj: VirtualCluster) -> list[dict]:
         current = getattr(obj, "current_credentials", None)
         if current is None:

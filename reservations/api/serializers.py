@@ -1,4 +1,5 @@
 from django.conf import settings
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from portal.core.actors import actor_name
@@ -123,6 +124,14 @@ class ReservationUpdateSerializer(serializers.Serializer):
         return attrs
 
 
+class ReservationClusterSerializer(serializers.Serializer):
+    """A reservation's cluster spec as answered (the schema's shape for ReservationSerializer.cluster). The
+    CUDA version is the one booked, a string: the versions offered for new bookings may change since."""
+
+    orchestrator = serializers.ChoiceField(choices=Orchestrator.choices)
+    cuda_version = serializers.CharField()
+
+
 class ActorField(serializers.SlugRelatedField):
     """A user by username, as the requesting user may see it (portal.core.actors): a platform staff
     account reads "platform" to a tenant; null once the account is deleted (the foreign key is SET_NULL)."""
@@ -185,6 +194,7 @@ class ReservationSerializer(serializers.ModelSerializer):
             return obj.node_hostnames
         return sorted(a.node.hostname for a in obj.active_allocations)
 
+    @extend_schema_field(ReservationClusterSerializer)
     def get_cluster(self, obj) -> dict:
         return {"orchestrator": obj.orchestrator, "cuda_version": obj.cuda_version}
 

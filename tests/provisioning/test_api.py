@@ -447,3 +447,43 @@ def test_every_time_on_the_cluster_pages_names_its_zone(world, clusters):
         assert not unzoned_times(html), (path, unzoned_times(html))
     status = client.get(f"/clusters/{cluster.pk}/", HTTP_HX_REQUEST="true").content.decode()
     assert status.count(" JST") >= 2 and not unzoned_times(status), unzoned_times(status)
+
+
+def test_the_schema_types_a_clusters_and_a_reservations_nested_objects_as_they_are_answered(world, clusters):
+    # A cluster's spec, network, storage and credentials, and a reservation's cluster, were documented as objects
+    # of anything: a generated client got untyped dictionaries (nothing said storage.size_gib is an integer, a
+    # credential's download_url may be null, or a reservation's cluster carries orchestrator and cuda_version),
+    # and reservation_status was any string where a reservation's status is StatusEnum.
+    import yaml
+    from openapi_schema_validator import OAS30Validator
+
+    spec = yaml.safe_load(world.client("staff").get("/api/schema/").content)
+    schemas = spec["components"]["schemas"]
+
+    def target(prop):
+        ref = prop.get("$ref") or next(r["$ref"] for r in prop.get("allOf", []) + prop.get("oneOf", [])
+                                       if "$ref" in r)
+        return schemas[ref.rsplit("/", 1)[1]]
+
+    cluster = schemas["Cluster"]["properties"]
+    assert set(target(cluster["spec"])["properties"]) == {
+        "orchestrator", "orchestrator_version", "cuda_version", "mig_profile", "default_memory_per_gpu_gib",
+        "shared_storage_gib"}
+    assert target(cluster["network"])["properties"]["vlan_id"]["nullable"] is True
+    assert cluster["storage"]["nullable"] is True and cluster["storage"]["properties"]["size_gib"]["type"] == "integer"
+    credential = schemas[cluster["credentials"]["items"]["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert credential["download_url"]["nullable"] is True
+    assert cluster["reservation_status"] == {"$ref": "#/components/schemas/StatusEnum"}
+    booked = target(schemas["Reservation"]["properties"]["cluster"])
+    assert set(booked["properties"]) == set(booked["required"]) == {"orchestrator", "cuda_version"}
+    # What the server answers validates against it, for each reader.
+    def errors(path, body):
+        schema = spec["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        validator = OAS30Validator({**schema, "components": spec["components"]})
+        return [(e.message, list(e.absolute_path)) for e in validator.iter_errors(body)]
+
+    for who in ("alpha-lead", "alpha-viewer", "staff"):
+        client = world.client(who)
+        assert errors("/api/v1/clusters/", client.get("/api/v1/clusters/").json()) == []
+        assert errors("/api/v1/clusters/{id}/", client.get(f"/api/v1/clusters/{clusters['alpha'].pk}/").json()) == []
+        assert errors("/api/v1/reservations/", client.get("/api/v1/reservations/").json()) == []
