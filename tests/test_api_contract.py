@@ -505,3 +505,22 @@ def test_the_schema_enumerates_a_health_checks_level_trigger_status_and_verdict(
     assert listing.json()["count"] == 2 and {c["verdict"] for c in listing.json()["results"]} == {"", "fail"}
     assert [e.message for e in _response_validator(spec, "/api/v1/health-checks/", "get", "200").iter_errors(
         listing.json())] == []
+
+
+def test_the_schema_states_the_idempotency_keys_limits(world, t0):
+    # The booking refuses an Idempotency-Key over 255 characters (400 naming it), but the schema gave the header
+    # as any string, with no word of what it does either.
+    from datetime import timedelta
+
+    from .conftest import iso
+
+    spec = yaml.safe_load(world.client("alpha-lead").get("/api/schema/").content)
+    header = next(p for p in spec["paths"]["/api/v1/reservations/"]["post"]["parameters"]
+                  if p["name"] == "Idempotency-Key")
+    assert header["in"] == "header" and header.get("required", False) is False
+    assert header["schema"] == {"type": "string", "minLength": 1, "maxLength": 255}
+    assert "original" in header["description"]
+    body = {"pool": "h100", "node_count": 1, "start": iso(t0), "end": iso(t0 + timedelta(hours=1))}
+    r = world.client("alpha-lead").post("/api/v1/reservations/", body, format="json",
+                                        HTTP_IDEMPOTENCY_KEY="k" * 256)
+    assert r.status_code == 400 and "Idempotency-Key" in r.json()["fields"]

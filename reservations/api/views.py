@@ -114,7 +114,11 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
         return response
 
     @extend_schema(request=s.ReservationCreateSerializer, responses={201: s.ReservationSerializer},
-                   parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)])
+                   parameters=[OpenApiParameter(
+                       "Idempotency-Key", {"type": "string", "minLength": 1, "maxLength": 255}, OpenApiParameter.HEADER,
+                       description="Repeat a booking safely: the same key (each user's own) with the same body "
+                                   "answers the original reservation instead of booking twice; with a different "
+                                   "body, 400.")])
     def create(self, request):
         data = validated(s.ReservationCreateSerializer, request)
         cluster = data.get("cluster") or {}
