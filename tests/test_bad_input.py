@@ -439,7 +439,7 @@ def test_the_json_depth_limit_is_far_above_any_real_body():
 
 @pytest.mark.parametrize("url,who", [("/api/v1/tenants/", "staff"), ("/api/v1/reservations/", "alpha-lead")])
 def test_a_body_over_the_size_limit_is_refused_unparsed(world, t0, url, who, settings):
-    """DRF reads the body itself, past Django's DATA_UPLOAD_MAX_MEMORY_SIZE: the parser bounds it."""
+    """The parser bounds the body (PORTAL_API_MAX_BODY_BYTES), below Django's DATA_UPLOAD_MAX_MEMORY_SIZE."""
     from tenants.models import Tenant
 
     settings.PORTAL_API_MAX_BODY_BYTES = 4096
@@ -456,6 +456,22 @@ def test_a_body_over_the_size_limit_is_refused_unparsed(world, t0, url, who, set
                         "name": "y" * 100})
     assert world.client("alpha-lead").generic("POST", "/api/v1/reservations/", small,
                                               content_type="application/json").status_code == 201
+
+
+@pytest.mark.parametrize("api_limit,django_limit,limit", [(4096, 8192, 4096), (16384, 8192, 8192)])
+def test_a_body_over_djangos_upload_limit_is_the_same_envelope(world, t0, settings, api_limit, django_limit, limit):
+    """DRF hands a JSON parser request.body, which Django refuses past DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MB by
+    default) before the parser's own bound is reached: that RequestDataTooBig was Django's HTML 400 page (since
+    handler400, a bare "request" envelope), not the parser's answer naming the body and the limit."""
+    settings.PORTAL_API_MAX_BODY_BYTES = api_limit
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = django_limit
+    count = Reservation.objects.count()
+    body = json.dumps({**good(t0), "name": "x" * 10_000})
+    r = world.client("alpha-lead").generic("POST", "/api/v1/reservations/", body, content_type="application/json")
+    assert r.status_code == 400 and r["Content-Type"] == "application/json", r.content[:200]
+    assert r.json()["code"] == "invalid" and set(r.json()["fields"]) == {"body"}, r.json()
+    assert f"larger than {limit} bytes" in r.json()["fields"]["body"]
+    assert Reservation.objects.count() == count
 
 
 def test_an_unknown_format_parameter_is_a_400_not_a_404(world, t0):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import RequestDataTooBig
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
@@ -48,6 +50,12 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         fields = _flatten(exc.detail)
         first = next(iter(fields.items()), ("", "Invalid input."))
         status, body = 400, envelope("invalid", f"{first[0]}: {first[1]}" if first[0] else first[1], fields)
+    elif isinstance(exc, RequestDataTooBig):
+        # DRF hands a JSON parser request.body, which Django refuses past DATA_UPLOAD_MAX_MEMORY_SIZE before
+        # the parser's own bound (PORTAL_API_MAX_BODY_BYTES) is reached: the same answer as the parser's.
+        limit = min(settings.PORTAL_API_MAX_BODY_BYTES, settings.DATA_UPLOAD_MAX_MEMORY_SIZE or float("inf"))
+        why = f"JSON parse error - the body is larger than {limit} bytes"
+        status, body = 400, envelope("invalid", f"Malformed request body: {why}", {"body": why})
     elif isinstance(exc, drf.ParseError):
         status, body = 400, envelope("invalid", f"Malformed request body: {exc.detail}", {"body": str(exc.detail)})
     elif isinstance(exc, drf.UnsupportedMediaType):

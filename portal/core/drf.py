@@ -21,8 +21,9 @@ class JSONParser(parsers.JSONParser):
     """
 
     def parse(self, stream, media_type=None, parser_context=None):
-        # DRF reads the stream itself, so Django's DATA_UPLOAD_MAX_MEMORY_SIZE never applies to an API
-        # body: without this any signed-in client could make a worker parse (and hold) gigabytes.
+        # Django's DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MB) applies only where DRF hands a parser request.body (and
+        # is answered by portal.core.api.exception_handler); this bound holds whatever stream DRF passes:
+        # without it a signed-in client could make a worker parse (and hold) gigabytes.
         limit = settings.PORTAL_API_MAX_BODY_BYTES
         raw = stream.read(limit + 1) if stream is not None else b""
         if len(raw) > limit:
