@@ -157,3 +157,99 @@ def test_the_scan_finds_what_it_should_and_skips_what_it_should_not(tmp_path):
     names, prefixes = _scan([sample])
     assert names == {"PORTAL_FROM_ENVIRON", "PORTAL_FROM_HELPER", "PORTAL_FROM_ATTRIBUTE", "PORTAL_ASSIGNED"}
     assert prefixes == {"PORTAL_BUILT_"}
+
+
+# --- Defaults: the row's "Default" cell gives the value the code falls back to ----------------------
+
+# Functions whose call reads a variable with a fallback: env(...)/env.int(...)/env_list(...) in the
+# settings modules, setting(...)/setting_int(...)/_setting(...)/conf.setting_float(...) at call time,
+# os.environ.get(...) in the developer scripts. gunicorn.conf.py's variables are documented there.
+READERS = re.compile(r"env|env_list|_?setting(_\w+)?")
+# Fallbacks that are not the documented default, with why.
+NOT_A_DEFAULT = {
+    # The node agent takes the broker from CELERY_BROKER_URL, else REDIS_URL, and refuses to start without.
+    ("portal/settings/node_agent.py", "CELERY_BROKER_URL"),
+    ("portal/settings/node_agent.py", "REDIS_URL"),
+    # base.py only asks whether it runs production before reading var/dev.env.
+    ("portal/settings/base.py", "DJANGO_SETTINGS_MODULE"),
+    # The metrics read Django's REDIS_URL / CELERY_BROKER_URL, which the settings modules always define.
+    ("portal/ops/collectors.py", "CELERY_BROKER_URL"),
+    ("portal/ops/collectors.py", "REDIS_URL"),
+    # "a fixed dev key" in the document: the key itself is no business of the reader.
+    ("portal/settings/dev.py", "PORTAL_FERNET_KEYS"),
+    # "Is PORTAL_HEALTH_STATE_DIR set at all?" (a fake-NVML node keeps state only then), not its default.
+    ("provisioning/health/tasks.py", "PORTAL_HEALTH_STATE_DIR"),
+}
+
+
+def _default_cells() -> dict[str, str]:
+    cells = {}
+    for line in DOC.read_text().splitlines():
+        match = re.match(r"^\|\s*`([A-Z][A-Z0-9_]*)`\s*\|([^|]*)\|", line)
+        if match:
+            cells[match.group(1)] = match.group(2)
+    return cells
+
+
+def _literal_defaults(files: list[Path], names: set[str], root: Path = ROOT) -> list[tuple[str, int, str, object]]:
+    """(file, line, name, value) for each read of a documented variable with a constant fallback."""
+    out = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            func = node.func
+            owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+            reader = (isinstance(func, ast.Name) and READERS.fullmatch(func.id)) or owner in ("env", "os.environ") or (
+                isinstance(func, ast.Attribute) and READERS.fullmatch(func.attr))
+            first = node.args[0]
+            if not (reader and isinstance(first, ast.Constant) and first.value in names):
+                continue
+            fallback = node.args[1] if len(node.args) > 1 else None
+            fallback = next((kw.value for kw in node.keywords if kw.arg == "default"), fallback)
+            if fallback is None or (isinstance(fallback, ast.Constant) and fallback.value is None):
+                continue  # no fallback, or None: "unset", the default worked out further on
+            try:  # constants and arithmetic on them (1024 * 1024); a name or a call is no constant default
+                value = eval(compile(ast.Expression(fallback), str(path), "eval"), {"__builtins__": {}})  # noqa: S307
+            except NameError:
+                continue
+            out.append((str(path.relative_to(root)), node.lineno, first.value, value))
+    return out
+
+
+def _spelt(value: object) -> set[str]:
+    """How the document may write a default: `true`, `600` (for 600.0), `a,b`; empty as "empty"/"unset"."""
+    if value in ("", [], None):
+        return {"empty", "unset"}
+    if isinstance(value, bool):
+        return {f"`{str(value).lower()}`"}
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, list):
+        return {f"`{','.join(value)}`", f"`{', '.join(value)}`"}
+    return {f"`{value}`"}
+
+
+def test_every_documented_default_is_the_one_the_code_falls_back_to():
+    cells = _default_cells()
+    found = _literal_defaults(_source_files(), set(cells))
+    assert len(found) > 80, "the scan found too few defaults: is it still looking in the right place?"
+    wrong = [f"{path}:{line}: {name} falls back to {value!r}; docs/settings.md says {cells[name].strip()!r}"
+             for path, line, name, value in found
+             if (path, name) not in NOT_A_DEFAULT and not any(s in cells[name] for s in _spelt(value))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_default_check_catches_a_wrong_default(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('A = env.int("PORTAL_SLURM_TIMEOUT", default=60)\n'
+                      'B = setting("PORTAL_SCONTROL", "scontrol")\n'
+                      'C = env.int("SESSION_COOKIE_AGE", default=60 * 60 * 12)\n'
+                      'D = setting("PORTAL_SCONTROL", compute())\n')
+    found = _literal_defaults([sample], {"PORTAL_SLURM_TIMEOUT", "PORTAL_SCONTROL", "SESSION_COOKIE_AGE"}, tmp_path)
+    assert [(line, name, value) for _, line, name, value in found] == [
+        (1, "PORTAL_SLURM_TIMEOUT", 60), (2, "PORTAL_SCONTROL", "scontrol"), (3, "SESSION_COOKIE_AGE", 43200)]
+    cells = _default_cells()
+    assert not any(s in cells["PORTAL_SLURM_TIMEOUT"] for s in _spelt(60))
+    assert any(s in cells["PORTAL_SLURM_TIMEOUT"] for s in _spelt(30.0))
+    assert any(s in cells["SESSION_COOKIE_AGE"] for s in _spelt(43200))
