@@ -151,6 +151,21 @@ LOGGING = {
 
 ADMINS = [("Platform team", a) for a in env_list("ADMIN_EMAILS", default=[])]
 SERVER_EMAIL = env("SERVER_EMAIL", default="portal@localhost")
+# The SMTP server those mails go through: smtp://host:25, smtp+tls://user:password@host:587 (STARTTLS),
+# smtp+ssl://user:password@host:465. Unset, Django's default (localhost:25), where nothing listens in a
+# container. Percent-encode an "@" or "/" in the user or password.
+if env("EMAIL_URL", default=""):
+    try:
+        _email = env.email_url("EMAIL_URL")
+    except ImproperlyConfigured as exc:
+        raise ImproperlyConfigured(f"EMAIL_URL: {exc} (smtp://, smtp+tls:// or smtp+ssl://)") from None
+    EMAIL_BACKEND = _email["EMAIL_BACKEND"]
+    EMAIL_HOST = _email["EMAIL_HOST"]
+    EMAIL_PORT = _email.get("EMAIL_PORT") or (465 if _email.get("EMAIL_USE_SSL") else 25)
+    EMAIL_HOST_USER = _email.get("EMAIL_HOST_USER") or ""
+    EMAIL_HOST_PASSWORD = _email.get("EMAIL_HOST_PASSWORD") or ""
+    EMAIL_USE_TLS = bool(_email.get("EMAIL_USE_TLS"))
+    EMAIL_USE_SSL = bool(_email.get("EMAIL_USE_SSL"))
 
 # Clusters are handed over only when their nodes pass the medium GPU checks (provisioning/health).
 PORTAL_ACCEPTANCE_GATE = env("PORTAL_ACCEPTANCE_GATE", default="provisioning.health.services.health_acceptance_gate")
