@@ -216,6 +216,14 @@ class RenameForm(forms.Form):
     # The service checks the rest (control characters); a blank name clears it, as in the API.
     name = forms.CharField(label="Name", max_length=200, required=False, strip=True,
                            widget=forms.TextInput(attrs={"placeholder": "e.g. pretrain run 7"}))
+    # The name the page showed (hidden): a page opened before someone else renamed the booking is refused, not
+    # allowed to overwrite that name. Left out (a hand-made POST): not checked. Empty is a name shown (none).
+    shown_name = forms.CharField(required=False, strip=False, widget=forms.HiddenInput)
+
+    def clean_shown_name(self):
+        if "shown_name" not in self.data:
+            return None
+        return self.cleaned_data.get("shown_name") or ""
 
 
 class _DefaultedDateField(forms.DateField):

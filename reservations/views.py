@@ -476,6 +476,7 @@ def _detail_context(request, reservation) -> dict:
         "extend_options": extend_options,
         "shown_end": format_utc(reservation.end),  # the extend forms send it back: a stale page is refused
         "rename_form": _rename_form(reservation),
+        "shown_name": reservation.name,  # the rename form sends it back: a stale page is refused
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,
         "cluster_template": select_template(CLUSTER_TEMPLATES).template.name,
@@ -580,7 +581,7 @@ def _rename_form(reservation, data=None) -> RenameForm:
 def reservation_rename(request, pk: int):
     """Rename."""
     return _change_from_page(request, pk, form_for=_rename_form, field="name", refused="Not renamed", done=_renamed,
-                             form_key="rename_form", shown_key="changeable")
+                             form_key="rename_form", shown_key="changeable", shown_field="shown_name")
 
 
 @require_http_methods(["GET", "POST"])

@@ -365,3 +365,39 @@ def test_a_mangled_shown_end_is_refused_beside_the_field_and_changes_nothing(wor
     assert "This page is out of date" in response.content.decode()
     r.refresh_from_db()
     assert r.end == t0 + timedelta(hours=2)
+
+
+def _rename_form_fields(html: str, pk: int) -> dict:
+    """The rename form's inputs as a browser would post them."""
+    body = re.search(rf'<form[^>]*action="/reservations/{pk}/rename/"[^>]*>(.*?)</form>', html, re.S).group(1)
+    return {name: value for name, value in re.findall(r'<input[^>]*name="([^"]+)"[^>]*value="([^"]*)"', body)}
+
+
+def test_a_stale_rename_never_overwrites_a_rename_made_since(world, web, book, t0):
+    # The page was opened when the booking was "pretrain"; meanwhile another lead renamed it "pretrain run 7".
+    # Renaming from the stale page used to overwrite that name without a word.
+    r = book("alpha-lead", t0, name="pretrain")
+    client = web("alpha-lead")
+    fields = _rename_form_fields(client.get(f"/reservations/{r.pk}/").content.decode(), r.pk)
+    assert fields.get("shown_name") == "pretrain"
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=r, name="pretrain run 7")
+    response = client.post(f"/reservations/{r.pk}/rename/", {**fields, "name": "my run"})
+    assert response.status_code == 409
+    html = response.content.decode()
+    assert re.search(rf'id="rename-name-{r.pk}_error"[^>]*>.*Not renamed: .*changed since you opened this page',
+                     html, re.S)
+    r.refresh_from_db()
+    assert r.name == "pretrain run 7"
+    # A booking without a name shows an empty one, which is checked too (an empty name is a name shown).
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=r, name="")
+    fields = _rename_form_fields(client.get(f"/reservations/{r.pk}/panel/").content.decode(), r.pk)
+    assert fields.get("shown_name") == ""
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=r, name="theirs")
+    assert client.post(f"/reservations/{r.pk}/rename/", {**fields, "name": "mine"}).status_code == 409
+    r.refresh_from_db()
+    assert r.name == "theirs"
+    # A fresh page renames as before.
+    fields = _rename_form_fields(client.get(f"/reservations/{r.pk}/").content.decode(), r.pk)
+    assert client.post(f"/reservations/{r.pk}/rename/", {**fields, "name": "mine"}).status_code == 302
+    r.refresh_from_db()
+    assert r.name == "mine"
