@@ -53,6 +53,7 @@ __all__ = [
     "maintenance_windows_create",
     "maintenance_windows_end",
     "booking_window_problems",
+    "bookable_span",
     "capacity_text",
     "reservation_create",
     "reservation_update",
@@ -103,6 +104,14 @@ def _grid_errors(*, start: datetime, end: datetime, slot_minutes: int) -> dict[s
             for field, value in (("start", start), ("end", end)) if not is_aligned(value, slot_minutes)}
 
 
+def bookable_span(*, pool: Pool, now: datetime) -> tuple[datetime, datetime]:
+    """The earliest start and the latest end a new booking in pool may have now, both on its grid: the slot
+    running now, and the last slot boundary within the booking horizon. The calendar shades outside it as not
+    bookable, by the rule the service refuses with."""
+    horizon = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
+    return slot_floor(now, pool.slot_minutes), slot_floor(horizon, pool.slot_minutes)
+
+
 def _validate_window(
     *, pool: Pool, start: Any, end: Any, now: datetime, allow_past_start: bool = False
 ) -> dict[str, str]:
@@ -116,12 +125,12 @@ def _validate_window(
             errors[field] = _OFF_GRID.format(pool.slot_minutes)
     if errors:
         return errors
-    horizon = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
+    earliest, latest = bookable_span(pool=pool, now=now)
     if end <= start:
         errors["end"] = "Must be after start."
-    if not allow_past_start and start < slot_floor(now, pool.slot_minutes):
+    if not allow_past_start and start < earliest:
         errors["start"] = "Cannot start in the past (the earliest start is the slot running now)."
-    if end > horizon:
+    if end > latest:  # (on the grid: end > latest ⇔ end > now + horizon)
         errors["end"] = f"Beyond the booking horizon of {settings.PORTAL_BOOKING_HORIZON_DAYS} days."
     return errors
 

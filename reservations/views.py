@@ -11,6 +11,7 @@ import bisect
 import zlib
 from datetime import UTC, date, datetime, timedelta
 
+from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
@@ -217,7 +218,8 @@ def calendar(request):
         shown = raw_date if len(raw_date) <= 40 else raw_date[:40] + "…"
         note = f"There is no day {shown} (dates are written YYYY-MM-DD): showing today."
     return render_page(request, "reservations/calendar.html",
-                       {"pools": pools, "pool": pool, "config": config, "date_note": note})
+                       {"pools": pools, "pool": pool, "config": config, "date_note": note,
+                        "booking_horizon_days": settings.PORTAL_BOOKING_HORIZON_DAYS})
 
 
 EVENT_FIELDS = ("pk", "name", "node_count", "pool__name", "period", "status", "billing", "created_by_id")
@@ -282,6 +284,33 @@ def _background(start, end, free: int, total: int, *, all_day: bool = False) -> 
     }
 
 
+def _not_bookable(start, end, reason: str, total: int, *, all_day: bool = False) -> dict:
+    """Shading for time no booking may take now (before the slot running now, or past the horizon): no free
+    nodes to book, its own class, and a hint for its tooltip."""
+    hint = ("Past: a booking starts at the slot running now at the earliest." if reason == "past" else
+            f"Beyond the booking horizon of {settings.PORTAL_BOOKING_HORIZON_DAYS} days: not bookable yet.")
+    return {
+        "start": start.isoformat() if all_day else format_utc(start),
+        "end": end.isoformat() if all_day else format_utc(end),
+        "allDay": all_day,
+        "display": "background",
+        "title": "past" if reason == "past" else "not bookable yet",
+        "classNames": ["free", "not-bookable", f"not-bookable-{reason}"],
+        "extendedProps": {"free": 0, "total": total, "availability": True, "bookable": False, "reason": reason,
+                          "hint": hint},
+    }
+
+
+def _bookable_parts(slots, earliest: datetime, latest: datetime):
+    """Each slot cut at the bookable span's bounds: (start, end, free nodes or None, reason when not bookable)."""
+    for slot in slots:
+        for lo, hi, reason in ((slot.start, min(slot.end, earliest), "past"),
+                               (max(slot.start, earliest), min(slot.end, latest), None),
+                               (max(slot.start, latest), slot.end, "horizon")):
+            if lo < hi:
+                yield lo, hi, (slot.free_nodes if reason is None else None), reason
+
+
 @require_GET
 @portal_json
 def calendar_availability(request):
@@ -297,31 +326,43 @@ def calendar_availability(request):
     start, end = data["start"], data["end"]
     # The pool's own slots (its grid from the UTC epoch), whatever local midnight the calendar starts at.
     slots = selectors.availability_on_grid(pool=pool, start=start, end=end)
+    # Outside what the service lets a booking take now (the past, beyond the horizon) nothing is free to book.
+    earliest, latest = services.bookable_span(pool=pool, now=timezone.now())
+    parts = _bookable_parts(slots, earliest, latest)
     if data.get("granularity") == "day":
         tz = timezone.get_current_timezone()
         first, last = timezone.localdate(start, tz), timezone.localdate(end - timedelta(microseconds=1), tz)
         per_day: dict[date, int] = {}
-        for slot in slots:  # every local day a slot touches (a daily slot spans two outside UTC)
-            day = max(timezone.localdate(slot.start, tz), first)
-            while day <= min(timezone.localdate(slot.end - timedelta(microseconds=1), tz), last):
-                per_day[day] = min(per_day.get(day, total), slot.free_nodes)
+        closed: dict[date, str] = {}  # days without a bookable slot: why
+        for lo, hi, free, reason in parts:  # every local day a slot touches (a daily slot spans two outside UTC)
+            day = max(timezone.localdate(lo, tz), first)
+            while day <= min(timezone.localdate(hi - timedelta(microseconds=1), tz), last):
+                if free is None:
+                    closed.setdefault(day, reason)
+                else:
+                    per_day[day] = min(per_day.get(day, total), free)
                 day += timedelta(days=1)
-        events = [_background(day, day + timedelta(days=1), free, total, all_day=True)
-                  for day, free in sorted(per_day.items())]
+        events = [_background(day, day + timedelta(days=1), per_day[day], total, all_day=True) if day in per_day
+                  else _not_bookable(day, day + timedelta(days=1), closed[day], total, all_day=True)
+                  for day in sorted(per_day.keys() | closed.keys())]
         return JsonResponse(events, safe=False)
     events: list[dict] = []
-    run_start = run_end = None
-    run_free = None
-    for slot in slots:
-        if slot.free_nodes == run_free and slot.start == run_end:
-            run_end = slot.end
+    run: list | None = None  # [start, end, free, reason]
+    for lo, hi, free, reason in parts:
+        if run is not None and run[1] == lo and (run[2], run[3]) == (free, reason):
+            run[1] = hi
             continue
-        if run_start is not None:
-            events.append(_background(run_start, run_end, run_free, total))
-        run_start, run_end, run_free = slot.start, slot.end, slot.free_nodes
-    if run_start is not None:
-        events.append(_background(run_start, run_end, run_free, total))
+        if run is not None:
+            events.append(_run_event(run, total))
+        run = [lo, hi, free, reason]
+    if run is not None:
+        events.append(_run_event(run, total))
     return JsonResponse(events, safe=False)
+
+
+def _run_event(run: list, total: int) -> dict:
+    start, end, free, reason = run
+    return _background(start, end, free, total) if reason is None else _not_bookable(start, end, reason, total)
 
 
 # --- booking ----------------------------------------------------------------------------------

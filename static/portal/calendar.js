@@ -287,6 +287,10 @@
       change(info, { end: info.event.endStr }, longer ? "extended" : "shortened");
     },
     eventDidMount: function (arg) {
+      // Shading where nothing can be booked (the past, beyond the horizon) says why in its tooltip.
+      if (arg.event.display === "background" && arg.event.extendedProps.hint) {
+        arg.el.setAttribute("title", arg.event.extendedProps.hint);
+      }
       // Events are links to their page (focusable, Enter opens the panel); tests and scripts find them by id.
       if (arg.event.display !== "background" && !arg.event.extendedProps.more) {
         arg.el.setAttribute("data-reservation-id", arg.event.id);

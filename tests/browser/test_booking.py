@@ -331,3 +331,18 @@ def test_a_drag_on_a_stale_calendar_never_undoes_someone_elses_change(world, liv
     expect(page.locator(f".fc-event[data-reservation-id='{mine.pk}']")).to_have_count(1)
     box = page.locator(f".fc-event[data-reservation-id='{mine.pk}']").bounding_box()
     assert abs(box["height"] - 5 * lane["height"]) < lane["height"] / 2, (box, lane)
+
+
+def test_time_beyond_the_booking_horizon_is_shaded_as_not_bookable(world, live_server, new_page, sign_in, settings):
+    """Free capacity was shaded past the booking horizon, as if those slots could be booked."""
+    from django.utils import timezone
+
+    settings.PORTAL_BOOKING_HORIZON_DAYS = 2
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/calendar/?view=timeGridWeek&date={timezone.localdate().isoformat()}&pool=h100")
+    page.wait_for_selector("#calendar[data-ready='1']")
+    beyond = page.locator(".fc-bg-event.not-bookable-horizon")
+    expect(beyond.first).to_be_visible()
+    expect(beyond.first).to_have_attribute("title", re.compile("booking horizon of 2 days"))
+    expect(page.locator(".legend .sw.not-bookable")).to_be_visible()
+    assert page.errors == []

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
+from django.utils import timezone
 
 from reservations import services
+from reservations.timeutil import slot_floor
 from tests.conftest import iso
 
 pytestmark = pytest.mark.django_db
@@ -107,3 +109,46 @@ def test_availability_shading_matches_the_selector(world, web, book, t0):
         (iso(t0 + timedelta(hours=2)), iso(t0 + timedelta(hours=4)), 4),
     ]
     assert "beta" not in str(body)
+
+
+def test_availability_shows_the_past_and_beyond_the_horizon_as_not_bookable(world, web, book, t0, settings):
+    # Free capacity used to be shaded past the booking horizon (and before the slot running now): those slots
+    # looked bookable, but the booking form's preview and the service refuse them. They are shaded as not
+    # bookable (no free nodes, their own class and a hint), exactly where the service's rule says.
+    settings.PORTAL_BOOKING_HORIZON_DAYS = 2
+    now = timezone.now()
+    horizon = now + timedelta(days=2)
+    client = web("alpha-lead")
+    params = {"pool": "h100", "start": iso(t0 - timedelta(days=2)), "end": iso(t0 + timedelta(days=3))}
+    body = client.get("/calendar/availability.json", params).json()
+    assert [e["start"] for e in body[1:]] == [e["end"] for e in body[:-1]]  # the window, without gaps
+    assert body[0]["start"] <= iso(t0 - timedelta(days=2)) and body[-1]["end"] >= iso(t0 + timedelta(days=3))
+    bookable_seen = {True: 0, False: 0}
+    for e in body:
+        start, end = datetime.fromisoformat(e["start"]), datetime.fromisoformat(e["end"])
+        refused = services.booking_window_problems(pool=world.pool, start=start, end=end)
+        bookable = e["extendedProps"].get("bookable", True)
+        bookable_seen[bookable] += 1
+        assert bookable == (not refused), (e, refused)
+        if not bookable:
+            assert e["extendedProps"]["free"] == 0 and "not-bookable" in e["classNames"], e
+            assert e["extendedProps"]["hint"]
+            # Not even its first slot can be booked: the shading never shows a bookable slot as refused.
+            first = start + timedelta(hours=1)
+            assert services.booking_window_problems(pool=world.pool, start=start, end=first), e
+    assert bookable_seen[True] and bookable_seen[False] >= 2
+    past = [e for e in body if e["extendedProps"].get("reason") == "past"]
+    beyond = [e for e in body if e["extendedProps"].get("reason") == "horizon"]
+    assert past and past[-1]["end"] == iso(slot_floor(now, 60))
+    assert beyond and beyond[0]["start"] == iso(slot_floor(horizon, 60))
+    assert "horizon" in beyond[0]["extendedProps"]["hint"]
+    # Per day (the month view): a day wholly beyond the horizon, or wholly past, is not bookable either.
+    body = client.get("/calendar/availability.json", {**params, "granularity": "day"}).json()
+    by_day = {e["start"]: e for e in body}
+    tz = timezone.get_current_timezone()
+    far = (horizon + timedelta(days=1)).astimezone(tz).date().isoformat()
+    gone = (now - timedelta(days=1)).astimezone(tz).date().isoformat()
+    today = now.astimezone(tz).date().isoformat()
+    assert by_day[far]["extendedProps"]["reason"] == "horizon" and by_day[far]["extendedProps"]["free"] == 0
+    assert by_day[gone]["extendedProps"]["reason"] == "past"
+    assert by_day[today]["extendedProps"].get("bookable", True) and by_day[today]["extendedProps"]["free"] == 4
