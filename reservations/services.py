@@ -409,6 +409,15 @@ def _insert_booking(
     return reservation
 
 
+def _lock_pools(pool_ids: set[int]) -> dict[int, int]:
+    """Key-share lock the pools (id order), as a booking does with its quota lock, so a slot-length change
+    (pool_update: FOR UPDATE) waits for the caller's commit or is waited for; return each one's slot length."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT id, slot_minutes FROM reservations_pool WHERE id = ANY(%s) ORDER BY id FOR KEY SHARE",
+                    [sorted(pool_ids)])
+        return dict(cur.fetchall())
+
+
 def _lock_nodes(node_ids: list[int]) -> None:
     """Take the booking locks of node_ids (in id order) before moving allocations onto a new period."""
     with connection.cursor() as cur:
@@ -931,6 +940,10 @@ def maintenance_windows_create(*, actor: Any, nodes: list[Node], start: datetime
     period = DateTimeTZRange(start, end, "[)")
     created: list[Allocation] = []
     with transaction.atomic(durable=True):
+        # The pools' slot lengths as they are now, held until commit: a slot-length change waits for these
+        # windows and sees them, one in flight is waited for and the windows judged on its grid.
+        for slot_minutes in _lock_pools({n.pool_id for n in nodes}).values():
+            _raise_if(_grid_errors(start=start, end=end, slot_minutes=slot_minutes))
         _lock_nodes([n.pk for n in nodes])  # queue behind a booker of these nodes rather than deadlock with it
         busy = (Allocation.objects.filter(node__in=nodes, active=True, period__overlap=period)
                 .select_related("node").order_by("node__hostname", "period"))
@@ -969,6 +982,7 @@ def maintenance_windows_end(*, actor: Any, nodes: list[Node], now: datetime | No
     now = now or timezone.now()
     changed: list[Allocation] = []
     with transaction.atomic(durable=True):
+        _lock_pools({n.pool_id for n in nodes})  # a window cut short ends on its pool's grid as it is now
         _lock_nodes([n.pk for n in nodes])  # the same queue as bookings and maintenance scheduling
         windows = list(
             Allocation.objects.select_for_update(of=("self",)).select_related("node__pool")
@@ -1161,6 +1175,20 @@ def pool_update(*, actor: Any, pool: Pool, expected: dict[str, Any] | None = Non
             if Reservation.objects.filter(pool=pool, status__in=[s for s in ReservationStatus.values
                                                                  if s not in FINAL_STATUSES]).exists():
                 raise InvalidState("The slot length cannot change while the pool has open reservations.")
+            # Maintenance windows not over yet must sit on the new grid too (else they block half-slots). A window
+            # being scheduled holds the pool row FOR KEY SHARE (_lock_pools): this lock waited for it, so it is seen.
+            off_grid = [w for w in Allocation.objects.select_related("node").filter(
+                            node__pool=pool, kind=AllocationKind.MAINTENANCE, reservation__isnull=True, active=True,
+                            period__endswith__gt=timezone.now()).order_by("period", "node__hostname")
+                        if _grid_errors(start=w.period.lower, end=w.period.upper, slot_minutes=slot)]
+            if off_grid:
+                named = "; ".join(f"{w.node.hostname} {format_utc(w.period.lower)} – {format_utc(w.period.upper)}"
+                                  for w in off_grid[:10])
+                more = f" and {len(off_grid) - 10} more" if len(off_grid) > 10 else ""
+                raise InvalidState(
+                    f"The slot length cannot change to {slot} minutes while the pool has maintenance windows off "
+                    f"that grid ({named}{more}); end them or wait until they are over.",
+                    fields={"slot_minutes": "Maintenance windows are off this grid."})
         for key in POOL_FIELDS:
             if key in changes:
                 setattr(pool, key, changes[key])

@@ -12,7 +12,8 @@ from django.db import connection, transaction
 
 from portal.core.exceptions import InvalidInput, InvalidState
 from reservations import selectors, services
-from reservations.models import Node, Reservation
+from reservations.choices import AllocationKind
+from reservations.models import Allocation, Node, Reservation
 from reservations.services import pool_update, reservation_create
 from reservations.timeutil import is_aligned
 
@@ -140,6 +141,104 @@ def test_a_booking_waits_for_a_slot_length_change_and_is_judged_on_the_new_grid(
     assert _off_grid_bookings(pool) == []
     assert Reservation.objects.count() == 0
 
+
+
+# --- a slot-length change and maintenance windows ---------------------------------------------------------
+
+
+def _off_grid_windows(pool) -> list[int]:
+    pool.refresh_from_db()
+    return [a.pk for a in Allocation.objects.filter(node__pool=pool, kind=AllocationKind.MAINTENANCE, active=True)
+            if not (is_aligned(a.period.lower, pool.slot_minutes) and is_aligned(a.period.upper, pool.slot_minutes))]
+
+
+def test_a_slot_length_change_is_refused_while_a_maintenance_window_is_off_the_new_grid(half_hour_world, t0):
+    # was: the change went through with the window left on 10:30-11:30 in a 60-minute pool, blocking half-slots
+    world = half_hour_world
+    pool, node = world.pool, world.nodes[0]
+    start = t0 + timedelta(minutes=30)
+    window = services.maintenance_window_create(actor=world.users["staff"], node=node, start=start,
+                                                end=start + timedelta(hours=1))
+    with pytest.raises(InvalidState) as refused:
+        pool_update(actor=world.users["staff"], pool=pool, slot_minutes=60)
+    assert node.hostname in refused.value.detail and "maintenance" in refused.value.detail
+    pool.refresh_from_db()
+    assert pool.slot_minutes == 30
+    # A window withdrawn (inactive) no longer holds it off; one on the new grid never did.
+    services.maintenance_windows_end(actor=world.users["staff"], nodes=[node])
+    window.refresh_from_db()
+    assert not window.active
+    services.maintenance_window_create(actor=world.users["staff"], node=world.nodes[1], start=t0,
+                                       end=t0 + timedelta(hours=2))
+    pool_update(actor=world.users["staff"], pool=pool, slot_minutes=60)
+    pool.refresh_from_db()
+    assert pool.slot_minutes == 60 and _off_grid_windows(pool) == []
+
+
+def test_a_maintenance_window_being_scheduled_holds_off_a_slot_length_change(half_hour_world, t0):
+    world = half_hour_world
+    pool, node = world.pool, world.nodes[0]
+    start = t0 + timedelta(minutes=30)  # on the 30-minute grid, off the 60-minute one
+    scheduled, updated = threading.Event(), threading.Event()
+    real_audit = services.audit_record
+
+    def audit_then_wait(**kwargs):
+        real_audit(**kwargs)
+        if kwargs.get("action") == "node.maintenance":  # the window is written, not committed yet
+            scheduled.set()
+            _wait_for(updated)
+
+    def schedule():
+        return services.maintenance_window_create(actor=world.users["staff"], node=node, start=start,
+                                                  end=start + timedelta(hours=1))
+
+    def change_slot():
+        scheduled.wait(10)
+        try:
+            return pool_update(actor=world.users["staff"], pool=pool, slot_minutes=60)
+        finally:
+            updated.set()
+
+    with mock.patch.object(services, "audit_record", side_effect=audit_then_wait):
+        window, changed = _in_threads(schedule, change_slot)
+    assert isinstance(window, Allocation), window
+    # unguarded: the change saw no window (not committed yet) and the pool went to 60 minutes under it
+    assert isinstance(changed, InvalidState), changed
+    assert _off_grid_windows(pool) == []
+
+
+def test_a_maintenance_window_waits_for_a_slot_length_change_and_is_judged_on_the_new_grid(half_hour_world, t0):
+    world = half_hour_world
+    node = world.nodes[0]  # its pool read before the change: slot 30
+    pool = world.pool
+    start = t0 + timedelta(minutes=30)
+    changing, scheduling_done = threading.Event(), threading.Event()
+    real_audit = services.audit_record
+
+    def audit_then_wait(**kwargs):
+        real_audit(**kwargs)
+        if kwargs.get("action") == "pool.update":  # the change holds the pool row until it commits
+            changing.set()
+            _wait_for(scheduling_done)
+
+    def change_slot():
+        return pool_update(actor=world.users["staff"], pool=pool, slot_minutes=60)
+
+    def schedule():
+        changing.wait(10)
+        try:
+            return services.maintenance_window_create(actor=world.users["staff"], node=node, start=start,
+                                                      end=start + timedelta(hours=1))
+        finally:
+            scheduling_done.set()
+
+    with mock.patch.object(services, "audit_record", side_effect=audit_then_wait):
+        changed, window = _in_threads(change_slot, schedule)
+    assert not isinstance(changed, BaseException), changed
+    # unguarded: the window, checked on the 30-minute grid it had read, was written into the 60-minute pool
+    assert isinstance(window, InvalidInput), window
+    assert "60-minute slot grid" in window.detail
+    assert _off_grid_windows(pool) == []
 
 # --- a node an open repair owns returns through its repair, not through node_update -------------------
 
