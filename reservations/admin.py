@@ -34,16 +34,18 @@ MAX_LISTED_CONFLICTS = 200
 # --- the quota-lowering check (used by tenants.admin) ---------------------------------------
 
 
-def quota_conflicts(*, quota: Any, max_nodes: int, burst_nodes: int, max_duration_hours: int | None
-                    ) -> list[dict[str, Any]]:
+def quota_conflicts(*, quota: Any, max_nodes: int, burst_nodes: int, max_duration_hours: int | None,
+                    burst_enabled: bool | None = None) -> list[dict[str, Any]]:
     """Return the open bookings of quota's tenant and pool that the new numbers would not cover.
 
     A booking is affected when the tenant's peak in its (remaining) window exceeds the new
     guaranteed nodes — it becomes burst, or exceeds even max + burst — or when it is longer
     than the new maximum duration. Bookings are never changed by this; the admin is told.
+    burst_enabled: the tenant's new burst flag (None: as it is), for a change that turns burst off.
     """
     now = timezone.now()
-    burst_enabled = quota.tenant.burst_enabled
+    if burst_enabled is None:
+        burst_enabled = quota.tenant.burst_enabled
     limit = max_nodes + (burst_nodes if burst_enabled else 0)
     rows: list[dict[str, Any]] = []
     reservations = (

@@ -5,7 +5,8 @@ Quota edits — on the quota's page, inline on the tenant, in place on the quota
 bulk from the list's action — all end in ``quota_update`` / ``quota_bulk_update``, which lock
 the rows bookings lock and write an audit row (actor, old → new) per quota. Lowering a quota
 below what the tenant has already booked first shows the affected reservations and asks to
-confirm; existing bookings are never cancelled by a quota change. The quota's page carries the
+confirm; existing bookings are never cancelled by a quota change. Turning a tenant's burst off on its page lowers
+every quota's limit (max + burst → max) and asks the same way. The quota's page carries the
 version it was opened at (``QuotaAdminForm``): saved after another change to that quota, it is
 refused with a form error, never applied over the newer numbers. The list's in-place edits post the
 numbers each row showed (``QuotaListForm``) and are refused the same way when a row has changed since;
@@ -75,11 +76,16 @@ def _lowers(old: Quota, new: dict[str, Any]) -> bool:
     return hours is not None and (old.max_duration_hours is None or hours < old.max_duration_hours)
 
 
-def lowering_review(request, model_admin, changes: list[tuple[Quota, dict[str, Any]]]):
+def lowering_review(request, model_admin, changes: list[tuple[Quota, dict[str, Any]]], *, burst_off: bool = False):
     """Return a confirmation page when changes lower quotas below existing bookings, else None.
 
+    burst_off: the same save turns the tenant's burst off, which lowers each of its quotas' limits (max + burst
+    → max) as lowering the numbers does; changes then lists every quota of the tenant.
+
     The page lists the affected reservations and re-posts the very same form data with
-    ``_confirm_lowering=yes``, so confirming saves exactly what was reviewed.
+    ``_confirm_lowering=yes``, so confirming saves exactly what was reviewed. (A new Slack URL typed in the same
+    form goes back in it too, to the admin who just typed it, as any re-shown form does; admin pages are
+    never_cache, so no browser or proxy keeps the page.)
     """
     if request.POST.get(CONFIRM_FIELD) == "yes":
         return None
@@ -89,12 +95,13 @@ def lowering_review(request, model_admin, changes: list[tuple[Quota, dict[str, A
     groups = []
     for old, values in changes:
         new = {f: values.get(f, getattr(old, f)) for f in QUOTA_FIELDS}
-        if not _lowers(old, new):
+        cuts_burst = burst_off and old.tenant.burst_enabled and old.burst_nodes > 0
+        if not (_lowers(old, new) or cuts_burst):
             continue
-        conflicts = finder(quota=old, **new)
+        conflicts = finder(quota=old, **new, **({"burst_enabled": False} if burst_off else {}))
         if conflicts:
             groups.append({"quota": old, "old": {f: getattr(old, f) for f in QUOTA_FIELDS}, "new": new,
-                           "conflicts": conflicts})
+                           "conflicts": conflicts, "burst_off": cuts_burst})
     if not groups:
         return None
     post_items = [
@@ -103,9 +110,11 @@ def lowering_review(request, model_admin, changes: list[tuple[Quota, dict[str, A
     ]
     context = {
         **model_admin.admin_site.each_context(request),
-        "title": "Lower a quota below what is booked?",
+        "title": ("Turn burst off below what is booked?" if any(g["burst_off"] for g in groups)
+                  else "Lower a quota below what is booked?"),
         "opts": Quota._meta,
         "groups": groups,
+        "burst_off": any(g["burst_off"] for g in groups),
         "post_items": post_items,
         "confirm_field": CONFIRM_FIELD,
         "back_url": request.get_full_path(),
@@ -452,6 +461,10 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
         obj = self.get_object(request, object_id)
         if obj is None:
             return None
+        # Burst turned off by this admin (the box shown ticked, posted unticked): every quota's limit drops.
+        form = self.get_form(request, obj, change=True)(request.POST, request.FILES, instance=obj)
+        burst_off = (obj.burst_enabled and "burst_enabled" in form.changed_data
+                     and not form["burst_enabled"].data)
         changes = []
         for inline in self.get_inline_instances(request, obj):
             if not isinstance(inline, QuotaInline):
@@ -464,7 +477,11 @@ class TenantAdmin(ServiceAdminMixin, admin.ModelAdmin):
                 if form.instance.pk and form.numbers_changed() and not formset._should_delete_form(form):
                     changes.append((Quota.objects.select_related("tenant", "pool").get(pk=form.instance.pk),
                                     {f: form.cleaned_data[f] for f in form.numbers_changed()}))
-        return lowering_review(request, self, changes)
+        if burst_off:  # the quotas the inline rows leave alone are lowered too
+            listed = {quota.pk for quota, _ in changes}
+            changes += [(quota, {}) for quota in Quota.objects.select_related("tenant", "pool")
+                        .filter(tenant=obj).exclude(pk__in=listed).order_by("pool__name")]
+        return lowering_review(request, self, changes, burst_off=burst_off)
 
     def save_model(self, request, obj, form, change):
         data = {f: form.cleaned_data[f] for f in TenantForm.Meta.fields if f in form.cleaned_data}

@@ -426,6 +426,53 @@ def test_tenant_page_with_inlines_audits_and_warns(world, staff, t0, book):
     assert _audits("quota.update")[0].actor == world.users["staff"]
 
 
+
+def test_turning_burst_off_lists_the_bookings_above_the_new_limit_before_saving(world, staff, t0, book):
+    """Turning a tenant's burst off lowers every quota's limit (max + burst → max), as lowering a quota does,
+    but the tenant page saved it at once: no word of the burst bookings now above the limit."""
+    tenant = world.tenants["alpha"]
+    burst = book("alpha", t0, nodes=4)  # 3 guaranteed + 1 burst
+    assert burst.billing == "burst"
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    post = _form_post(staff.get(url))
+    post.pop("burst_enabled")  # the box unticked
+    review = staff.post(url, post)
+    body = review.content.decode()
+    assert review.status_code == 200 and f'data-reservation="{burst.pk}"' in body, body[:3000]
+    assert "burst is turned off" in body and "the new limit is 3" in body
+    assert Tenant.objects.get(pk=tenant.pk).burst_enabled is True
+    saved = staff.post(url, {**post, "_confirm_lowering": "yes"})
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    assert Tenant.objects.get(pk=tenant.pk).burst_enabled is False
+    burst.refresh_from_db()
+    assert burst.status == ReservationStatus.CONFIRMED  # never cancelled by it
+
+
+def test_turning_burst_off_without_burst_bookings_saves_at_once(world, staff, t0, book):
+    tenant = world.tenants["alpha"]
+    book("alpha", t0, nodes=3)  # within the guaranteed nodes
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    post = _form_post(staff.get(url))
+    post.pop("burst_enabled")
+    assert staff.post(url, post).status_code == 302
+    assert Tenant.objects.get(pk=tenant.pk).burst_enabled is False
+
+
+def test_the_lowering_review_carries_a_typed_slack_url_only_on_a_page_never_stored(world, staff, t0, book):
+    """The review re-posts the form as typed, a new Slack URL with it (to its own author, who just typed it, as
+    any re-shown form does): so that confirming saves it, the page must never be kept by a browser or proxy."""
+    tenant = world.tenants["alpha"]
+    book("alpha", t0, nodes=4)
+    url = reverse("admin:tenants_tenant_change", args=[tenant.pk])
+    post = {**_form_post(staff.get(url)), "new_slack_webhook_url": SLACK_URL}
+    post.pop("burst_enabled")
+    review = staff.post(url, post)
+    assert review.status_code == 200 and "data-reservation=" in review.content.decode()
+    assert "no-store" in review["Cache-Control"] and "private" in review["Cache-Control"]
+    assert staff.post(url, {**post, "_confirm_lowering": "yes"}).status_code == 302
+    tenant.refresh_from_db()
+    assert tenant.slack_webhook_url == SLACK_URL and tenant.burst_enabled is False
+
 def test_slack_url_is_never_shown_in_full(world, staff):
     tenant_slack_webhook_set(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], url=SLACK_URL)
     channel = notify.slack_channel_ensure(Tenant.objects.get(slug="alpha"))
