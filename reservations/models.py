@@ -84,6 +84,10 @@ class Reservation(models.Model):
     billing = models.CharField(max_length=16, choices=Billing.choices, default=Billing.COMMITTED)
     # When it was cancelled: usage counts a reservation cancelled while running up to this moment.
     cancelled_at = models.DateTimeField(null=True, blank=True)
+    # When its cluster's teardown failed and released its nodes (it ran): usage counts what it held up
+    # to this moment, also once a staff retry completes it. Null for every other reservation (one that
+    # failed while provisioning never ran and counts nothing).
+    released_at = models.DateTimeField(null=True, blank=True)
     orchestrator = models.CharField(max_length=16, choices=Orchestrator.choices, default=Orchestrator.SLURM)
     cuda_version = models.CharField(max_length=16, default=DEFAULT_CUDA_VERSION)
     created_by = models.ForeignKey(

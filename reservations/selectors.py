@@ -640,15 +640,20 @@ __all__ += [
 # swapped for a spare counts once, and the hours a degraded booking went without a node do not
 # count — whether it ran to its end, was torn down early (its nodes stay booked: paid for) or is
 # still ahead. A cancelled one counts from its start to its cancel (its allocations are released
-# whole at the cancel); one cancelled before it began counts nothing. A failed one counts nothing.
+# whole at the cancel); one cancelled before it began counts nothing. One whose teardown failed (it
+# ran; its allocations were released whole then) counts up to that moment (released_at), also once a
+# staff retry completes it. One failed while provisioning never ran: it counts nothing.
 USAGE_SQL = """
 WITH spans AS (
     SELECT r.tenant_id, r.pool_id, r.billing,
-           CASE WHEN a.active THEN a.period ELSE a.period * tstzrange(NULL, a.replaced_at) END AS span,
+           CASE WHEN a.active THEN a.period
+                WHEN a.replaced_at IS NOT NULL THEN a.period * tstzrange(NULL, a.replaced_at)
+                ELSE a.period * tstzrange(NULL, r.released_at) END AS span,
            1 AS nodes
     FROM reservations_allocation a JOIN reservations_reservation r ON r.id = a.reservation_id
-    WHERE (a.active OR a.replaced_at > lower(a.period)) AND a.kind = 'reservation'
-      AND r.status NOT IN ('cancelled', 'failed')
+    WHERE (a.active OR a.replaced_at > lower(a.period) OR r.released_at > lower(a.period))
+      AND a.kind = 'reservation'
+      AND r.status <> 'cancelled' AND (r.status <> 'failed' OR r.released_at IS NOT NULL)
       AND a.period && tstzrange(%(start)s, %(end)s)
       AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
     UNION ALL

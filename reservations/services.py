@@ -780,9 +780,14 @@ def reservation_set_status(
         if reservation is None or reservation.status not in expected:
             return None
         before = _snapshot(reservation)
+        fields = ["status", "status_reason", "updated_at"]
+        if status == ReservationStatus.FAILED and reservation.status == ReservationStatus.ENDING:
+            # Its teardown failed: it ran, and held its nodes until now (usage counts that).
+            reservation.released_at = timezone.now()
+            fields.append("released_at")
         reservation.status = status
         reservation.status_reason = reason[:500]
-        reservation.save(update_fields=["status", "status_reason", "updated_at"])
+        reservation.save(update_fields=fields)
         if status in (ReservationStatus.FAILED,):
             reservation.allocations.filter(active=True).update(active=False)
         audit_record(actor=actor, action=f"reservation.{status}", obj=reservation, tenant_id=reservation.tenant_id,

@@ -285,3 +285,34 @@ def test_a_bad_month_says_so_in_a_plain_sentence(web, world):
     assert alert[0].isupper() and alert.endswith(".") and "YYYY-MM" in alert and "2026-11" in alert, alert
     csv_text = web("alpha-lead").get("/usage.csv?month=nope").content.decode().strip()
     assert csv_text == alert, csv_text
+
+
+def test_a_booking_whose_teardown_failed_still_counts_what_it_held(world):
+    """A booking that ran its window and whose cluster's teardown then failed (ending → failed, its
+    allocations released at that moment) counted nothing — nor once staff retried the teardown and it
+    completed: the tenant's whole run vanished from the statement. It counts what it held, up to the
+    release; one failed while provisioning (it never ran) still counts nothing."""
+    from reservations.services import reservation_set_status
+
+    pool, nodes = _pool(name="usage-teardown", nodes=4, gpus=8, rate="2.0000")
+    alpha = world.tenants["alpha"]
+    now = timezone.now().replace(microsecond=0)
+    start, end = now - 5 * HOUR, now - HOUR
+    ran = _reservation(alpha, pool, nodes[0:2], start, end, status=ReservationStatus.ENDING,
+                       billing=Billing.BURST)
+    never = _reservation(alpha, pool, nodes[2:3], start, end, status=ReservationStatus.PROVISIONING)
+    assert reservation_set_status(reservation_id=ran.pk, status=ReservationStatus.FAILED,
+                                  expected=(ReservationStatus.ENDING,), reason="cluster failed: tearing_down")
+    assert reservation_set_status(reservation_id=never.pk, status=ReservationStatus.FAILED,
+                                  expected=(ReservationStatus.PROVISIONING,), reason="cluster failed: pending")
+    month_start, month_end = start - timedelta(days=40), end + timedelta(days=40)
+
+    def burst_and_committed():
+        lines = usage_for_period(start=month_start, end=month_end, tenant_ids=[alpha.pk], now=timezone.now())
+        return [(line.burst_used, line.burst_cost_used, line.committed_used) for line in lines]
+
+    assert burst_and_committed() == [(Decimal("64.00"), Decimal("128.00"), Decimal("0.00"))]  # 2 x 4 h x 8
+    # Staff retry the teardown; it succeeds and the booking completes: still its hours, once.
+    assert reservation_set_status(reservation_id=ran.pk, status=ReservationStatus.COMPLETED,
+                                  expected=(ReservationStatus.FAILED,), reason="teardown retried by staff")
+    assert burst_and_committed() == [(Decimal("64.00"), Decimal("128.00"), Decimal("0.00"))]
