@@ -639,8 +639,9 @@ __all__ += [
 # released up to the swap (replaced_at; one moved whole before its start held nothing) — so a node
 # swapped for a spare counts once, and the hours a degraded booking went without a node do not
 # count — whether it ran to its end, was torn down early (its nodes stay booked: paid for) or is
-# still ahead. A cancelled one counts from its start to its cancel (its allocations are released
-# whole at the cancel); one cancelled before it began counts nothing. One whose teardown failed (it
+# still ahead. A cancel releases the allocations it still had whole: they count up to the cancel
+# (cancelled_at; one cancelled before it began counts nothing), so a degraded booking cancelled later
+# counts only the nodes it held. One whose teardown failed (it
 # ran; its allocations were released whole then) counts up to that moment (released_at), also once a
 # staff retry completes it. One failed while provisioning never ran: it counts nothing.
 USAGE_SQL = """
@@ -648,20 +649,14 @@ WITH spans AS (
     SELECT r.tenant_id, r.pool_id, r.billing,
            CASE WHEN a.active THEN a.period
                 WHEN a.replaced_at IS NOT NULL THEN a.period * tstzrange(NULL, a.replaced_at)
-                ELSE a.period * tstzrange(NULL, r.released_at) END AS span,
+                ELSE a.period * tstzrange(NULL, coalesce(r.cancelled_at, r.released_at)) END AS span,
            1 AS nodes
     FROM reservations_allocation a JOIN reservations_reservation r ON r.id = a.reservation_id
-    WHERE (a.active OR a.replaced_at > lower(a.period) OR r.released_at > lower(a.period))
+    WHERE (a.active OR a.replaced_at > lower(a.period)
+           OR coalesce(r.cancelled_at, r.released_at) > lower(a.period))
       AND a.kind = 'reservation'
-      AND r.status <> 'cancelled' AND (r.status <> 'failed' OR r.released_at IS NOT NULL)
+      AND (r.status <> 'failed' OR r.released_at IS NOT NULL)
       AND a.period && tstzrange(%(start)s, %(end)s)
-      AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
-    UNION ALL
-    SELECT r.tenant_id, r.pool_id, r.billing, tstzrange(lower(r.period), least(upper(r.period), r.cancelled_at)),
-           r.node_count
-    FROM reservations_reservation r
-    WHERE r.status = 'cancelled' AND r.cancelled_at > lower(r.period)
-      AND r.period && tstzrange(%(start)s, %(end)s)
       AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
 ), clipped AS (
     SELECT tenant_id, pool_id, billing, nodes, span * tstzrange(%(start)s, %(end)s) AS span FROM spans

@@ -316,3 +316,21 @@ def test_a_booking_whose_teardown_failed_still_counts_what_it_held(world):
     assert reservation_set_status(reservation_id=ran.pk, status=ReservationStatus.COMPLETED,
                                   expected=(ReservationStatus.FAILED,), reason="teardown retried by staff")
     assert burst_and_committed() == [(Decimal("64.00"), Decimal("128.00"), Decimal("0.00"))]
+
+
+def test_a_degraded_booking_cancelled_later_counts_only_the_nodes_it_held(world):
+    """A running booking lost a node with no spare (degraded: the node's allocation cut and released at the
+    swap), then was cancelled: the statement counted node_count nodes up to the cancel, billing the hours
+    it went without the node. It counts each node it held for as long as it held it."""
+    pool, nodes = _pool(name="usage-degraded", nodes=4, gpus=8, rate="1.0000")
+    alpha = world.tenants["alpha"]
+    d = NOV.start + timedelta(days=5)
+    _reservation(alpha, pool, nodes[0:2], d, d + 10 * HOUR, status=ReservationStatus.CANCELLED,
+                 cancelled_at=d + 6 * HOUR, cut=d + 2 * HOUR, billing=Billing.BURST)
+    # and one whose node was swapped for a spare, then cancelled: still one node's hours at a time
+    _reservation(alpha, pool, nodes[2:3], d, d + 10 * HOUR, status=ReservationStatus.CANCELLED,
+                 cancelled_at=d + 6 * HOUR, cut=d + 2 * HOUR, spare=nodes[3])
+    (line,) = usage_for_period(start=NOV.start, end=NOV.end, tenant_ids=[alpha.pk], now=NOV.end)
+    assert line.burst_used == Decimal("64.00")  # (2 h + 6 h) x 8, not 2 x 6 h x 8 = 96
+    assert line.burst_cost_used == Decimal("64.00")
+    assert line.committed_used == Decimal("48.00")  # 2 h on the failed node + 4 h on the spare, x 8
