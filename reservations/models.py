@@ -82,6 +82,9 @@ class Reservation(models.Model):
     # Nodes lost to failures with no spare to replace them; > 0 means the reservation is degraded.
     missing_nodes = models.PositiveIntegerField(default=0)
     billing = models.CharField(max_length=16, choices=Billing.choices, default=Billing.COMMITTED)
+    # Of a burst booking's nodes, how many are above the guarantee (as the booking preview showed): usage
+    # bills that share of its node-hours at the on-demand rate, the rest as committed. 0 when committed.
+    burst_part_nodes = models.PositiveIntegerField(default=0, db_default=0)
     # When it was cancelled: usage counts a reservation cancelled while running up to this moment.
     cancelled_at = models.DateTimeField(null=True, blank=True)
     # When its cluster's teardown failed and released its nodes (it ran): usage counts what it held up

@@ -634,7 +634,9 @@ __all__ += [
 
 # --- usage (GPU-hours per tenant, pool and billing) ---------------------------------------
 
-# Node-hours in [start, end) per tenant, pool and billing, split at `now` into used and booked ahead.
+# Node-hours in [start, end) per tenant and pool, committed and burst, split at `now` into used and booked
+# ahead. Of a burst booking's node-hours the share burst_part_nodes / node_count (its nodes above the
+# guarantee, as the booking preview priced them) is burst, the rest committed.
 # What counts is what a tenant held: a reservation's active allocations, and those a node swap
 # released up to the swap (replaced_at; one moved whole before its start held nothing) — so a node
 # swapped for a spare counts once, and the hours a degraded booking went without a node do not
@@ -646,11 +648,11 @@ __all__ += [
 # staff retry completes it. One failed while provisioning never ran: it counts nothing.
 USAGE_SQL = """
 WITH spans AS (
-    SELECT r.tenant_id, r.pool_id, r.billing,
+    SELECT r.tenant_id, r.pool_id,
+           CASE WHEN r.billing = 'burst' THEN r.burst_part_nodes::numeric / r.node_count ELSE 0 END AS burst,
            CASE WHEN a.active THEN a.period
                 WHEN a.replaced_at IS NOT NULL THEN a.period * tstzrange(NULL, a.replaced_at)
-                ELSE a.period * tstzrange(NULL, coalesce(r.cancelled_at, r.released_at)) END AS span,
-           1 AS nodes
+                ELSE a.period * tstzrange(NULL, coalesce(r.cancelled_at, r.released_at)) END AS span
     FROM reservations_allocation a JOIN reservations_reservation r ON r.id = a.reservation_id
     WHERE (a.active OR a.replaced_at > lower(a.period)
            OR coalesce(r.cancelled_at, r.released_at) > lower(a.period))
@@ -659,15 +661,19 @@ WITH spans AS (
       AND a.period && tstzrange(%(start)s, %(end)s)
       AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
 ), clipped AS (
-    SELECT tenant_id, pool_id, billing, nodes, span * tstzrange(%(start)s, %(end)s) AS span FROM spans
+    SELECT tenant_id, pool_id, burst, span * tstzrange(%(start)s, %(end)s) AS span FROM spans
+), hours AS (
+    SELECT tenant_id, pool_id, burst,
+           CASE WHEN isempty(s) THEN 0 ELSE extract(epoch FROM upper(s) - lower(s)) / 3600.0 END AS used,
+           CASE WHEN isempty(f) THEN 0 ELSE extract(epoch FROM upper(f) - lower(f)) / 3600.0 END AS ahead
+    FROM (SELECT tenant_id, pool_id, burst,
+                 span * tstzrange(NULL, %(now)s) AS s, span * tstzrange(%(now)s, NULL) AS f
+          FROM clipped) parts
 )
-SELECT tenant_id, pool_id, billing,
-       coalesce(sum(nodes * extract(epoch FROM upper(s) - lower(s))) FILTER (WHERE NOT isempty(s)), 0) / 3600.0,
-       coalesce(sum(nodes * extract(epoch FROM upper(f) - lower(f))) FILTER (WHERE NOT isempty(f)), 0) / 3600.0
-FROM (SELECT tenant_id, pool_id, billing, nodes,
-             span * tstzrange(NULL, %(now)s) AS s, span * tstzrange(%(now)s, NULL) AS f
-      FROM clipped) parts
-GROUP BY tenant_id, pool_id, billing
+SELECT tenant_id, pool_id, coalesce(sum(used * (1 - burst)), 0), coalesce(sum(used * burst), 0),
+       coalesce(sum(ahead * (1 - burst)), 0), coalesce(sum(ahead * burst), 0)
+FROM hours
+GROUP BY tenant_id, pool_id
 """
 
 
@@ -711,18 +717,13 @@ def usage_for_period(*, start: datetime, end: datetime, tenant_ids: list[int] | 
     pools = {p.pk: p for p in Pool.objects.filter(pk__in={r[1] for r in rows})}
     tenants = {t.pk: t for t in Tenant.objects.filter(pk__in={r[0] for r in rows})}
     lines: dict[tuple[int, int], UsageLine] = {}
-    zero = Decimal("0.00")
-    for tenant_id, pool_id, billing, used, ahead in rows:
+    for tenant_id, pool_id, *node_hours in rows:
         pool = pools[pool_id]
-        line = lines.setdefault((tenant_id, pool_id), UsageLine(tenants[tenant_id], pool, zero, zero, zero, zero))
-        gpu_used = (Decimal(str(used)) * pool.gpus_per_node).quantize(Decimal("0.01"))
-        gpu_ahead = (Decimal(str(ahead)) * pool.gpus_per_node).quantize(Decimal("0.01"))
-        if billing == "burst":
-            line.burst_used += gpu_used
-            line.burst_ahead += gpu_ahead
-        else:
-            line.committed_used += gpu_used
-            line.committed_ahead += gpu_ahead
+        committed_used, burst_used, committed_ahead, burst_ahead = (
+            (Decimal(str(h)) * pool.gpus_per_node).quantize(Decimal("0.01")) for h in node_hours)
+        if any((committed_used, burst_used, committed_ahead, burst_ahead)):
+            lines[(tenant_id, pool_id)] = UsageLine(tenants[tenant_id], pool, committed_used, burst_used,
+                                                    committed_ahead, burst_ahead)
     return sorted(lines.values(), key=lambda line: (line.tenant.slug, line.pool.name))
 
 

@@ -238,8 +238,9 @@ def _rights_now(*, actor: Any, tenant: Tenant, owner_id: int | None) -> bool:
 def _classify_billing(
     *, actor: Any, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime,
     exclude_reservation_id: int | None = None, owner_id: int | None = None,
-) -> str:
-    """Lock the quota row and decide committed vs burst, or refuse.
+) -> tuple[str, int]:
+    """Lock the quota row and decide committed vs burst, or refuse; with how many of the nodes are burst
+    (above the guarantee at the peak, as the booking preview counts them).
 
     The row lock serialises one tenant's bookings in one pool, so two concurrent requests
     can never both see the same headroom (check-then-write race).
@@ -263,10 +264,10 @@ def _classify_billing(
         tenant_id=tenant.pk, pool_id=pool.pk, start=start, end=end, exclude_reservation_id=exclude_reservation_id
     )
     if peak + node_count <= max_nodes:
-        return Billing.COMMITTED
+        return Billing.COMMITTED, 0
     limit = max_nodes + (burst_nodes if burst_enabled else 0)
     if peak + node_count <= limit:
-        return Billing.BURST
+        return Billing.BURST, min(node_count, peak + node_count - max_nodes)
     raise QuotaExceeded(
         f"{tenant.slug} already holds up to {peak} {pool.name} nodes in that window; "
         f"{node_count} more exceeds the limit of {limit}"
@@ -357,8 +358,9 @@ _ALLOCATIONS_INSERT = """
 _INSERT_BOOKING_TEMPLATE = """
     WITH ready AS ({ready}), r AS (
         INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name, status, status_reason,
-            missing_nodes, billing, orchestrator, cuda_version, created_by_id, created_at, updated_at)
-        SELECT %(tenant)s, %(pool)s, %(n)s, %(period)s, %(name)s, %(status)s, '', 0, %(billing)s,
+            missing_nodes, billing, burst_part_nodes, orchestrator, cuda_version, created_by_id, created_at,
+            updated_at)
+        SELECT %(tenant)s, %(pool)s, %(n)s, %(period)s, %(name)s, %(status)s, '', 0, %(billing)s, %(burst_part)s,
             %(orchestrator)s, %(cuda)s, %(actor)s, %(now)s, %(now)s
         FROM ready
         RETURNING id
@@ -379,7 +381,7 @@ def _actor_id(actor: Any) -> int | None:
 
 def _insert_booking(
     *, tenant: Tenant, pool: Pool, node_count: int, period: DateTimeTZRange, name: str, billing: str,
-    orchestrator: str, cuda_version: str, node_ids: list[int], actor: Any,
+    burst_part: int, orchestrator: str, cuda_version: str, node_ids: list[int], actor: Any,
 ) -> Reservation:
     """Insert a confirmed reservation holding node_ids for period (the node locks, then one insert); return it.
 
@@ -391,7 +393,8 @@ def _insert_booking(
         cur.execute(_NODE_LOCKS, {"nodes": nodes})
         cur.execute(_INSERT_BOOKING_SQL, {
             "tenant": tenant.pk, "pool": pool.pk, "n": node_count, "period": period, "name": name,
-            "status": ReservationStatus.CONFIRMED, "billing": billing, "orchestrator": orchestrator,
+            "status": ReservationStatus.CONFIRMED, "billing": billing, "burst_part": burst_part,
+            "orchestrator": orchestrator,
             "cuda": cuda_version, "actor": _actor_id(actor), "now": now, "kind": AllocationKind.RESERVATION,
             "nodes": nodes,
         })
@@ -401,7 +404,8 @@ def _insert_booking(
     (reservation_id,) = row
     reservation = Reservation(
         id=reservation_id, tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
-        status=ReservationStatus.CONFIRMED, billing=billing, orchestrator=orchestrator, cuda_version=cuda_version,
+        status=ReservationStatus.CONFIRMED, billing=billing, burst_part_nodes=burst_part, orchestrator=orchestrator,
+        cuda_version=cuda_version,
         created_by=actor if _actor_id(actor) else None, created_at=now, updated_at=now,
     )
     reservation._state.adding = False
@@ -522,14 +526,15 @@ def _book_once(
             replay = _claim_idempotency_key(user=actor, key=idempotency_key, request_hash=request_hash)
             if replay is not None:
                 return replay
-        billing = _classify_billing(actor=actor, tenant=tenant, pool=pool, node_count=node_count, start=start,
-                                    end=end)
+        billing, burst_part = _classify_billing(actor=actor, tenant=tenant, pool=pool, node_count=node_count,
+                                                start=start, end=end)
         period = DateTimeTZRange(start, end, "[)")
         nodes = selectors.free_nodes(pool_id=pool.pk, start=start, end=end, limit=node_count)
         if len(nodes) < node_count:
             raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
         reservation = _insert_booking(
             tenant=tenant, pool=pool, node_count=node_count, period=period, name=name, billing=billing,
+            burst_part=burst_part,
             orchestrator=orchestrator, cuda_version=cuda_version, node_ids=[node_id for node_id, _ in nodes],
             actor=actor,
         )
@@ -662,7 +667,7 @@ def reservation_update(
 
         if (new_start, new_end) != (old_start, old_end):
             if not (old_start <= new_start and new_end <= old_end):
-                reservation.billing = _classify_billing(
+                reservation.billing, reservation.burst_part_nodes = _classify_billing(
                     actor=actor, tenant=reservation.tenant, pool=pool, node_count=reservation.node_count,
                     start=new_start, end=new_end, exclude_reservation_id=reservation.pk,
                     owner_id=reservation.created_by_id,
@@ -671,7 +676,8 @@ def reservation_update(
                 # A window inside the old one only gives nodes back: never refused (a quota lowered or
                 # removed since must not stop a tenant from returning capacity early), but classified by
                 # the same rule as a booking (DESIGN §4): committed once it fits the guarantee.
-                reservation.billing = _billing_after_shrink(reservation=reservation, start=new_start, end=new_end)
+                reservation.billing, reservation.burst_part_nodes = _billing_after_shrink(
+                    reservation=reservation, start=new_start, end=new_end)
             period = DateTimeTZRange(new_start, new_end, "[)")
             _repoint_allocations(reservation=reservation, period=period, started=keeps_nodes, now=now, actor=actor)
             reservation.period = period
@@ -682,16 +688,19 @@ def reservation_update(
     return reservation
 
 
-def _billing_after_shrink(*, reservation: Reservation, start: datetime, end: datetime) -> str:
-    """Committed if the shrunk window fits the tenant's guarantee now, else the billing it had."""
+def _billing_after_shrink(*, reservation: Reservation, start: datetime, end: datetime) -> tuple[str, int]:
+    """Committed if the shrunk window fits the tenant's guarantee now, else burst with no more nodes above
+    it than before (a quota lowered since must not raise the cost of giving capacity back)."""
+    held = (reservation.billing, reservation.burst_part_nodes)
     with connection.cursor() as cur:
         cur.execute(_QUOTA_LOCK_SQL, [reservation.tenant_id, reservation.pool_id])
         row = cur.fetchone()
     if row is None:
-        return reservation.billing
+        return held
     peak = selectors.tenant_peak_usage(tenant_id=reservation.tenant_id, pool_id=reservation.pool_id, start=start,
                                        end=end, exclude_reservation_id=reservation.pk)
-    return Billing.COMMITTED if peak + reservation.node_count <= row[0] else reservation.billing
+    over = peak + reservation.node_count - row[0]
+    return (Billing.COMMITTED, 0) if over <= 0 else (held[0], min(held[1], over))
 
 
 def _repoint_allocations(

@@ -41,7 +41,7 @@ def _reservation(tenant, pool, nodes: list[Node], start, end, *, status=Reservat
     cut, its first node was swapped at that moment (for spare, or for nothing: degraded)."""
     reservation = Reservation.objects.create(
         tenant=tenant, pool=pool, node_count=len(nodes), period=DateTimeTZRange(start, end, "[)"), status=status,
-        billing=billing, cancelled_at=cancelled_at)
+        billing=billing, burst_part_nodes=len(nodes) if billing == Billing.BURST else 0, cancelled_at=cancelled_at)
     active = status not in (ReservationStatus.CANCELLED, ReservationStatus.FAILED)
     for i, node in enumerate(nodes):
         if cut is not None and i == 0:  # as node_replace_allocations leaves it: cut, released, noted
@@ -334,3 +334,23 @@ def test_a_degraded_booking_cancelled_later_counts_only_the_nodes_it_held(world)
     assert line.burst_used == Decimal("64.00")  # (2 h + 6 h) x 8, not 2 x 6 h x 8 = 96
     assert line.burst_cost_used == Decimal("64.00")
     assert line.committed_used == Decimal("48.00")  # 2 h on the failed node + 4 h on the spare, x 8
+
+
+def test_a_burst_booking_is_billed_for_its_nodes_above_the_guarantee_as_the_preview_said(world, t0):
+    """The booking preview prices a burst booking's nodes above the guarantee ("Burst — 1 node above the
+    guarantee", cost = that node's GPU-hours × the rate), but the statement billed every node of the booking
+    at the on-demand rate: booking 2 nodes with 1 over the guarantee was charged twice what was shown."""
+    from reservations.selectors import booking_preview
+    from reservations.services import reservation_create
+
+    alpha, lead, pool = world.tenants["alpha"], world.users["alpha-lead"], world.pool  # 3 guaranteed + 1 burst
+    reservation_create(actor=lead, tenant=alpha, pool=pool, node_count=2, start=t0, end=t0 + 4 * HOUR)
+    preview = booking_preview(tenant=alpha, pool=pool, node_count=2, start=t0, end=t0 + 4 * HOUR)
+    assert preview.billing == Billing.BURST and preview.burst_part_nodes == 1
+    assert preview.burst_gpu_hours == Decimal("32.00") and preview.burst_cost == Decimal("80.00")
+    booked = reservation_create(actor=lead, tenant=alpha, pool=pool, node_count=2, start=t0, end=t0 + 4 * HOUR)
+    assert booked.billing == Billing.BURST
+
+    (line,) = usage_for_period(start=t0 - HOUR, end=t0 + 5 * HOUR, tenant_ids=[alpha.pk], now=t0 + 5 * HOUR)
+    assert (line.burst_used, line.burst_cost_used) == (preview.burst_gpu_hours, preview.burst_cost)
+    assert line.committed_used == Decimal("96.00")  # 3 nodes within the guarantee x 4 h x 8
