@@ -354,3 +354,29 @@ def test_a_burst_booking_is_billed_for_its_nodes_above_the_guarantee_as_the_prev
     (line,) = usage_for_period(start=t0 - HOUR, end=t0 + 5 * HOUR, tenant_ids=[alpha.pk], now=t0 + 5 * HOUR)
     assert (line.burst_used, line.burst_cost_used) == (preview.burst_gpu_hours, preview.burst_cost)
     assert line.committed_used == Decimal("96.00")  # 3 nodes within the guarantee x 4 h x 8
+
+
+def test_a_running_booking_extended_then_shortened_counts_the_window_it_holds(world):
+    """Through the services on a running booking: an extension and a later shortening move what is booked
+    ahead; what was used up to now does not change, and the statement follows the allocations."""
+    from reservations.services import reservation_update
+    from reservations.timeutil import slot_floor
+
+    alpha, lead, pool = world.tenants["alpha"], world.users["alpha-lead"], world.pool
+    now = timezone.now()
+    start = slot_floor(now, 60) - 2 * HOUR
+    running = _reservation(alpha, pool, list(pool.nodes.order_by("pk")[:1]), start, start + 4 * HOUR,
+                           status=ReservationStatus.ACTIVE)
+    lo, hi = start - HOUR, start + 10 * HOUR
+
+    def used_and_ahead(at):
+        (line,) = usage_for_period(start=lo, end=hi, tenant_ids=[alpha.pk], now=at)
+        return line.committed_used + line.burst_used, line.committed_ahead + line.burst_ahead
+
+    at = timezone.now()
+    used = (Decimal((at - start).total_seconds()) / 3600 * 8).quantize(Decimal("0.01"))
+    reservation_update(actor=lead, reservation=running, end=start + 6 * HOUR)
+    assert used_and_ahead(at) == (used, Decimal("48.00") - used)  # 6 h x 8 in all
+    reservation_update(actor=lead, reservation=running, end=start + 3 * HOUR)
+    assert used_and_ahead(at) == (used, Decimal("24.00") - used)
+    assert Allocation.objects.get(reservation=running).period.upper == start + 3 * HOUR
