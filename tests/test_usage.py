@@ -380,3 +380,33 @@ def test_a_running_booking_extended_then_shortened_counts_the_window_it_holds(wo
     reservation_update(actor=lead, reservation=running, end=start + 3 * HOUR)
     assert used_and_ahead(at) == (used, Decimal("24.00") - used)
     assert Allocation.objects.get(reservation=running).period.upper == start + 3 * HOUR
+
+
+def test_the_statement_takes_the_same_queries_for_one_line_as_for_many(web, world):
+    """No per-line or per-booking query: the page, its CSV and the API read a month of many bookings in many
+    pools with as many statements as one booking."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def counts():
+        out = []
+        for get in (lambda: web("staff").get("/usage/?month=2026-11"),
+                    lambda: web("staff").get("/usage.csv?month=2026-11"),
+                    lambda: world.client("staff").get("/api/v1/usage/?month=2026-11")):
+            get()  # warm: sessions, the signed-in user
+            with CaptureQueriesContext(connection) as ctx:
+                assert get().status_code == 200
+            out.append(len(ctx.captured_queries))
+        return out
+
+    pool, nodes = _pool(name="usage-q0", nodes=2)
+    _reservation(world.tenants["alpha"], pool, nodes[:1], NOV.start, NOV.start + HOUR)
+    one = counts()
+    for p in range(1, 6):
+        pool, nodes = _pool(name=f"usage-q{p}", nodes=30)
+        for i, node in enumerate(nodes):
+            tenant = world.tenants["alpha" if i % 2 else "beta"]
+            start = NOV.start + timedelta(hours=5 * i)
+            _reservation(tenant, pool, [node], start, start + 4 * HOUR,
+                         billing=Billing.BURST if i % 3 == 0 else Billing.COMMITTED)
+    assert counts() == one
