@@ -1123,7 +1123,7 @@ def check_cuda_support(supported: str | None, required: str, error: str | None =
         return CheckResult(
             "cuda_support", Status.UNKNOWN, supported, required, f"{bad!r} is no CUDA version", Action.INVESTIGATE
         )
-    message = f"driver supports CUDA {supported}; this cluster needs {required}"
+    message = f"driver supports CUDA {supported}; CUDA {required} is required"
     if have < need:
         return CheckResult("cuda_support", Status.FAIL, supported, required, message, Action.INVESTIGATE)
     return CheckResult("cuda_support", Status.PASS, supported, required, message)

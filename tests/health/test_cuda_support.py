@@ -39,7 +39,7 @@ def test_the_driver_must_support_the_clusters_cuda_version(supported: str, requi
 
 def test_a_failure_says_what_the_driver_supports_and_what_the_cluster_needs() -> None:
     result = check_cuda_support("12.2", "12.4")
-    assert result.message == "driver supports CUDA 12.2; this cluster needs 12.4"
+    assert result.message == "driver supports CUDA 12.2; CUDA 12.4 is required"
 
 
 def test_an_unreadable_cuda_version_is_unknown_never_a_pass() -> None:
@@ -58,7 +58,7 @@ def test_an_old_driver_fails_the_node_with_the_reason_in_its_problems() -> None:
     found = check(report, "cuda_support")
     assert (found["status"], found["action"]) == ("fail", "investigate")
     assert {"gpu": None, "check": "cuda_support", "status": "fail", "action": "investigate",
-            "message": "driver supports CUDA 12.2; this cluster needs 12.4"} in report["problems"]
+            "message": "driver supports CUDA 12.2; CUDA 12.4 is required"} in report["problems"]
 
 
 def test_a_driver_supporting_the_version_or_newer_passes() -> None:
@@ -92,7 +92,7 @@ def test_a_job_carrying_the_clusters_cuda_version_checks_it() -> None:
     report = fleet.run(_job(cuda_min="12.4"))
     assert report["verdict"] == "fail"
     assert [p["message"] for p in report["problems"] if p["check"] == "cuda_support"] == [
-        "driver supports CUDA 12.2; this cluster needs 12.4"]
+        "driver supports CUDA 12.2; CUDA 12.4 is required"]
     assert fleet.run(_job(cuda_min="12.2"))["verdict"] == "pass"
     # The job format stays compatible: a job without it (or with null) is judged as before.
     assert fleet.run(_job())["verdict"] == "pass"
@@ -117,4 +117,4 @@ def test_the_cli_takes_the_required_version(capsys) -> None:
     code = main(["--json", "--fake", '{"faults": [{"kind": "cuda_mismatch"}]}', "--cuda-min", "12.4",
                  "--event-wait-ms", "0"])
     out = capsys.readouterr().out
-    assert code == 2 and "driver supports CUDA 12.2; this cluster needs 12.4" in out
+    assert code == 2 and "driver supports CUDA 12.2; CUDA 12.4 is required" in out

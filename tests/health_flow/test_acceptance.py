@@ -253,7 +253,7 @@ def test_a_node_whose_driver_cannot_run_the_clusters_cuda_fails_the_gate_and_is_
         health_acceptance_gate(cluster=cluster)
     failed = HealthCheck.objects.get(node__hostname="gpu-001")
     assert (failed.trigger, failed.verdict, failed.recommended_action) == ("acceptance", "fail", "investigate")
-    assert "cuda_support: driver supports CUDA 12.2; this cluster needs 12.4" in failed.summary
+    assert "cuda_support: driver supports CUDA 12.2; CUDA 12.4 is required" in failed.summary
     # The same path as any failing gate check: drained, a repair opened, the booking moved to a spare.
     assert fleet.node("gpu-001").state == "draining"
     repair = Repair.objects.get(node__hostname="gpu-001")

@@ -600,8 +600,9 @@ def test_the_retest_of_a_repair_a_failing_cuda_support_check_opened_requires_tha
         dispatch([repair.retest_check_id])
     repair.refresh_from_db()
     retest = repair.retest_check
-    assert retest.verdict == "fail" and "cuda_support: driver supports CUDA 12.2; this cluster needs 12.4" in (
+    assert retest.verdict == "fail" and "cuda_support: driver supports CUDA 12.2; CUDA 12.4 is required" in (
         retest.summary)
+    assert "this cluster" not in retest.summary  # the node is in repair, out of every cluster
     assert repair.state == "remediating"  # back to remediation: it cannot rejoin
     with pytest.raises(InvalidState):
         repair_advance(actor=staff, repair=repair, to="rejoined")
