@@ -20,18 +20,25 @@ if ((${#missing[@]})); then
     "${SUDO[@]}" apt-get update -qq
     # prometheus' postinst starts a server through systemd when there is one; policy-rc.d keeps it off
     # (one that was there before is put back afterwards).
+    policy=${PORTAL_POLICY_RC_D:-/usr/sbin/policy-rc.d}  # another path only for the script's own test
     had_policy=0
-    if [ -e /usr/sbin/policy-rc.d ]; then
+    if [ -e "$policy" ]; then
         had_policy=1
-        "${SUDO[@]}" cp -p /usr/sbin/policy-rc.d /usr/sbin/policy-rc.d.portal-saved
+        "${SUDO[@]}" cp -p "$policy" "$policy.portal-saved"
     fi
-    printf '#!/bin/sh\nexit 101\n' | "${SUDO[@]}" tee /usr/sbin/policy-rc.d >/dev/null
-    "${SUDO[@]}" chmod +x /usr/sbin/policy-rc.d
+    restore_policy() {
+        if [ "$had_policy" -eq 1 ]; then
+            "${SUDO[@]}" mv "$policy.portal-saved" "$policy"
+        else
+            "${SUDO[@]}" rm -f "$policy"
+        fi
+    }
+    # Put it back however the install ends: a failed apt-get must not leave every service start refused.
+    trap restore_policy EXIT
+    printf '#!/bin/sh\nexit 101\n' | "${SUDO[@]}" tee "$policy" >/dev/null
+    "${SUDO[@]}" chmod +x "$policy"
     "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    if [ "$had_policy" -eq 1 ]; then
-        "${SUDO[@]}" mv /usr/sbin/policy-rc.d.portal-saved /usr/sbin/policy-rc.d
-    else
-        "${SUDO[@]}" rm -f /usr/sbin/policy-rc.d
-    fi
+    restore_policy
+    trap - EXIT
 fi
 bash scripts/install-slurm.sh
