@@ -46,7 +46,7 @@ from django.utils.module_loading import import_string
 
 from portal.core import events
 from portal.core.actors import STAFF_WORDS, actor_name
-from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied
+from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied, QuotaExceeded
 from portal.core.locks import advisory_lock, locked_keys
 from portal.core.models import AuditLog
 from portal.core.redact import without_secrets
@@ -100,6 +100,7 @@ __all__ = [
     "acceptance_gate",
     "node_state_gate",
     "cluster_create_for_reservation",
+    "storage_window_guard",
     "cluster_configure",
     "begin_provisioning",
     "cluster_provision",
@@ -381,19 +382,62 @@ def validate_spec(*, cluster: VirtualCluster, spec: dict[str, Any]) -> dict[str,
     return errors
 
 
+_NOT_HOLDING_STORAGE = (ClusterStatus.DELETED, ClusterStatus.FAILED, ClusterStatus.TEARING_DOWN)
+
+
+def _clusters_sharing_storage(*, tenant_id: int, period: Any, exclude_cluster_id: int | None) -> Any:
+    """The tenant's other clusters whose storage counts against a cluster in period: live clusters of held
+    bookings whose window overlaps it. One rule for configuring a cluster, changing a booking's window and
+    attaching a volume (call it under the tenant row lock)."""
+    return (VirtualCluster.objects.filter(tenant_id=tenant_id).exclude(pk=exclude_cluster_id)
+            .exclude(status__in=_NOT_HOLDING_STORAGE)
+            .filter(reservation__status__in=HOLDING_STATUSES, reservation__period__overlap=period))
+
+
+def _lock_tenant_storage(tenant_id: int) -> Tenant:
+    """The tenant row lock that serialises one tenant's storage decisions (configure, window change, volume)."""
+    return Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
+
+
 def _storage_left_for(cluster: VirtualCluster) -> int:
     """GiB of the tenant's storage quota that the tenant's other clusters leave to this one while its
     booking runs: their volumes (or the volumes they will take) if their bookings overlap its window.
-    Takes the tenant row lock that volume allocation takes (_ensure_volume), so two changes at once
-    cannot both count the same room. A storage change accepted here can no longer make another
-    cluster of the tenant fail for lack of storage when it is provisioned."""
-    tenant = Tenant.objects.select_for_update(no_key=True).get(pk=cluster.tenant_id)
+    Takes the tenant row lock that volume allocation and window changes take (_ensure_volume,
+    storage_window_guard), so two changes at once cannot both count the same room. A storage change
+    accepted here can no longer make another cluster of the tenant fail for lack of storage when it is
+    provisioned."""
+    tenant = _lock_tenant_storage(cluster.tenant_id)
     period = cluster.reservation.period
-    others = (VirtualCluster.objects.filter(tenant=tenant).exclude(pk=cluster.pk)
-              .exclude(status__in=(ClusterStatus.DELETED, ClusterStatus.FAILED, ClusterStatus.TEARING_DOWN))
-              .filter(reservation__status__in=HOLDING_STATUSES, reservation__period__overlap=period)
+    others = (_clusters_sharing_storage(tenant_id=tenant.pk, period=period, exclude_cluster_id=cluster.pk)
               .aggregate(total=Sum("shared_storage_gib"))["total"] or 0)
     return max(0, tenant.storage_quota_tib * 1024 - others)
+
+
+def storage_window_guard(reservation: Reservation, period: Any) -> None:
+    """Refuse a booking's new window where its cluster's storage and that of the tenant's other clusters
+    overlapping the new window exceed the tenant's storage quota — the rule cluster_configure applies
+    (registered with reservations.services.window_change_guards). A window inside the old one overlaps
+    nothing new and is never refused (a quota lowered since must not stop a booking from shrinking)."""
+    old = reservation.period
+    if old.lower <= period.lower and period.upper <= old.upper:
+        return
+    cluster = (VirtualCluster.objects.filter(reservation_id=reservation.pk).exclude(status__in=_NOT_HOLDING_STORAGE)
+               .values("pk", "tenant_id").first())
+    if cluster is None:
+        return
+    tenant = _lock_tenant_storage(cluster["tenant_id"])
+    # Read under the lock: a configure of this cluster or of another one that committed meanwhile is seen.
+    own = VirtualCluster.objects.values_list("shared_storage_gib", flat=True).get(pk=cluster["pk"])
+    if not own:
+        return
+    others = (_clusters_sharing_storage(tenant_id=tenant.pk, period=period, exclude_cluster_id=cluster["pk"])
+              .aggregate(total=Sum("shared_storage_gib"))["total"] or 0)
+    quota = tenant.storage_quota_tib * 1024
+    if own + others > quota:
+        raise QuotaExceeded(
+            f"Storage quota exceeded: the tenant's other clusters in the new window hold {others} GiB and this "
+            f"booking's cluster {own} GiB, more than the {quota} GiB ({tenant.storage_quota_tib} TiB) storage "
+            "quota. Lower the cluster's shared storage, or choose another window.")
 
 
 def cluster_configure(*, actor: Any, cluster: VirtualCluster, **changes: Any) -> VirtualCluster:

@@ -49,6 +49,7 @@ __all__ = [
     "node_create",
     "node_update",
     "node_return_blockers",
+    "window_change_guards",
     "maintenance_window_create",
     "maintenance_windows_create",
     "maintenance_windows_end",
@@ -621,6 +622,14 @@ def _lock(reservation: Reservation) -> Reservation:
     return Reservation.objects.select_for_update(of=("self",)).select_related("tenant", "pool").get(pk=reservation.pk)
 
 
+# Who else may refuse a window change: a higher app (DESIGN §2: reservations imports none) registers a rule
+# here from its AppConfig.ready(), e.g. provisioning's "the tenant's clusters in that window hold more storage
+# than its quota". Each is called with the reservation (row-locked, its period still the old one) and the new
+# period, inside reservation_update's transaction after its node locks (a rule may take a lock of its own there,
+# after them), and raises a DomainError to refuse: nothing of the change is written.
+window_change_guards: list[Callable[[Reservation, DateTimeTZRange], None]] = []
+
+
 def reservation_update(
     *, actor: Any, reservation: Reservation, start: datetime | None = None, end: datetime | None = None,
     name: str | None = None, expected: dict[str, Any] | None = None,
@@ -680,6 +689,8 @@ def reservation_update(
                     reservation=reservation, start=new_start, end=new_end)
             period = DateTimeTZRange(new_start, new_end, "[)")
             _repoint_allocations(reservation=reservation, period=period, started=keeps_nodes, now=now, actor=actor)
+            for guard in window_change_guards:
+                guard(reservation, period)
             reservation.period = period
         reservation.save()
         audit_record(actor=actor, action="reservation.update", obj=reservation, tenant_id=reservation.tenant_id,
