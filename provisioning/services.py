@@ -407,7 +407,9 @@ def _storage_left_for(cluster: VirtualCluster) -> int:
     accepted here can no longer make another cluster of the tenant fail for lack of storage when it is
     provisioned."""
     tenant = _lock_tenant_storage(cluster.tenant_id)
-    period = cluster.reservation.period
+    # The window as it is now, read under the lock: the caller's copy was read before it, and a move of the
+    # booking (storage_window_guard holds this lock) may have committed meanwhile.
+    period = Reservation.objects.values_list("period", flat=True).get(pk=cluster.reservation_id)
     others = (_clusters_sharing_storage(tenant_id=tenant.pk, period=period, exclude_cluster_id=cluster.pk)
               .aggregate(total=Sum("shared_storage_gib"))["total"] or 0)
     return max(0, tenant.storage_quota_tib * 1024 - others)

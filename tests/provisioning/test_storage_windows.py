@@ -140,3 +140,47 @@ def test_two_window_changes_at_once_cannot_both_take_the_same_storage(world, t0,
     moved = [r for r in (b, c) if Reservation.objects.get(pk=r.pk).period.lower == t0]
     assert len(moved) == 1
 
+
+@pytest.mark.django_db(transaction=True)
+def test_a_storage_change_racing_a_move_of_its_own_booking_sees_the_new_window(world, t0, monkeypatch):
+    """The configure read the booking's window before it waited for the tenant row lock: a move of that booking
+    (its cluster holding no storage yet, so accepted) that committed meanwhile onto another booking's window was
+    not seen, and the cluster got the storage the other one holds. The window is read under the lock."""
+    import threading
+
+    from django.db import connection
+
+    from portal.core.exceptions import InvalidInput
+
+    Tenant.objects.filter(slug="alpha").update(storage_quota_tib=1)
+    lead = world.users["alpha-lead"]
+    here = book(world, "alpha-lead", t0)
+    later = book(world, "alpha-lead", t0 + timedelta(days=3))
+    services.cluster_create_for_reservation(reservation_id=here.pk)  # 1024 GiB, the whole quota
+    cluster = services.cluster_create_for_reservation(reservation_id=later.pk)
+    VirtualCluster.objects.filter(pk=cluster.pk).update(shared_storage_gib=0)
+    real_lock = services._lock_tenant_storage
+    seen = {}
+
+    def move_in_other_request():
+        try:
+            seen["moved"] = reservation_update(actor=lead, reservation=later, start=t0, end=t0 + timedelta(hours=2))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            seen["moved"] = exc
+        finally:
+            connection.close()
+
+    def lock_after_a_move(tenant_id):
+        if "started" not in seen:  # the configure has read its cluster and booking; the move commits now
+            seen["started"] = True
+            worker = threading.Thread(target=move_in_other_request)
+            worker.start()
+            worker.join(30)
+        return real_lock(tenant_id)
+
+    monkeypatch.setattr(services, "_lock_tenant_storage", lock_after_a_move)
+    with pytest.raises(InvalidInput) as excinfo:
+        services.cluster_configure(actor=lead, cluster=cluster, shared_storage_gib=1024)
+    assert isinstance(seen["moved"], Reservation), seen
+    assert "at most 0 GiB" in excinfo.value.fields["shared_storage_gib"]
+    assert VirtualCluster.objects.get(pk=cluster.pk).shared_storage_gib == 0
