@@ -950,17 +950,23 @@ def _ensure_volume(cluster_id: int) -> None:
         if cluster.shared_storage_gib == 0:
             return
         # The tenant row lock serialises quota checks of one tenant's clusters.
-        tenant = Tenant.objects.select_for_update(no_key=True).get(pk=cluster.tenant_id)
+        tenant = _lock_tenant_storage(cluster.tenant_id)
         volume = StorageVolume.objects.filter(cluster=cluster).first()
         if (volume is not None and volume.status == VolumeStatus.ACTIVE
                 and volume.size_gib == cluster.shared_storage_gib):
             return
-        used = (StorageVolume.objects.filter(tenant=tenant, status=VolumeStatus.ACTIVE).exclude(cluster=cluster)
+        # Judged as configuring the cluster and changing its booking's window are (_clusters_sharing_storage):
+        # against the volumes of the tenant's clusters whose bookings overlap this one's window. Counting every
+        # active volume refused a booking provisioned ahead of its start while the one before it still ran —
+        # storage its configuration had been promised.
+        period = Reservation.objects.values_list("period", flat=True).get(pk=cluster.reservation_id)
+        sharing = _clusters_sharing_storage(tenant_id=tenant.pk, period=period, exclude_cluster_id=cluster.pk)
+        used = (StorageVolume.objects.filter(tenant=tenant, status=VolumeStatus.ACTIVE, cluster__in=sharing)
                 .aggregate(total=Sum("size_gib"))["total"] or 0)
         quota = tenant.storage_quota_tib * 1024
         if used + cluster.shared_storage_gib > quota:
             raise BackendError(
-                f"storage quota exceeded: {used} GiB in use + {cluster.shared_storage_gib} GiB asked "
+                f"storage quota exceeded: {used} GiB in use in its window + {cluster.shared_storage_gib} GiB asked "
                 f"> {quota} GiB ({tenant.storage_quota_tib} TiB)", transient=False)
         name = f"{tenant.slug}-r{cluster.reservation_id}"
         if volume is None:

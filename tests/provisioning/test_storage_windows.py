@@ -184,3 +184,20 @@ def test_a_storage_change_racing_a_move_of_its_own_booking_sees_the_new_window(w
     assert isinstance(seen["moved"], Reservation), seen
     assert "at most 0 GiB" in excinfo.value.fields["shared_storage_gib"]
     assert VirtualCluster.objects.get(pk=cluster.pk).shared_storage_gib == 0
+
+
+def test_back_to_back_bookings_each_get_the_whole_storage_quota_when_provisioned(world, t0):
+    """Configuration lets two bookings that follow each other hold the whole quota each (their windows do not
+    overlap), but attaching a volume counted every active volume of the tenant whatever its window: the second
+    booking is provisioned half an hour before it starts, while the first still runs with its volume, and its
+    cluster failed with "storage quota exceeded" — storage the configuration had promised it. The volume is now
+    judged as the configuration is: against the volumes of the tenant's clusters whose bookings overlap its own
+    window. Overlapping bookings are still refused."""
+    first, second, (early, late) = _one_tib_tenant_with_two_bookings(world, t0, later_by=timedelta(hours=2))
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    assert services.cluster_provision(cluster_id=early.pk) == ClusterStatus.READY
+    services.lifecycle_tick(now=t0 + timedelta(minutes=110))
+    assert Reservation.objects.get(pk=second.pk).status == "provisioning"
+    assert services.cluster_provision(cluster_id=late.pk) == ClusterStatus.READY, \
+        VirtualCluster.objects.get(pk=late.pk).status_reason
+    assert StorageVolume.objects.active().filter(tenant__slug="alpha").count() == 2
