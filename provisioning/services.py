@@ -329,8 +329,13 @@ def cluster_create_for_reservation(*, reservation_id: int) -> VirtualCluster | N
         if existing is not None or reservation.status not in HOLDING_STATUSES:
             return existing
         caps = pool_capabilities(reservation.pool)
-        tenant = reservation.tenant
-        storage = min(setting_int("PORTAL_DEFAULT_SHARED_STORAGE_GIB", 1024), tenant.storage_quota_tib * 1024)
+        # The default storage, at most what the tenant's clusters overlapping this booking leave (the rule of
+        # cluster_configure, under its lock): a default that overlapped them made one of them fail when provisioned.
+        tenant = _lock_tenant_storage(reservation.tenant_id)
+        others = (_clusters_sharing_storage(tenant_id=tenant.pk, period=reservation.period, exclude_cluster_id=None)
+                  .aggregate(total=Sum("shared_storage_gib"))["total"] or 0)
+        storage = max(0, min(setting_int("PORTAL_DEFAULT_SHARED_STORAGE_GIB", 1024),
+                             tenant.storage_quota_tib * 1024 - others))
         cluster = VirtualCluster.objects.create(
             reservation=reservation,
             tenant=tenant,

@@ -201,3 +201,22 @@ def test_back_to_back_bookings_each_get_the_whole_storage_quota_when_provisioned
     assert services.cluster_provision(cluster_id=late.pk) == ClusterStatus.READY, \
         VirtualCluster.objects.get(pk=late.pk).status_reason
     assert StorageVolume.objects.active().filter(tenant__slug="alpha").count() == 2
+
+
+def test_a_new_cluster_gets_no_more_storage_than_its_window_leaves(world, t0):
+    """A new cluster took the default storage (1 TiB, capped at the quota) whatever the tenant's other clusters in
+    its window held: with a 1 TiB quota, two overlapping bookings each got 1 TiB, and the one provisioned second
+    failed ("storage quota exceeded") when its nodes were due. A new cluster now gets the default capped at what
+    the tenant's overlapping clusters leave; a later booking outside that window still gets the default."""
+    Tenant.objects.filter(slug="alpha").update(storage_quota_tib=1)
+    first = book(world, "alpha-lead", t0)
+    services.cluster_create_for_reservation(reservation_id=first.pk)
+    VirtualCluster.objects.filter(reservation=first).update(shared_storage_gib=768)
+    second = book(world, "alpha-lead", t0 + timedelta(hours=1))
+    apart = book(world, "alpha-lead", t0 + timedelta(days=2))
+    assert services.cluster_create_for_reservation(reservation_id=second.pk).shared_storage_gib == 256
+    assert services.cluster_create_for_reservation(reservation_id=apart.pk).shared_storage_gib == 1024
+    services.lifecycle_tick(now=t0 + timedelta(minutes=50))
+    for reservation in (first, second):
+        cluster = VirtualCluster.objects.get(reservation=reservation)
+        assert services.cluster_provision(cluster_id=cluster.pk) == ClusterStatus.READY, cluster.status_reason
