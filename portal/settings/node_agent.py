@@ -28,3 +28,9 @@ if not CELERY_BROKER_URL:
     )
 
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# A check is acknowledged when it starts (a redelivered burn-in would run twice), so a prefetching agent would take
+# the node's next message while a check runs and hold it unacknowledged: a medium check runs up to an hour and a full
+# one four, past the broker's visibility timeout, when Redis puts the held message back on the queue and the agent
+# then runs that check twice. Without prefetch the next check waits on the queue until the agent is free.
+CELERY_WORKER_DISABLE_PREFETCH = True

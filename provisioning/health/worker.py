@@ -49,9 +49,12 @@ def build_argv(argv: Sequence[str] | None = None) -> list[str]:
         queue = f"node.{host}"
         concurrency = args.concurrency or 1  # one check at a time: medium tests own every GPU
         name = f"health-agent@{host}"
+    # The agent takes no message it cannot start yet (whatever settings module it runs): one held while an
+    # hour-long check runs would go back on the queue at the broker's visibility timeout and run twice.
+    prefetch = ["--disable-prefetch"] if args.mode == "node" else []
     return [
         sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", queue, "-c", str(concurrency),
-        "-n", name, "-l", args.loglevel, "--without-gossip", "--without-mingle", *extra,
+        "-n", name, "-l", args.loglevel, "--without-gossip", "--without-mingle", *prefetch, *extra,
     ]
 
 
