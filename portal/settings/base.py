@@ -208,7 +208,15 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_TIME_LIMIT = env.int("CELERY_TASK_TIME_LIMIT", default=600)
 CELERY_TASK_SOFT_TIME_LIMIT = env.int("CELERY_TASK_SOFT_TIME_LIMIT", default=540)
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# A broker that hangs rather than refuses (Redis paused, a network path dropping packets) must not hold a publish,
+# and with it a web request or a task, for ever: each socket operation gives up after this long (the publish then
+# fails; the caller logs it and the outbox, the tick or the sweeper sends it again).
+CELERY_BROKER_SOCKET_TIMEOUT = env.float("CELERY_BROKER_SOCKET_TIMEOUT", default=5.0)
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 3600,
+    "socket_timeout": CELERY_BROKER_SOCKET_TIMEOUT,
+    "socket_connect_timeout": CELERY_BROKER_SOCKET_TIMEOUT,
+}
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_TASK_ROUTES = {
