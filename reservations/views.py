@@ -284,11 +284,18 @@ def _background(start, end, free: int, total: int, *, all_day: bool = False) -> 
     }
 
 
+def not_bookable_hint(reason: str) -> str:
+    """Why time outside services.bookable_span cannot be booked (reason "past" or "horizon"): the calendar's
+    and the heatmap's tooltip."""
+    if reason == "past":
+        return "Past: a booking starts at the slot running now at the earliest."
+    return f"Beyond the booking horizon of {settings.PORTAL_BOOKING_HORIZON_DAYS} days: not bookable yet."
+
+
 def _not_bookable(start, end, reason: str, total: int, *, all_day: bool = False) -> dict:
     """Shading for time no booking may take now (before the slot running now, or past the horizon): no free
     nodes to book, its own class, and a hint for its tooltip."""
-    hint = ("Past: a booking starts at the slot running now at the earliest." if reason == "past" else
-            f"Beyond the booking horizon of {settings.PORTAL_BOOKING_HORIZON_DAYS} days: not bookable yet.")
+    hint = not_bookable_hint(reason)
     return {
         "start": start.isoformat() if all_day else format_utc(start),
         "end": end.isoformat() if all_day else format_utc(end),
@@ -651,7 +658,8 @@ def reservation_cancel(request, pk: int):
 # --- availability heatmap ---------------------------------------------------------------------
 
 
-def heatmap_rows(*, slots, tz, first_day: date, days: int, now: datetime, total: int) -> list[dict]:
+def heatmap_rows(*, slots, tz, first_day: date, days: int, now: datetime, total: int,
+                 bookable: tuple[datetime, datetime] | None = None) -> list[dict]:
     """Lay slots out as one row per local day and one cell per local hour.
 
     A cell is the local hour's own span of time (60 minutes, or 30/90 around a half-hour DST
@@ -659,9 +667,17 @@ def heatmap_rows(*, slots, tz, first_day: date, days: int, now: datetime, total:
     1440 minutes), on a grid that local hours need not share (+05:30, +05:45). A day on which the
     clocks change repeats an hour (both spans fold into one cell showing the lower count, flagged
     `twice`) or skips one (that cell is None): nothing is ever misplaced.
+
+    bookable is the span a new booking may take now (services.bookable_span): the slots are cut at its
+    bounds, as on the calendar, and a cell none of whose time is bookable shows no free count but why
+    (`not_bookable`: "past" or "horizon", and its `hint`).
     """
     slots = sorted(slots, key=lambda s: s.start)
-    starts = [s.start for s in slots]
+    if bookable is None:
+        parts = [(s.start, s.end, s.free_nodes, None) for s in slots]
+    else:
+        parts = list(_bookable_parts(slots, *bookable))
+    starts = [part[0] for part in parts]
     first = datetime.combine(first_day, datetime.min.time(), tzinfo=tz).astimezone(UTC) - timedelta(hours=3)
     last = datetime.combine(first_day + timedelta(days=days), datetime.min.time(), tzinfo=tz).astimezone(UTC) \
         + timedelta(hours=3)
@@ -680,21 +696,32 @@ def heatmap_rows(*, slots, tz, first_day: date, days: int, now: datetime, total:
         if not first_day <= key[0] < first_day + timedelta(days=days):
             continue
         i = max(bisect.bisect_right(starts, a) - 1, 0)
-        free = None
-        while i < len(slots) and slots[i].start < b:
-            if slots[i].end > a:
-                free = slots[i].free_nodes if free is None else min(free, slots[i].free_nodes)
+        free = reason = None
+        while i < len(parts) and parts[i][0] < b:
+            lo, hi, part_free, part_reason = parts[i]
+            if hi > a:
+                if part_free is not None:
+                    free = part_free if free is None else min(free, part_free)
+                elif reason is None:
+                    reason = part_reason
             i += 1
-        if free is None:
+        if free is None and reason is None:
             continue
         cell = cells.get(key)
-        if cell is None:
-            cells[key] = {"free": free, "start": a, "past": b <= now, "twice": False, "level": _level(free, total)}
-        else:  # the same wall-clock hour again: the clocks went back
+        if cell is not None:  # the same wall-clock hour again: the clocks went back
             cell["twice"] = True
-            cell["free"] = min(cell["free"], free)
-            cell["past"] = cell["past"] and b <= now
-            cell["level"] = _level(cell["free"], total)
+            if free is None:
+                continue
+            if cell["free"] is not None:
+                free = min(cell["free"], free)
+        elif free is None:  # nothing in this hour can be booked now
+            cells[key] = {"free": None, "start": a, "past": reason == "past", "twice": False, "level": None,
+                          "not_bookable": reason, "hint": not_bookable_hint(reason)}
+            continue
+        else:
+            cell = cells[key] = {"start": a, "twice": False}
+        cell.update(free=free, past=b <= now and cell.get("past", True), level=_level(free, total),
+                    not_bookable=None, hint="")
     rows = []
     for i in range(days):
         day = first_day + timedelta(days=i)
@@ -717,10 +744,12 @@ def _heatmap_context(*, refresh: int = HEATMAP_REFRESH_SECONDS) -> dict:
     end = datetime.combine(today + timedelta(days=HEATMAP_DAYS), datetime.min.time(), tzinfo=tz)
     pools = [
         {"pool": pool, "total": total,
-         "rows": heatmap_rows(slots=slots, tz=tz, first_day=today, days=HEATMAP_DAYS, now=now, total=total)}
+         "rows": heatmap_rows(slots=slots, tz=tz, first_day=today, days=HEATMAP_DAYS, now=now, total=total,
+                              bookable=services.bookable_span(pool=pool, now=now))}
         for pool, total, slots in selectors.pool_heatmap(start=start.astimezone(UTC), end=end.astimezone(UTC))
     ]
-    return {"heatmap": pools, "hours": range(24), "updated": now, "refresh": refresh}
+    return {"heatmap": pools, "hours": range(24), "updated": now, "refresh": refresh,
+            "booking_horizon_days": settings.PORTAL_BOOKING_HORIZON_DAYS}
 
 
 @require_safe

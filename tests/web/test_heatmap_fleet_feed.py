@@ -230,3 +230,37 @@ def test_event_times_are_sent_in_utc(world, web, book, t0):
     r = book("alpha-lead", t0)
     events = web("alpha-lead").get("/calendar/events.json", {"start": iso(t0), "end": iso(r.end)}).json()
     assert events[0]["start"].endswith("Z") and events[0]["start"] == iso(t0)
+
+
+def test_heatmap_hours_in_the_past_and_beyond_the_horizon_are_not_bookable(world, web, book, t0, settings):
+    # The heatmap showed free counts past the booking horizon and in the hours gone by, as if they could be
+    # booked, though the service (and the calendar's shading, by services.bookable_span) refuses them. Every
+    # hour cell is bookable exactly when a booking of its slot would be accepted now; the others say why.
+    import re
+
+    settings.PORTAL_BOOKING_HORIZON_DAYS = 2
+    page = web("alpha-viewer").get("/availability/").content.decode()
+    section = page.split('data-pool="h100"')[1]
+    cells = re.findall(r"<td ([^>]*)>(.*?)</td>", section)
+    seen = {"bookable": 0, "past": 0, "horizon": 0}
+    for attrs, text in cells:
+        if "skipped" in attrs:
+            continue
+        start = datetime.fromisoformat(re.search(r'data-start="([^"]+)"', attrs).group(1))
+        refused = services.booking_window_problems(pool=world.pool, start=start, end=start + timedelta(hours=1))
+        reason = re.search(r'data-not-bookable="(\w+)"', attrs)
+        if not refused:
+            seen["bookable"] += 1
+            assert reason is None and re.search(r'data-free="\d"', attrs) and "not-bookable" not in attrs, attrs
+            continue
+        assert reason, (attrs, refused)
+        seen[reason.group(1)] += 1
+        assert "data-free" not in attrs and "not-bookable" in attrs, attrs  # no free count to book
+        assert not re.search(r"\d", text), text
+        if reason.group(1) == "horizon":
+            assert "booking horizon of 2 days" in attrs and start >= timezone.now() + timedelta(days=2) - \
+                timedelta(hours=1), attrs
+        else:
+            assert "past" in attrs and "past" in text and start < timezone.now(), attrs
+    assert seen["bookable"] >= 47 and seen["horizon"] >= 11 * 24
+    assert seen["past"] == timezone.now().hour  # the world's users see UTC: today's hours before this one
