@@ -221,6 +221,20 @@
     openForm(start, end);
   }
 
+  // The hint of the first not-bookable shading [start, end) overlaps, or "" when it overlaps none.
+  var refusedSelection = false;
+  function notBookable(start, end) {
+    var events = cal.getEvents();
+    for (var i = 0; i < events.length; i++) {
+      var ev = events[i];
+      if (ev.display === "background" && ev.extendedProps.bookable === false && ev.start && ev.end &&
+          ev.start < end && ev.end > start) {
+        return ev.extendedProps.hint || "this time cannot be booked.";
+      }
+    }
+    return "";
+  }
+
   function layGrid() {
     var wanted = gridStart(cfg.poolSlots[cfg.pool] || cfg.slotMinutes, viewOffset);
     if (cal && cal.getOption("slotMinTime") !== wanted) { cal.setOption("slotMinTime", wanted); }
@@ -268,6 +282,19 @@
       { id: "reservations", events: reservations },
       { id: "availability", events: availability }
     ],
+    // No selection across time no booking may take now (the past, beyond the booking horizon): the
+    // availability feed shades it not bookable, cut where the service's rule is (services.bookable_span),
+    // and the status line says why instead of the form's preview refusing it.
+    selectAllow: function (info) {
+      var closed = notBookable(info.start, info.end);
+      if (closed) {
+        refusedSelection = true;
+        say("Not bookable: " + closed, "error");
+        return false;
+      }
+      if (refusedSelection) { refusedSelection = false; say(""); }
+      return true;
+    },
     select: function (info) {
       if (!cfg.canBook) { return; }
       if (info.allDay) { selectDays(info.startStr, info.endStr); return; }

@@ -346,3 +346,32 @@ def test_time_beyond_the_booking_horizon_is_shaded_as_not_bookable(world, live_s
     expect(beyond.first).to_have_attribute("title", re.compile("booking horizon of 2 days"))
     expect(page.locator(".legend .sw.not-bookable")).to_be_visible()
     assert page.errors == []
+
+
+def test_a_drag_across_the_past_or_beyond_the_horizon_makes_no_selection_and_says_why(
+        world, live_server, new_page, sign_in, day, settings):
+    """Dragging across time no booking may take (before the slot running now, beyond the booking horizon)
+    still opened the booking form, whose preview then refused it. The calendar does not make such a
+    selection (FullCalendar's selectAllow, by the not-bookable shading's bounds), and its status line says why."""
+    settings.PORTAL_BOOKING_HORIZON_DAYS = 1  # day (two days ahead) lies wholly beyond it
+    page = sign_in(new_page(), "alpha-lead")
+    forms = []
+    page.on("request", lambda r: forms.append(r.url) if "/reservations/new/" in r.url else None)
+    open_day(page, live_server, day)
+    drag(page, day, "10:00", "12:00")
+    status = page.locator("#calendar-status")
+    expect(status).to_contain_text("booking horizon of 1 day")
+    expect(status).to_have_attribute("data-kind", "error")
+    expect(page.locator(".fc-highlight, .fc-event-mirror")).to_have_count(0)
+    yesterday = day - timedelta(days=3)
+    open_day(page, live_server, yesterday)
+    drag(page, yesterday, "10:00", "12:00")
+    expect(page.locator("#calendar-status")).to_contain_text("Past")
+    expect(page.locator("#booking-form")).to_have_count(0)
+    assert forms == []
+    # Bookable time still opens the form.
+    settings.PORTAL_BOOKING_HORIZON_DAYS = 365
+    open_day(page, live_server, day)
+    drag(page, day, "10:00", "12:00")
+    expect(page.locator("#booking-form")).to_be_visible()
+    assert page.errors == []
