@@ -504,3 +504,30 @@ def test_nul_in_the_idempotency_key_header_is_a_400(world, t0):
     bearer.raise_request_exception = False
     bearer.credentials(HTTP_AUTHORIZATION=f"Bearer {world.tokens['alpha-lead']}\x00")
     assert bearer.get("/api/v1/reservations/").status_code == 401
+
+
+@pytest.mark.parametrize("method,url,body,field,noun", [
+    ("get", "/api/v1/availability/", {"pool": "zzz"}, "pool", "pool"),
+    ("post", "/api/v1/quotas/", {"tenant": "zzz", "pool": "h100", "max_nodes": 1}, "tenant", "tenant"),
+    ("post", "/api/v1/quotas/", {"tenant": "alpha", "pool": "zzz", "max_nodes": 1}, "pool", "pool"),
+    ("post", "/api/v1/nodes/", {"hostname": "n9", "pool": "zzz"}, "pool", "pool"),
+    ("post", "/api/v1/memberships/", {"tenant": "alpha", "user": "zzz", "role": "member"}, "user", "user"),
+    ("post", "/api/v1/reservations/", None, "pool", "pool"),  # the wording the others now share
+])
+def test_an_unknown_slug_is_named_in_the_projects_wording_everywhere(world, t0, method, url, body, field, noun):
+    # Availability, quotas, nodes and memberships answered DRF's "Object with name=zzz does not exist."
+    # where the reservation endpoints say "Unknown pool 'zzz'.": one wording, in the field it names.
+    from reservations.models import Node
+    from tenants.models import Membership, Quota
+
+    if body is None:
+        body = {"tenant": "alpha", "pool": "zzz", "node_count": 1, "start": iso(t0),
+                "end": iso(t0 + timedelta(hours=1))}
+    who = "alpha-lead" if url == "/api/v1/reservations/" else "staff"
+    before = [m.objects.count() for m in (Node, Quota, Membership, Reservation)]
+    client = world.client(who)
+    r = client.get(url, body) if method == "get" else client.post(url, body, format="json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid", r.content
+    assert r.json()["fields"] == {field: f"Unknown {noun} 'zzz'."}, r.json()
+    assert f"Unknown {noun} 'zzz'." in r.json()["detail"], r.json()
+    assert before == [m.objects.count() for m in (Node, Quota, Membership, Reservation)]

@@ -77,12 +77,19 @@ class StrictIntegerField(serializers.IntegerField):
 
 class StrictSlugRelatedField(serializers.SlugRelatedField):
     """A slug lookup that takes only a string without NUL (PostgreSQL text cannot hold one): anything
-    else is a 400 naming the field, never a database error."""
+    else is a 400 naming the field, never a database error. An unknown slug reads "Unknown pool 'zzz'."
+    (noun: the field's name unless given), as every endpoint words it, not DRF's "Object with name=zzz
+    does not exist."."""
 
     default_error_messages = {
         "invalid": "Invalid value.",
         "nul": "Must not contain NUL characters.",
+        "does_not_exist": "Unknown {slug_name} {value}.",
     }
+
+    def __init__(self, *, noun: str = "", **kwargs):
+        self.noun = noun
+        super().__init__(**kwargs)
 
     def check_slug(self, data) -> None:
         if not isinstance(data, str):
@@ -90,9 +97,16 @@ class StrictSlugRelatedField(serializers.SlugRelatedField):
         if "\x00" in data:
             self.fail("nul")
 
+    def fail_unknown(self, data) -> None:
+        self.fail("does_not_exist", slug_name=self.noun or (self.field_name or self.slug_field).replace("_", " "),
+                  value=repr(data)[:60])
+
     def to_internal_value(self, data):
         self.check_slug(data)
-        return super().to_internal_value(data)
+        obj = self.get_queryset().filter(**{self.slug_field: data}).first()
+        if obj is None:
+            self.fail_unknown(data)
+        return obj
 
 
 class ScopedSlugRelatedField(StrictSlugRelatedField):
@@ -106,14 +120,12 @@ class ScopedSlugRelatedField(StrictSlugRelatedField):
     as the user's id does.
     """
 
-    default_error_messages = {"does_not_exist": "Unknown {slug_name} {value}."}
     lookup = CompiledLookup(int, str)
 
-    def __init__(self, *, scope, noun: str = "", per_user: bool = True, **kwargs):
+    def __init__(self, *, scope, per_user: bool = True, **kwargs):
         """per_user=False: the scope is the same for every user (pools); otherwise a member's scope
         must bind the user's id into its SQL, or the lookup refuses to compile."""
         self.scope = scope
-        self.noun = noun
         self.per_user = per_user
         super().__init__(**kwargs)
 
@@ -135,6 +147,5 @@ class ScopedSlugRelatedField(StrictSlugRelatedField):
         obj = self.lookup.get(build, user.pk if authenticated else 0, data,
                               shape=(self.scope, self.slug_field, authenticated, staff), optional=optional)
         if obj is None:
-            self.fail("does_not_exist", slug_name=self.noun or self.slug_field.replace("_", " "),
-                      value=repr(data)[:60])
+            self.fail_unknown(data)
         return obj
