@@ -531,3 +531,26 @@ def test_an_unknown_slug_is_named_in_the_projects_wording_everywhere(world, t0, 
     assert r.json()["fields"] == {field: f"Unknown {noun} 'zzz'."}, r.json()
     assert f"Unknown {noun} 'zzz'." in r.json()["detail"], r.json()
     assert before == [m.objects.count() for m in (Node, Quota, Membership, Reservation)]
+
+
+@pytest.mark.parametrize("value", ["yes", "on", "true", "True", "1", 1, 0, "false", "off", "no", 1.0])
+def test_a_boolean_in_a_body_is_json_true_or_false_only(world, value):
+    # burst_enabled took DRF's loose booleans ("yes", "on", 1, "0", …) where integer fields are strict: a
+    # script sending "false" as a string got whatever DRF made of it. Anything but true/false is a 400
+    # naming the field, and nothing changes.
+    from tenants.models import Tenant
+
+    def state():
+        return list(Tenant.objects.order_by("pk").values()), AuditLog.objects.count()
+
+    before = state()
+    client = world.client("staff")
+    for r in (client.post("/api/v1/tenants/", {"slug": "newt", "name": "New", "burst_enabled": value},
+                          format="json"),
+              client.patch("/api/v1/tenants/alpha/", {"burst_enabled": value}, format="json")):
+        assert r.status_code == 400 and r.json()["code"] == "invalid", r.content
+        assert set(r.json()["fields"]) == {"burst_enabled"}, r.json()
+        assert r.json()["fields"]["burst_enabled"] == "Must be true or false (a JSON boolean).", r.json()
+    assert state() == before
+    r = client.patch("/api/v1/tenants/alpha/", {"burst_enabled": False}, format="json")
+    assert r.status_code == 200 and r.json()["burst_enabled"] is False, r.content

@@ -11,8 +11,8 @@ from .statements import CompiledLookup, marker_user
 from .timefmt import format_utc
 
 __all__ = [
-    "DATETIME_MAX", "DATETIME_MIN", "AwareDateTimeField", "in_supported_range", "StrictIntegerField",
-    "StrictSlugRelatedField", "ScopedSlugRelatedField",
+    "DATETIME_MAX", "DATETIME_MIN", "AwareDateTimeField", "in_supported_range", "StrictBooleanField",
+    "StrictIntegerField", "StrictSlugRelatedField", "ScopedSlugRelatedField",
 ]
 
 
@@ -73,6 +73,18 @@ class StrictIntegerField(serializers.IntegerField):
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
         return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """JSON true or false only: not DRF's loose "yes", "on", "1", 1 or "false" (a string a script meant
+    as false)."""
+
+    default_error_messages = {"invalid": "Must be true or false (a JSON boolean)."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
 
 
 class StrictSlugRelatedField(serializers.SlugRelatedField):

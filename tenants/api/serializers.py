@@ -2,7 +2,13 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from portal.core.egress import MAX_URL_LENGTH
-from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField, StrictSlugRelatedField
+from portal.core.fields import (
+    AwareDateTimeField,
+    ScopedSlugRelatedField,
+    StrictBooleanField,
+    StrictIntegerField,
+    StrictSlugRelatedField,
+)
 from reservations.models import Pool
 
 from ..choices import Role
@@ -20,7 +26,7 @@ class TenantOutputSerializer(serializers.ModelSerializer):
 class TenantInputSerializer(serializers.Serializer):
     slug = serializers.RegexField(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$", max_length=50)
     name = serializers.CharField(max_length=120)
-    burst_enabled = serializers.BooleanField(required=False)  # no default: a PATCH would document one
+    burst_enabled = StrictBooleanField(required=False)  # no default: a PATCH would document one
     storage_quota_tib = StrictIntegerField(required=False, min_value=0, max_value=100000)
     vlan_id = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=4094)
     cidr = serializers.CharField(required=False, allow_blank=True, max_length=43)
