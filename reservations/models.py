@@ -85,6 +85,11 @@ class Reservation(models.Model):
     # Of a burst booking's nodes, how many are above the guarantee (as the booking preview showed): usage
     # bills that share of its node-hours at the on-demand rate, the rest as committed. 0 when committed.
     burst_part_nodes = models.PositiveIntegerField(default=0, db_default=0)
+    # What it is billed at, the pool's as it was booked (a later change to the pool's rate or GPUs per node
+    # leaves issued statements alone; an extension keeps them). Left out of an insert (the ORM, raw SQL),
+    # the database fills them from the pool (trigger of migration 0013).
+    on_demand_rate = models.DecimalField(max_digits=10, decimal_places=4, editable=False)
+    gpus_per_node = models.PositiveSmallIntegerField(editable=False)
     # When it was cancelled: usage counts a reservation cancelled while running up to this moment.
     cancelled_at = models.DateTimeField(null=True, blank=True)
     # When its cluster's teardown failed and released its nodes (it ran): usage counts what it held up

@@ -634,9 +634,11 @@ __all__ += [
 
 # --- usage (GPU-hours per tenant, pool and billing) ---------------------------------------
 
-# Node-hours in [start, end) per tenant and pool, committed and burst, split at `now` into used and booked
-# ahead. Of a burst booking's node-hours the share burst_part_nodes / node_count (its nodes above the
-# guarantee, as the booking preview priced them) is burst, the rest committed.
+# GPU-hours in [start, end) per tenant and pool, committed and burst, split at `now` into used and booked
+# ahead; a line per rate and GPUs per node the bookings were billed at (each reservation's own, recorded
+# when it was booked: a pool's later change re-prices nothing), in the order first booked to start. Of a
+# burst booking's node-hours the share burst_part_nodes / node_count (its nodes above the guarantee, as
+# the booking preview priced them) is burst, the rest committed.
 # What counts is what a tenant held: a reservation's active allocations, and those a node swap
 # released up to the swap (replaced_at; one moved whole before its start held nothing) — so a node
 # swapped for a spare counts once, and the hours a degraded booking went without a node do not
@@ -648,7 +650,7 @@ __all__ += [
 # staff retry completes it. One failed while provisioning never ran: it counts nothing.
 USAGE_SQL = """
 WITH spans AS (
-    SELECT r.tenant_id, r.pool_id,
+    SELECT r.tenant_id, r.pool_id, r.gpus_per_node, r.on_demand_rate, lower(r.period) AS booked_start,
            CASE WHEN r.billing = 'burst' THEN r.burst_part_nodes::numeric / r.node_count ELSE 0 END AS burst,
            CASE WHEN a.active THEN a.period
                 WHEN a.replaced_at IS NOT NULL THEN a.period * tstzrange(NULL, a.replaced_at)
@@ -661,36 +663,37 @@ WITH spans AS (
       AND a.period && tstzrange(%(start)s, %(end)s)
       AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
 ), clipped AS (
-    SELECT tenant_id, pool_id, burst, span * tstzrange(%(start)s, %(end)s) AS span FROM spans
+    SELECT tenant_id, pool_id, gpus_per_node, on_demand_rate, booked_start, burst,
+           span * tstzrange(%(start)s, %(end)s) AS span FROM spans
 ), hours AS (
-    SELECT tenant_id, pool_id, burst,
+    SELECT tenant_id, pool_id, gpus_per_node, on_demand_rate, booked_start, burst,
            CASE WHEN isempty(s) THEN 0 ELSE extract(epoch FROM upper(s) - lower(s)) / 3600.0 END AS used,
            CASE WHEN isempty(f) THEN 0 ELSE extract(epoch FROM upper(f) - lower(f)) / 3600.0 END AS ahead
-    FROM (SELECT tenant_id, pool_id, burst,
+    FROM (SELECT tenant_id, pool_id, gpus_per_node, on_demand_rate, booked_start, burst,
                  span * tstzrange(NULL, %(now)s) AS s, span * tstzrange(%(now)s, NULL) AS f
           FROM clipped) parts
 )
-SELECT tenant_id, pool_id, coalesce(sum(used * (1 - burst)), 0), coalesce(sum(used * burst), 0),
+SELECT tenant_id, pool_id, gpus_per_node, on_demand_rate, min(booked_start),
+       coalesce(sum(used * (1 - burst)), 0), coalesce(sum(used * burst), 0),
        coalesce(sum(ahead * (1 - burst)), 0), coalesce(sum(ahead * burst), 0)
 FROM hours
-GROUP BY tenant_id, pool_id
+GROUP BY tenant_id, pool_id, gpus_per_node, on_demand_rate
 """
 
 
 @dataclass
 class UsageLine:
-    """One tenant's use of one pool over a period, in GPU-hours, split into used and booked ahead."""
+    """One tenant's use of one pool over a period, in GPU-hours, split into used and booked ahead, at the GPUs
+    per node and on-demand rate (per GPU-hour) its bookings were billed at when booked."""
 
     tenant: Any
     pool: Pool
+    gpus_per_node: int
+    rate: Decimal
     committed_used: Decimal
     burst_used: Decimal
     committed_ahead: Decimal
     burst_ahead: Decimal
-
-    @property
-    def rate(self) -> Decimal:
-        return Decimal(str(self.pool.on_demand_rate))
 
     @property
     def burst_cost_used(self) -> Decimal:
@@ -705,8 +708,9 @@ def usage_for_period(*, start: datetime, end: datetime, tenant_ids: list[int] | 
                      now: datetime | None = None) -> list[UsageLine]:
     """GPU-hours each tenant (all, or those of tenant_ids) held in each pool in [start, end), one query.
 
-    Committed hours are covered by the quota; burst hours are charged at the pool's on-demand rate
-    (per GPU-hour). Ordered by tenant slug, then pool name.
+    Committed hours are covered by the quota; burst hours are charged at the on-demand rate (per GPU-hour)
+    each booking was booked at. Ordered by tenant slug, then pool name, then the first booking's start:
+    bookings billed at another rate or GPUs per node (the pool changed between them) are a line of their own.
     """
     from tenants.models import Tenant
 
@@ -716,15 +720,15 @@ def usage_for_period(*, start: datetime, end: datetime, tenant_ids: list[int] | 
         rows = cur.fetchall()
     pools = {p.pk: p for p in Pool.objects.filter(pk__in={r[1] for r in rows})}
     tenants = {t.pk: t for t in Tenant.objects.filter(pk__in={r[0] for r in rows})}
-    lines: dict[tuple[int, int], UsageLine] = {}
-    for tenant_id, pool_id, *node_hours in rows:
-        pool = pools[pool_id]
+    lines: list[tuple[datetime, UsageLine]] = []
+    for tenant_id, pool_id, gpus_per_node, rate, first_start, *node_hours in rows:
         committed_used, burst_used, committed_ahead, burst_ahead = (
-            (Decimal(str(h)) * pool.gpus_per_node).quantize(Decimal("0.01")) for h in node_hours)
+            (Decimal(str(h)) * gpus_per_node).quantize(Decimal("0.01")) for h in node_hours)
         if any((committed_used, burst_used, committed_ahead, burst_ahead)):
-            lines[(tenant_id, pool_id)] = UsageLine(tenants[tenant_id], pool, committed_used, burst_used,
-                                                    committed_ahead, burst_ahead)
-    return sorted(lines.values(), key=lambda line: (line.tenant.slug, line.pool.name))
+            lines.append((first_start, UsageLine(tenants[tenant_id], pools[pool_id], gpus_per_node, Decimal(rate),
+                                                 committed_used, burst_used, committed_ahead, burst_ahead)))
+    lines.sort(key=lambda pair: (pair[1].tenant.slug, pair[1].pool.name, pair[0]))
+    return [line for _first, line in lines]
 
 
 __all__ += ["UsageLine", "usage_for_period"]

@@ -364,9 +364,9 @@ _INSERT_BOOKING_TEMPLATE = """
         SELECT %(tenant)s, %(pool)s, %(n)s, %(period)s, %(name)s, %(status)s, '', 0, %(billing)s, %(burst_part)s,
             %(orchestrator)s, %(cuda)s, %(actor)s, %(now)s, %(now)s
         FROM ready
-        RETURNING id
+        RETURNING id, on_demand_rate, gpus_per_node
     ), a AS ({allocations})
-    SELECT id FROM r
+    SELECT id, on_demand_rate, gpus_per_node FROM r
 """
 # Constant fragments only, no input.
 _INSERT_BOOKING_SQL = _INSERT_BOOKING_TEMPLATE.format(
@@ -402,11 +402,12 @@ def _insert_booking(
         row = cur.fetchone()
     if row is None:
         raise _NodeTaken(nodes)
-    (reservation_id,) = row
+    # The rate and GPUs per node it is billed at: the pool's as the insert found them (migration 0013's trigger).
+    reservation_id, rate, gpus_per_node = row
     reservation = Reservation(
         id=reservation_id, tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
-        status=ReservationStatus.CONFIRMED, billing=billing, burst_part_nodes=burst_part, orchestrator=orchestrator,
-        cuda_version=cuda_version,
+        status=ReservationStatus.CONFIRMED, billing=billing, burst_part_nodes=burst_part, on_demand_rate=rate,
+        gpus_per_node=gpus_per_node, orchestrator=orchestrator, cuda_version=cuda_version,
         created_by=actor if _actor_id(actor) else None, created_at=now, updated_at=now,
     )
     reservation._state.adding = False

@@ -145,7 +145,7 @@ def usage_csv(request):
                      "on_demand_rate", "burst_cost", "committed_gpu_hours_ahead", "burst_gpu_hours_ahead",
                      "burst_cost_ahead"])
     for line in lines:
-        writer.writerow([str(month), line.tenant.slug, line.pool.name, line.pool.gpus_per_node, line.committed_used,
+        writer.writerow([str(month), line.tenant.slug, line.pool.name, line.gpus_per_node, line.committed_used,
                          line.burst_used, line.rate, line.burst_cost_used, line.committed_ahead, line.burst_ahead,
                          line.burst_cost_ahead])
     return response

@@ -410,3 +410,50 @@ def test_the_statement_takes_the_same_queries_for_one_line_as_for_many(web, worl
             _reservation(tenant, pool, [node], start, start + 4 * HOUR,
                          billing=Billing.BURST if i % 3 == 0 else Billing.COMMITTED)
     assert counts() == one
+
+
+def test_a_rate_or_gpu_count_changed_later_does_not_change_a_past_statement(web, world):
+    """Burst hours were priced at the pool's on-demand rate when the statement was read, and GPU-hours counted
+    with the pool's GPUs per node then: a rate raised in December re-priced November's issued statement (page,
+    CSV and API alike). A booking keeps the rate and GPUs per node it was booked at; one booked after the change
+    is billed at the new rate, on a line of its own."""
+    from reservations.services import pool_update
+
+    pool = _november(world)  # alpha: 10 h x 1 node x 8 GPUs burst at 2.00; beta: 160 committed
+
+    def statement():
+        page = web("staff").get("/usage/?month=2026-11").content.decode()
+        rows = list(csv.DictReader(io.StringIO(web("staff").get("/usage.csv?month=2026-11").content.decode())))
+        api = world.client("staff").get("/api/v1/usage/?month=2026-11").json()["results"]
+        return page.split("<main", 1)[1], rows, api
+
+    before = statement()
+    assert [(r["tenant"], r["gpus_per_node"], r["on_demand_rate"], r["burst_gpu_hours"], r["burst_cost"],
+             r["committed_gpu_hours"]) for r in before[1]] == [
+        ("alpha", "8", "2.0000", "80.00", "160.00", "0.00"), ("beta", "8", "2.0000", "0.00", "0.00", "160.00")]
+    pool_update(actor=world.users["staff"], pool=pool, on_demand_rate=Decimal("9.0000"), gpus_per_node=4)
+    assert statement() == before
+
+    d = NOV.start + timedelta(days=20)  # booked at the new numbers: 2 h x 1 node x 4 GPUs at 9.00
+    _reservation(world.tenants["alpha"], pool, [pool.nodes.order_by("pk")[5]], d, d + 2 * HOUR,
+                 billing=Billing.BURST)
+    lines = usage_for_period(start=NOV.start, end=NOV.end, tenant_ids=[world.tenants["alpha"].pk], now=NOV.end)
+    assert [(line.gpus_per_node, line.rate, line.burst_used, line.burst_cost_used) for line in lines] == [
+        (8, Decimal("2.0000"), Decimal("80.00"), Decimal("160.00")),
+        (4, Decimal("9.0000"), Decimal("8.00"), Decimal("72.00"))]
+
+
+def test_an_extension_after_a_rate_change_keeps_the_rate_booked(world, t0):
+    """The booking was priced when made; extending it after the pool's rate changed bills all its hours at
+    the rate it was booked at (docs/architecture.md, Usage statements)."""
+    from reservations.services import pool_update, reservation_create, reservation_update
+
+    alpha, lead, pool = world.tenants["alpha"], world.users["alpha-lead"], world.pool
+    pool.refresh_from_db()
+    booked = reservation_create(actor=lead, tenant=alpha, pool=pool, node_count=1, start=t0, end=t0 + 2 * HOUR)
+    assert (booked.on_demand_rate, booked.gpus_per_node) == (pool.on_demand_rate, pool.gpus_per_node)
+    pool_update(actor=world.users["staff"], pool=pool, on_demand_rate=pool.on_demand_rate + 7, gpus_per_node=2)
+    reservation_update(actor=lead, reservation=booked, end=t0 + 4 * HOUR)
+    (line,) = usage_for_period(start=t0, end=t0 + 5 * HOUR, tenant_ids=[alpha.pk], now=t0)
+    assert (line.gpus_per_node, line.rate) == (booked.gpus_per_node, booked.on_demand_rate)
+    assert line.committed_ahead == 4 * booked.gpus_per_node

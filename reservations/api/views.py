@@ -201,6 +201,8 @@ class UsageApi(APIView):
 
     Leads read the tenants they lead, staff every tenant; members and viewers are refused.
     Hours up to now are "used"; what reservations hold for the rest of the month is "ahead".
+    Each booking is billed at the pool's on-demand rate and GPUs per node as they were when it was booked
+    (an extension keeps them): a pool changed later gives the bookings made after it a line of their own.
     """
 
     permission_classes = [IsAuthenticated]
@@ -229,7 +231,7 @@ class UsageApi(APIView):
         body = {
             "month": str(month), "start": month.start, "end": month.end,
             "results": [{
-                "tenant": line.tenant.slug, "pool": line.pool.name, "gpus_per_node": line.pool.gpus_per_node,
+                "tenant": line.tenant.slug, "pool": line.pool.name, "gpus_per_node": line.gpus_per_node,
                 "on_demand_rate": line.rate, "committed_gpu_hours": line.committed_used,
                 "burst_gpu_hours": line.burst_used, "burst_cost": line.burst_cost_used,
                 "committed_gpu_hours_ahead": line.committed_ahead, "burst_gpu_hours_ahead": line.burst_ahead,

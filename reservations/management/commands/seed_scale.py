@@ -190,7 +190,9 @@ class Command(BaseCommand):
         res_buf, alloc_buf = io.StringIO(), io.StringIO()
         res_columns, res_extra = _columns(Reservation, [
             "id", "tenant_id", "pool_id", "node_count", "period", "name", "status", "status_reason", "billing",
-            "orchestrator", "cuda_version", "created_by_id", "created_at", "updated_at"])
+            "orchestrator", "cuda_version", "created_by_id", "created_at", "updated_at", "on_demand_rate",
+            "gpus_per_node"])
+        billed_at = {pool.pk: f"{pool.on_demand_rate}\t{pool.gpus_per_node}" for pool in pools}  # as booked now
         alloc_columns, alloc_extra = _columns(Allocation, [
             "id", "reservation_id", "node_id", "period", "kind", "active", "note", "created_by_id", "created_at"])
         n_res = 0
@@ -230,7 +232,8 @@ class Command(BaseCommand):
                         tenant = tenants[rng.randrange(len(tenants))]
                         res_buf.write(
                             f"{res_id}\t{tenant.pk}\t{members[0][1]}\t{size}\t{period}\tscale-{res_id}\t{status}\t\t"
-                            f"{rng.choice(billing)}\t{rng.choice(orchestrators)}\t12.8\t\\N\t{created}\t{created}{res_extra}\n"
+                            f"{rng.choice(billing)}\t{rng.choice(orchestrators)}\t12.8\t\\N\t{created}\t{created}\t"
+                            f"{billed_at[members[0][1]]}{res_extra}\n"
                         )
                         active = "f" if cancelled else "t"
                         for node_id, _, _ in members:
