@@ -80,6 +80,7 @@ FAMILIES = {
     "portal_pool_available_nodes_average": ("gauge", "always"),
     "portal_pool_utilization_ratio": ("gauge", "always"),
     "portal_reservations": ("gauge", "always"),
+    "portal_usage_gpu_seconds": ("gauge", "always"),
     "portal_virtual_clusters": ("gauge", "provisioning"),
     "portal_virtual_cluster_failures_last_hour": ("gauge", "provisioning"),
     "portal_provisioning_phase_duration_seconds": ("histogram", "provisioning"),
@@ -175,6 +176,7 @@ class PortalCollector:
         sections = [
             ("fleet", lambda: self._fleet(now)),
             ("reservations", self._reservations),
+            ("usage", lambda: self._usage(now)),
             ("provisioning", lambda: self._provisioning(tables)),
             ("health", lambda: self._health(tables)),
             ("notifications", lambda: self._notifications(tables)),
@@ -308,6 +310,51 @@ class PortalCollector:
             for status in ReservationStatus.values:
                 for billing in Billing.values:
                     family.add_metric([name, status, billing], counts[(pid, status, billing)])
+        yield family
+
+    # --- usage ------------------------------------------------------------------------------
+
+    def _usage(self, now: datetime) -> Iterator[Metric]:
+        """GPU-hours used so far this UTC calendar month per tenant, pool and billing, in GPU-seconds (Prometheus'
+        base unit; a panel divides by 3600): the usage statement's
+        "used" columns, from its own SQL (selectors.USAGE_SQL: each booking at the GPUs per node it was booked
+        at), with the names joined in — one statement. Its cost is bounded by this month's allocations (read
+        through the period index); its series by the tenant-pool pairs with a quota or a booking this month,
+        x 2 billings. A month-to-date gauge: it falls back to 0 when a month begins."""
+        from reservations.models import Pool
+        from reservations.selectors import USAGE_SQL
+        from reservations.usage import parse_month
+        from tenants.models import Quota, Tenant
+
+        month = parse_month(None, now=now)
+        family = GaugeMetricFamily(
+            "portal_usage_gpu_seconds",
+            "GPU-seconds held so far this UTC calendar month, by tenant, pool and billing (the usage statement's "
+            "GPU-hours x 3600).",
+            labels=["tenant", "pool", "billing"])
+        # Every tenant with a quota in a pool has its two series, at 0 before any booking (a panel reads 0,
+        # not "No data"), and so has any other pair with hours this month.
+        for slug, pool, committed, burst in _rows(
+            f"""
+            WITH u AS (
+                SELECT tenant_id, pool_id, sum(committed_used * gpus_per_node) AS committed,
+                       sum(burst_used * gpus_per_node) AS burst
+                FROM ({USAGE_SQL}) AS usage (tenant_id, pool_id, gpus_per_node, on_demand_rate, first_start,
+                                            committed_used, burst_used, committed_ahead, burst_ahead)
+                GROUP BY tenant_id, pool_id
+            ), pairs AS (
+                SELECT tenant_id, pool_id FROM {_q(Quota._meta.db_table)} UNION SELECT tenant_id, pool_id FROM u
+            )
+            SELECT t.slug, p.name, coalesce(u.committed, 0), coalesce(u.burst, 0)
+            FROM pairs JOIN {_q(Tenant._meta.db_table)} t ON t.id = pairs.tenant_id
+            JOIN {_q(Pool._meta.db_table)} p ON p.id = pairs.pool_id
+            LEFT JOIN u ON u.tenant_id = pairs.tenant_id AND u.pool_id = pairs.pool_id
+            ORDER BY t.slug, p.name
+            """,  # noqa: S608
+            {"start": month.start, "end": month.end, "now": now, "tenants": None},
+        ):
+            family.add_metric([slug, pool, "committed"], float(committed) * 3600)
+            family.add_metric([slug, pool, "burst"], float(burst) * 3600)
         yield family
 
     # --- apps that may not exist yet --------------------------------------------------------

@@ -23,7 +23,7 @@ from .conftest import scrape
 pytestmark = pytest.mark.django_db
 
 ROOT = Path(__file__).resolve().parents[2]
-DB_SECTIONS = ("fleet", "reservations", "provisioning", "health", "notifications", "events")
+DB_SECTIONS = ("fleet", "reservations", "usage", "provisioning", "health", "notifications", "events")
 
 
 def seconds(duration: str) -> float:
