@@ -16,7 +16,7 @@ What one reservation gets, all in its own namespace ``tenant-<slug>-r<id>``:
 - NetworkPolicies: default-deny (ingress and egress), allow within the namespace,
   allow DNS to kube-dns in ``kube-system``;
 - a ServiceAccount, and a Role + RoleBinding making it the tenant's admin in the namespace;
-- a PersistentVolumeClaim for the shared storage;
+- a PersistentVolumeClaim for the shared storage (none when the booking asked for none);
 - per node: a label ``gpuportal.io/tenant=<slug>`` (plus reservation and CUDA labels), a
   taint ``dedicated=<slug>:NoSchedule`` and an annotation holding the window end, and the
   inverse patch for teardown.
@@ -202,10 +202,11 @@ class TenantClusterSpec:
             errors.append("node_hostnames has duplicates")
         errors += [f"node hostname {h!r} is not a DNS-1123 subdomain"
                    for h in self.node_hostnames if not is_dns_subdomain(h)]
-        for field_name in ("gpus_per_node", "shared_storage_gib", "default_memory_per_gpu_gib",
-                           "default_cpu_per_gpu"):
+        for field_name in ("gpus_per_node", "default_memory_per_gpu_gib", "default_cpu_per_gpu"):
             if getattr(self, field_name) < 1:
                 errors.append(f"{field_name} must be at least 1")
+        if self.shared_storage_gib < 0:
+            errors.append("shared_storage_gib must not be negative")
         if self.window_end.tzinfo is None or self.window_end.utcoffset() is None:
             errors.append("window_end must be timezone-aware")
         if not is_label_value(self.cuda_version) or not self.cuda_version:
@@ -506,8 +507,9 @@ def tenant_objects(spec: TenantClusterSpec) -> list[Manifest]:
 
     Quota, limits and network policies come before anything a tenant could run, so that
     nothing ever runs unbounded or unisolated, even for the seconds between two requests.
+    A reservation without shared storage (0 GiB) gets no PersistentVolumeClaim.
     """
-    return [
+    objects = [
         namespace_manifest(spec),
         resource_quota_manifest(spec),
         limit_range_manifest(spec),
@@ -515,8 +517,10 @@ def tenant_objects(spec: TenantClusterSpec) -> list[Manifest]:
         service_account_manifest(spec),
         role_manifest(spec),
         role_binding_manifest(spec),
-        shared_pvc_manifest(spec),
     ]
+    if spec.shared_storage_gib:
+        objects.append(shared_pvc_manifest(spec))
+    return objects
 
 
 # --- Drift ---

@@ -143,7 +143,7 @@ class KubernetesBackend(ProvisioningBackend):
                 api_server_url=self.api_server_url,
                 api_ca_data=self.api_ca_data,
                 storage_class=self.storage_class,
-                shared_storage_gib=max(1, ctx.shared_storage_gib),
+                shared_storage_gib=ctx.shared_storage_gib,
                 default_memory_per_gpu_gib=ctx.default_memory_per_gpu_gib,
                 mig_profile=ctx.mig_profile or None,
                 mig_instances_per_gpu=ctx.mig_instances_per_gpu if ctx.mig_profile else None,
@@ -207,6 +207,8 @@ class KubernetesBackend(ProvisioningBackend):
     def attach_storage(self, ctx: ClusterContext) -> PhaseResult:
         spec = self.spec(ctx)
         pvcs = [m for m in tenant_objects(spec) if m["kind"] == "PersistentVolumeClaim"]
+        if not pvcs:
+            return PhaseResult(detail="no shared storage asked for: no volume claim")
         if not self.render_only:
             self._call("apply shared volume", self.applier.apply_all, pvcs)
         name = pvcs[0]["metadata"]["name"]

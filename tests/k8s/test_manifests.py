@@ -442,3 +442,11 @@ def test_claim_of_a_whole_gpu_booking_leaves_an_operators_mig_layout_alone() -> 
     node = make_node("h100-sxm-001", labels={"nvidia.com/mig.config": "custom-layout"})
     claimed = merge_patch(node, m.node_claim_patch(make_spec(), node, now=NOW))
     assert claimed["metadata"]["labels"]["nvidia.com/mig.config"] == "custom-layout"
+
+
+def test_no_shared_storage_means_no_volume_claim_and_no_storage_quota() -> None:
+    spec = make_spec(shared_storage_gib=0)
+    assert "PersistentVolumeClaim" not in [obj["kind"] for obj in m.tenant_objects(spec)]
+    assert m.resource_quota_manifest(spec)["spec"]["hard"]["requests.storage"] == "0Gi"
+    with pytest.raises(ValueError, match="shared_storage_gib"):
+        make_spec(shared_storage_gib=-1)

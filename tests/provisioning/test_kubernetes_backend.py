@@ -901,3 +901,23 @@ def test_a_node_registered_in_capitals_is_the_kubelets_lowercase_node(world, t0,
     with pytest.raises(SystemExit):
         call_command("reconcile", "--backend", "kubernetes")
     assert f"kubernetes: node {host}: portal says failed, the node is schedulable" in capsys.readouterr().out
+
+
+def test_a_cluster_without_shared_storage_gets_no_volume_claim(world, t0, k8s):
+    # No storage asked for: no PVC (not a 1Gi one), and a quota that lets the tenant claim none either.
+    reservation = book(world, "alpha-lead", t0, hours=2, nodes=1, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(hours=1))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    services.cluster_configure(actor=world.users["alpha-lead"], cluster=cluster, shared_storage_gib=0)
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    cluster.refresh_from_db()
+
+    applied = [yaml.safe_load(r.body) for r in k8s.of("PATCH")
+               if r.headers["content-type"] == "application/apply-patch+yaml"]
+    assert "PersistentVolumeClaim" not in [obj["kind"] for obj in applied]
+    quota = next(obj for obj in applied if obj["kind"] == "ResourceQuota")
+    assert quota["spec"]["hard"]["requests.storage"] == "0Gi"
+    assert "shared_pvc" not in cluster.connection
+    # Nor is a claim that was never made missing to reconcile.
+    assert [d for d in services.reconcile(fix=False) if "PersistentVolumeClaim" in d["name"]] == []
