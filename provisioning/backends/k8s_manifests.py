@@ -12,7 +12,7 @@ What one reservation gets, all in its own namespace ``tenant-<slug>-r<id>``:
   pin its pods to the reservation's nodes and give them the matching toleration, and
   with Pod Security Admission ``baseline`` enforced;
 - a ResourceQuota on ``requests.nvidia.com/gpu`` (or the MIG resource), pods and storage;
-- a LimitRange with default container memory and CPU requests;
+- a LimitRange with default container memory and CPU requests (no default limit);
 - NetworkPolicies: default-deny (ingress and egress), allow within the namespace,
   allow DNS to kube-dns in ``kube-system``;
 - a ServiceAccount, and a Role + RoleBinding making it the tenant's admin in the namespace;
@@ -348,10 +348,14 @@ def resource_quota_manifest(spec: TenantClusterSpec) -> Manifest:
 
 
 def limit_range_manifest(spec: TenantClusterSpec) -> Manifest:
-    """Build container defaults: memory request = limit and a CPU request, per GPU.
+    """Build container defaults: a memory and a CPU request, per GPU, and no default limit.
 
-    There is deliberately no GPU entry. A default GPU limit would hand every container,
-    sidecars and CPU-only helpers included, a GPU; and a ``max`` alone is no safer,
+    No default memory limit: the LimitRanger admission plugin gives a container without a limit the
+    default one, and the API server then refuses any container whose request exceeds it ("must be less
+    than or equal to memory limit"), so a job asking for more than one GPU's memory without a limit of its
+    own would not be admitted. The nodes are the reservation's alone: a container without a limit can only
+    overcommit its own tenant's node. There is deliberately no GPU entry either. A default GPU limit
+    would hand every container, sidecars and CPU-only helpers included, a GPU; and a ``max`` alone is no safer,
     because the API server defaults a missing ``default`` to ``max``, which would give every
     container a whole node's GPUs. A LimitRange also cannot scale by a container's GPU
     count, so these defaults are right for one-GPU containers; larger jobs set their own.
@@ -365,9 +369,7 @@ def limit_range_manifest(spec: TenantClusterSpec) -> Manifest:
             "limits": [
                 {
                     "type": "Container",
-                    # Memory is incompressible: limit = request, so nodes are not overcommitted
-                    # into OOM kills. CPU gets a request only; CPU limits throttle data loaders.
-                    "default": {"memory": memory},
+                    # Requests only (see above); CPU limits would also throttle data loaders.
                     "defaultRequest": {"memory": memory, "cpu": str(spec.default_cpu_per_gpu)},
                 }
             ]

@@ -224,7 +224,6 @@ def test_quota_with_mig_counts_slices() -> None:
 def test_limit_range_sets_memory_and_cpu_but_no_gpu() -> None:
     (item,) = m.limit_range_manifest(make_spec())["spec"]["limits"]
     assert item["type"] == "Container"
-    assert item["default"] == {"memory": "120Gi"}
     assert item["defaultRequest"] == {"memory": "120Gi", "cpu": "12"}
     # No GPU default and no GPU max: a max alone would be defaulted into every container's limit.
     assert not any("nvidia.com" in key for section in item.values() if isinstance(section, dict)
@@ -450,3 +449,14 @@ def test_no_shared_storage_means_no_volume_claim_and_no_storage_quota() -> None:
     assert m.resource_quota_manifest(spec)["spec"]["hard"]["requests.storage"] == "0Gi"
     with pytest.raises(ValueError, match="shared_storage_gib"):
         make_spec(shared_storage_gib=-1)
+
+
+def test_a_container_asking_more_memory_than_the_default_without_a_limit_is_admitted() -> None:
+    # The LimitRanger admission plugin sets a missing limit to the LimitRange's default, then validation
+    # refuses a request above its limit ("must be less than or equal to memory limit"). A multi-GPU job
+    # that requests 4 GPUs' memory and sets no limit must not be refused for it.
+    (item,) = m.limit_range_manifest(make_spec())["spec"]["limits"]
+    requests = {"memory": "480Gi", "nvidia.com/gpu": "4"}
+    for key, limit in (item.get("default") or {}).items():
+        if key in requests:
+            assert m.parse_quantity(requests[key]) <= m.parse_quantity(limit), f"{key} request above its default limit"
