@@ -48,6 +48,7 @@ from .k8s_manifests import (
     WINDOW_END_ANNOTATION,
     NodeClaimConflict,
     TenantClusterSpec,
+    dns_label,
     drifted_fields,
     tenant_objects,
 )
@@ -285,6 +286,14 @@ class KubernetesBackend(ProvisioningBackend):
                 except BackendError as exc:
                     drifts.append(Drift("unknown", f"reservation-{ctx.reservation_id}", exc.message))
         wanted_ids = {str(ctx.reservation_id) for ctx in wanted}
+        # A namespace or claim labelled for a tenant the portal does not know is not ours (another portal on
+        # the same cluster, an operator's copy): never reported or deleted. One without a tenant label is.
+        known = None if tenants is None else {dns_label(slug) for slug in tenants}
+
+        def foreign(obj: dict[str, Any]) -> bool:
+            tenant = ((obj.get("metadata") or {}).get("labels") or {}).get(TENANT_LABEL)
+            return known is not None and tenant is not None and tenant not in known
+
         # Read everything before changing anything: an API server that does not answer leaves a
         # report (BackendError), not repairs nobody was told about.
         missing = {holder for holder, spec in built.items()
@@ -313,7 +322,7 @@ class KubernetesBackend(ProvisioningBackend):
         for ns in listed:
             meta = ns.get("metadata") or {}
             holder = (meta.get("labels") or {}).get(RESERVATION_LABEL)
-            if holder not in wanted_ids:
+            if holder not in wanted_ids and not foreign(ns):
                 orphan_namespaces.setdefault(holder or "", []).append(meta["name"])
                 if meta.get("deletionTimestamp") or (ns.get("status") or {}).get("phase") == "Terminating":
                     terminating.add(meta["name"])
@@ -322,7 +331,7 @@ class KubernetesBackend(ProvisioningBackend):
                     "orphan", meta["name"], "namespace has no live booking", fix=fix,
                     repair=lambda name=meta["name"]: self._call("delete orphan", self.applier.delete_namespace, name)))
         drifts += self._reconcile_claims(claimed, wanted_ids, built, missing, orphan_namespaces, terminating, fix=fix,
-                                         ctx_of=ctx_of, guard=guard)
+                                         ctx_of=ctx_of, guard=guard, foreign=foreign)
         return drifts
 
     def _object_drifts(self, objects: list[tuple[dict[str, Any], dict[str, Any] | None]], ctx: ClusterContext, *,
@@ -439,7 +448,8 @@ class KubernetesBackend(ProvisioningBackend):
                           built: dict[str, TenantClusterSpec], rebuilt: set[str],
                           orphan_namespaces: dict[str, list[str]], terminating: set[str], *,
                           fix: bool, ctx_of: dict[str, ClusterContext] | None = None,
-                          guard: RepairGuard | None = None) -> list[Drift]:
+                          guard: RepairGuard | None = None,
+                          foreign: Callable[[dict[str, Any]], bool] | None = None) -> list[Drift]:
         """Node claims (labels, window-end annotation, ``dedicated`` taint) both ways.
 
         A claim of a reservation that is not live is lifted, and so is a built cluster's claim on a
@@ -448,7 +458,8 @@ class KubernetesBackend(ProvisioningBackend):
         are looked at, and only the ``dedicated`` taint of the claim's own tenant is removed. As in
         teardown, a dead reservation's claim is lifted only once its namespace is gone, so no tenant
         pod is on a node handed back. A claim made or renewed for a built cluster goes through guard
-        (see reconcile): a teardown lifting the claims meanwhile must not find them put back.
+        (see reconcile): a teardown lifting the claims meanwhile must not find them put back. A claim
+        ``foreign`` says is not ours (a tenant the portal does not know) is never lifted.
         """
         drifts: list[Drift] = []
         ctx_of = ctx_of or {}
@@ -481,7 +492,7 @@ class KubernetesBackend(ProvisioningBackend):
                         repair=lambda spec=spec, hostname=hostname: self._call(
                             "claim node", self.applier.claim_node, spec, hostname),
                         ctx=ctx_of.get(holder), guard=guard))
-            if holder in wanted_ids:
+            if holder in wanted_ids or (foreign is not None and foreign(node)):
                 continue
             detail = f"claimed for reservation {holder} (tenant {labels.get(TENANT_LABEL, '?')}), which is not live"
             remaining = [name for name in orphan_namespaces.get(holder, []) if not self._namespace_gone(name)]

@@ -921,3 +921,22 @@ def test_a_cluster_without_shared_storage_gets_no_volume_claim(world, t0, k8s):
     assert "shared_pvc" not in cluster.connection
     # Nor is a claim that was never made missing to reconcile.
     assert [d for d in services.reconcile(fix=False) if "PersistentVolumeClaim" in d["name"]] == []
+
+
+def test_reconcile_leaves_namespaces_and_claims_of_a_tenant_the_portal_does_not_know_alone(world, k8s, capsys):
+    # `tenants` narrows "ours" (backends/base.py): a namespace and a node claim labelled for a tenant the
+    # portal has no record of (another portal instance on the same cluster, an operator's copy) are not the
+    # portal's to report or delete, however they are labelled.
+    from django.core.management import call_command
+
+    host = world.nodes[-1].hostname
+    claim_by_hand(k8s, host, reservation_id=99997, tenant="ops-team")
+    namespace = "tenant-ops-team-r99997"
+    k8s.namespaces[namespace] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": namespace, "labels": {m.MANAGED_BY_LABEL: m.MANAGED_BY, m.TENANT_LABEL: "ops-team",
+                                      m.RESERVATION_LABEL: "99997"}}}
+
+    call_command("reconcile", "--backend", "kubernetes", "--fix")
+    assert "0 drifts" in capsys.readouterr().out
+    assert namespace in k8s.namespaces and "status" not in k8s.namespaces[namespace]
+    assert is_claimed(k8s, host)
