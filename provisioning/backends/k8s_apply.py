@@ -59,6 +59,7 @@ from .k8s_manifests import (
     NodeClaimConflict,
     TenantClusterSpec,
     _parse_rfc3339,
+    admission_probe_pod,
     claim_release_patch,
     kubeconfig_yaml,
     node_claim_patch,
@@ -404,6 +405,19 @@ class TenantClusterApplier:
             else:
                 refused.append(f"{ref}: {why}")
         return evicted, refused
+
+    # --- Admission ---
+
+    def admission_dry_run(self, spec: TenantClusterSpec) -> dict[str, Any]:
+        """Create the probe pod in the reservation's namespace with ``dryRun=All`` (nothing is stored, nothing
+        runs) and return the pod as admission left it (see ``k8s_manifests.admission_gaps``)."""
+        try:
+            response = self._core.create_namespaced_pod(
+                spec.namespace, admission_probe_pod(spec), dry_run="All", _preload_content=False,
+                _request_timeout=self.request_timeout)
+        except ApiException as exc:
+            raise K8sApplyError(f"dry-run pod in {spec.namespace} failed: {exc.status} {exc.reason}") from exc
+        return _json(response)
 
     # --- Whole lifecycle ---
 

@@ -7,9 +7,10 @@ or validated against the published schemas in tests.
 
 What one reservation gets, all in its own namespace ``tenant-<slug>-r<id>``:
 
-- the Namespace, labelled with tenant and reservation, annotated so that the optional
-  ``PodNodeSelector`` / ``PodTolerationRestriction`` admission plugins (where enabled)
-  pin its pods to the reservation's nodes and give them the matching toleration, and
+- the Namespace, labelled with tenant and reservation, annotated so that the
+  ``PodNodeSelector`` / ``PodTolerationRestriction`` admission plugins (which the cluster must
+  enable; ``admission_gaps`` checks a dry-run pod for their effect) pin its pods to the
+  reservation's nodes and give them the matching toleration, and
   with Pod Security Admission ``baseline`` enforced;
 - a ResourceQuota on ``requests.nvidia.com/gpu`` (or the MIG resource), pods and storage;
 - a LimitRange with default container memory and CPU requests (no default limit);
@@ -523,6 +524,40 @@ def tenant_objects(spec: TenantClusterSpec) -> list[Manifest]:
     if spec.shared_storage_gib:
         objects.append(shared_pvc_manifest(spec))
     return objects
+
+
+# --- Admission check ---
+
+ADMISSION_PROBE_NAME = "gpu-portal-admission-check"
+
+
+def admission_probe_pod(spec: TenantClusterSpec) -> Manifest:
+    """A pod with no node selector and no tolerations, created with ``dryRun=All`` in the reservation's namespace:
+    what the API server answers shows what its admission plugins would add to a tenant's pod."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": ADMISSION_PROBE_NAME, "namespace": spec.namespace, "labels": _labels(spec)},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "containers": [{"name": "probe", "image": "registry.k8s.io/pause:3.9",
+                            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}}}],
+        },
+    }
+
+
+def admission_gaps(spec: TenantClusterSpec, admitted: Mapping[str, Any]) -> list[str]:
+    """What the admitted probe pod lacks for the tenant's pods to run on the reservation's nodes only: the
+    namespace's node selector (``PodNodeSelector``) and the toleration of its nodes' taint
+    (``PodTolerationRestriction``). [] when both admission plugins acted."""
+    pod_spec = admitted.get("spec") or {}
+    gaps = []
+    if (pod_spec.get("nodeSelector") or {}).get(RESERVATION_LABEL) != str(spec.reservation_id):
+        gaps.append(f"PodNodeSelector (no {RESERVATION_LABEL}={spec.reservation_id} node selector added)")
+    wanted = _tenant_toleration(spec)
+    if not any(all(t.get(k) == v for k, v in wanted.items()) for t in pod_spec.get("tolerations") or []):
+        gaps.append(f"PodTolerationRestriction (no {TAINT_KEY}={spec.tenant_label} toleration added)")
+    return gaps
 
 
 # --- Drift ---

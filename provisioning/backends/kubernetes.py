@@ -48,6 +48,7 @@ from .k8s_manifests import (
     WINDOW_END_ANNOTATION,
     NodeClaimConflict,
     TenantClusterSpec,
+    admission_gaps,
     dns_label,
     drifted_fields,
     tenant_objects,
@@ -102,6 +103,12 @@ def _cluster_entry(kubeconfig: str, context: str | None) -> tuple[str, str]:
         # A relative path is relative to the kubeconfig's folder, as kubectl and the client read it.
         ca = (Path(kubeconfig).parent / cluster["certificate-authority"]).read_text()
     return cluster["server"], ca or _RENDER_ONLY_CA
+
+
+def _accepts_pods(namespace: dict[str, Any] | None) -> bool:
+    """Whether a namespace as read from the API server is there and not terminating."""
+    return namespace is not None and not ((namespace.get("metadata") or {}).get("deletionTimestamp")
+                                          or (namespace.get("status") or {}).get("phase") == "Terminating")
 
 
 class KubernetesBackend(ProvisioningBackend):
@@ -228,7 +235,18 @@ class KubernetesBackend(ProvisioningBackend):
             return PhaseResult(detail="render-only: nothing to verify")
         if not self._call("read namespace", self.applier.namespace_exists, spec):
             raise BackendError(f"namespace {spec.namespace} is missing")
-        return PhaseResult(detail=f"namespace {spec.namespace} exists")
+        self._check_admission(spec)
+        return PhaseResult(detail=f"namespace {spec.namespace} exists; its pods are pinned to the booked nodes")
+
+    def _check_admission(self, spec: TenantClusterSpec) -> None:
+        """Refuse to hand over a namespace whose pods would not be kept on the booked nodes: without the
+        PodNodeSelector and PodTolerationRestriction admission plugins its annotations do nothing, and a
+        tenant's pod without tolerations runs on any free, untainted GPU node. No retry changes that."""
+        gaps = admission_gaps(spec, self._call("admission check", self.applier.admission_dry_run, spec))
+        if gaps:
+            raise BackendError(f"the Kubernetes API server does not pin the tenant's pods to the booked nodes: "
+                               f"enable the admission plugin(s) {'; '.join(gaps)} (see docs/operations.md)",
+                               transient=False)
 
     # --- changes ---
 
@@ -305,6 +323,25 @@ class KubernetesBackend(ProvisioningBackend):
         observed = {holder: [(obj, self._call("read object", self.applier.read_object, obj))
                              for obj in tenant_objects(spec)]
                     for holder, spec in built.items() if holder not in missing}
+        # And whether the API server still pins their pods to the booked nodes (admission plugins switched
+        # off since the hand-over): nothing the portal can repair, so a report for the operators.
+        # A namespace that is going (a teardown) takes no new pod, not even a dry-run one, nor does one whose
+        # booking lost every node (a quota of zero pods): not asked. One refusal (a full pod quota) is reported
+        # for that cluster, not as an unreachable backend.
+        unpinned: dict[str, list[str]] = {}
+        for holder, objects in observed.items():
+            if not (_accepts_pods(objects[0][1]) and built[holder].node_hostnames):
+                continue
+            try:
+                if gaps := admission_gaps(built[holder], self._call(
+                        "admission check", self.applier.admission_dry_run, built[holder])):
+                    unpinned[holder] = gaps
+            except BackendError as exc:
+                refusal = exc.__cause__ or exc.__context__  # the K8sApplyError _call turned into exc
+                if not exc.transient or (refusal is not None and _api_status(refusal) == 403):
+                    drifts.append(Drift("unknown", built[holder].namespace, exc.message))
+                else:
+                    raise
         if live is not None:
             # Read after `wanted`: a reservation provisioned meanwhile is live, not an orphan.
             holders = {((ns.get("metadata") or {}).get("labels") or {}).get(RESERVATION_LABEL) for ns in listed}
@@ -317,6 +354,9 @@ class KubernetesBackend(ProvisioningBackend):
                                          cluster_id=ctx_of[holder].cluster_id, ctx=ctx_of[holder], guard=guard))
         for holder, objects in observed.items():
             drifts += self._object_drifts(objects, ctx_of[holder], fix=fix, guard=guard)
+        drifts += [Drift("mismatch", built[holder].namespace, "the API server does not pin its pods to the booked "
+                         f"nodes: enable the admission plugin(s) {'; '.join(gaps)}")
+                   for holder, gaps in sorted(unpinned.items())]
         orphan_namespaces: dict[str, list[str]] = {}  # reservation id -> its namespaces still there
         terminating: set[str] = set()  # namespaces already going when listed (a teardown in progress)
         for ns in listed:

@@ -148,6 +148,9 @@ class LoopbackApiServer:
     before_node_patch: Callable[[str], None] | None = None
     # Request path -> namespaced object as last server-side applied (GET answers it, DELETE removes it).
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The admission plugins the API server runs that read the tenant namespace's annotations (a dry-run pod
+    # create shows their effect); a cluster without them leaves the pods' node selector and tolerations alone.
+    admission_plugins: set[str] = field(default_factory=lambda: {"PodNodeSelector", "PodTolerationRestriction"})
     _pending_deletes: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -171,7 +174,32 @@ class LoopbackApiServer:
                 if method != "POST":
                     return 405, _status(405, "MethodNotAllowed", f"the server does not allow {method} on eviction")
                 return self._evict(m.group(1), m.group(2), headers, body)
+            if method == "POST" and (m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", path)):
+                return self._create_pod(m.group(1), query, body)
             return self._route(method, path, headers, body)
+
+    def _create_pod(self, namespace: str, query: dict[str, list[str]], body: bytes) -> tuple[int, dict[str, Any]]:
+        """A dry-run pod create: the pod as the namespace's admission plugins (where enabled) would leave it."""
+        if query.get("dryRun") != ["All"]:
+            return 400, _status(400, "BadRequest", "the loopback server only creates pods with dryRun=All")
+        if namespace not in self.namespaces:
+            return 404, _status(404, "NotFound", f'namespaces "{namespace}" not found')
+        pod = json.loads(body)
+        annotations = self.namespaces[namespace]["metadata"].get("annotations") or {}
+        spec = pod.setdefault("spec", {})
+        selector = annotations.get("scheduler.alpha.kubernetes.io/node-selector")
+        if "PodNodeSelector" in self.admission_plugins and selector:
+            for term in selector.split(","):
+                key, _, value = term.partition("=")
+                if spec.setdefault("nodeSelector", {}).get(key, value) != value:
+                    return 403, _status(403, "Forbidden", "pod node label selector conflicts with its namespace "
+                                        "node label selector")
+                spec["nodeSelector"][key] = value
+        tolerations = annotations.get("scheduler.alpha.kubernetes.io/defaultTolerations")
+        if "PodTolerationRestriction" in self.admission_plugins and tolerations:
+            spec["tolerations"] = [*(spec.get("tolerations") or []), *json.loads(tolerations)]
+        pod.setdefault("metadata", {})["namespace"] = namespace
+        return 201, pod
 
     def _list(self, path: str, selector: str) -> tuple[int, dict[str, Any]]:
         """List nodes or namespaces matching an equality/existence label selector (``a=b,c``)."""

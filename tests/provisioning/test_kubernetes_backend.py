@@ -940,3 +940,58 @@ def test_reconcile_leaves_namespaces_and_claims_of_a_tenant_the_portal_does_not_
     assert "0 drifts" in capsys.readouterr().out
     assert namespace in k8s.namespaces and "status" not in k8s.namespaces[namespace]
     assert is_claimed(k8s, host)
+
+
+def test_a_cluster_whose_api_server_does_not_pin_pods_to_the_booked_nodes_is_not_handed_over(world, t0, k8s,
+                                                                                            settings):
+    # Without the PodNodeSelector and PodTolerationRestriction admission plugins the namespace's annotations do
+    # nothing: the tenant's pods land on any untainted node, GPUs nobody booked included. Verify shows it with a
+    # dry-run pod create and fails the cluster rather than hand it over.
+    settings.PORTAL_PROVISIONING_MAX_ATTEMPTS = "1"
+    k8s.admission_plugins = {"PodTolerationRestriction"}
+    reservation = book(world, "alpha-lead", t0, hours=2, nodes=1, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "failed"
+    cluster.refresh_from_db()
+    assert "PodNodeSelector" in cluster.status_reason, cluster.status_reason
+    dry_runs = k8s.of("POST", f"/api/v1/namespaces/tenant-alpha-r{reservation.pk}/pods")
+    assert dry_runs and all(r.query.get("dryRun") == ["All"] for r in dry_runs)
+
+
+def test_verify_checks_the_namespace_pins_pods_to_the_booked_nodes(world, t0, k8s):
+    reservation = book(world, "alpha-lead", t0, hours=2, nodes=1, orchestrator="kubernetes")
+    services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+    assert k8s.of("POST", f"/api/v1/namespaces/tenant-alpha-r{reservation.pk}/pods")
+
+
+def test_reconcile_reports_a_cluster_whose_pods_are_no_longer_pinned_to_its_nodes(world, t0, k8s, capsys):
+    from django.core.management import call_command
+
+    reservation, _cluster = ready_k8s_cluster(world, t0)
+    call_command("reconcile", "--backend", "kubernetes")
+    assert "0 drifts" in capsys.readouterr().out
+    k8s.admission_plugins = set()  # switched off on the API server after the hand-over
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes", "--fix")
+    out = capsys.readouterr().out
+    assert (f"mismatch tenant-alpha-r{reservation.pk}: the API server does not pin its pods to the booked nodes: "
+            "enable the admission plugin(s) PodNodeSelector") in out, out
+    assert "PodTolerationRestriction" in out and "1 drift, 0 repaired" in out
+
+
+def test_a_dry_run_pod_refused_in_one_namespace_is_reported_for_that_cluster_only(world, t0, k8s, capsys):
+    # A tenant that filled its pod quota: the API server refuses even a dry-run pod (403). That cluster's check
+    # is reported; the rest of reconcile goes on (it is not an unreachable backend).
+    from django.core.management import call_command
+
+    reservation, _cluster = ready_k8s_cluster(world, t0)
+    namespace = f"tenant-alpha-r{reservation.pk}"
+    k8s.inject[("POST", f"/api/v1/namespaces/{namespace}/pods")] = [403]
+    with pytest.raises(SystemExit):
+        call_command("reconcile", "--backend", "kubernetes")
+    out = capsys.readouterr().out
+    assert f"unknown {namespace}: admission check: dry-run pod in {namespace} failed: 403" in out, out
+    assert "unreachable" not in out and "1 drift, 0 repaired" in out
