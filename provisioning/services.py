@@ -683,7 +683,8 @@ _ARTEFACTS_RELEASED = (ClusterStatus.TEARING_DOWN, ClusterStatus.DELETED, Cluste
 
 
 def _keep_secrets(cluster_id: int, result: PhaseResult) -> None:
-    """Store the credentials a change produced (a kubeconfig valid to a new end), replacing the old ones."""
+    """Store the credentials a change produced (a kubeconfig valid to a new end), replacing the old ones, and the
+    state the backend keeps about them (when a Kubernetes token expires)."""
     if not result.secrets:
         return
     with transaction.atomic():
@@ -696,6 +697,9 @@ def _keep_secrets(cluster_id: int, result: PhaseResult) -> None:
             return
         for name, plaintext in result.secrets.items():
             _store_secret(cluster, _SECRET_KINDS[name], plaintext, replace=True)
+        if result.backend_state:
+            cluster.backend_state = {**cluster.backend_state, **result.backend_state}
+            cluster.save(update_fields=["backend_state", "updated_at"])
 
 
 def _finish_ready(cluster_id: int, *, done: tuple[str, PhaseResult] | None) -> str:
@@ -1376,6 +1380,7 @@ def lifecycle_tick(*, now: datetime | None = None) -> dict[str, int]:
             "ending": _tick_end(now),
             "reminders": _tick_reminders(now),
             "redispatched": _tick_redispatch(now),
+            "credentials": _tick_renew_credentials(now),
         }
     return {key: value for key, value in report.items() if value}
 
@@ -1390,6 +1395,45 @@ def _each(ids: Any, fn: Callable[[int], object], what: str) -> int:
         except Exception:  # noqa: BLE001 - the scheduler must go on for every other tenant
             logger.exception("lifecycle tick: %s failed for %s", what, item)
     return count
+
+
+# A credential that expires before its booking ends is issued again once this share of its lifetime has passed;
+# a renewal asked for and not done yet (the API server down, the sync retrying) is not asked again before this.
+RENEW_AFTER_LIFETIME_SHARE = 0.75
+RENEW_RESEND_AFTER = timedelta(minutes=10)
+
+
+def _tick_renew_credentials(now: datetime) -> int:
+    """Have a live cluster's kubeconfig issued again (reservation_sync applies the window and issues a new one)
+    when its token, capped by the API server below the booking's end, has used most of its lifetime."""
+    due = []
+    for cluster_id, reservation_id, state, end in VirtualCluster.objects.filter(
+            status__in=LIVE_STATUSES, backend_state__token_expires_at__isnull=False,
+            reservation__status__in=HOLDING_STATUSES, reservation__period__endswith__gt=now,
+    ).values_list("pk", "reservation_id", "backend_state", "reservation__period__endswith"):
+        if state.get("token_expires_at") is None:
+            continue  # the API server said nothing of an expiry
+        try:
+            issued = datetime.fromisoformat(state["token_issued_at"])
+            expires = datetime.fromisoformat(state["token_expires_at"])
+        except (KeyError, TypeError, ValueError):
+            logger.warning("cluster %s: unreadable token expiry in its backend state", cluster_id)
+            continue
+        asked = state.get("token_renewal_asked_at")
+        if (expires < end and now >= issued + (expires - issued) * RENEW_AFTER_LIFETIME_SHARE
+                and (asked is None or now >= datetime.fromisoformat(asked) + RENEW_RESEND_AFTER)):
+            due.append((cluster_id, reservation_id))
+
+    def ask(item: tuple[int, int]) -> bool:
+        cluster_id, reservation_id = item
+        with transaction.atomic():
+            cluster = _lock_cluster(cluster_id)
+            cluster.backend_state = {**cluster.backend_state, "token_renewal_asked_at": now.isoformat()}
+            cluster.save(update_fields=["backend_state", "updated_at"])
+        _send("sync_reservation", reservation_id)
+        return True
+
+    return _each(due, ask, "renewing a kubeconfig")
 
 
 def _tick_create_missing() -> int:

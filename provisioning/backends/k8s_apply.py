@@ -13,7 +13,8 @@
   everything in it) and releases the nodes only once the Namespace is gone, so no tenant
   pod is still on a node when it is handed back. ``teardown`` returns False until then;
   the caller polls (a Celery retry).
-- Credentials: a TokenRequest for the tenant's ServiceAccount, expiring with the window.
+- Credentials: a TokenRequest for the tenant's ServiceAccount, asked to expire with the window; the
+  expiry the API server granted (it may cap it) is returned beside it.
 - Draining a node the portal took out of service: the tenants' pods on it are evicted through
   the ``pods/eviction`` subresource (policy/v1), which honours PodDisruptionBudgets; a 429 is
   "not now" and is reported for a later try, never turned into a plain delete.
@@ -493,6 +494,14 @@ class TenantClusterApplier:
 
     def issue_token(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> str:
         """Request a token for the tenant's ServiceAccount that expires at the window end."""
+        return self.request_token(spec, now=now)[0]
+
+    def request_token(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> tuple[str, datetime | None]:
+        """Request a token asked to expire at the window end; return it and when it really expires.
+
+        The API server may grant less than asked (``--service-account-max-token-expiration``): the
+        answer's ``status.expirationTimestamp`` is the truth (None if it gave none).
+        """
         at = now or datetime.now(UTC)
         body = k8s.AuthenticationV1TokenRequest(
             api_version="authentication.k8s.io/v1",
@@ -509,11 +518,18 @@ class TenantClusterApplier:
             )
         except ApiException as exc:
             raise K8sApplyError(f"token request for {spec.namespace} failed: {exc.status} {exc.reason}") from exc
-        token = (_json(response).get("status") or {}).get("token")
+        status = _json(response).get("status") or {}
+        token = status.get("token")
         if not token:
             raise K8sApplyError(f"token request for {spec.namespace} returned no token")
-        return token
+        return token, _parse_rfc3339(status.get("expirationTimestamp"))
 
     def tenant_kubeconfig(self, spec: TenantClusterSpec, *, now: datetime | None = None) -> str:
         """Issue a token and return the tenant's kubeconfig YAML (a secret: encrypt it at rest)."""
-        return kubeconfig_yaml(spec, self.issue_token(spec, now=now))
+        return self.tenant_credentials(spec, now=now)[0]
+
+    def tenant_credentials(self, spec: TenantClusterSpec, *,
+                           now: datetime | None = None) -> tuple[str, datetime | None]:
+        """The tenant's kubeconfig YAML and when its token expires (see ``request_token``)."""
+        token, expires = self.request_token(spec, now=now)
+        return kubeconfig_yaml(spec, token), expires

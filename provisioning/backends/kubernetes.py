@@ -208,9 +208,9 @@ class KubernetesBackend(ProvisioningBackend):
         if self.render_only:
             return PhaseResult(detail=f"render-only: {len(objects)} objects built for {spec.namespace}")
         applied = self._call("apply namespace objects", self.applier.apply_all, objects)
-        kubeconfig = self._call("issue kubeconfig", self.applier.tenant_kubeconfig, spec)
-        return PhaseResult(secrets={"kubeconfig": kubeconfig},
-                           detail=f"{count_of(len(applied), 'object')} applied in {spec.namespace}")
+        result = self._kubeconfig(spec)
+        result.detail = f"{count_of(len(applied), 'object')} applied in {spec.namespace}{result.detail}"
+        return result
 
     def attach_storage(self, ctx: ClusterContext) -> PhaseResult:
         spec = self.spec(ctx)
@@ -259,9 +259,9 @@ class KubernetesBackend(ProvisioningBackend):
             self._call("release lost nodes", self.applier.release_nodes_not_held, spec)
             # The tenant's token expires with the window it was issued for: an extended booking's
             # kubeconfig would stop working at the old end. A new one lasts to the new end.
-            kubeconfig = self._call("issue kubeconfig", self.applier.tenant_kubeconfig, spec)
-            return PhaseResult(secrets={"kubeconfig": kubeconfig},
-                               detail=f"window end {spec.window_end_rfc3339} applied; new kubeconfig")
+            result = self._kubeconfig(spec)
+            result.detail = f"window end {spec.window_end_rfc3339} applied; new kubeconfig{result.detail}"
+            return result
         return PhaseResult(detail=f"window end {spec.window_end_rfc3339} applied")
 
     def swap_node(self, ctx: ClusterContext, old: str, new: str) -> PhaseResult:
@@ -476,7 +476,22 @@ class KubernetesBackend(ProvisioningBackend):
         """Apply a lost namespace again. Its ServiceAccount is new, so the stored kubeconfig's token no
         longer works: hand a new one back with the repair."""
         self._call("re-apply", self.applier.provision, spec)
-        return PhaseResult(secrets={"kubeconfig": self._call("issue kubeconfig", self.applier.tenant_kubeconfig, spec)})
+        return self._kubeconfig(spec)
+
+    def _kubeconfig(self, spec: TenantClusterSpec) -> PhaseResult:
+        """A new kubeconfig for the tenant, and when its token expires (backend_state ``token_issued_at`` and
+        ``token_expires_at``, ISO 8601). An API server that caps token lifetimes may grant less than the window:
+        the lifecycle tick then has it issued again (reservation_sync) before it runs out."""
+        issued = datetime.now(UTC)
+        kubeconfig, expires = self._call("issue kubeconfig", self.applier.tenant_credentials, spec)
+        state = {"token_issued_at": issued.isoformat(), "token_expires_at": expires.isoformat() if expires else None,
+                 "token_renewal_asked_at": None}
+        detail = ""
+        if expires is not None and expires < spec.window_end:
+            logger.warning("%s: the API server granted a token until %s only, not to the window end %s: it is "
+                           "renewed before then", spec.namespace, expires.isoformat(), spec.window_end_rfc3339)
+            detail = f"; its token expires {expires.strftime('%Y-%m-%dT%H:%M:%SZ')} (renewed before then)"
+        return PhaseResult(secrets={"kubeconfig": kubeconfig}, backend_state=state, detail=detail)
 
     def _namespace_gone(self, name: str) -> bool:
         try:

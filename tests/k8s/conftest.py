@@ -151,6 +151,8 @@ class LoopbackApiServer:
     # The admission plugins the API server runs that read the tenant namespace's annotations (a dry-run pod
     # create shows their effect); a cluster without them leaves the pods' node selector and tolerations alone.
     admission_plugins: set[str] = field(default_factory=lambda: {"PodNodeSelector", "PodTolerationRestriction"})
+    # The API server's --service-account-max-token-expiration, in seconds (None: tokens last as long as asked).
+    token_max_seconds: int | None = None
     _pending_deletes: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -293,8 +295,12 @@ class LoopbackApiServer:
                 return 200, ns
         if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/serviceaccounts/([^/]+)/token", path):
             request = json.loads(body)
-            request["status"] = {"token": f"token-for-{m.group(1)}-{m.group(2)}",
-                                 "expirationTimestamp": "2030-01-01T00:00:00Z"}
+            expires = "2030-01-01T00:00:00Z"
+            if self.token_max_seconds is not None:
+                granted = min(self.token_max_seconds, request["spec"].get("expirationSeconds") or 3600)
+                request["spec"]["expirationSeconds"] = granted
+                expires = (datetime.now(UTC) + timedelta(seconds=granted)).strftime("%Y-%m-%dT%H:%M:%SZ")
+            request["status"] = {"token": f"token-for-{m.group(1)}-{m.group(2)}", "expirationTimestamp": expires}
             return 201, request
         if method == "PATCH" and content_type == "application/apply-patch+yaml":
             obj = yaml.safe_load(body)  # JSON is YAML; the API server parses it as YAML.

@@ -6,7 +6,7 @@ the client would send to a real API server: path, verb, query, headers and body.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -366,3 +366,14 @@ def test_an_eviction_of_a_pod_gone_meanwhile_is_done_and_a_server_error_is_named
     assert evicted == [f"{NS}/gone"]
     assert refused == [f"{NS}/ambiguous: 500 This pod has more than one PodDisruptionBudget, which the eviction "
                        "subresource does not support."]
+
+
+def test_request_token_returns_the_expiry_the_api_server_granted(
+    api_server: LoopbackApiServer, applier: TenantClusterApplier
+) -> None:
+    # --service-account-max-token-expiration: the API server grants less than the window asked for.
+    api_server.token_max_seconds = 3600
+    before = datetime.now(UTC)
+    token, expires = applier.request_token(make_spec(), now=NOW)
+    assert token == f"token-for-{NS}-tenant-admin"
+    assert before + timedelta(minutes=59) <= expires <= datetime.now(UTC) + timedelta(hours=1)

@@ -995,3 +995,36 @@ def test_a_dry_run_pod_refused_in_one_namespace_is_reported_for_that_cluster_onl
     out = capsys.readouterr().out
     assert f"unknown {namespace}: admission check: dry-run pod in {namespace} failed: 403" in out, out
     assert "unreachable" not in out and "1 drift, 0 repaired" in out
+
+
+def test_a_token_the_api_server_grants_for_less_than_the_booking_is_renewed_before_it_expires(world, t0, k8s,
+                                                                                              monkeypatch):
+    # --service-account-max-token-expiration caps the token asked to last to the window's end: the tenant's
+    # kubeconfig would stop working mid-booking. The portal records the granted expiry and the tick has the
+    # cluster's kubeconfig issued again (reservation_sync, as a window change does) before it runs out.
+    k8s.token_max_seconds = 3600
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    cluster.refresh_from_db()
+    expires = timezone.datetime.fromisoformat(cluster.backend_state["token_expires_at"])
+    assert timedelta(minutes=55) < expires - timezone.now() <= timedelta(hours=1)
+    first = ClusterCredential.objects.current().get(cluster=cluster, kind="kubeconfig")
+
+    sent: list = []
+    monkeypatch.setattr(services, "_send", lambda name, *args, countdown=None: sent.append((name, args)))
+    services.lifecycle_tick(now=timezone.now() + timedelta(minutes=10))
+    assert ("sync_reservation", (reservation.pk,)) not in sent  # not due yet
+    services.lifecycle_tick(now=expires - timedelta(minutes=10))
+    assert sent.count(("sync_reservation", (reservation.pk,))) == 1
+    # Asked for and not done yet (the API server down, the sync retrying): not asked again every minute.
+    services.lifecycle_tick(now=expires - timedelta(minutes=9))
+    assert sent.count(("sync_reservation", (reservation.pk,))) == 1
+    tokens = len(k8s.of("POST", f"/api/v1/namespaces/tenant-alpha-r{reservation.pk}/serviceaccounts"))
+    assert services.reservation_sync(reservation_id=reservation.pk) == "updated"
+    assert len(k8s.of("POST", f"/api/v1/namespaces/tenant-alpha-r{reservation.pk}/serviceaccounts")) == tokens + 1
+    renewed = ClusterCredential.objects.current().get(cluster=cluster, kind="kubeconfig")
+    assert renewed.pk != first.pk
+    cluster.refresh_from_db()
+    assert cluster.backend_state["token_renewal_asked_at"] is None  # done: the next renewal is asked on time
+    sent.clear()
+    services.lifecycle_tick(now=timezone.now() + timedelta(minutes=10))
+    assert ("sync_reservation", (reservation.pk,)) not in sent  # the new token is not due yet
