@@ -10,7 +10,7 @@ from portal.core.exceptions import DomainError
 from portal.core.words import count_of
 
 from . import services
-from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
+from .models import ClusterCredential, ClusterTransition, NodeDrain, PoolCapability, StorageVolume, VirtualCluster
 
 
 class TransitionInline(ReadOnlyAdminMixin, admin.TabularInline):
@@ -91,6 +91,17 @@ class StorageVolumeAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
 
     def get_queryset(self, request):
         return StorageVolume.objects.for_user(request.user)
+
+
+@admin.register(NodeDrain)
+class NodeDrainAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    """Read-only: drains a backend could not finish yet (the portal keeps trying; the runbook's
+    PortalNodeDrainStuck says what to clear). A row goes once the drain completes or the node is back."""
+
+    list_display = ["node", "since", "attempts", "next_attempt_at", "last_error"]
+    readonly_fields = list_display
+    list_select_related = ["node"]
+    ordering = ["since"]
 
 
 class PoolCapabilityForm(ShownValuesMixin, forms.ModelForm):

@@ -18,7 +18,7 @@ from .choices import (
     VolumeStatus,
 )
 
-__all__ = ["VirtualCluster", "ClusterTransition", "ClusterCredential", "StorageVolume", "PoolCapability"]
+__all__ = ["VirtualCluster", "ClusterTransition", "ClusterCredential", "StorageVolume", "PoolCapability", "NodeDrain"]
 
 
 class VirtualClusterQuerySet(TenantScopedQuerySet):
@@ -215,3 +215,23 @@ class PoolCapability(models.Model):
 
     def __str__(self) -> str:
         return f"capabilities of {self.pool_id}"
+
+
+class NodeDrain(models.Model):
+    """A drain some backend could not finish yet (a pod's disruption budget said "not now", Slurm jobs still
+    ending): node_sync tries it again with growing waits and the lifecycle tick sends it again once those
+    retries are spent, until it completes (the row is then deleted) or the node is back in service."""
+
+    node = models.OneToOneField("reservations.Node", on_delete=models.CASCADE, related_name="+")
+    # When the drain was first found unfinished: the age operators are alerted on.
+    since = models.DateTimeField(default=timezone.now)
+    attempts = models.PositiveIntegerField(default=0)
+    # When the next try is due (the task's retry); the tick sends one again once this is well past.
+    next_attempt_at = models.DateTimeField(default=timezone.now)
+    last_error = models.CharField(max_length=500, blank=True, default="")
+
+    class Meta:
+        indexes = [models.Index(fields=["next_attempt_at"], name="node_drain_due")]
+
+    def __str__(self) -> str:
+        return f"unfinished drain of node {self.node_id} since {self.since:%Y-%m-%d %H:%M}"

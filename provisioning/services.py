@@ -85,7 +85,7 @@ from .choices import (
 )
 from .conf import setting, setting_float, setting_int
 from .constants import LOCK_BOOKING, LOCK_CLUSTER, LOCK_NODE_SYNC, LOCK_TENANT_NETWORK, LOCK_TICK
-from .models import ClusterCredential, ClusterTransition, PoolCapability, StorageVolume, VirtualCluster
+from .models import ClusterCredential, ClusterTransition, NodeDrain, PoolCapability, StorageVolume, VirtualCluster
 from .selectors import (
     can_download_credentials,
     can_manage_cluster,
@@ -1274,10 +1274,13 @@ def _node_sync_locked(node_id: int) -> dict[str, int]:
                 else:
                     backend.resume_node(node.hostname)
         except BackendError as exc:
-            logger.warning("node %s: %s backend: %s (reconcile will repair)", node.hostname, name, exc.message)
             if out and isinstance(exc, DrainIncomplete):
+                logger.warning("node %s: %s backend: %s (tried again)", node.hostname, name, exc.message)
                 unfinished.append(f"{name}: {exc.message}")
+            else:
+                logger.warning("node %s: %s backend: %s (reconcile will repair)", node.hostname, name, exc.message)
     if not out:
+        NodeDrain.objects.filter(node_id=node_id).delete()  # back in service: nothing left to drain
         return {}
     try:
         outcomes = node_replace_allocations(node=node, reason=f"{node.hostname} is {node.state}")
@@ -1285,9 +1288,27 @@ def _node_sync_locked(node_id: int) -> dict[str, int]:
         outcomes = []
     if unfinished:
         # The bookings have moved; the drain itself is tried again (it is idempotent, and a second move
-        # finds nothing left), until the task's retries run out and reconcile takes over.
-        raise RetryLater(_backoff(1), f"drain of {node.hostname} unfinished: {'; '.join(unfinished)}")
+        # finds nothing left) with growing waits, and the tick sends it again once the task's retries are
+        # spent (_tick_redrive_drains), until it completes: a disruption budget may hold a pod for as long
+        # as its replacement takes to start, Slurm jobs for as long as they take to end.
+        reason = f"drain of {node.hostname} not finished: {'; '.join(unfinished)}"
+        raise RetryLater(_drain_unfinished(node_id, reason), reason)
+    NodeDrain.objects.filter(node_id=node_id).delete()
     return dict(Counter(outcome["result"] for outcome in outcomes))
+
+
+def _drain_unfinished(node_id: int, reason: str) -> float:
+    """Record one more unfinished try of the node's drain; return how long to wait before the next (exponential
+    with jitter, capped by PORTAL_PROVISIONING_RETRY_BACKOFF_MAX_SECONDS, well inside the broker's visibility
+    timeout). Called under the node's sync lock."""
+    now = timezone.now()
+    drain, _ = NodeDrain.objects.get_or_create(node_id=node_id, defaults={"since": now})
+    drain.attempts += 1
+    countdown = _backoff(drain.attempts)
+    drain.next_attempt_at = now + timedelta(seconds=countdown)
+    drain.last_error = without_secrets(reason, limit=500)
+    drain.save(update_fields=["attempts", "next_attempt_at", "last_error"])
+    return countdown
 
 
 def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None) -> str:
@@ -1381,6 +1402,7 @@ def lifecycle_tick(*, now: datetime | None = None) -> dict[str, int]:
             "reminders": _tick_reminders(now),
             "redispatched": _tick_redispatch(now),
             "credentials": _tick_renew_credentials(now),
+            "drains": _tick_redrive_drains(now),
         }
     return {key: value for key, value in report.items() if value}
 
@@ -1556,6 +1578,22 @@ def _remind(cluster_id: int, which: str, *, due: Q | None = None) -> int:
         audit_record(actor=None, action=name, obj=reservation, tenant_id=reservation.tenant_id,
                      after={which: instant.isoformat()})
     return 1
+
+
+def _tick_redrive_drains(now: datetime) -> int:
+    """Send node_changed again for each unfinished drain whose next try is well overdue (the task's retries are
+    spent, or its message was lost) and whose sync is not running. The row's next try moves on first, so the
+    next tick does not send it twice; a drain that completes, or a node back in service, deletes its row."""
+    grace = timedelta(seconds=setting_int("PORTAL_PROVISIONING_REDISPATCH_SECONDS", 180))
+    running = locked_keys(LOCK_NODE_SYNC)
+    due = [node_id for node_id in NodeDrain.objects.filter(next_attempt_at__lte=now - grace)
+           .values_list("node_id", flat=True) if node_id not in running]
+    for node_id in due:
+        with transaction.atomic():
+            if NodeDrain.objects.filter(node_id=node_id, next_attempt_at__lte=now - grace).update(
+                    next_attempt_at=now + grace):
+                _enqueue("node_changed", node_id)
+    return len(due)
 
 
 def _tick_redispatch(now: datetime) -> int:

@@ -84,6 +84,8 @@ FAMILIES = {
     "portal_virtual_clusters": ("gauge", "provisioning"),
     "portal_virtual_cluster_failures_last_hour": ("gauge", "provisioning"),
     "portal_provisioning_phase_duration_seconds": ("histogram", "provisioning"),
+    "portal_node_drains_unfinished": ("gauge", "provisioning"),
+    "portal_node_drain_oldest_age_seconds": ("gauge", "provisioning"),
     "portal_health_checks": ("gauge", "provisioning"),
     "portal_node_health": ("gauge", "provisioning"),
     "portal_repairs_open": ("gauge", "provisioning"),
@@ -374,6 +376,25 @@ class PortalCollector:
             yield family
             yield from self._recent_failures(cluster, tables)
         yield from self._phase_durations(cluster, tables)
+        yield from self._unfinished_drains(tables)
+
+    def _unfinished_drains(self, tables: set[str]) -> Iterator[Metric]:
+        """Drains a backend could not finish yet (the tick drives them on): how many, and the oldest's age."""
+        drain = _optional_model("provisioning", "NodeDrain")
+        if drain is None or drain._meta.db_table not in tables:
+            return
+        (count, oldest), = _rows(
+            f"SELECT count(*), coalesce(extract(epoch FROM now() - min(since)), 0) "  # noqa: S608
+            f"FROM {_q(drain._meta.db_table)}")
+        family = GaugeMetricFamily("portal_node_drains_unfinished",
+                                   "Out-of-service nodes whose drain has not completed yet (tried again).", labels=[])
+        family.add_metric([], count)
+        yield family
+        family = GaugeMetricFamily("portal_node_drain_oldest_age_seconds",
+                                   "How long the oldest unfinished drain has been unfinished (0 when none).",
+                                   labels=[])
+        family.add_metric([], float(oldest))
+        yield family
 
     def _recent_failures(self, cluster: type[Model], tables: set[str]) -> Iterator[Metric]:
         """Clusters that entered the failed phase in the last hour, from the transition log.

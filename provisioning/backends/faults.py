@@ -3,10 +3,13 @@
 PORTAL_PROVISIONING_FAULTS is a comma list of ``operation=action``:
 
 - operations: ``allocating_nodes``, ``configuring_network``, ``attaching_storage``,
-  ``installing_drivers``, ``running_acceptance_tests``, ``teardown``, ``book``, ``swap``;
+  ``installing_drivers``, ``running_acceptance_tests``, ``teardown``, ``book``, ``swap``, ``drain``;
 - actions: ``error`` (a transient backend error every time), ``error:N`` (the first N
   calls per cluster fail, later ones pass), ``fatal`` (a permanent error), ``sleep:S``
-  (wait S seconds, then run the real call; used to kill a worker mid-phase).
+  (wait S seconds, then run the real call; used to kill a worker mid-phase);
+- ``drain=incomplete`` / ``drain=incomplete:N``: a node's drain takes it out of service but cannot
+  empty it (DrainIncomplete, as a pod held by its PodDisruptionBudget or Slurm jobs still ending),
+  every time or on the first N drains of each node (counted per hostname until it is resumed).
 
 Counters for ``error:N`` live in the shared cache, keyed by cluster id and creation time,
 so every worker process sees the same count.
@@ -20,14 +23,14 @@ from typing import Any
 
 from django.core.cache import cache
 
-from .base import BackendError, ClusterContext, PhaseResult, ProvisioningBackend
+from .base import BackendError, ClusterContext, DrainIncomplete, PhaseResult, ProvisioningBackend
 
 __all__ = ["Fault", "parse_faults", "FaultyBackend"]
 
 
 @dataclass(frozen=True)
 class Fault:
-    action: str  # error | fatal | sleep
+    action: str  # error | fatal | sleep | incomplete (drain only)
     value: float | None = None
 
 
@@ -39,8 +42,10 @@ def parse_faults(spec: str) -> dict[str, Fault]:
         if not sep:
             raise ValueError(f"fault {item!r}: expected operation=action")
         name, _, arg = action.strip().partition(":")
-        if name not in ("error", "fatal", "sleep"):
+        if name not in ("error", "fatal", "sleep", "incomplete"):
             raise ValueError(f"fault {item!r}: unknown action {name!r}")
+        if name == "incomplete" and op.strip() != "drain":
+            raise ValueError(f"fault {item!r}: only a drain can be left incomplete")
         if name == "sleep" and not arg:
             raise ValueError(f"fault {item!r}: sleep needs seconds")
         faults[op.strip()] = Fault(name, float(arg) if arg else None)
@@ -111,9 +116,19 @@ class FaultyBackend(ProvisioningBackend):
         return self.inner.status(ctx)
 
     def drain_node(self, hostname: str, reason: str) -> None:
+        fault = self.faults.get("drain")
+        if fault is not None and fault.action == "incomplete":
+            self.inner.drain_node(hostname, reason)  # out of service, as a cordon is; not yet empty
+            key = f"prov-fault:drain:{hostname}"
+            cache.add(key, 0, 86400)
+            if fault.value is None or cache.incr(key) <= fault.value:
+                raise DrainIncomplete(f"node {hostname}: injected fault: 1 tenant job not finished yet")
+            return
+        self._inject("drain", None)
         self.inner.drain_node(hostname, reason)
 
     def resume_node(self, hostname: str) -> None:
+        cache.delete(f"prov-fault:drain:{hostname}")
         self.inner.resume_node(hostname)
 
     def reconcile(self, wanted, *, fix, tenants=None, live=None, guard=None):
