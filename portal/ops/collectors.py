@@ -88,6 +88,7 @@ FAMILIES = {
     "portal_node_drain_oldest_age_seconds": ("gauge", "provisioning"),
     "portal_health_checks": ("gauge", "provisioning"),
     "portal_node_health": ("gauge", "provisioning"),
+    "portal_health_agents_not_answering": ("gauge", "provisioning"),
     "portal_repairs_open": ("gauge", "provisioning"),
     "portal_notification_deliveries": ("gauge", "notifications"),
     "portal_notification_deliveries_last_hour": ("gauge", "notifications"),
@@ -462,6 +463,7 @@ class PortalCollector:
                 yield family
             if verdict and node:
                 yield from self._latest_verdicts(check, node, verdict)
+                yield from self._silent_agents(check, node)
         repair = _optional_model("health", "Repair") or _optional_model("provisioning", "Repair", "NodeRepair")
         if repair is not None and repair._meta.db_table in tables:
             status = _field(repair, "status", "state", "phase")
@@ -502,6 +504,33 @@ class PortalCollector:
             """  # noqa: S608
         )
         _add_counts(family, zeros, (((pool, str(value)), count) for pool, value, count in rows))
+        yield family
+
+    def _silent_agents(self, check: type[Model], node: str) -> Iterator[Metric]:
+        """Non-retired nodes whose latest finished check was never picked up by an agent (it expired
+        unanswered, or the sweep held it back because the node's queue still held the previous one): one
+        database query, no broker call per node."""
+        from reservations.models import Node
+
+        status, started, finished = (_field(check, "status"), _field(check, "started_at"),
+                                     _field(check, "finished_at"))
+        if not (status and started and finished):
+            return
+        (count,), = _rows(
+            f"""
+            SELECT count(*) FROM (
+                SELECT DISTINCT ON ({_q(node)}) {_q(node)} AS node_id, {_q(status)} AS s, {_q(started)} AS st
+                FROM {_q(check._meta.db_table)} WHERE {_q(finished)} IS NOT NULL
+                ORDER BY {_q(node)}, {_q(finished)} DESC, id DESC
+            ) latest
+            JOIN {_q(Node._meta.db_table)} n ON n.id = latest.node_id AND n.state <> 'retired'
+            WHERE latest.s = 'error' AND latest.st IS NULL
+            """  # noqa: S608
+        )
+        family = GaugeMetricFamily("portal_health_agents_not_answering",
+                                   "Non-retired nodes whose health agent did not pick up their latest check.",
+                                   labels=[])
+        family.add_metric([], count)
         yield family
 
     def _notifications(self, tables: set[str]) -> Iterator[Metric]:

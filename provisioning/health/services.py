@@ -288,7 +288,8 @@ def health_sweep(*, level: str = CheckLevel.QUICK) -> list[int]:
     """Queue a scheduled check of every node in service and send them; return the new check ids.
 
     One INSERT … SELECT for the whole fleet; nodes whose previous scheduled check is still
-    open are skipped by the unique constraint, so a slow agent never piles up checks. Nodes staff
+    open are skipped by the unique constraint, so a slow agent never piles up checks, and a node agent whose queue
+    still holds an earlier message gets none (_dispatch_scheduled: a dead one's queue would grow). Nodes staff
     put in maintenance are checked too, but a failure there opens no repair (_staff_maintenance); staff are
     told of it (health_check.failed) once per maintenance period and failure (_staff_told).
     """
@@ -298,7 +299,7 @@ def health_sweep(*, level: str = CheckLevel.QUICK) -> list[int]:
         trigger=CheckTrigger.SCHEDULE, reservation_id=None, user_id=None,
     )
     if ids:
-        transaction.on_commit(lambda: dispatch(ids))
+        transaction.on_commit(lambda: _dispatch_scheduled(ids))
     return ids
 
 
@@ -417,6 +418,53 @@ def _newest_cuda(*versions: str | None) -> str | None:
     if not known:
         return next((v for v in versions if v), None)  # an unreadable one reaches the agent, which says so
     return max(known, key=cuda_major_minor)
+
+
+# What a scheduled check reads when its node's agent has not picked up the previous message.
+AGENT_NOT_ANSWERING = "the agent is not answering"
+
+# kombu's Redis transport keeps a queue's prioritised messages in lists beside the queue's own.
+_PRIORITY_KEYS = ("", *(f"\x06\x16{step}" for step in (3, 6, 9)))
+
+
+def _waiting_in_agent_queues(queues: Sequence[str]) -> dict[str, int]:
+    """Return the messages waiting in each node agent's queue, read in one round trip to the broker
+    ({} when it cannot be read: the checks are then sent as before)."""
+    from . import tasks
+
+    try:
+        with tasks.agent_run.app.connection_for_read() as conn:
+            pipe = conn.default_channel.client.pipeline(transaction=False)
+            for queue in queues:
+                for suffix in _PRIORITY_KEYS:
+                    pipe.llen(f"{queue}{suffix}")
+            lengths = pipe.execute()
+    except Exception:  # noqa: BLE001 - any broker error: send, as before
+        logger.warning("could not read the node agents' queue lengths", exc_info=True)
+        return {}
+    per = len(_PRIORITY_KEYS)
+    return {queue: sum(lengths[i * per:(i + 1) * per]) for i, queue in enumerate(queues)}
+
+
+def _dispatch_scheduled(check_ids: Sequence[int]) -> int:
+    """Send the sweep's checks, but not to a node agent whose queue still holds an earlier message.
+
+    A dead agent (or a node renamed or deleted on its side) reads nothing, and Redis evicts nothing: a message
+    every sweep grew its queue for ever. Such a check is recorded at once as an ``unknown`` error, "the agent is
+    not answering" (as one that expired unanswered), and the first sweep after the agent emptied its queue sends
+    one again. The fleet's shared queue is not held back."""
+    queues = dict(HealthCheck.objects.filter(pk__in=list(check_ids), status=CheckStatus.QUEUED)
+                  .exclude(agent_queue=conf.fleet_queue()).values_list("pk", "agent_queue"))
+    waiting = _waiting_in_agent_queues(sorted(set(queues.values()))) if queues else {}
+    held = {check_id: queue for check_id, queue in queues.items() if waiting.get(queue)}
+    now = _now()
+    for check_id, queue in held.items():
+        HealthCheck.objects.filter(pk=check_id, status=CheckStatus.QUEUED).update(
+            status=CheckStatus.ERROR, verdict=Verdict.UNKNOWN, recommended_action="investigate",
+            error=f"not sent: {waiting[queue]} earlier message(s) still wait in {queue} (the agent does not read it)",
+            summary=AGENT_NOT_ANSWERING, finished_at=now, handled_at=now,
+        )
+    return dispatch([check_id for check_id in check_ids if check_id not in held])
 
 
 def dispatch(check_ids: Sequence[int]) -> int:

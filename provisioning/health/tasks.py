@@ -29,7 +29,7 @@ from celery import shared_task
 from django.db import DatabaseError
 
 from . import conf
-from .choices import CheckStatus
+from .choices import CheckLevel, CheckStatus
 
 __all__ = ["agent_run", "fleet_run", "record_report", "xids_accepted", "checks_started", "sweep", "maintain"]
 
@@ -145,7 +145,10 @@ def record_report(check_id: int, report: dict[str, Any], agent: str | None = Non
     stored = result["recorded"] or HealthCheck.objects.filter(pk=check_id, status=CheckStatus.DONE).exists()
     if agent and stored:
         try:
-            xids_accepted.apply_async(args=[agent, check_id], queue=f"node.{agent}")
+            # It matters until the agent's next check supersedes the receipt; it may wait behind the longest
+            # check the agent runs. A dead agent's queue must not keep it past that (Redis evicts nothing).
+            xids_accepted.apply_async(args=[agent, check_id], queue=f"node.{agent}",
+                                      expires=max(conf.level_timeout_s(level) for level in CheckLevel.values))
         except Exception:  # noqa: BLE001 - the report is stored; unacknowledged XIDs are only reported again
             logger.warning("could not acknowledge check %s to %s", check_id, agent, exc_info=True)
     return result
