@@ -211,6 +211,10 @@ def _clean_duration(form) -> int | None:
     # Asked here, as the quota services will: 0 was refused by the database's constraint as "Quota numbers cannot
     # be negative.", and more than the API takes was saved.
     hours = form.cleaned_data.get("max_duration_hours")
+    if form.instance.pk is not None and hours == form.instance.max_duration_hours:
+        # Saved before the rule and left as it is: it stands (the services judge only a new value), and must not
+        # refuse a change of the quota's other numbers, or of another row on the same page.
+        return hours
     why = services.quota_duration_error(hours)
     if why:
         raise forms.ValidationError(why)

@@ -409,7 +409,13 @@ def quota_duration_error(hours: Any) -> str | None:
     return None
 
 
-def _check_duration(values: dict[str, Any]) -> None:
+def _check_duration(values: dict[str, Any], *, current: Quota | None = None) -> None:
+    """Refuse a max_duration_hours the quota rule does not allow. With current (the quota, locked): only a new
+    value is judged; one saved before the rule (the admin took up to 2^31-1 hours) and sent back unchanged
+    stands, so it does not block changing the quota's other numbers."""
+    if current is not None and values.get("max_duration_hours", current.max_duration_hours) == \
+            current.max_duration_hours:
+        return
     why = quota_duration_error(values.get("max_duration_hours"))
     if why:
         raise InvalidInput(f"max_duration_hours: {why[0].lower()}{why[1:]}", fields={"max_duration_hours": why})
@@ -444,9 +450,9 @@ def quota_update(*, actor, quota: Quota, expected_version: str | None = None, **
     is refused (InvalidState) if the quota was saved since, checked under the lock, so a stale form never
     writes the numbers it showed over a newer edit.
     """
-    _check_duration(changes)
     with transaction.atomic(durable=True):
         quota = _locked_quota(quota.pk)
+        _check_duration(changes, current=quota)
         if expected_version is not None and quota_version(quota) != expected_version:
             raise InvalidState(
                 f"The quota {quota.tenant}/{quota.pool} was changed since you opened it (now max nodes "
@@ -531,12 +537,11 @@ def quota_bulk_update(*, actor, changes: list[tuple[Any, dict[str, Any]]], reaso
     what it showed over a newer edit.
     """
     wanted = {getattr(q, "pk", q): values for q, values in changes}
-    for values in wanted.values():
-        _check_duration(values)
     updated: list[Quota] = []
     with transaction.atomic(durable=True):
         for quota in Quota.objects.select_for_update().filter(pk__in=list(wanted)).order_by("pk"):
             values = wanted[quota.pk]
+            _check_duration(values, current=quota)
             before = _snapshot(quota, QUOTA_FIELDS)
             shown = (expected or {}).get(quota.pk)
             if shown is not None and any(before[key] != value for key, value in shown.items()):

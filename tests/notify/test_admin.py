@@ -973,3 +973,34 @@ def test_a_quota_duration_out_of_range_is_refused_with_its_own_reason(world, sta
         services.quota_bulk_update(actor=world.users["staff"], changes=[(quota.pk, {"max_duration_hours": int(hours)})])
     quota.refresh_from_db()
     assert quota.max_duration_hours is None and not _audits("quota.update")
+
+
+def test_a_duration_saved_before_the_limit_does_not_block_editing_other_numbers(world, staff):
+    """The admin saved any duration up to 2^31-1 hours until it learnt the 8784-hour limit: a quota of 10000
+    hours from then is still in the database. The admin's forms judged that unchanged value on every save, so
+    the quota's page refused a change of its max nodes, and the list's in-place edit of another tenant's row
+    was refused for it ("at most 8784 hours" on a row nobody touched) — a value set earlier must not block
+    changing another field (the services judge only what changes). Changing the duration itself is still
+    judged."""
+    alpha, beta = _quota(world, "alpha"), _quota(world, "beta")
+    Quota.objects.filter(pk=beta.pk).update(max_duration_hours=10000)  # saved before the limit
+
+    url = reverse("admin:tenants_quota_changelist")
+    saved = staff.post(url, _list_page_post(staff.get(url), {alpha.pk: {"max_nodes": 5}}))
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    assert _quota(world, "alpha").max_nodes == 5 and _quota(world, "beta").max_duration_hours == 10000
+
+    page_url = reverse("admin:tenants_quota_change", args=[beta.pk])
+    page = staff.get(page_url)
+    saved = staff.post(page_url, {"max_nodes": 4, "burst_nodes": 1, "max_duration_hours": "10000", "_save": "Save",
+                                  "version": _version(page)})
+    assert saved.status_code == 302, saved.content.decode()[:3000]
+    beta.refresh_from_db()
+    assert (beta.max_nodes, beta.max_duration_hours) == (4, 10000)
+
+    page = staff.get(page_url)
+    refused = staff.post(page_url, {"max_nodes": 4, "burst_nodes": 1, "max_duration_hours": "9000", "_save": "Save",
+                                    "version": _version(page)})
+    assert refused.status_code == 200 and "at most 8784" in refused.content.decode().lower()
+    beta.refresh_from_db()
+    assert beta.max_duration_hours == 10000
