@@ -56,10 +56,12 @@ _LONG_B64 = re.compile(r"(?<![A-Za-z0-9+/_=-])(?=[A-Za-z0-9+/_-]*\d)(?=[A-Za-z0-
 
 
 def _b64_secret(match: re.Match[str]) -> str:
-    # A run with "/" in it may be a path or a URL's ("/var/lib/kubelet/pods/…", "6443/apis/apps/v1/…"): those are
-    # lowercase or start with "/"; a base64 key mixes cases and digits.
+    # A run with "/" in it may be a path or a URL's ("/var/lib/kubelet/pods/…", "6443/apis/apps/v1/…"), one with "-"
+    # or "_" a name the backends are told (a namespace tenant-<slug>-r<id>, a volume, a Slurm reservation, a node's
+    # hostname): those are of one case or start with "/"; a base64 key mixes cases and digits.
     run = match.group()
-    if "/" in run and (run.startswith("/") or not (re.search(r"[a-z]", run) and re.search(r"[A-Z]", run))):
+    one_case = not (re.search(r"[a-z]", run) and re.search(r"[A-Z]", run))
+    if run.startswith("/") or (one_case and re.search(r"[/_-]", run)):
         return run
     return SECRET
 

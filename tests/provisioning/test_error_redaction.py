@@ -40,6 +40,25 @@ def test_without_secrets_keeps_the_message_useful() -> None:
     assert without_secrets("key aGVsbG8gd29y/bGQgdGhpcyBpcyBhIGxvbmcgc2VjcmV0IGtleQ==") == "key [redacted]"
 
 
+def test_long_names_the_backends_are_told_are_not_taken_for_secrets() -> None:
+    """A Kubernetes namespace is tenant-<slug>-r<id> (a slug of up to 50 characters), a claim or volume is named
+    after it, a Slurm reservation <slug>-<id>, a node by its inventory hostname: past 40 characters with a digit
+    in them, each was blanked as a "long base64" run, and the team read "namespace [redacted] is missing",
+    "PVC [redacted] 1024Gi", "node [redacted] is held by another booking" — told nothing of what failed. A
+    name (one case, its words joined by - or _) is kept; a base64 key (both cases) still goes."""
+    namespace = "tenant-computational-biology-research-group-r1234"  # as TenantClusterSpec.namespace names it
+    for plain in (f"namespace {namespace} is missing",
+                  f"PVC {namespace}-shared 1024Gi (standard)",
+                  "claim nodes: node dgx-h100-rack07-u38-cluster-west-2a-0001 is held by another booking",
+                  "claim nodes: node DGX-H100-RACK07-U38-CLUSTER-WEST-2A-0001 is held by another booking",
+                  "scontrol: error: Reservation computational_biology_research_group_1234 not found"):
+        assert len(max(plain.split(), key=len)) >= 40
+        assert without_secrets(plain) == plain
+    for secret in ("aGVsbG8td29ybGQtdGhpcy1pcy1hLWxvbmctc2VjcmV0LWtleQ-Zm9vYmFy",
+                   "Zm9v_YmFyX2Jhel9xdXV4X2NvcmdlX2dyYXVsdF9nYXJwbHkxMjM0NTY3OA"):
+        assert without_secrets(f"key {secret}") == "key [redacted]"
+
+
 def test_a_backend_error_reaches_the_team_without_its_secrets(world, t0, web, monkeypatch,
                                                                django_capture_on_commit_callbacks):
     def fail(self, ctx):
