@@ -82,8 +82,9 @@ def _jsonable(value: Any) -> Any:
 # URL parameters that are secrets (the calendar feed's token): logged as "…", never in full.
 SECRET_URL_KWARGS = ("token",)
 # The same secret in an address that resolves to no view (a feed address with its ".ics" dropped or a slash
-# added, answered 404): the segment after /ical/<slug>/ is blanked whatever matched.
-_SECRET_PATH = re.compile(r"^(/ical/[^/]+/)[^/]+?(\.ics)?(?=/|$)")
+# added, answered 404; "//ical/…" from a client that joins its base address and the path): the segment after
+# /ical/<slug>/ is blanked whatever matched.
+_SECRET_PATH = re.compile(r"^(/+ical/[^/]+/)[^/]+?(\.ics)?(?=/|$)")
 
 
 def loggable_path(request) -> str:

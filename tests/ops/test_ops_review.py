@@ -213,3 +213,35 @@ def test_production_starts_with_the_env_example_and_its_secret_and_says_so_witho
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "mount the metrics_token secret" in proc.stderr
     assert "FileNotFoundError" not in proc.stderr
+
+
+@pytest.mark.django_db
+def test_a_feed_address_with_a_doubled_slash_does_not_log_its_token(world):
+    """A client that joins its base address and the feed's path ("https://portal.example/" + "/ical/…") asks for
+    //ical/<slug>/<token>.ics, which resolves to no view (404): the access log wrote the valid token in full,
+    since only an address starting with exactly one "/ical/" was blanked."""
+    from portal.ops.logging import JsonFormatter, RequestIdFilter
+
+    alpha = world.tenants["alpha"]
+    alpha.ical_token = "alpha-feed-secret-0123456789"
+    alpha.save()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(RequestIdFilter())
+    lg = logging.getLogger("portal.request")
+    old = lg.level
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    path = feed_path(alpha, world.users["alpha-viewer"])
+    token = path.rsplit("/", 1)[1].removesuffix(".ics")
+    try:
+        for mangled in ("/" + path, "///" + path.lstrip("/"), "/" + path.removesuffix(".ics")):
+            # As a server hands it over (the test client would read "//ical" as a host name).
+            assert Client().get("/", PATH_INFO=mangled).status_code == 404, mangled
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(old)
+    logged = stream.getvalue()
+    assert logged.count('"http_status": 404') == 3 and logged.count("//ical/alpha/") == 6, logged
+    assert token not in logged and token[:16] not in logged, logged
