@@ -11,6 +11,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import IntegrityError, connection, transaction
 from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+from django.db.models import F
 from django.utils import timezone
 
 from reservations import selectors
@@ -54,6 +55,15 @@ def test_seed_scale_loads_the_asked_counts_and_keeps_the_schema(seeded):
         "JOIN reservations_node n ON n.id = a.node_id GROUP BY r.id, r.node_count, r.pool_id "
         "HAVING count(*) <> r.node_count OR bool_or(n.pool_id <> r.pool_id)")
     assert list(mismatched) == []
+    # A burst booking bills some of its nodes as burst (usage prices burst_part_nodes of node_count at the
+    # on-demand rate), a committed one none: seeded burst bookings with 0 showed no burst hours at all.
+    assert Reservation.objects.filter(pool__name__startswith="scale-", billing="burst").exists()
+    assert not Reservation.objects.filter(pool__name__startswith="scale-", billing="burst",
+                                          burst_part_nodes__lt=1).exists()
+    assert not Reservation.objects.filter(pool__name__startswith="scale-", billing="burst",
+                                          burst_part_nodes__gt=F("node_count")).exists()
+    assert not Reservation.objects.filter(pool__name__startswith="scale-", billing="committed",
+                                          burst_part_nodes__gt=0).exists()
     # Statuses follow the clock.
     now = timezone.now()
     assert not Reservation.objects.filter(status="completed", period__endswith__gt=now).exists()

@@ -191,7 +191,7 @@ class Command(BaseCommand):
         res_columns, res_extra = _columns(Reservation, [
             "id", "tenant_id", "pool_id", "node_count", "period", "name", "status", "status_reason", "billing",
             "orchestrator", "cuda_version", "created_by_id", "created_at", "updated_at", "on_demand_rate",
-            "gpus_per_node"])
+            "gpus_per_node", "burst_part_nodes"])
         billed_at = {pool.pk: f"{pool.on_demand_rate}\t{pool.gpus_per_node}" for pool in pools}  # as booked now
         alloc_columns, alloc_extra = _columns(Allocation, [
             "id", "reservation_id", "node_id", "period", "kind", "active", "note", "created_by_id", "created_at"])
@@ -230,10 +230,13 @@ class Command(BaseCommand):
                         else:
                             status = ReservationStatus.CONFIRMED
                         tenant = tenants[rng.randrange(len(tenants))]
+                        billed = rng.choice(billing)
+                        # A burst booking has some of its nodes above the guarantee (usage bills those as burst).
+                        burst_part = rng.randint(1, size) if billed == Billing.BURST else 0
                         res_buf.write(
                             f"{res_id}\t{tenant.pk}\t{members[0][1]}\t{size}\t{period}\tscale-{res_id}\t{status}\t\t"
-                            f"{rng.choice(billing)}\t{rng.choice(orchestrators)}\t12.8\t\\N\t{created}\t{created}\t"
-                            f"{billed_at[members[0][1]]}{res_extra}\n"
+                            f"{billed}\t{rng.choice(orchestrators)}\t12.8\t\\N\t{created}\t{created}\t"
+                            f"{billed_at[members[0][1]]}\t{burst_part}{res_extra}\n"
                         )
                         active = "f" if cancelled else "t"
                         for node_id, _, _ in members:
