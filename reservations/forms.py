@@ -233,11 +233,19 @@ class _DefaultedDateField(forms.DateField):
         return data or initial
 
 
+class _DefaultedTypedChoiceField(forms.TypedChoiceField):
+    """A choice box that shows its initial choice when the query leaves it out (?pool=h100 draws the default
+    span, so the box says that span rather than its first option)."""
+
+    def bound_data(self, data, initial):
+        return data or initial
+
+
 class FleetWindowForm(forms.Form):
     DAYS = ((1, "1 day"), (3, "3 days"), (7, "7 days"), (14, "14 days"))
 
     start = _DefaultedDateField(label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}))
-    days = forms.TypedChoiceField(label="Span", choices=DAYS, coerce=int, required=False, empty_value=3)
+    days = _DefaultedTypedChoiceField(label="Span", choices=DAYS, coerce=int, required=False, empty_value=3)
     pool = forms.ModelChoiceField(queryset=Pool.objects.order_by("name"), to_field_name="name", required=False,
                                   empty_label="All pools", label="Pool")
 

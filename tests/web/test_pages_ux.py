@@ -241,3 +241,12 @@ def test_every_time_on_the_reservation_fleet_and_account_pages_names_its_zone(wo
             assert not unzoned_times(html), (path, unzoned_times(html))
             if path in ("/", "/reservations/", page + "panel/", page + "cancel/"):  # the window as a range
                 assert re.search(rf"{start:%H:%M} JST(</time>)? –", html), path
+
+
+@pytest.mark.parametrize("query", [{"pool": "h100"}, {"page": "1"}, {"start": "2030-01-07"}])
+def test_fleet_filter_shows_the_span_it_draws_when_the_query_leaves_it_out(world, web, query):
+    """A fleet link naming only the pool (or a page, or a start) drew the default 3 days while the Span box
+    showed "1 day", its first option: the filter said one thing and the timeline another."""
+    html = web("staff").get("/fleet/", query).content.decode()
+    selected = re.findall(r'<option value="(\d+)"[^>]*selected', _select(html, "days"))
+    assert selected == ["3"], selected
