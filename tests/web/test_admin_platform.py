@@ -1,5 +1,6 @@
 """The Django admin as platform admins (superuser and plain staff) use it: ops pages, tenant forms, maintenance."""
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -739,3 +740,16 @@ def test_a_repair_step_from_the_admin_says_what_it_did(world, staff):
     text = response.content.decode()
     assert f"Repair #{repair.pk}: " in text and f"({world.nodes[0].hostname}): rejoined." not in text
     assert Repair.objects.get(pk=repair.pk).state == "accepted"
+
+
+def test_an_admin_message_naming_a_node_keeps_its_hostname_as_written(world, staff, book, t0):
+    """Django's admin writes every message with capfirst: the refusal read "H100-001 is booked during that
+    window", a hostname no node has (hostnames, tenant slugs and usernames are case-sensitive names)."""
+    book("alpha-lead", t0, nodes=1)
+    booked = Allocation.objects.get(kind=AllocationKind.RESERVATION).node
+    response = staff.post(reverse("admin:reservations_node_changelist"), {
+        "action": "schedule_maintenance", "_selected_action": [booked.pk], "apply": "1",
+        "start": t0.strftime("%Y-%m-%d %H:%M:%S"), "end": (t0 + timedelta(hours=1)).strftime("%Y-%m-%d %H:%M:%S")},
+        follow=True)
+    messages = re.findall(r'<ul class="messagelist">(.*?)</ul>', response.content.decode(), re.S)
+    assert messages and f"{booked.hostname} is booked during that window" in messages[0], messages
