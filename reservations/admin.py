@@ -59,9 +59,9 @@ def quota_conflicts(*, quota: Any, max_nodes: int, burst_nodes: int, max_duratio
         peak = selectors.tenant_peak_usage(tenant_id=quota.tenant_id, pool_id=quota.pool_id, start=start, end=end)
         reasons = []
         if peak > limit:
-            reasons.append(f"the tenant holds up to {peak} nodes then; the new limit is {limit}")
+            reasons.append(f"the tenant holds up to {count_of(peak, 'node')} then; the new limit is {limit}")
         elif peak > max_nodes:
-            reasons.append(f"up to {peak} nodes then: beyond the {max_nodes} guaranteed (burst)")
+            reasons.append(f"up to {count_of(peak, 'node')} then: beyond the {max_nodes} guaranteed (burst)")
         hours = (reservation.period.upper - reservation.period.lower).total_seconds() / 3600
         if max_duration_hours is not None and hours > max_duration_hours:
             reasons.append(f"{hours:g} h long; the new maximum is {max_duration_hours} h")

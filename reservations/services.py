@@ -26,6 +26,7 @@ from portal.core.exceptions import (
 )
 from portal.core.services import audit_record, refuse_stale
 from portal.core.timefmt import format_utc
+from portal.core.words import count_of
 from tenants.choices import BOOKING_ROLES, Role
 from tenants.models import Tenant
 from tenants.selectors import role_of
@@ -270,7 +271,7 @@ def _classify_billing(
     if peak + node_count <= limit:
         return Billing.BURST, min(node_count, peak + node_count - max_nodes)
     raise QuotaExceeded(
-        f"{tenant.slug} already holds up to {peak} {pool.name} nodes in that window; "
+        f"{tenant.slug} already holds up to {count_of(peak, f'{pool.name} node')} in that window; "
         f"{node_count} more exceeds the limit of {limit}"
         + (f" ({max_nodes} guaranteed + {burst_nodes} burst)." if burst_enabled else ".")
     )

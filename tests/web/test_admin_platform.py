@@ -1,5 +1,6 @@
 """The Django admin as platform admins (superuser and plain staff) use it: ops pages, tenant forms, maintenance."""
 
+import html
 import re
 from datetime import timedelta
 
@@ -753,3 +754,16 @@ def test_an_admin_message_naming_a_node_keeps_its_hostname_as_written(world, sta
         follow=True)
     messages = re.findall(r'<ul class="messagelist">(.*?)</ul>', response.content.decode(), re.S)
     assert messages and f"{booked.hostname} is booked during that window" in messages[0], messages
+
+
+def test_lowering_a_quota_below_one_booked_node_counts_it_in_the_singular(world, staff, book, t0):
+    """The confirmation page read "the tenant holds up to 1 nodes then; the new limit is 0"."""
+    book("alpha-lead", t0, nodes=1)
+    quota = world.tenants["alpha"].quotas.get(pool=world.pool)
+    url = reverse("admin:tenants_quota_change", args=[quota.pk])
+    version = re.search(r'<input type="hidden" name="version" value="([^"]*)"', staff.get(url).content.decode())
+    response = staff.post(url, {"max_nodes": 0, "burst_nodes": 0, "max_duration_hours": "", "_save": "Save",
+                                "version": html.unescape(version.group(1))})
+    page = response.content.decode()
+    assert "Lower a quota below what is booked?" in page
+    assert "the tenant holds up to 1 node then; the new limit is 0" in page, page

@@ -301,3 +301,11 @@ def test_the_booking_forms_suggestions_and_confirmation_name_the_zone_of_each_ti
     done = client.post("/reservations/new/", _data(world, t0, name="wanted", **window), **HTMX).content.decode()
     assert f"{later:%a %-d %b %H:%M} JST – {later + timedelta(hours=2):%a %-d %b %H:%M} JST" in done, done
     assert not unzoned_times(done), unzoned_times(done)
+
+
+def test_quota_refusal_counts_one_node_in_the_singular(world, web, book, t0):
+    """With one node held the refusal read "alpha already holds up to 1 h100 nodes in that window"."""
+    book("alpha-lead", t0, nodes=1, hours=2)
+    page = web("alpha-lead").post("/reservations/new/", _data(world, t0, node_count=4), **HTMX).content.decode()
+    assert "already holds up to 1 h100 node in that window; 4 more exceeds the limit of 4" in page, page
+    assert Reservation.objects.count() == 1
