@@ -603,7 +603,8 @@ def _change_from_page(request, pk: int, *, form_for, field: str, refused: str, d
 
 
 def _extended(reservation) -> str:
-    return f"Reservation #{reservation.pk} now ends {timezone.localtime(reservation.end):%a %d %b %H:%M %Z}."
+    end = date_format(timezone.localtime(reservation.end), services.PAGE_TIME_FORMAT)  # as the pages write it
+    return f"Reservation #{reservation.pk} now ends {end}."
 
 
 def _renamed(reservation) -> str:

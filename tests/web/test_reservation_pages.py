@@ -7,6 +7,8 @@ import zoneinfo
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.utils import timezone
+from django.utils.formats import date_format
 
 from reservations import services
 from tests.conftest import iso, next_fall_back
@@ -401,3 +403,19 @@ def test_a_stale_rename_never_overwrites_a_rename_made_since(world, web, book, t
     assert client.post(f"/reservations/{r.pk}/rename/", {**fields, "name": "mine"}).status_code == 302
     r.refresh_from_db()
     assert r.name == "mine"
+
+
+def test_extend_message_writes_the_new_end_as_the_pages_do(world, web, book):
+    """The message after an extension read "now ends Sun 06 Dec 20:00 CET" under buttons saying
+    "ends Sun 6 Dec 20:00 CET": a zero-padded day nowhere else on the pages."""
+    today = timezone.now().date()
+    first = (today.replace(day=1) + timedelta(days=62)).replace(day=1)  # the 1st, a month or two ahead
+    start = datetime(first.year, first.month, 1, 9, tzinfo=UTC)
+    r = book("alpha-lead", start)
+    client = web("alpha-lead")
+    client.post("/account/", {"tz": "Europe/Berlin"})
+    client.post(f"/reservations/{r.pk}/extend/", {"end": iso(r.end + timedelta(hours=1))})
+    r.refresh_from_db()
+    shown = date_format(timezone.localtime(r.end, zoneinfo.ZoneInfo("Europe/Berlin")), "D j M H:i T")
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    assert f"Reservation #{r.pk} now ends {shown}." in page, re.findall(r"now ends[^<]*", page)
