@@ -55,7 +55,7 @@ def audit_log(request):
         {"entry": e, "tenant": tenants.get(e.tenant_id, ""),
          # Field names and coded values in words (the admin shows them as stored).
          "change": format_change(e.before or {}, e.after or {}, label=field_words, value=field_value_words),
-         "object": object_name(e.object_type), "url": _object_url(e.object_type, e.object_id)}
+         "object": object_name(e.object_type), "url": object_url(e.object_type, e.object_id)}
         for e in page.object_list
     ]
     return render(request, "core/audit_list.html", {
@@ -77,7 +77,8 @@ def object_name(label: str) -> str:
         return label
 
 
-def _object_url(label: str, object_id: str) -> str:
+def object_url(label: str, object_id: str) -> str:
+    """The page of an audited object ("" where it has none): the audit page's and the dashboard's links."""
     name = _OBJECT_PAGES.get(label)
     if name is None or not (object_id.isascii() and object_id.isdigit()):
         return ""

@@ -250,3 +250,16 @@ def test_fleet_filter_shows_the_span_it_draws_when_the_query_leaves_it_out(world
     html = web("staff").get("/fleet/", query).content.decode()
     selected = re.findall(r'<option value="(\d+)"[^>]*selected', _select(html, "days"))
     assert selected == ["3"], selected
+
+
+def test_dashboard_activity_says_which_cluster_a_row_is_about(world, web, book, t0):
+    """Every booking adds a "Cluster requested" row; the dashboard's recent activity listed ten of them, each
+    "Sun 6 Dec 16:55 CET — Cluster requested by the system", with nothing to tell one from another."""
+    from provisioning.services import cluster_create_for_reservation
+
+    reservation = book("alpha-lead", t0, hours=2)
+    cluster = cluster_create_for_reservation(reservation_id=reservation.pk)
+    dashboard = web("alpha-lead").get("/").content.decode()
+    activity = dashboard[dashboard.index('id="activity-title"'):dashboard.index('id="upcoming-title"')]
+    assert re.search(rf'Cluster requested\s*<a href="/clusters/{cluster.pk}/">#{cluster.pk}</a>', activity), activity
+    assert f'<a href="/reservations/{reservation.pk}/">#{reservation.pk}</a>' in activity  # as before

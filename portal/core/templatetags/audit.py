@@ -184,3 +184,11 @@ def field_value_words(key: str, value):
     if key in CODED_FIELDS and isinstance(value, str) and value:
         return value.replace(".", " ").replace("_", " ").capitalize()
     return value
+
+
+@register.filter
+def audit_object_url(entry) -> str:
+    """The page of an audit row's object (a reservation's, a cluster's), or "" where it has none."""
+    from ..views import object_url
+
+    return object_url(entry.object_type, entry.object_id)
