@@ -263,3 +263,22 @@ def test_dashboard_activity_says_which_cluster_a_row_is_about(world, web, book, 
     activity = dashboard[dashboard.index('id="activity-title"'):dashboard.index('id="upcoming-title"')]
     assert re.search(rf'Cluster requested\s*<a href="/clusters/{cluster.pk}/">#{cluster.pk}</a>', activity), activity
     assert f'<a href="/reservations/{reservation.pk}/">#{reservation.pk}</a>' in activity  # as before
+
+
+def test_cluster_health_names_the_level_of_each_nodes_latest_check_in_full(world, web, book, t0):
+    """Beside each node the cluster's health page wrote the level cut to one word with an ellipsis,
+    "Medium … · 2026-12-06 16:58 CET", as if something had been left out."""
+    from django.utils import timezone
+
+    from provisioning.health.models import HealthCheck
+    from provisioning.services import cluster_create_for_reservation
+
+    reservation = book("alpha-lead", t0, hours=2)
+    cluster = cluster_create_for_reservation(reservation_id=reservation.pk)
+    node = reservation.allocations.get().node
+    HealthCheck.objects.create(node=node, reservation=reservation, level="medium", trigger="acceptance",
+                               status="done", verdict="pass", summary="all checks passed",
+                               finished_at=timezone.now())
+    html = web("alpha-lead").get(f"/health/clusters/{cluster.pk}/").content.decode()
+    heading = re.search(rf'data-node="{node.hostname}">\s*<h3>(.*?)</h3>', html, re.S).group(1)
+    assert "…" not in heading and "medium check" in heading, heading
