@@ -19,9 +19,10 @@
   }
 
   // One formatter for every label: building an Intl formatter per call costs more than the rendering.
+  // Each time names its zone ("Tue 8 Dec, 13:00 CET"), as the pages' times do.
   var whenFormat = new Intl.DateTimeFormat(undefined, {
     timeZone: cfg.tz, weekday: "short", day: "numeric", month: "short", hour: "2-digit", minute: "2-digit",
-    hour12: false
+    hour12: false, timeZoneName: "short"
   });
 
   function when(iso) {
@@ -29,7 +30,7 @@
   }
 
   var timeFormat = new Intl.DateTimeFormat(undefined, { timeZone: cfg.tz, hour: "2-digit", minute: "2-digit",
-                                                        hour12: false });
+                                                        hour12: false, timeZoneName: "short" });
 
   // An event's whole label, for its tooltip and accessible name: its box may be too small for the time and
   // title it shows, and its colour alone is no way to say its status (or that it is billed as burst).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zoneinfo
 from datetime import timedelta
 
 import pytest
@@ -375,3 +376,31 @@ def test_a_drag_across_the_past_or_beyond_the_horizon_makes_no_selection_and_say
     drag(page, day, "10:00", "12:00")
     expect(page.locator("#booking-form")).to_be_visible()
     assert page.errors == []
+
+
+def test_a_moved_booking_is_reported_with_its_zone(world, live_server, new_page, sign_in, day):
+    """After a drag the status line said "Reservation #64 moved: Wed 9 Dec, 12:00 – Wed 9 Dec, 13:00." with
+    no zone, where every other time on the pages names it ("12:00 CET")."""
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+    mine = services.reservation_create(actor=world.users["alpha-member"], tenant=world.tenants["alpha"],
+                                       pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    page = sign_in(new_page(tz="Europe/Berlin"), "alpha-member")
+    open_day(page, live_server, day)
+    event = page.locator(f".fc-event[data-reservation-id='{mine.pk}']")
+    box = event.bounding_box()
+    lane = page.locator("td.fc-timegrid-slot-lane").first.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + 8
+    with page.expect_response(lambda r: f"/api/v1/reservations/{mine.pk}/" in r.url
+                              and r.request.method == "PATCH") as answer:
+        page.mouse.move(x, y)
+        page.mouse.down()
+        page.mouse.move(x, y + lane["height"], steps=4)
+        page.mouse.move(x, y + lane["height"] * 2, steps=4)
+        page.mouse.up()
+    assert answer.value.status == 200, answer.value.text()
+    mine.refresh_from_db()
+    expect(page.locator("#calendar-status")).to_contain_text("moved")
+    status = page.locator("#calendar-status").inner_text()
+    zone = mine.start.astimezone(berlin).strftime("%Z")  # CET (CEST in summer)
+    assert f"{mine.start.astimezone(berlin):%H:%M} {zone}" in status, status
+    assert f"{mine.end.astimezone(berlin):%H:%M} {zone}" in status, status
