@@ -270,10 +270,14 @@ def _classify_billing(
     limit = max_nodes + (burst_nodes if burst_enabled else 0)
     if peak + node_count <= limit:
         return Billing.BURST, min(node_count, peak + node_count - max_nodes)
+    # The burst part only where there is one; "already holds up to 0 nodes" only where something is held.
+    parts = f" ({max_nodes} guaranteed + {burst_nodes} burst)." if burst_enabled and burst_nodes else "."
+    if peak == 0:
+        raise QuotaExceeded(f"{count_of(node_count, f'{pool.name} node')} exceed{'s' if node_count == 1 else ''} "
+                            f"{tenant.slug}'s limit of {limit}{parts}")
     raise QuotaExceeded(
         f"{tenant.slug} already holds up to {count_of(peak, f'{pool.name} node')} in that window; "
-        f"{node_count} more exceeds the limit of {limit}"
-        + (f" ({max_nodes} guaranteed + {burst_nodes} burst)." if burst_enabled else ".")
+        f"{node_count} more exceeds the limit of {limit}{parts}"
     )
 
 

@@ -309,3 +309,14 @@ def test_quota_refusal_counts_one_node_in_the_singular(world, web, book, t0):
     page = web("alpha-lead").post("/reservations/new/", _data(world, t0, node_count=4), **HTMX).content.decode()
     assert "already holds up to 1 h100 node in that window; 4 more exceeds the limit of 4" in page, page
     assert Reservation.objects.count() == 1
+
+
+def test_quota_refusal_with_nothing_held_and_no_burst_says_just_the_limit(world, web, t0):
+    """In a pool without burst, asking for too many nodes with none held read "alpha already holds up to 0
+    h100 nodes in that window; 3 more exceeds the limit of 2 (2 guaranteed + 0 burst).": nothing held, and a
+    burst of nothing, spelled out."""
+    world.tenants["alpha"].quotas.filter(pool=world.pool).update(max_nodes=2, burst_nodes=0)
+    page = web("alpha-lead").post("/reservations/new/", _data(world, t0, node_count=3), **HTMX).content.decode()
+    assert "3 h100 nodes exceed alpha&#x27;s limit of 2." in page, page
+    assert "holds up to 0" not in page and "+ 0 burst" not in page
+    assert Reservation.objects.count() == 0
