@@ -31,6 +31,7 @@ from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInpu
 from portal.core.fields import DATETIME_MAX, DATETIME_MIN
 from portal.core.timefmt import format_utc
 from portal.core.views import page_query
+from portal.core.words import count_of
 from tenants.models import Membership, Quota, Tenant
 from tenants.selectors import ical_feed_tenant, ical_feed_token
 from tenants.views import portal_json, portal_view, render_page
@@ -288,8 +289,8 @@ def not_bookable_hint(reason: str) -> str:
     """Why time outside services.bookable_span cannot be booked (reason "past" or "horizon"): the calendar's
     and the heatmap's tooltip."""
     if reason == "past":
-        return "Past: a booking starts at the slot running now at the earliest."
-    return f"Beyond the booking horizon of {settings.PORTAL_BOOKING_HORIZON_DAYS} days: not bookable yet."
+        return "Not bookable: this time is past; a booking starts at the slot running now at the earliest."
+    return f"Not bookable yet: beyond the booking horizon of {count_of(settings.PORTAL_BOOKING_HORIZON_DAYS, 'day')}."
 
 
 def _not_bookable(start, end, reason: str, total: int, *, all_day: bool = False) -> dict:

@@ -290,7 +290,7 @@
       var closed = notBookable(info.start, info.end);
       if (closed) {
         refusedSelection = true;
-        say("Not bookable: " + closed, "error");
+        say(closed, "error");  // the hint says "Not bookable" and why
         return false;
       }
       if (refusedSelection) { refusedSelection = false; say(""); }

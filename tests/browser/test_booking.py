@@ -363,11 +363,16 @@ def test_a_drag_across_the_past_or_beyond_the_horizon_makes_no_selection_and_say
     status = page.locator("#calendar-status")
     expect(status).to_contain_text("booking horizon of 1 day")
     expect(status).to_have_attribute("data-kind", "error")
+    # was "Not bookable: Beyond the booking horizon of 1 days: not bookable yet." — said twice, "1 days"
+    assert status.inner_text() == "Not bookable yet: beyond the booking horizon of 1 day.", status.inner_text()
     expect(page.locator(".fc-highlight, .fc-event-mirror")).to_have_count(0)
     yesterday = day - timedelta(days=3)
     open_day(page, live_server, yesterday)
     drag(page, yesterday, "10:00", "12:00")
-    expect(page.locator("#calendar-status")).to_contain_text("Past")
+    expect(page.locator("#calendar-status")).to_contain_text("past")
+    # was "Not bookable: Past: a booking starts at the slot running now at the earliest."
+    assert status.inner_text() == ("Not bookable: this time is past; a booking starts at the slot running now "
+                                   "at the earliest."), status.inner_text()
     expect(page.locator("#booking-form")).to_have_count(0)
     assert forms == []
     # Bookable time still opens the form.
