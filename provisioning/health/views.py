@@ -10,6 +10,7 @@ from __future__ import annotations
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
+from django.db.models import Q
 from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.urls import reverse
@@ -67,8 +68,9 @@ def fleet_health(request):
         nodes = nodes.filter(health_verdict__isnull=True)
     elif verdict != "all":
         verdict = ""
-        # By default: what needs a look (not passing, out of service, or being checked).
-        nodes = nodes.exclude(health_verdict=Verdict.PASS, state="available")
+        # By default: what needs a look (not passing — never checked included —, out of service, or being
+        # checked). The verdict is an annotation: a NULL one made exclude()'s condition unknown, dropping the row.
+        nodes = nodes.filter(~Q(health_verdict=Verdict.PASS) | ~Q(state="available") | Q(health_verdict__isnull=True))
     page = Paginator(nodes.order_by("pool__name", "hostname"), 100).get_page(request.GET.get("page"))
     return render_page(request, "health/fleet.html", {
         "summary": selectors.fleet_summary(),

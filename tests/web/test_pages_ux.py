@@ -282,3 +282,20 @@ def test_cluster_health_names_the_level_of_each_nodes_latest_check_in_full(world
     html = web("alpha-lead").get(f"/health/clusters/{cluster.pk}/").content.decode()
     heading = re.search(rf'data-node="{node.hostname}">\s*<h3>(.*?)</h3>', html, re.S).group(1)
     assert "…" not in heading and "medium check" in heading, heading
+
+
+def test_fleet_health_lists_nodes_never_checked_among_those_that_need_a_look(world, web):
+    """On a fresh fleet the health page counted 62 nodes "not checked" and then listed none under "Nodes that
+    need a look", saying "Nothing here — every node in service passes": a node without a verdict fell out of
+    the default list (its NULL verdict made the exclusion's condition unknown)."""
+    from django.utils import timezone
+
+    from provisioning.health.models import HealthCheck
+
+    checked = world.nodes[0]
+    HealthCheck.objects.create(node=checked, level="quick", trigger="schedule", status="done", verdict="pass",
+                               summary="all checks passed", finished_at=timezone.now())
+    html = web("staff").get("/health/").content.decode()
+    assert "every node in service passes" not in html
+    listed = set(re.findall(r'<tr data-node="([^"]+)"', html))
+    assert listed == {n.hostname for n in world.nodes[1:]}, listed
