@@ -648,6 +648,9 @@ __all__ += [
 # counts only the nodes it held. One whose teardown failed (it
 # ran; its allocations were released whole then) counts up to that moment (released_at), also once a
 # staff retry completes it. One failed while provisioning never ran: it counts nothing.
+# The period test is written once per arm of `active`: each arm is then read off its partial GiST index
+# (active: the no-double-booking one; released: reservations_allocation_released_period) instead of a scan
+# of every allocation ever booked.
 USAGE_SQL = """
 WITH spans AS (
     SELECT r.tenant_id, r.pool_id, r.gpus_per_node, r.on_demand_rate, lower(r.period) AS booked_start,
@@ -656,11 +659,12 @@ WITH spans AS (
                 WHEN a.replaced_at IS NOT NULL THEN a.period * tstzrange(NULL, a.replaced_at)
                 ELSE a.period * tstzrange(NULL, coalesce(r.cancelled_at, r.released_at)) END AS span
     FROM reservations_allocation a JOIN reservations_reservation r ON r.id = a.reservation_id
-    WHERE (a.active OR a.replaced_at > lower(a.period)
+    WHERE ((a.active AND a.period && tstzrange(%(start)s, %(end)s))
+           OR (NOT a.active AND a.period && tstzrange(%(start)s, %(end)s)))
+      AND (a.active OR a.replaced_at > lower(a.period)
            OR coalesce(r.cancelled_at, r.released_at) > lower(a.period))
       AND a.kind = 'reservation'
       AND (r.status <> 'failed' OR r.released_at IS NOT NULL)
-      AND a.period && tstzrange(%(start)s, %(end)s)
       AND (%(tenants)s::bigint[] IS NULL OR r.tenant_id = ANY(%(tenants)s::bigint[]))
 ), clipped AS (
     SELECT tenant_id, pool_id, gpus_per_node, on_demand_rate, booked_start, burst,

@@ -246,3 +246,30 @@ def test_quota_history_page_runs_the_same_queries_for_3_and_13_versions():
     page = client.get(url).content.decode()
     assert page.count("alpha/h100: ") >= 13  # each version is still named by its tenant and pool, with its numbers
     assert "alpha/h100: 15+1" in page and "alpha/h100: 3+1" in page
+
+
+# --- usage: the period's allocations read off an index, not a scan of the whole booking history ------------
+
+
+def test_usage_reads_the_periods_allocations_from_an_index():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from reservations.selectors import USAGE_SQL
+
+    world = make_world()
+    grow(world, 5)
+    now = timezone.now()
+    params = {"start": now - timedelta(days=30), "end": now + timedelta(days=1), "now": now, "tenants": None}
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL enable_seqscan = off")
+        cur.execute("EXPLAIN " + USAGE_SQL, params)
+        plan = "\n".join(r[0] for r in cur.fetchall())
+    # The staff usage report, its CSV, the usage API and /metrics run this statement: a scan of the
+    # allocations with no condition on their period reads every allocation ever booked to sum one month.
+    lines = plan.splitlines()
+    scans = [i for i, line in enumerate(lines) if re.search(r"Scan .*on reservations_allocation a\b", line)]
+    assert scans, plan
+    for i in scans:
+        assert re.search(r"(Index|Recheck) Cond: .*period && ", lines[i + 1]), plan
