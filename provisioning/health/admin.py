@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from django.contrib import admin, messages
 
-from portal.core.admin import ReadOnlyAdminMixin
+from portal.core.admin import IndexedDateHierarchyMixin, ReadOnlyAdminMixin
 from portal.core.exceptions import DomainError
 
 from . import services
@@ -21,7 +21,7 @@ class _ReadOnly(ReadOnlyAdminMixin, admin.ModelAdmin):
 
 
 @admin.register(HealthCheck)
-class HealthCheckAdmin(_ReadOnly):
+class HealthCheckAdmin(IndexedDateHierarchyMixin, _ReadOnly):
     list_display = ["id", "node", "level", "trigger", "status", "verdict", "recommended_action", "created_at",
                     "finished_at"]
     list_filter = ["verdict", "status", "level", "trigger"]
