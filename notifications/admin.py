@@ -17,7 +17,13 @@ from django.utils.decorators import method_decorator
 from django.utils.html import format_html
 from django.views.decorators.debug import sensitive_post_parameters
 
-from portal.core.admin import IndexedDateHierarchyMixin, ReadOnlyAdminMixin, ServiceAdminMixin, ShownValuesMixin
+from portal.core.admin import (
+    IndexedDateHierarchyMixin,
+    IndexedValuesListFilter,
+    ReadOnlyAdminMixin,
+    ServiceAdminMixin,
+    ShownValuesMixin,
+)
 from portal.core.crypto import mask
 from portal.core.egress import MAX_URL_LENGTH
 from portal.core.exceptions import InvalidInput
@@ -244,7 +250,7 @@ class ChannelAdmin(ServiceAdminMixin, admin.ModelAdmin):
 class DeliveryAdmin(IndexedDateHierarchyMixin, ReadOnlyAdminMixin, ServiceAdminMixin, admin.ModelAdmin):
     list_display = ("created_at", "event", "channel_label", "tenant", "status", "attempts", "last_status_code",
                     "last_error", "delivered_at")
-    list_filter = ("status", "kind", "event", "tenant")
+    list_filter = ("status", "kind", ("event", IndexedValuesListFilter), "tenant")
     search_fields = ("summary", "key", "message_id", "last_error")
     list_select_related = ("tenant",)
     date_hierarchy = "created_at"
