@@ -112,6 +112,9 @@ class Reservation(models.Model):
             models.Index(fields=["tenant", "pool", "status"]),
             # The default order (staff API list, admin changelist): a page is read off the index.
             models.Index(fields=["period", "id"], name="reservation_period_id"),
+            # The same lists filtered by status (?status=active): a page of active bookings read off the
+            # index, not found by walking past every completed one before it.
+            models.Index(fields=["status", "period", "id"], name="reservation_status_period_id"),
             # The quota peak's completed-early branch (selectors._PEAK_SQL): the tenant's completed
             # reservations that end after a window starts, not its whole history.
             models.Index(F("tenant"), F("pool"),
