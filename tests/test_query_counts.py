@@ -360,3 +360,26 @@ def test_reservation_lists_filtered_by_status_read_the_status_from_an_index(url)
     # the whole history, on every request.
     assert "Sort" not in plan and "Seq Scan on reservations_reservation" not in plan, plan
     assert re.search(r"Index Cond: .*status\)?::text = 'active'", plan), plan
+
+
+# --- /metrics: each node's latest verdict read off an index, not a sort of every check ever run -----------------
+
+
+def test_metrics_node_health_reads_each_nodes_latest_check_from_an_index():
+    world = make_world()
+    grow(world, 5)
+    client = _client(world, "staff", superuser=True)
+    client.get("/metrics")
+    with CaptureQueriesContext(connection) as ctx:
+        assert client.get("/metrics").status_code == 200
+    sql = next(q["sql"] for q in ctx.captured_queries if "latest" in q["sql"] and "health_healthcheck" in q["sql"])
+    with transaction.atomic(), connection.cursor() as cur:
+        cur.execute("SET LOCAL enable_seqscan = off")
+        cur.execute("EXPLAIN " + sql)
+        plan = "\n".join(r[0] for r in cur.fetchall())
+    # Prometheus scrapes this every few seconds: a DISTINCT ON over the whole check history each time.
+    lines = plan.splitlines()
+    scans = [i for i, line in enumerate(lines) if re.search(r"Scan .*on health_healthcheck\b", line)]
+    assert scans, plan
+    for i in scans:
+        assert re.search(r"Index Cond: .*node_id = ", lines[i + 1]), plan

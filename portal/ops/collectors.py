@@ -491,15 +491,19 @@ class PortalCollector:
         # Every pool and verdict appears, at 0 when no node's latest check has it.
         zeros = [(pool, value) for pool in Pool.objects.order_by("name").values_list("name", flat=True)
                  for value in _choices(check, verdict)]
+        # One probe per node (LATERAL ... LIMIT 1; the health app's health_check_node_verdict index serves
+        # it), not a DISTINCT ON sorting every check ever run on each scrape.
         rows = _rows(
             f"""
-            SELECT p.name, latest.v, count(*) FROM (
-                SELECT DISTINCT ON ({_q(node)}) {_q(node)} AS node_id, {_q(verdict)} AS v
-                FROM {_q(check._meta.db_table)} WHERE {_q(verdict)} <> ''
-                ORDER BY {_q(node)}, {_q(order)} DESC NULLS LAST, id DESC
-            ) latest
-            JOIN {_q(Node._meta.db_table)} n ON n.id = latest.node_id AND n.state <> 'retired'
+            SELECT p.name, latest.v, count(*)
+            FROM {_q(Node._meta.db_table)} n
             JOIN {_q(Pool._meta.db_table)} p ON p.id = n.pool_id
+            CROSS JOIN LATERAL (
+                SELECT {_q(verdict)} AS v FROM {_q(check._meta.db_table)} c
+                WHERE c.{_q(node)} = n.id AND c.{_q(verdict)} <> ''
+                ORDER BY c.{_q(order)} DESC NULLS LAST, c.id DESC LIMIT 1
+            ) latest
+            WHERE n.state <> 'retired'
             GROUP BY 1, 2
             """  # noqa: S608
         )

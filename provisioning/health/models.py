@@ -6,7 +6,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from .choices import (
@@ -70,6 +70,9 @@ class HealthCheck(models.Model):
             models.Index(fields=["reservation", "node"], name="health_check_reservation"),
             # The lists' order (API, admin): a page reads 50 rows off the index instead of sorting them all.
             models.Index(fields=["-created_at", "-id"], name="health_check_recent"),
+            # /metrics' portal_node_health: each node's newest check with a verdict, one probe per node.
+            models.Index(F("node"), F("finished_at").desc(nulls_last=True), F("id").desc(),
+                         condition=~Q(verdict=""), name="health_check_node_verdict"),
         ]
         constraints = [
             # One open check per node, level and booking: a second request reuses the first
