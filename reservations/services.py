@@ -26,6 +26,7 @@ from portal.core.exceptions import (
 )
 from portal.core.services import audit_record, refuse_stale
 from portal.core.timefmt import format_utc
+from portal.core.times import PAGE_TIME_FORMAT  # how the pages write an instant: "Fri 11 Dec 09:00 CET"
 from portal.core.words import count_of
 from tenants.choices import BOOKING_ROLES, Role
 from tenants.models import Tenant
@@ -309,15 +310,11 @@ def _capacity_error(
     return error
 
 
-# How the pages write an instant (the templates' date:"D j M H:i T"): "Fri 11 Dec 09:00 CET".
-PAGE_TIME_FORMAT = "D j M H:i T"
-
-
 def capacity_text(
     *, free: int, total: int, pool_name: str, node_count: int, start: datetime, end: datetime, tz: Any = None,
 ) -> str:
     """Why a booking did not fit, with the window in UTC as the API has it (tz None), or for a page in tz
-    as the pages write times ("Fri 11 Dec 09:00 CET", the templates' date:"D j M H:i T")."""
+    as the pages write times ("Fri 11 Dec 09:00 CET", the templates' |when)."""
     if tz is None:
         window = f"from {start:%Y-%m-%d %H:%M}Z to {end:%Y-%m-%d %H:%M}Z"
     else:

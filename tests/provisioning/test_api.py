@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -487,3 +488,28 @@ def test_the_schema_types_a_clusters_and_a_reservations_nested_objects_as_they_a
         assert errors("/api/v1/clusters/", client.get("/api/v1/clusters/").json()) == []
         assert errors("/api/v1/clusters/{id}/", client.get(f"/api/v1/clusters/{clusters['alpha'].pk}/").json()) == []
         assert errors("/api/v1/reservations/", client.get("/api/v1/reservations/").json()) == []
+
+
+def test_the_cluster_status_writes_its_times_as_the_site_does_with_their_date(world, clusters):
+    """The cluster status said "since 2026-12-06 16:58:08 CET" where every other page writes "Sun 6 Dec 16:58 CET",
+    and each phase's time was a bare "16:58:08 CET": a cluster whose phases ran across midnight (a retry the next
+    morning) showed times that read as if they were on one day. Each phase time now carries its date."""
+    from zoneinfo import ZoneInfo
+
+    from provisioning.models import ClusterTransition
+    from tests.zoned import unzoned_times
+
+    tokyo = ZoneInfo("Asia/Tokyo")
+    cluster = clusters["alpha"]
+    first = ClusterTransition.objects.filter(cluster=cluster).order_by("at", "id").first()
+    ClusterTransition.objects.filter(pk=first.pk).update(at=first.at - timedelta(days=1))
+    client = page_client(world, "alpha-member")
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    status = client.get(f"/clusters/{cluster.pk}/", HTTP_HX_REQUEST="true").content.decode()
+    assert not unzoned_times(status), unzoned_times(status)
+    assert f"since {cluster.phase_started_at.astimezone(tokyo):%a %-d %b %H:%M:%S} JST" in status, status
+    for t in ClusterTransition.objects.filter(cluster=cluster):
+        assert f"{t.at.astimezone(tokyo):%a %-d %b %H:%M:%S} JST" in status, (t.phase, status)
+    assert not re.search(r"\d{4}-\d\d-\d\d", status), status

@@ -1,0 +1,18 @@
+"""``{{ instant|when }}`` → "Sun 6 Dec 17:00 CET", ``{{ instant|when:"seconds" }}`` → "Sun 6 Dec 17:00:08 CET":
+the site's one way to show a time, in the reader's zone (the active one), always naming the zone."""
+
+from __future__ import annotations
+
+from django import template
+from django.template.defaultfilters import date as date_filter
+
+from ..times import PAGE_TIME_FORMAT, PAGE_TIME_SECONDS_FORMAT
+
+register = template.Library()
+
+
+@register.filter(expects_localtime=True)
+def when(value, precision: str = ""):
+    if value in (None, ""):
+        return ""
+    return date_filter(value, PAGE_TIME_SECONDS_FORMAT if precision == "seconds" else PAGE_TIME_FORMAT)
