@@ -278,6 +278,11 @@ def test_every_time_on_the_notification_pages_names_its_zone(world, as_user, sla
     assert f"next {next_at.astimezone(tokyo):%H:%M:%S} JST" in log
     assert f"{Delivery.objects.get(pk=delivery.pk).created_at.astimezone(tokyo):%H:%M} JST" in log
     assert not unzoned_times(log), unzoned_times(log)
+    # The event's text ("Reservation confirmed: nightly (alpha), 1 × …, 2026-12-09T09:00:00Z → …") in the
+    # reader's zone and the site's format, as the page's footer says its times are.
+    assert f"{reservation.start.astimezone(tokyo):%a %-d %b %H:%M} JST → " in log, log
+    text = re.sub(r"<[^>]*>", " ", log)
+    assert not re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d", text), re.findall(r".{0,60}\d{4}-\d\d-\d\dT.{0,20}", text)
     page = lead.get(reverse("notifications:settings")).content.decode()
     assert f"{broken_at.astimezone(tokyo):%H:%M} JST" in page and "channel_is_archived" in page
     assert not unzoned_times(page), unzoned_times(page)

@@ -1,12 +1,13 @@
 """``{{ instant|when }}`` → "Sun 6 Dec 17:00 CET", ``{{ instant|when:"seconds" }}`` → "Sun 6 Dec 17:00:08 CET":
-the site's one way to show a time, in the reader's zone (the active one), always naming the zone."""
+the site's one way to show a time, in the reader's zone (the active one), always naming the zone.
+``{{ text|zoned }}`` writes the UTC instants in a stored text ("2026-12-09T09:00:00Z") the same way."""
 
 from __future__ import annotations
 
 from django import template
 from django.template.defaultfilters import date as date_filter
 
-from ..times import PAGE_TIME_FORMAT, PAGE_TIME_SECONDS_FORMAT
+from ..times import PAGE_TIME_FORMAT, PAGE_TIME_SECONDS_FORMAT, zoned_text
 
 register = template.Library()
 
@@ -16,3 +17,8 @@ def when(value, precision: str = ""):
     if value in (None, ""):
         return ""
     return date_filter(value, PAGE_TIME_SECONDS_FORMAT if precision == "seconds" else PAGE_TIME_FORMAT)
+
+
+@register.filter
+def zoned(text):
+    return zoned_text(str(text)) if text else text
