@@ -25,6 +25,15 @@
     hour12: false, timeZoneName: "short"
   });
 
+  // A column's day as the site writes a date ("Fri 4 Dec"), whatever the browser's language: FullCalendar
+  // passes the day's fields in the calendar's zone.
+  var DAY_NAMES = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"];
+  var MONTH_NAMES = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+  function dayHeading(arg) {
+    var d = arg.date;
+    return DAY_NAMES[new Date(Date.UTC(d.year, d.month, d.day)).getUTCDay()] + " " + d.day + " " + MONTH_NAMES[d.month];
+  }
+
   function when(iso) {
     return whenFormat.format(new Date(iso));
   }
@@ -258,9 +267,9 @@
     buttonText: { today: "Today", month: "Month", week: "Week", day: "Day" },
     firstDay: 1,
     // "Week" is the next seven days from the shown date: the days worth booking, not a half-gone calendar week.
-    // Column headings name the month ("Fri, Dec 4"): FullCalendar's default "Fri 12/4" reads as 12 April to most.
-    views: { timeGridWeek: { duration: { days: 7 }, buttonText: "Week",
-                             dayHeaderFormat: { weekday: "short", month: "short", day: "numeric" } } },
+    // Column headings name the month, day first as every date on the site ("Fri 4 Dec"): FullCalendar's
+    // default "Fri 12/4" reads as 12 April to most, and its "Fri, Dec 4" is US order.
+    views: { timeGridWeek: { duration: { days: 7 }, buttonText: "Week", dayHeaderFormat: dayHeading } },
     eventDisplay: "block",
     height: "auto",
     expandRows: true,

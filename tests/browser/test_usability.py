@@ -254,6 +254,8 @@ def test_the_week_views_day_headings_name_the_month(world, live_server, new_page
     assert len(headings) == 7
     assert not [h for h in headings if "/" in h], headings
     assert f"{day:%b}" in headings[0] and str(day.day) in headings[0], headings
+    # Day before month, as the rest of the site writes a date ("Mon 7 Dec", not the US "Mon, Dec 7").
+    assert headings[0] == f"{day:%a} {day.day} {day:%b}", headings
 
 
 # Every table's scroll box (.table-wrap), whether it scrolls at this width or not.
