@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from django.http import HttpResponseNotAllowed
+from django.db import DatabaseError
+from django.http import HttpResponseNotAllowed, JsonResponse
 from django.shortcuts import render
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from portal.core.api import is_api
+from portal.core.api import envelope, is_api
+from portal.core.exceptions import Busy, is_transient
 from tenants.views import resolve_portal
 
-__all__ = ["MethodNotAllowedPageMiddleware"]
+__all__ = ["BusyPageMiddleware", "MethodNotAllowedPageMiddleware"]
 
 
 class MethodNotAllowedPageMiddleware:
@@ -56,3 +58,30 @@ def _back(request) -> str | None:
     if not parts.path or parts.path == request.path:
         return None
     return parts.path + (f"?{parts.query}" if parts.query else "")
+
+
+class BusyPageMiddleware:
+    """Answer a write that lost to concurrent ones (PostgreSQL rolled it back: a deadlock, a serialization
+    failure) and that its service does not retry with 503 and Retry-After — a page saying nothing was changed
+    and to try again, the envelope (code ``busy``) under /api/ — rather than a 500: the request was fine, and
+    sent again it should succeed. The API's own views get the same from its exception handler."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if not (isinstance(exception, DatabaseError) and is_transient(exception)):
+            return None
+        busy = Busy()
+        if is_api(request):
+            response = JsonResponse(envelope(busy.code, busy.detail), status=busy.status)
+        else:
+            if request.user.is_authenticated and getattr(request, "portal", None) is None:
+                request.portal = resolve_portal(request)
+            response = render(request, "503.html", {"detail": busy.detail, "back": _back(request)},
+                              status=busy.status)
+        response["Retry-After"] = str(busy.retry_after)
+        return response

@@ -18,11 +18,13 @@ from django.utils.dateformat import format as date_format
 
 from portal.core import events
 from portal.core.exceptions import (
+    Busy,
     CapacityUnavailable,
     InvalidInput,
     InvalidState,
     PermissionDenied,
     QuotaExceeded,
+    is_transient,
 )
 from portal.core.services import audit_record, refuse_stale
 from portal.core.timefmt import format_utc
@@ -641,7 +643,27 @@ def reservation_update(
 
     expected ({"start"/"end"/"name": value}, what a page showed): refused (InvalidState, nothing written) if any
     of them is no longer so, checked under the row lock — a page's "+1 slot" made before someone else changed
-    the end must not set an end the user never meant (an earlier one than the booking has by now)."""
+    the end must not set an end the user never meant (an earlier one than the booking has by now).
+
+    A transaction PostgreSQL rolls back to resolve a conflict with a concurrent one (a deadlock, e.g. with a
+    booking of the same tenant over the tenant row lock a window guard takes, or a serialization failure) is run
+    again from the row lock on, on a fresh snapshot, at most PORTAL_BOOKING_MAX_ATTEMPTS times; then Busy (503,
+    nothing written)."""
+    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+        try:
+            return _update_once(actor=actor, reservation=reservation, start=start, end=end, name=name,
+                                expected=expected)
+        except OperationalError as exc:
+            if not is_transient(exc):
+                raise
+            logger.info("reservation change lost to a concurrent one (attempt %d): %r", attempt + 1, exc)
+    raise Busy()
+
+
+def _update_once(
+    *, actor: Any, reservation: Reservation, start: datetime | None, end: datetime | None, name: str | None,
+    expected: dict[str, Any] | None,
+) -> Reservation:
     with transaction.atomic(durable=True):
         reservation = _lock(reservation)
         _can_change(actor=actor, reservation=reservation)

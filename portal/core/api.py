@@ -7,12 +7,13 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
+from django.db import DatabaseError
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
-from .exceptions import DomainError
+from .exceptions import Busy, DomainError, is_transient
 
 __all__ = ["exception_handler", "envelope", "validated", "json_400", "json_404", "json_500"]
 
@@ -44,8 +45,13 @@ def _flatten(errors: Any, prefix: str = "") -> dict[str, str]:
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """Map every error to the one envelope of DESIGN §6."""
     headers: dict[str, str] = {}
+    if isinstance(exc, DatabaseError) and is_transient(exc):
+        # A write that lost to concurrent ones where its service does not retry: nothing was written.
+        exc = Busy()
     if isinstance(exc, DomainError):
         status, body = exc.status, envelope(exc.code, exc.detail, exc.fields, **exc.extra)
+        if getattr(exc, "retry_after", None):
+            headers["Retry-After"] = str(exc.retry_after)
     elif isinstance(exc, drf.ValidationError):
         fields = _flatten(exc.detail)
         first = next(iter(fields.items()), ("", "Invalid input."))

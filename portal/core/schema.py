@@ -51,7 +51,7 @@ def require_response_fields(result, generator, request, public):  # noqa: ARG001
 
 
 _ERROR_CODES = ("invalid, not_authenticated, permission_denied, not_found, method_not_allowed, not_acceptable, "
-                "capacity_unavailable, quota_exceeded, invalid_state, throttled")
+                "capacity_unavailable, quota_exceeded, invalid_state, throttled, busy")
 _ERRORS = {  # status: (description, when it applies to an operation)
     "400": ("Malformed or out-of-range input (`invalid`); `fields` names each bad field.", lambda m, path: True),
     "401": ("No or bad credentials (`not_authenticated`).", lambda m, path: True),
@@ -61,9 +61,12 @@ _ERRORS = {  # status: (description, when it applies to an operation)
     "409": ("`capacity_unavailable` (with `suggestions`), `quota_exceeded` or `invalid_state`.",
             lambda m, path: m in ("post", "put", "patch", "delete")),
     "429": ("Rate limit (`throttled`), with `Retry-After`.", lambda m, path: True),
+    "503": ("The write lost to concurrent ones more often than it is retried (`busy`), with `Retry-After`; "
+            "nothing was written: send it again.", lambda m, path: m in ("post", "put", "patch", "delete")),
 }
 
-# The header a 429 always carries (portal.core.api: the throttle's wait, rounded up to a whole second, at least 1).
+# The header a 429 and a 503 always carry (portal.core.api: the throttle's wait, rounded up to a whole second, at
+# least 1; Busy.retry_after).
 _RETRY_AFTER = {"description": "Seconds to wait before the next request.", "required": True,
                 "schema": {"type": "integer", "minimum": 1}}
 
@@ -73,7 +76,7 @@ def add_error_responses(result, generator, request, public):  # noqa: ARG001 - d
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     schemas["Error"] = {
         "type": "object",
-        "description": "Every 4xx answer (DESIGN §6). A rejected write changes nothing.",
+        "description": "Every 4xx answer, and a 503 `busy` (DESIGN §6). A rejected write changes nothing.",
         "properties": {
             "code": {"type": "string", "description": f"One of: {_ERROR_CODES}."},
             "detail": {"type": "string"},
@@ -94,7 +97,7 @@ def add_error_responses(result, generator, request, public):  # noqa: ARG001 - d
             for status, (description, applies) in _ERRORS.items():
                 if applies(method, path):
                     response = {"description": description, "content": reference}
-                    if status == "429":
+                    if status in ("429", "503"):
                         response["headers"] = {"Retry-After": _RETRY_AFTER}
                     operation["responses"].setdefault(status, response)
     return result

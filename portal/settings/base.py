@@ -75,6 +75,7 @@ MIDDLEWARE = [
     "django_htmx.middleware.HtmxMiddleware",
     "simple_history.middleware.HistoryRequestMiddleware",
     "portal.pages.MethodNotAllowedPageMiddleware",  # a page, not an empty body, for a GET of an action
+    "portal.pages.BusyPageMiddleware",  # 503 + Retry-After, not a 500, for a write that lost a deadlock
 ]
 
 ROOT_URLCONF = "portal.urls"

@@ -1,0 +1,118 @@
+"""A write that loses to concurrent ones (a deadlock, a serialization failure: SQLSTATE class 40) is retried
+where it can be, and otherwise answered as "busy, send it again" (503 with Retry-After), never a 500."""
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from portal.core.models import AuditLog
+from reservations import services
+from reservations.models import Allocation, Reservation
+
+from .conftest import iso
+
+pytestmark = pytest.mark.django_db
+
+DEADLOCK = "deadlock_detected"  # 40P01
+SERIALIZATION = "serialization_failure"  # 40001
+
+
+def _raise_from_postgresql(condition: str) -> None:
+    """Have PostgreSQL itself raise condition, so the error arrives as psycopg and Django hand it on."""
+    with connection.cursor() as cur:
+        cur.execute(f"DO $$ BEGIN RAISE EXCEPTION 'lost to a concurrent change' USING ERRCODE = '{condition}'; END $$")
+
+
+@pytest.fixture
+def failing_guard(monkeypatch):
+    """A window-change guard (as provisioning's storage guard, which takes the tenant row lock) that loses to a
+    concurrent transaction the first `times` times it runs."""
+    state = {"times": 0, "calls": 0, "condition": DEADLOCK}
+
+    def guard(reservation, period):
+        state["calls"] += 1
+        if state["calls"] <= state["times"]:
+            _raise_from_postgresql(state["condition"])
+
+    monkeypatch.setattr(services, "window_change_guards", [*services.window_change_guards, guard])
+    return state
+
+
+def _book(world, t0, hours=4):
+    body = {"pool": "h100", "node_count": 1, "start": iso(t0), "end": iso(t0 + timedelta(hours=hours))}
+    r = world.client("alpha-lead").post("/api/v1/reservations/", body, format="json")
+    assert r.status_code == 201, r.json()
+    return r.json()["id"]
+
+
+@pytest.mark.parametrize("condition", [DEADLOCK, SERIALIZATION])
+def test_an_extend_that_loses_a_race_once_is_retried_and_done(world, t0, failing_guard, condition):
+    rid = _book(world, t0)
+    failing_guard.update(times=1, condition=condition)
+    r = world.client("alpha-lead").patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=6))},
+                                         format="json")
+    assert r.status_code == 200, r.content
+    assert r.json()["end"] == iso(t0 + timedelta(hours=6))
+    assert failing_guard["calls"] == 2
+    assert {a.period.upper for a in Allocation.objects.filter(reservation_id=rid, active=True)} == {
+        t0 + timedelta(hours=6)}
+    assert AuditLog.objects.filter(action="reservation.update").count() == 1
+
+
+def test_an_extend_that_keeps_losing_answers_503_busy_and_changes_nothing(world, t0, failing_guard, settings):
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 3
+    rid = _book(world, t0)
+    failing_guard.update(times=100, condition=SERIALIZATION)
+    r = world.client("alpha-lead").patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=6))},
+                                         format="json")
+    assert r.status_code == 503, r.content
+    body = r.json()
+    assert body["code"] == "busy" and body["fields"] == {} and body["detail"]
+    assert int(r["Retry-After"]) >= 1
+    assert failing_guard["calls"] == 3
+    reservation = Reservation.objects.get(pk=rid)
+    assert reservation.period.upper == t0 + timedelta(hours=4)
+    assert {a.period.upper for a in reservation.allocations.filter(active=True)} == {t0 + timedelta(hours=4)}
+    assert not AuditLog.objects.filter(action="reservation.update").exists()
+
+
+def test_the_extend_page_says_busy_and_changes_nothing(world, web, t0, failing_guard, settings):
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    rid = _book(world, t0)
+    failing_guard.update(times=100, condition=DEADLOCK)
+    r = web("alpha-lead", raise_request_exception=False).post(f"/reservations/{rid}/extend/",
+                               {"end": (t0 + timedelta(hours=6)).strftime("%Y-%m-%dT%H:%M")})
+    assert r.status_code == 503
+    assert "try again" in r.content.decode().lower()
+    assert Reservation.objects.get(pk=rid).period.upper == t0 + timedelta(hours=4)
+
+
+@pytest.fixture
+def deadlocking_allocation_updates():
+    """Every UPDATE of an allocation loses a deadlock (a trigger raising 40P01), as a cancel meeting a
+    concurrent node swap in the opposite lock order would."""
+    with connection.cursor() as cur:
+        cur.execute("CREATE FUNCTION test_deadlock() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                    " RAISE EXCEPTION 'deadlock detected' USING ERRCODE = 'deadlock_detected'; END $$")
+        cur.execute("CREATE TRIGGER test_deadlock BEFORE UPDATE ON reservations_allocation"
+                    " FOR EACH ROW EXECUTE FUNCTION test_deadlock()")
+    yield
+    with connection.cursor() as cur:
+        cur.execute("DROP TRIGGER test_deadlock ON reservations_allocation; DROP FUNCTION test_deadlock()")
+
+
+def test_a_cancel_that_deadlocks_answers_the_busy_envelope_not_a_500(world, t0, deadlocking_allocation_updates):
+    rid = _book(world, t0)
+    r = world.client("alpha-lead").post(f"/api/v1/reservations/{rid}/cancel/")
+    assert r.status_code == 503, r.content
+    assert r.json()["code"] == "busy" and int(r["Retry-After"]) >= 1
+    assert Reservation.objects.get(pk=rid).status == "confirmed"
+
+
+def test_the_cancel_page_answers_503_not_a_500(world, web, t0, deadlocking_allocation_updates):
+    rid = _book(world, t0)
+    r = web("alpha-lead", raise_request_exception=False).post(f"/reservations/{rid}/cancel/")
+    assert r.status_code == 503
+    assert int(r["Retry-After"]) >= 1
+    assert Reservation.objects.get(pk=rid).status == "confirmed"
