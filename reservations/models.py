@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib.postgres.constraints import ExclusionConstraint
 from django.contrib.postgres.fields import DateTimeRangeField, RangeOperators
+from django.contrib.postgres.indexes import GistIndex
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import F, Func, Q
@@ -70,6 +71,19 @@ class ReservationQuerySet(TenantScopedQuerySet):
 
         return self.filter(status__in=HOLDING_STATUSES)
 
+    def meeting(self, *, start=None, end=None):
+        """The reservations whose period meets [start, end) (either side may be open): upper(period) > start and
+        lower(period) < end, written as overlaps with [start, ∞) and (−∞, end) — equal for the bounded, non-empty
+        periods the table holds — so the GiST index on period finds them, not a walk past every finished one."""
+        from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+
+        qs = self
+        if start is not None:
+            qs = qs.filter(period__overlap=DateTimeTZRange(start, None, "[)"))
+        if end is not None:
+            qs = qs.filter(period__overlap=DateTimeTZRange(None, end, "[)"))
+        return qs
+
 
 class Reservation(models.Model):
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="reservations")
@@ -115,6 +129,8 @@ class Reservation(models.Model):
             # The same lists filtered by status (?status=active): a page of active bookings read off the
             # index, not found by walking past every completed one before it.
             models.Index(fields=["status", "period", "id"], name="reservation_status_period_id"),
+            # A window's reservations (the API list's ?start/?end, ReservationQuerySet.meeting): found by overlap.
+            GistIndex(fields=["period"], name="reservation_period_gist"),
             # The quota peak's completed-early branch (selectors._PEAK_SQL): the tenant's completed
             # reservations that end after a window starts, not its whole history.
             models.Index(F("tenant"), F("pool"),

@@ -97,10 +97,7 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
                 qs = qs.filter(status=data["status"])
             if "pool" in data:
                 qs = qs.filter(pool__name=data["pool"])
-            if "start" in data:
-                qs = qs.filter(period__endswith__gt=data["start"])
-            if "end" in data:
-                qs = qs.filter(period__startswith__lt=data["end"])
+            qs = qs.meeting(start=data.get("start"), end=data.get("end"))
         return qs
 
     def dispatch(self, request, *args, **kwargs):
