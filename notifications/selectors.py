@@ -87,11 +87,16 @@ def without_secrets_in(payload: dict[str, Any]) -> dict[str, Any]:
     """payload with its error texts (a reason, a check's failures: a backend's or a tool's output) passed through
     portal.core.redact.without_secrets, for every channel: Slack and webhooks are no place for a credential (the
     log and the admin keep the texts whole)."""
-    told = dict(payload)
+    return _error_texts_through(payload, without_secrets)
+
+
+def _error_texts_through(data: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
+    """data with its error texts (the reason, a check's failures) passed through fn."""
+    told = dict(data)
     if isinstance(told.get("reason"), str):
-        told["reason"] = without_secrets(told["reason"])
+        told["reason"] = fn(told["reason"])
     if isinstance(told.get("failures"), list):
-        told["failures"] = [without_secrets(str(f)) for f in told["failures"]]
+        told["failures"] = [fn(str(f)) for f in told["failures"]]
     return told
 
 
@@ -439,12 +444,7 @@ def _running_reservations(node: Node) -> list[Reservation]:
 def _as_told_to_tenants(data: dict[str, Any]) -> dict[str, Any]:
     """data as the teams hear it: the reason and a check's failures name no process (another team's work:
     portal.core.redact); staff hear it all."""
-    told = dict(data)
-    if isinstance(told.get("reason"), str):
-        told["reason"] = without_processes(told["reason"])
-    if isinstance(told.get("failures"), list):
-        told["failures"] = [without_processes(str(f)) for f in told["failures"]]
-    return told
+    return _error_texts_through(data, without_processes)
 
 
 def _node_notices(slack_event: str, name: str, payload: dict[str, Any], node: Node, *, key: str,
