@@ -756,8 +756,11 @@ def _repoint_allocations(
             else:
                 allocations.update(period=period)
             return
-    except _COLLISIONS as exc:
-        if _sqlstate(exc) not in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED):
+    except IntegrityError as exc:
+        # Only 23P01 means one of its nodes is booked in the new window. A deadlock (40P01, an OperationalError)
+        # is a race lost to a concurrent transaction, not a verdict on the nodes: it goes up, and
+        # reservation_update runs the whole change again on a fresh snapshot.
+        if _sqlstate(exc) != EXCLUSION_VIOLATION:
             raise
     pool, n = reservation.pool, reservation.node_count
     if started:

@@ -116,3 +116,81 @@ def test_the_cancel_page_answers_503_not_a_500(world, web, t0, deadlocking_alloc
     assert r.status_code == 503
     assert int(r["Retry-After"]) >= 1
     assert Reservation.objects.get(pk=rid).status == "confirmed"
+
+
+@pytest.fixture
+def deadlock_once():
+    """Have PostgreSQL fail the first `times` rows a statement on table writes with 40P01 (a trigger; a sequence,
+    which a rollback does not undo, counts them), as a transaction losing a deadlock to a concurrent one would."""
+    made = []
+
+    def make(table: str, *, op: str = "UPDATE", when: str = "BEFORE", times: int = 1) -> None:
+        with connection.cursor() as cur:
+            cur.execute("CREATE SEQUENCE test_deadlock_once")
+            cur.execute("CREATE FUNCTION test_deadlock_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                        f" IF nextval('test_deadlock_once') <= {int(times)} THEN"
+                        " RAISE EXCEPTION 'deadlock detected' USING ERRCODE = 'deadlock_detected'; END IF;"
+                        " RETURN NEW; END $$")
+            cur.execute(f"CREATE TRIGGER test_deadlock_once {when} {op} ON {table}"
+                        " FOR EACH ROW EXECUTE FUNCTION test_deadlock_once()")
+        made.append(table)
+
+    yield make
+    with connection.cursor() as cur:
+        for table in made:
+            cur.execute(f"DROP TRIGGER test_deadlock_once ON {table}; DROP FUNCTION test_deadlock_once();"
+                        " DROP SEQUENCE test_deadlock_once")
+
+
+def _losses(seq: str = "test_deadlock_once") -> int:
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT last_value FROM {seq}")
+        return cur.fetchone()[0]
+
+
+def test_an_extend_of_a_provisioning_booking_that_loses_a_deadlock_is_retried_not_refused(world, t0, deadlock_once):
+    """A provisioning (or running) booking keeps its nodes: its extend moves their allocations' end in a savepoint.
+    A deadlock there was taken for "its nodes are booked in the new window" (409 capacity_unavailable) though
+    they were free; it is a lost race, run again whole, and only a real 23P01 means the nodes are taken."""
+    rid = _book(world, t0)
+    Reservation.objects.filter(pk=rid).update(status="provisioning")
+    deadlock_once("reservations_allocation", times=1)
+    r = world.client("alpha-lead").patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=6))},
+                                         format="json")
+    assert r.status_code == 200, r.content
+    assert r.json()["end"] == iso(t0 + timedelta(hours=6))
+    assert _losses() == 2  # lost once, then done
+    reservation = Reservation.objects.get(pk=rid)
+    assert reservation.period.upper == t0 + timedelta(hours=6)
+    assert {a.period.upper for a in reservation.allocations.filter(active=True)} == {t0 + timedelta(hours=6)}
+    assert AuditLog.objects.filter(action="reservation.update").count() == 1
+
+
+def test_an_extend_of_a_provisioning_booking_that_keeps_losing_deadlocks_answers_busy(world, t0, deadlock_once,
+                                                                                       settings):
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 3
+    rid = _book(world, t0)
+    Reservation.objects.filter(pk=rid).update(status="provisioning")
+    deadlock_once("reservations_allocation", times=100)
+    r = world.client("alpha-lead").patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=6))},
+                                         format="json")
+    assert r.status_code == 503, r.content
+    assert r.json()["code"] == "busy"
+    assert _losses() == 3
+    assert Reservation.objects.get(pk=rid).period.upper == t0 + timedelta(hours=4)
+    assert not AuditLog.objects.filter(action="reservation.update").exists()
+
+
+def test_an_extend_not_yet_begun_that_loses_a_deadlock_is_run_again_on_its_own_nodes(world, t0, deadlock_once):
+    """Not yet begun, a deadlock moving its allocations is no reason to re-pick its nodes either: run again whole."""
+    rid = _book(world, t0)
+    held = set(Allocation.objects.filter(reservation_id=rid, active=True).values_list("node_id", flat=True))
+    deadlock_once("reservations_allocation", times=1)
+    r = world.client("alpha-lead").patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=6))},
+                                         format="json")
+    assert r.status_code == 200, r.content
+    allocations = Allocation.objects.filter(reservation_id=rid)
+    assert allocations.count() == 1  # the same allocation, moved; not deleted and booked again
+    assert set(allocations.values_list("node_id", flat=True)) == held
+    assert {a.period.upper for a in allocations} == {t0 + timedelta(hours=6)}
+
