@@ -62,9 +62,10 @@ def _back(request) -> str | None:
 
 class BusyPageMiddleware:
     """Answer a write that lost to concurrent ones (PostgreSQL rolled it back: a deadlock, a serialization
-    failure) and that its service does not retry with 503 and Retry-After — a page saying nothing was changed
-    and to try again, the envelope (code ``busy``) under /api/ — rather than a 500: the request was fine, and
-    sent again it should succeed. The API's own views get the same from its exception handler."""
+    failure) and that its service does not retry, or that raised Busy once its retries ran out, with 503 and
+    Retry-After — a page saying nothing was changed and to try again, the envelope (code ``busy``) under
+    /api/ — rather than a 500: the request was fine, and sent again it should succeed. The API's own views get
+    the same from its exception handler."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -73,9 +74,12 @@ class BusyPageMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request, exception):
-        if not (isinstance(exception, DatabaseError) and is_transient(exception)):
+        if isinstance(exception, Busy):  # a service that retried, as many times as it does, and lost each time
+            busy = exception
+        elif isinstance(exception, DatabaseError) and is_transient(exception):
+            busy = Busy()
+        else:
             return None
-        busy = Busy()
         if is_api(request):
             response = JsonResponse(envelope(busy.code, busy.detail), status=busy.status)
         else:

@@ -794,7 +794,22 @@ def _conflicting_nodes(*, reservation: Reservation, period: DateTimeTZRange) -> 
 
 
 def reservation_cancel(*, actor: Any, reservation: Reservation) -> Reservation:
-    """Cancel; the nodes are free for others the moment this commits."""
+    """Cancel; the nodes are free for others the moment this commits.
+
+    Like reservation_update, a transaction PostgreSQL rolls back over a concurrent one (a deadlock, e.g. with a
+    node swap moving its allocations, or a serialization failure) is run again from the row lock on, on a fresh
+    snapshot, at most PORTAL_BOOKING_MAX_ATTEMPTS times; then Busy (503, nothing written)."""
+    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+        try:
+            return _cancel_once(actor=actor, reservation=reservation)
+        except OperationalError as exc:
+            if not is_transient(exc):
+                raise
+            logger.info("reservation cancel lost to a concurrent change (attempt %d): %r", attempt + 1, exc)
+    raise Busy()
+
+
+def _cancel_once(*, actor: Any, reservation: Reservation) -> Reservation:
     with transaction.atomic(durable=True):
         reservation = _lock(reservation)
         _can_change(actor=actor, reservation=reservation)

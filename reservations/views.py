@@ -27,7 +27,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
-from portal.core.exceptions import CapacityUnavailable, DomainError, InvalidInput
+from portal.core.exceptions import Busy, CapacityUnavailable, DomainError, InvalidInput
 from portal.core.fields import DATETIME_MAX, DATETIME_MIN
 from portal.core.timefmt import format_utc
 from portal.core.views import page_query
@@ -643,6 +643,8 @@ def reservation_cancel(request, pk: int):
         return render_page(request, "reservations/cancel_confirm.html", _detail_context(request, reservation))
     try:
         reservation = services.reservation_cancel(actor=request.user, reservation=reservation)
+    except Busy:
+        raise  # BusyPageMiddleware: 503 with Retry-After, "nothing was changed, try again"
     except DomainError as exc:
         ok, text = False, f"Not cancelled: {exc.detail}"
     else:

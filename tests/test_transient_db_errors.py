@@ -102,7 +102,7 @@ def deadlocking_allocation_updates():
         cur.execute("DROP TRIGGER test_deadlock ON reservations_allocation; DROP FUNCTION test_deadlock()")
 
 
-def test_a_cancel_that_deadlocks_answers_the_busy_envelope_not_a_500(world, t0, deadlocking_allocation_updates):
+def test_a_cancel_that_keeps_deadlocking_answers_the_busy_envelope_not_a_500(world, t0, deadlocking_allocation_updates):
     rid = _book(world, t0)
     r = world.client("alpha-lead").post(f"/api/v1/reservations/{rid}/cancel/")
     assert r.status_code == 503, r.content
@@ -194,3 +194,47 @@ def test_an_extend_not_yet_begun_that_loses_a_deadlock_is_run_again_on_its_own_n
     assert set(allocations.values_list("node_id", flat=True)) == held
     assert {a.period.upper for a in allocations} == {t0 + timedelta(hours=6)}
 
+
+@pytest.mark.parametrize("table, op, when", [
+    ("reservations_allocation", "UPDATE", "BEFORE"),  # releasing its nodes, as against a concurrent node swap
+    ("core_outboxevent", "INSERT", "AFTER"),  # the last write: everything before it is rolled back too
+])
+def test_a_cancel_that_loses_a_deadlock_once_is_retried_and_done(world, t0, deadlock_once, settings, table, op,
+                                                                 when):
+    from portal.core.models import OutboxEvent
+
+    rid = _book(world, t0)
+    settings.PORTAL_EVENTS_INLINE = False  # as in production: the event is an outbox row in the cancel's transaction
+    OutboxEvent.objects.all().delete()
+    deadlock_once(table, op=op, when=when, times=1)
+    r = world.client("alpha-lead").post(f"/api/v1/reservations/{rid}/cancel/")
+    assert r.status_code == 200, r.content
+    assert r.json()["status"] == "cancelled"
+    assert _losses() == 2
+    reservation = Reservation.objects.get(pk=rid)
+    assert reservation.status == "cancelled"
+    assert not reservation.allocations.filter(active=True).exists()
+    assert AuditLog.objects.filter(action="reservation.cancel").count() == 1
+    assert OutboxEvent.objects.filter(event="reservation.cancelled").count() == 1
+
+
+def test_the_cancel_page_that_loses_a_deadlock_once_cancels(world, web, t0, deadlock_once):
+    rid = _book(world, t0)
+    deadlock_once("reservations_allocation", times=1)
+    r = web("alpha-lead").post(f"/reservations/{rid}/cancel/")
+    assert r.status_code == 302
+    assert _losses() == 2
+    assert Reservation.objects.get(pk=rid).status == "cancelled"
+    assert AuditLog.objects.filter(action="reservation.cancel").count() == 1
+
+
+def test_a_cancel_that_keeps_losing_is_tried_as_often_as_a_change(world, t0, deadlock_once, settings):
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 3
+    rid = _book(world, t0)
+    deadlock_once("reservations_allocation", times=100)
+    r = world.client("alpha-lead").post(f"/api/v1/reservations/{rid}/cancel/")
+    assert r.status_code == 503, r.content
+    assert r.json()["code"] == "busy" and int(r["Retry-After"]) >= 1
+    assert _losses() == 3
+    assert Reservation.objects.get(pk=rid).status == "confirmed"
+    assert not AuditLog.objects.filter(action="reservation.cancel").exists()
