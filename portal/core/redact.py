@@ -46,8 +46,14 @@ _SCHEMES = frozenset({"bearer", "basic", "token"})
 # key=value / key: value / "key": "value" where the key names a secret.
 _SECRET_KEY = (r"(?:[A-Za-z0-9_.-]*(?:passw(?:or)?d|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key"
                r"|credential|signature)[A-Za-z0-9_.-]*|[A-Za-z0-9_.-]*auth(?:orization)?)")
+# A key is a word of its own: not a URL's path segment ("…/serviceaccounts/y/token": dial tcp …, as Go quotes the
+# URL it failed on), nor the tail of a longer name.
 _KEY_VALUE = re.compile(
-    r"(?i)(\b" + _SECRET_KEY + r"[\"']?\s*[=:]\s*)(?!\[redacted\])(\"[^\"]*\"|'[^']*'|[^\s&,;\"'}\]]+)")
+    r"(?i)((?<![\w/.-])" + _SECRET_KEY + r"[\"']?\s*[=:]\s*)(?!\[redacted\])(\"[^\"]*\"|'[^']*'|[^\s&,;\"'}\]]+)")
+# A word that says whether or how a credential was used, not the credential: "(using password: YES)",
+# "Invalid credential: Expired credential", "token: missing".
+_NOT_A_SECRET = re.compile(r"(?i)(?:yes|no|true|false|none|null|nil|empty|missing|required|invalid|expired"
+                           r"|revoked|unknown|denied|rejected)\)?")
 # A JSON Web Token, then long runs of hex or base64 (keys, signatures), with at least one digit in them.
 _JWT = re.compile(r"\beyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*")
 _LONG_HEX = re.compile(r"\b[0-9a-fA-F]{32,}\b")
@@ -66,6 +72,14 @@ def _b64_secret(match: re.Match[str]) -> str:
     return SECRET
 
 
+def _key_value_secret(match: re.Match[str]) -> str:
+    # "Authorization: Bearer [redacted]" keeps its scheme word (the token after it is already gone).
+    value = match.group(2)
+    if value.lower() in _SCHEMES or _NOT_A_SECRET.fullmatch(value):
+        return match.group(0)
+    return match.group(1) + SECRET
+
+
 # A reason a team reads is a line or two; the rest is in the log and the admin.
 MAX_TOLD = 500
 
@@ -80,8 +94,7 @@ def without_secrets(text: str, limit: int | None = MAX_TOLD) -> str:
     text = _PEM.sub(SECRET, str(text))
     text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{SECRET}@", text)
     text = _SCHEME_TOKEN.sub(lambda m: f"{m.group(1)}{m.group(2)}{SECRET}", text)
-    # "Authorization: Bearer [redacted]" keeps its scheme word (the token after it is already gone).
-    text = _KEY_VALUE.sub(lambda m: m.group(0) if m.group(2).lower() in _SCHEMES else m.group(1) + SECRET, text)
+    text = _KEY_VALUE.sub(_key_value_secret, text)
     text = _JWT.sub(SECRET, text)
     text = _LONG_HEX.sub(SECRET, text)
     text = _LONG_B64.sub(_b64_secret, text)

@@ -59,6 +59,30 @@ def test_long_names_the_backends_are_told_are_not_taken_for_secrets() -> None:
         assert without_secrets(f"key {secret}") == "key [redacted]"
 
 
+def test_ordinary_error_texts_are_not_taken_for_key_value_secrets() -> None:
+    """A URL's path ending in a secret-like word ("…/serviceaccounts/y/token": dial tcp …, as Go's net/http
+    quotes the URL it failed on) was read as the key of "token": value, and the team read "[redacted] tcp …";
+    "Invalid credential: Expired credential" became "Invalid credential: [redacted] credential" and MySQL's
+    "(using password: YES)" lost its answer and its parenthesis. A word that says whether or how a credential
+    was used (YES, NO, Expired, …) is no secret, nor is a path segment a key; a value after a key still goes."""
+    for plain in ('Get "https://10.0.0.1:6443/api/v1/namespaces/x/serviceaccounts/y/token": dial tcp '
+                  "10.0.0.1:6443: connect: connection refused",
+                  'Post "https://k8s-api.internal:6443/api/v1/namespaces/x/serviceaccounts/y-token": EOF',
+                  "Invalid credential: Expired credential",
+                  "ERROR 1045 (28000): Access denied for user 'slurm'@'localhost' (using password: YES)",
+                  "ERROR 1045 (28000): Access denied for user 'slurm'@'localhost' (using password: NO)",
+                  "mount failed: secret: none, token: missing"):
+        assert without_secrets(plain) == plain
+    for told, secret in (("password: [redacted]", "password: hunter2"),
+                         ("password: [redacted]", "password: Expired2"),
+                         ("(using password: [redacted]", "(using password: yesyes)"),
+                         ('{"token": [redacted]}', '{"token": "YES-abc"}'),
+                         ("secret=[redacted]", "secret=letmein"),
+                         ("sbatch --password=[redacted]", "sbatch --password=s3cr3tpw"),
+                         ("url?access_token=[redacted]&x=1", "url?access_token=abc&x=1")):
+        assert without_secrets(secret) == told
+
+
 def test_a_backend_error_reaches_the_team_without_its_secrets(world, t0, web, monkeypatch,
                                                                django_capture_on_commit_callbacks):
     def fail(self, ctx):
