@@ -1736,7 +1736,7 @@ def reconcile(*, fix: bool = False, backend_name: str | None = None) -> list[dic
             drifts.append(Drift("unreachable", name, f"backend unreachable: {exc.message}"))
         for drift in drifts:
             if drift.secrets and drift.cluster_id is not None:
-                _keep_secrets(drift.cluster_id, PhaseResult(secrets=drift.secrets))
+                _keep_secrets(drift.cluster_id, PhaseResult(secrets=drift.secrets, backend_state=drift.backend_state))
             out.append({"backend": name, "kind": drift.kind, "name": drift.name, "detail": drift.detail,
                         "repaired": drift.repaired})
     for drift in out:

@@ -128,9 +128,11 @@ class Drift:
     detail: str
     repaired: bool = False
     # A repair that made new credentials (a re-created ServiceAccount's kubeconfig): the services
-    # store them on this cluster, as they store a phase's. Never logged.
+    # store them on this cluster, as they store a phase's, with the state the backend keeps about them
+    # (when the new token was issued and expires). Never logged.
     cluster_id: int | None = None
     secrets: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    backend_state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 # reconcile's caller decides whether a repair of one wanted cluster may run now: guard(ctx, repair) returns what
@@ -159,7 +161,7 @@ def repaired_drift(kind: str, name: str, detail: str, *, fix: bool, repair: Call
 
     One repair refused (an overlap, a node the backend does not know) or a backend that stops
     answering half-way must neither hide the drifts found so far nor the repairs already made. A
-    repair returning a PhaseResult hands its secrets on (for cluster_id). A repair of the wanted
+    repair returning a PhaseResult hands its secrets and backend state on (for cluster_id). A repair of the wanted
     cluster ctx goes through guard, when given.
     """
     if not fix:
@@ -168,8 +170,10 @@ def repaired_drift(kind: str, name: str, detail: str, *, fix: bool, repair: Call
         outcome = guard(ctx, repair) if guard is not None and ctx is not None else repair()
     except BackendError as exc:
         return Drift(kind, name, f"{detail}; repair failed: {exc.message}")
-    secrets = dict(outcome.secrets) if isinstance(outcome, PhaseResult) else {}
-    return Drift(kind, name, detail, True, cluster_id=cluster_id, secrets=secrets)
+    if not isinstance(outcome, PhaseResult):
+        return Drift(kind, name, detail, True, cluster_id=cluster_id)
+    return Drift(kind, name, detail, True, cluster_id=cluster_id, secrets=dict(outcome.secrets),
+                 backend_state=dict(outcome.backend_state))
 
 
 class ProvisioningBackend(abc.ABC):

@@ -474,7 +474,7 @@ class KubernetesBackend(ProvisioningBackend):
 
     def _rebuild(self, spec: TenantClusterSpec) -> PhaseResult:
         """Apply a lost namespace again. Its ServiceAccount is new, so the stored kubeconfig's token no
-        longer works: hand a new one back with the repair."""
+        longer works: hand a new one back with the repair, and its token's times (backend_state)."""
         self._call("re-apply", self.applier.provision, spec)
         return self._kubeconfig(spec)
 

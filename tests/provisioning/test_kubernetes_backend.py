@@ -457,6 +457,37 @@ def test_reconcile_rebuilding_a_lost_namespace_gives_the_tenant_a_working_kubeco
     assert "token" not in str(drifts)  # the secret never reaches the report
 
 
+def test_reconcile_rebuilding_a_lost_namespace_keeps_the_new_tokens_expiry(world, t0, k8s, monkeypatch):
+    """The rebuild issues a new token, but only its kubeconfig was kept: backend_state still held the old
+    token's issue and expiry times (and a renewal already asked for), so the tick renewed the new token on the
+    old one's schedule: early, or never when the old token was not capped and the new one is. The repair keeps
+    the new token's times with its kubeconfig, as a sync does."""
+    k8s.token_max_seconds = 3600
+    reservation, cluster = ready_k8s_cluster(world, t0)
+    now = timezone.now()
+    stale = {"token_issued_at": (now - timedelta(minutes=58)).isoformat(),
+             "token_expires_at": (now + timedelta(minutes=2)).isoformat(),
+             "token_renewal_asked_at": (now - timedelta(minutes=5)).isoformat()}
+    VirtualCluster.objects.filter(pk=cluster.pk).update(backend_state={**cluster.backend_state, **stale})
+    del k8s.namespaces[f"tenant-alpha-r{reservation.pk}"]
+
+    drifts = services.reconcile(fix=True, backend_name="kubernetes")
+    assert [(d["kind"], d["repaired"]) for d in drifts] == [("missing", True)]
+    cluster.refresh_from_db()
+    issued = timezone.datetime.fromisoformat(cluster.backend_state["token_issued_at"])
+    expires = timezone.datetime.fromisoformat(cluster.backend_state["token_expires_at"])
+    assert abs(issued - timezone.now()) < timedelta(minutes=1)
+    assert timedelta(minutes=55) < expires - timezone.now() <= timedelta(hours=1)
+    assert cluster.backend_state["token_renewal_asked_at"] is None
+
+    sent: list = []
+    monkeypatch.setattr(services, "_send", lambda name, *args, countdown=None: sent.append((name, args)))
+    services.lifecycle_tick(now=timezone.now() + timedelta(minutes=10))
+    assert ("sync_reservation", (reservation.pk,)) not in sent  # the new token is not due yet
+    services.lifecycle_tick(now=expires - timedelta(minutes=10))
+    assert sent.count(("sync_reservation", (reservation.pk,))) == 1  # and is renewed on its own schedule
+
+
 def test_a_node_out_of_service_is_cordoned_and_uncordoned_when_back(world, t0, k8s):
     """The Kubernetes backend had no drain: a failed node stayed schedulable for the tenant's pods."""
     from reservations.choices import NodeState
