@@ -99,35 +99,10 @@ def test_readyz_celery_check_returns_within_three_timeouts(settings, monkeypatch
 
 
 # --- F4: the calendar feed's secret token is written to the access log ----------------------------
-@pytest.mark.django_db
-def test_ical_feed_token_never_reaches_the_access_log(world):
-    from portal.ops.logging import JsonFormatter, RequestIdFilter
-
-    alpha = world.tenants["alpha"]
-    alpha.ical_token = "alpha-feed-secret-0123456789"
-    alpha.save()
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    handler.addFilter(RequestIdFilter())
-    lg = logging.getLogger("portal.request")
-    old = lg.level
-    lg.addHandler(handler)
-    lg.setLevel(logging.INFO)
-    try:
-        path = feed_path(alpha, world.users["alpha-viewer"])
-        assert Client().get(path).status_code == 200
-    finally:
-        lg.removeHandler(handler)
-        lg.setLevel(old)
-    assert path.rsplit("/", 1)[1].removesuffix(".ics") not in stream.getvalue(), stream.getvalue()
-    assert "alpha-feed-secret" not in stream.getvalue()
-
-
-@pytest.mark.django_db
-def test_a_mangled_feed_address_does_not_log_its_token_either(world):
-    """A calendar client or a paste that drops the ".ics" or adds a slash asks for no URL that resolves (404):
-    the access log must not write the (valid) token in it either."""
+@pytest.fixture
+def feed_access_log(world):
+    """(alpha's feed path, its token, a function returning what the access log wrote so far): the portal.request
+    log at INFO through the production JSON formatter, for the test's duration."""
     from portal.ops.logging import JsonFormatter, RequestIdFilter
 
     alpha = world.tenants["alpha"]
@@ -142,16 +117,30 @@ def test_a_mangled_feed_address_does_not_log_its_token_either(world):
     lg.addHandler(handler)
     lg.setLevel(logging.INFO)
     path = feed_path(alpha, world.users["alpha-viewer"])
-    token = path.rsplit("/", 1)[1].removesuffix(".ics")
     try:
-        for mangled in (path + "/", path.removesuffix(".ics"), path.removesuffix(".ics") + "/", path + ".ics"):
-            assert Client().get(mangled).status_code == 404, mangled
+        yield path, path.rsplit("/", 1)[1].removesuffix(".ics"), stream.getvalue
     finally:
         lg.removeHandler(handler)
         lg.setLevel(old)
-    logged = stream.getvalue()
-    assert logged.count("GET /ical/alpha/") == 4, logged
-    assert token not in logged and token[:16] not in logged, logged
+
+
+@pytest.mark.django_db
+def test_ical_feed_token_never_reaches_the_access_log(feed_access_log):
+    path, token, logged = feed_access_log
+    assert Client().get(path).status_code == 200
+    assert token not in logged(), logged()
+    assert "alpha-feed-secret" not in logged()
+
+
+@pytest.mark.django_db
+def test_a_mangled_feed_address_does_not_log_its_token_either(feed_access_log):
+    """A calendar client or a paste that drops the ".ics" or adds a slash asks for no URL that resolves (404):
+    the access log must not write the (valid) token in it either."""
+    path, token, logged = feed_access_log
+    for mangled in (path + "/", path.removesuffix(".ics"), path.removesuffix(".ics") + "/", path + ".ics"):
+        assert Client().get(mangled).status_code == 404, mangled
+    assert logged().count("GET /ical/alpha/") == 4, logged()
+    assert token not in logged() and token[:16] not in logged(), logged()
 
 
 # --- F5: one undecryptable Slack URL makes every load of its tenant raise -------------------------
@@ -216,32 +205,13 @@ def test_production_starts_with_the_env_example_and_its_secret_and_says_so_witho
 
 
 @pytest.mark.django_db
-def test_a_feed_address_with_a_doubled_slash_does_not_log_its_token(world):
+def test_a_feed_address_with_a_doubled_slash_does_not_log_its_token(feed_access_log):
     """A client that joins its base address and the feed's path ("https://portal.example/" + "/ical/…") asks for
     //ical/<slug>/<token>.ics, which resolves to no view (404): the access log wrote the valid token in full,
     since only an address starting with exactly one "/ical/" was blanked."""
-    from portal.ops.logging import JsonFormatter, RequestIdFilter
-
-    alpha = world.tenants["alpha"]
-    alpha.ical_token = "alpha-feed-secret-0123456789"
-    alpha.save()
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    handler.addFilter(RequestIdFilter())
-    lg = logging.getLogger("portal.request")
-    old = lg.level
-    lg.addHandler(handler)
-    lg.setLevel(logging.INFO)
-    path = feed_path(alpha, world.users["alpha-viewer"])
-    token = path.rsplit("/", 1)[1].removesuffix(".ics")
-    try:
-        for mangled in ("/" + path, "///" + path.lstrip("/"), "/" + path.removesuffix(".ics")):
-            # As a server hands it over (the test client would read "//ical" as a host name).
-            assert Client().get("/", PATH_INFO=mangled).status_code == 404, mangled
-    finally:
-        lg.removeHandler(handler)
-        lg.setLevel(old)
-    logged = stream.getvalue()
-    assert logged.count('"http_status": 404') == 3 and logged.count("//ical/alpha/") == 6, logged
-    assert token not in logged and token[:16] not in logged, logged
+    path, token, logged = feed_access_log
+    for mangled in ("/" + path, "///" + path.lstrip("/"), "/" + path.removesuffix(".ics")):
+        # As a server hands it over (the test client would read "//ical" as a host name).
+        assert Client().get("/", PATH_INFO=mangled).status_code == 404, mangled
+    assert logged().count('"http_status": 404') == 3 and logged().count("//ical/alpha/") == 6, logged()
+    assert token not in logged() and token[:16] not in logged(), logged()
