@@ -15,21 +15,11 @@ from reservations.services import reservation_create, reservation_set_status
 from reservations.timeutil import slot_floor
 
 from .conftest import now_clear_of_the_hour
+from .plans import rows_read
 
 pytestmark = pytest.mark.django_db
 H = timedelta(hours=1)
 HISTORY = 3000
-
-
-def _rows_read(plan, relation):
-    """Rows the plan read from relation: the rows it returned plus those its filters threw away."""
-    total = 0
-    if plan.get("Relation Name") == relation:
-        total += plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0) \
-            + plan.get("Rows Removed by Index Recheck", 0)
-    for sub in plan.get("Plans", []):
-        total += _rows_read(sub, relation)
-    return total
 
 
 def test_peak_does_not_read_completed_history(world, t0):
@@ -50,7 +40,7 @@ def test_peak_does_not_read_completed_history(world, t0):
         cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + selectors._PEAK_ONE_POOL_SQL, params)
         plan = cur.fetchone()[0]
     plan = json.loads(plan) if isinstance(plan, str) else plan
-    read = _rows_read(plan[0]["Plan"], "reservations_reservation")
+    read = rows_read(plan[0]["Plan"], "reservations_reservation")
     assert read < 100, f"the peak read {read} reservation rows for a tenant holding 1 booking"
     assert selectors.tenant_peak_usage(tenant_id=tenant.pk, pool_id=pool.pk, start=t0, end=t0 + 4 * H) == 1
 

@@ -15,21 +15,11 @@ from django.test.utils import CaptureQueriesContext
 from reservations.models import Reservation
 
 from .conftest import iso
+from .plans import rows_read
 
 pytestmark = pytest.mark.django_db
 H = timedelta(hours=1)
 HISTORY = 3000
-
-
-def _rows_read(plan, relation):
-    """Rows the plan read from relation: the rows it returned plus those its filters threw away."""
-    total = 0
-    if plan.get("Relation Name") == relation:
-        total += plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0) \
-            + plan.get("Rows Removed by Index Recheck", 0)
-    for sub in plan.get("Plans", []):
-        total += _rows_read(sub, relation)
-    return total
 
 
 def _history(world, t0):
@@ -91,5 +81,5 @@ def test_the_window_filter_reads_no_finished_history(world, t0, who, window):
             cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)
             plan = cur.fetchone()[0]
         plan = json.loads(plan) if isinstance(plan, str) else plan
-        read = _rows_read(plan[0]["Plan"], "reservations_reservation")
+        read = rows_read(plan[0]["Plan"], "reservations_reservation")
         assert read < 100, f"{url} read {read} reservation rows for a window holding at most 4:\n{sql}\n{plan}"
