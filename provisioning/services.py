@@ -46,7 +46,7 @@ from django.utils.module_loading import import_string
 
 from portal.core import events
 from portal.core.actors import STAFF_WORDS, actor_name
-from portal.core.exceptions import InvalidInput, InvalidState, NotFound, PermissionDenied, QuotaExceeded
+from portal.core.exceptions import Busy, InvalidInput, InvalidState, NotFound, PermissionDenied, QuotaExceeded
 from portal.core.locks import advisory_lock, locked_keys
 from portal.core.models import AuditLog
 from portal.core.redact import without_secrets
@@ -1286,6 +1286,10 @@ def _node_sync_locked(node_id: int) -> dict[str, int]:
         outcomes = node_replace_allocations(node=node, reason=f"{node.hostname} is {node.state}")
     except InvalidState:  # back in service before we got here: nothing to move
         outcomes = []
+    except Busy as exc:
+        # A move kept losing to concurrent changes (deadlocks), nothing of it written: the task runs the sync
+        # again shortly (the moves already done are found done), rather than failing with bookings left here.
+        raise RetryLater(_backoff(1), f"moving the bookings off {node.hostname}: {exc.detail}") from exc
     if unfinished:
         # The bookings have moved; the drain itself is tried again (it is idempotent, and a second move
         # finds nothing left) with growing waits, and the tick sends it again once the task's retries are

@@ -90,6 +90,14 @@ _RETRYABLE = (*_COLLISIONS, _NodeTaken)
 
 def _lost_race(exc: BaseException) -> bool:
     return isinstance(exc, _NodeTaken) or _sqlstate(exc) in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED)
+
+
+def _lost_node(exc: BaseException) -> bool:
+    """A node the attempt picked is no longer its to take (another booking won it: 23P01; or it left service):
+    the one kind of loss a savepoint may try again in place. A deadlock or serialization failure is not: the
+    transaction keeps every lock taken before the savepoint, so trying again there can only lose the same way;
+    it goes up to a loop that runs the whole durable transaction again."""
+    return isinstance(exc, _NodeTaken) or _sqlstate(exc) == EXCLUSION_VIOLATION
 MAX_NAME_LENGTH = 200
 
 
@@ -449,13 +457,14 @@ def _allocate(*, reservation: Reservation, node_ids: list[int], period: DateTime
 
 
 def _with_retry(attempt_fn, *, on_exhausted):
-    """Run attempt_fn in a savepoint, again when a concurrent booking won the same node (23P01)."""
+    """Run attempt_fn in a savepoint, again when a concurrent booking won the same node (23P01) or it left
+    service; any other error (a deadlock, 40P01, included: see _lost_node) goes up to the caller's loop."""
     for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
         try:
             with transaction.atomic():
                 return attempt_fn()
         except _RETRYABLE as exc:
-            if not _lost_race(exc):
+            if not _lost_node(exc):
                 raise
             logger.info("booking collided with a concurrent change (attempt %d): %r", attempt + 1, exc)
     raise on_exhausted()
@@ -1106,6 +1115,22 @@ def node_replace_allocations(*, node: Node, actor: Any = None, reason: str = "")
 
 def _replace_one(*, allocation_id: int, reservation_id: int, now: datetime, actor: Any,
                  reason: str) -> dict[str, Any]:
+    """Move one booking off the node. A transaction lost to a concurrent one (a deadlock, e.g. with a cancel or a
+    window change of the booking, or a serialization failure) is run again from the row lock on, on a fresh
+    snapshot, at most PORTAL_BOOKING_MAX_ATTEMPTS times; then Busy (nothing written: the caller tries later)."""
+    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+        try:
+            return _replace_one_once(allocation_id=allocation_id, reservation_id=reservation_id, now=now,
+                                     actor=actor, reason=reason)
+        except OperationalError as exc:
+            if not is_transient(exc):
+                raise
+            logger.info("node swap lost to a concurrent change (attempt %d): %r", attempt + 1, exc)
+    raise Busy()
+
+
+def _replace_one_once(*, allocation_id: int, reservation_id: int, now: datetime, actor: Any,
+                      reason: str) -> dict[str, Any]:
     with transaction.atomic(durable=True):
         # Lock order as in reservation_update: the reservation, then its allocations.
         reservation = Reservation.objects.select_for_update().get(pk=reservation_id)
@@ -1158,7 +1183,7 @@ def _insert_spare(*, reservation: Reservation, period: DateTimeTZRange, actor: A
                 _allocate(reservation=reservation, node_ids=[nodes[0][0]], period=period, actor=actor)
             return Node.objects.get(pk=nodes[0][0])
         except _RETRYABLE as exc:
-            if not _lost_race(exc):
+            if not _lost_node(exc):  # a deadlock goes up: the caller's transaction is run again whole
                 raise
     return None
 

@@ -5,6 +5,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 
 from portal.core.models import AuditLog
 from reservations import services
@@ -238,3 +239,104 @@ def test_a_cancel_that_keeps_losing_is_tried_as_often_as_a_change(world, t0, dea
     assert _losses() == 3
     assert Reservation.objects.get(pk=rid).status == "confirmed"
     assert not AuditLog.objects.filter(action="reservation.cancel").exists()
+
+
+def _block_own_node_after(rid, start, end):
+    """Take the booking's node in [start, end) (a maintenance window), so extending it into that time must
+    re-pick its nodes (not yet begun): the move of its allocation fails with a real 23P01 first."""
+    node_id = Allocation.objects.get(reservation_id=rid, active=True).node_id
+    Allocation.objects.create(node_id=node_id, period=DateTimeTZRange(start, end, "[)"), kind="maintenance")
+    return node_id
+
+
+def test_a_repick_that_keeps_losing_deadlocks_answers_busy_not_capacity_unavailable(world, t0, deadlock_once,
+                                                                                    settings):
+    """Re-picking the nodes of a booking not yet begun runs in a savepoint of the change's transaction. A deadlock
+    there keeps every lock taken before it, so trying again in place only deadlocks the same way: that used up the
+    attempts and answered 409 capacity_unavailable though free nodes were there. The whole change runs again, and
+    a change that keeps losing answers 503 busy, changing nothing."""
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 3
+    rid = _book(world, t0)
+    own = _block_own_node_after(rid, t0 + timedelta(hours=4), t0 + timedelta(hours=6))
+    deadlock_once("reservations_allocation", op="INSERT", times=3)
+    r = world.client("alpha-lead").patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=6))},
+                                         format="json")
+    assert r.status_code == 503, r.content
+    assert r.json()["code"] == "busy"
+    assert _losses() == 3  # one loss per run of the whole change
+    reservation = Reservation.objects.get(pk=rid)
+    assert reservation.period.upper == t0 + timedelta(hours=4)
+    assert list(reservation.allocations.values_list("node_id", "active")) == [(own, True)]
+    assert not AuditLog.objects.filter(action="reservation.update").exists()
+
+
+def test_a_repick_that_loses_a_deadlock_once_is_run_again_and_done(world, t0, deadlock_once, settings):
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    rid = _book(world, t0)
+    own = _block_own_node_after(rid, t0 + timedelta(hours=4), t0 + timedelta(hours=6))
+    deadlock_once("reservations_allocation", op="INSERT", times=1)
+    r = world.client("alpha-lead").patch(f"/api/v1/reservations/{rid}/", {"end": iso(t0 + timedelta(hours=6))},
+                                         format="json")
+    assert r.status_code == 200, r.content
+    assert _losses() == 2
+    allocations = Allocation.objects.filter(reservation_id=rid)
+    assert allocations.count() == 1 and allocations.get().node_id != own
+    assert allocations.get().period.upper == t0 + timedelta(hours=6)
+    assert AuditLog.objects.filter(action="reservation.update").count() == 1
+
+
+def _fail_node_of(rid):
+    from reservations.models import Node
+
+    node = Node.objects.get(pk=Allocation.objects.get(reservation_id=rid, active=True).node_id)
+    Node.objects.filter(pk=node.pk).update(state="failed")
+    node.refresh_from_db()
+    return node
+
+
+def test_a_swap_that_keeps_losing_deadlocks_is_busy_not_degraded(world, t0, deadlock_once, settings):
+    """A swap took its spare in a savepoint and tried again there on a deadlock: deadlocking again the same way,
+    it ran out of attempts and marked the booking degraded (a node short, the team told so) though spares were
+    free. The swap runs again whole; one that keeps losing raises Busy with nothing changed, to be tried again."""
+    from portal.core.exceptions import Busy
+
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 3
+    rid = _book(world, t0)
+    failed = _fail_node_of(rid)
+    deadlock_once("reservations_allocation", op="INSERT", times=3)
+    with pytest.raises(Busy):
+        services.node_replace_allocations(node=failed, reason="failed")
+    assert _losses() == 3
+    reservation = Reservation.objects.get(pk=rid)
+    assert reservation.missing_nodes == 0
+    assert list(reservation.allocations.values_list("node_id", "active")) == [(failed.pk, True)]
+    assert not AuditLog.objects.filter(action="reservation.replace_node").exists()
+
+
+def test_a_swap_that_loses_a_deadlock_once_is_run_again_and_moves_the_booking(world, t0, deadlock_once, settings):
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    rid = _book(world, t0)
+    failed = _fail_node_of(rid)
+    deadlock_once("reservations_allocation", op="INSERT", times=1)
+    [outcome] = services.node_replace_allocations(node=failed, reason="failed")
+    assert outcome["result"] == "replaced"
+    assert _losses() == 2
+    assert Reservation.objects.get(pk=rid).missing_nodes == 0
+    assert Allocation.objects.filter(reservation_id=rid, active=True).exclude(node=failed).count() == 1
+    assert AuditLog.objects.filter(action="reservation.replace_node").count() == 1
+
+
+def test_a_node_sync_whose_swap_keeps_losing_deadlocks_is_retried_later(world, t0, deadlock_once, settings):
+    """node_sync (the node_changed task) tells its task to try again when the swap stays busy, rather than
+    failing the task with the bookings left on the failed node."""
+    from provisioning import services as provisioning
+
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    rid = _book(world, t0)
+    failed = _fail_node_of(rid)
+    deadlock_once("reservations_allocation", op="INSERT", times=2)
+    with pytest.raises(provisioning.RetryLater):
+        provisioning.node_sync(node_id=failed.pk)
+    assert Allocation.objects.get(reservation_id=rid, active=True).node_id == failed.pk
+    assert provisioning.node_sync(node_id=failed.pk) == {"replaced": 1}  # the task's retry
+    assert Allocation.objects.filter(reservation_id=rid, active=True).exclude(node=failed).count() == 1
