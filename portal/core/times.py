@@ -1,8 +1,10 @@
 """How the portal's pages write an instant: one format, in the reader's zone, always naming the zone.
 
 "Sun 6 Dec 17:00 CET" (PAGE_TIME_FORMAT), or with seconds where they matter, "Sun 6 Dec 17:00:08 CET"
-(PAGE_TIME_SECONDS_FORMAT). Templates use the ``when`` filter (``{% load times %}``); Python code that writes
-a time into a page's text uses ``page_time``. The API and the admin keep UTC.
+(PAGE_TIME_SECONDS_FORMAT), or with the year where a time may be of another year than the reader's (a
+booking's page, the reservation list, API tokens), "Sun 6 Dec 2026 17:00 CET" (PAGE_TIME_YEAR_FORMAT).
+Templates use the ``when`` filter (``{% load times %}``); Python code that writes a time
+into a page's text uses ``page_time``. The API and the admin keep UTC.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Any
 from django.utils import timezone
 from django.utils.formats import date_format
 
-__all__ = ["PAGE_TIME_FORMAT", "PAGE_TIME_SECONDS_FORMAT", "page_time", "zoned_text"]
+__all__ = ["PAGE_TIME_FORMAT", "PAGE_TIME_SECONDS_FORMAT", "PAGE_TIME_YEAR_FORMAT", "page_time", "zoned_text"]
 
 PAGE_TIME_FORMAT = "D j M H:i T"
 PAGE_TIME_SECONDS_FORMAT = "D j M H:i:s T"
+PAGE_TIME_YEAR_FORMAT = "D j M Y H:i T"
 
 
 def page_time(value: datetime, tz: Any = None, *, seconds: bool = False) -> str:

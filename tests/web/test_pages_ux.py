@@ -243,6 +243,48 @@ def test_every_time_on_the_reservation_fleet_and_account_pages_names_its_zone(wo
                 assert re.search(rf"{start:%H:%M} JST(</time>)? –", html), path
 
 
+def test_the_reservation_and_account_pages_write_times_in_the_sites_one_format(world, web, book, t0):
+    """The booking page wrote its window "Thursday 3 December 2026, 19:00 JST", its booking time "3 Dec 2026
+    19:00 JST" and its timeline "3 Dec 19:00 JST", and the account page its tokens' times "3 Dec 2026 19:00
+    JST", where every other page writes "Thu 3 Dec 19:00 JST". A booking, the list's rows and a token can be of
+    another year: those keep it, in the shared filter's year variant ("Thu 3 Dec 2026 19:00 JST")."""
+    from zoneinfo import ZoneInfo
+
+    from reservations.models import Reservation
+    from tenants.services import token_issue
+
+    tokyo = ZoneInfo("Asia/Tokyo")
+
+    def when(value, year=False):
+        local = value.astimezone(tokyo)
+        return f"{local:%a} {local.day} {local:%b}{f' {local.year}' if year else ''} {local:%H:%M} JST"
+
+    reservation = book("alpha-lead", t0, hours=2, name="formats")
+    services.reservation_update(actor=world.users["alpha-lead"], reservation=reservation, end=t0 + timedelta(hours=3))
+    reservation = Reservation.objects.get(pk=reservation.pk)
+    token, _ = token_issue(user=world.users["alpha-lead"], expires_in_days=400)
+    client = web("alpha-lead")
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+
+    detail = client.get(f"/reservations/{reservation.pk}/").content.decode()
+    assert f">{when(reservation.start, year=True)}</time>" in detail, detail
+    assert f">{when(reservation.end, year=True)}</time>" in detail, detail
+    assert f" on {when(reservation.created_at, year=True)}</dd>" in detail, detail
+    timeline = detail[detail.index('id="timeline-title"'):]
+    stamps = re.findall(r"<time [^>]*>([^<]*)</time>", timeline)
+    assert stamps and all(re.fullmatch(r"[A-Z][a-z]{2} \d{1,2} [A-Z][a-z]{2} \d\d:\d\d JST", s) for s in stamps), stamps
+
+    listing = client.get("/reservations/").content.decode()
+    assert f">{when(reservation.start, year=True)}</time> – " in listing, listing
+    assert f">{when(reservation.end)}</time></td>" in listing, listing
+
+    account = client.get("/account/").content.decode()
+    assert f">{when(token.created_at, year=True)}</td>" in account, account
+    assert f">{when(token.expires_at, year=True)}</td>" in account, account
+
+
 @pytest.mark.parametrize("query", [{"pool": "h100"}, {"page": "1"}, {"start": "2030-01-07"}])
 def test_fleet_filter_shows_the_span_it_draws_when_the_query_leaves_it_out(world, web, query):
     """A fleet link naming only the pool (or a page, or a start) drew the default 3 days while the Span box

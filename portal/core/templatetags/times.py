@@ -1,4 +1,5 @@
-"""``{{ instant|when }}`` → "Sun 6 Dec 17:00 CET", ``{{ instant|when:"seconds" }}`` → "Sun 6 Dec 17:00:08 CET":
+"""``{{ instant|when }}`` → "Sun 6 Dec 17:00 CET", ``{{ instant|when:"seconds" }}`` → "Sun 6 Dec 17:00:08 CET",
+``{{ instant|when:"year" }}`` → "Sun 6 Dec 2026 17:00 CET" (where a time may be of another year than the reader's):
 the site's one way to show a time, in the reader's zone (the active one), always naming the zone.
 ``{{ text|zoned }}`` writes the UTC instants in a stored text ("2026-12-09T09:00:00Z") the same way."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 from django import template
 from django.template.defaultfilters import date as date_filter
 
-from ..times import PAGE_TIME_FORMAT, PAGE_TIME_SECONDS_FORMAT, zoned_text
+from ..times import PAGE_TIME_FORMAT, PAGE_TIME_SECONDS_FORMAT, PAGE_TIME_YEAR_FORMAT, zoned_text
 
 register = template.Library()
 
@@ -16,7 +17,8 @@ register = template.Library()
 def when(value, precision: str = ""):
     if value in (None, ""):
         return ""
-    return date_filter(value, PAGE_TIME_SECONDS_FORMAT if precision == "seconds" else PAGE_TIME_FORMAT)
+    formats = {"seconds": PAGE_TIME_SECONDS_FORMAT, "year": PAGE_TIME_YEAR_FORMAT}
+    return date_filter(value, formats.get(precision, PAGE_TIME_FORMAT))
 
 
 @register.filter
