@@ -89,6 +89,23 @@ def test_the_heatmap_refresh_line_is_not_announced_every_30_seconds(world, web):
     assert "Updated" in html and 'role="status">Updated' not in html
 
 
+def test_the_heatmap_says_when_it_was_updated_in_the_sites_format(world, web):
+    """"Updated 19:00:05 JST" gave no day: a tab left open overnight whose refresh had stopped could not tell
+    yesterday's figures from today's. It is written as every time on the site, with its day and seconds."""
+    from zoneinfo import ZoneInfo
+
+    from django.utils import timezone
+
+    client = web("alpha-viewer")
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    before = timezone.now().astimezone(ZoneInfo("Asia/Tokyo"))
+    html = client.get("/availability/grid/", {"pool": "h100"}).content.decode()
+    (updated,) = re.findall(r"Updated ([^<]*)</p>", html)
+    assert re.fullmatch(rf"{before:%a} {before.day} {before:%b} \d\d:\d\d:\d\d JST", updated), updated
+
+
 def test_the_calendar_side_panel_is_not_a_live_region(world, web):
     """Focus moves to the panel's heading after each swap; a live region would also read the whole form out."""
     html = web("alpha-lead").get("/calendar/").content.decode()
