@@ -18,13 +18,6 @@
     statusEl.setAttribute("data-kind", kind || "info");
   }
 
-  // One formatter for every label: building an Intl formatter per call costs more than the rendering.
-  // Each time names its zone ("Tue 8 Dec, 13:00 CET"), as the pages' times do.
-  var whenFormat = new Intl.DateTimeFormat(undefined, {
-    timeZone: cfg.tz, weekday: "short", day: "numeric", month: "short", hour: "2-digit", minute: "2-digit",
-    hour12: false, timeZoneName: "short"
-  });
-
   // A column's day as the site writes a date ("Fri 4 Dec"), whatever the browser's language: FullCalendar
   // passes the day's fields in the calendar's zone.
   var DAY_NAMES = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"];
@@ -34,12 +27,42 @@
     return DAY_NAMES[new Date(Date.UTC(d.year, d.month, d.day)).getUTCDay()] + " " + d.day + " " + MONTH_NAMES[d.month];
   }
 
-  function when(iso) {
-    return whenFormat.format(new Date(iso));
+  // A time as the site writes one ("Tue 8 Dec 13:00 CET", PAGE_TIME_FORMAT), whatever the browser's language:
+  // built from the instant's fields in the calendar's zone, not from a formatter in the browser's locale (a US
+  // browser wrote "Tue, Dec 8, 13:00 GMT+1"). One formatter per kind: building one per call costs more than
+  // the rendering.
+  var fieldsFormat = new Intl.DateTimeFormat("en-GB", { timeZone: cfg.tz, year: "numeric", month: "numeric",
+                                                        day: "numeric", hour: "2-digit", minute: "2-digit",
+                                                        hourCycle: "h23" });
+  // The zone's short name as the pages write it ("CET", "EST", "GMT"): British English names Europe's zones,
+  // US English America's; where neither has a name (Asia/Tokyo) the offset ("GMT+9").
+  var zoneFormats = ["en-GB", "en-US"].map(function (locale) {
+    return new Intl.DateTimeFormat(locale, { timeZone: cfg.tz, timeZoneName: "short" });
+  });
+  function parts(format, date) {
+    var out = {};
+    format.formatToParts(date).forEach(function (p) { out[p.type] = p.value; });
+    return out;
   }
-
-  var timeFormat = new Intl.DateTimeFormat(undefined, { timeZone: cfg.tz, hour: "2-digit", minute: "2-digit",
-                                                        hour12: false, timeZoneName: "short" });
+  function zoneName(date) {
+    var names = zoneFormats.map(function (f) { return parts(f, date).timeZoneName || ""; });
+    for (var i = 0; i < names.length; i++) {
+      if (/^[A-Z]{2,5}$/.test(names[i])) { return names[i]; }
+    }
+    return names[0];
+  }
+  function clock(date) {
+    var p = parts(fieldsFormat, date);
+    return (p.hour === "24" ? "00" : p.hour) + ":" + p.minute + " " + zoneName(date);
+  }
+  function when(iso) {
+    var date = new Date(iso);
+    var p = parts(fieldsFormat, date);
+    var day = Number(p.day), month = Number(p.month) - 1;
+    return DAY_NAMES[new Date(Date.UTC(Number(p.year), month, day)).getUTCDay()] + " " + day + " " +
+           MONTH_NAMES[month] + " " + clock(date);
+  }
+  var timeFormat = { format: clock };
 
   // An event's whole label, for its tooltip and accessible name: its box may be too small for the time and
   // title it shows, and its colour alone is no way to say its status (or that it is billed as burst).

@@ -40,8 +40,8 @@ def new_page(browser):
     """Return a function making a page in a fresh context; all are closed after the test."""
     contexts = []
 
-    def make(*, tz: str = "UTC", viewport: dict | None = None) -> Page:
-        context = browser.new_context(viewport=viewport or DESKTOP, timezone_id=tz, locale="en-GB")
+    def make(*, tz: str = "UTC", viewport: dict | None = None, locale: str = "en-GB") -> Page:
+        context = browser.new_context(viewport=viewport or DESKTOP, timezone_id=tz, locale=locale)
         context.set_default_timeout(15_000)
         contexts.append(context)
         page = context.new_page()

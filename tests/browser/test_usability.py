@@ -213,6 +213,27 @@ def test_calendar_event_labels_are_not_cut_off_mid_word_and_say_it_all_on_hover(
     assert page.errors == []
 
 
+@pytest.mark.parametrize("locale", ["en-US", "en-GB"])
+def test_calendar_event_tooltips_write_times_in_the_sites_format_whatever_the_browsers_language(
+        world, live_server, new_page, sign_in, day, locale):
+    """An event's tooltip was written in the browser's language: a US browser read "Wed, Dec 9, 11:00 GMT+1 –
+    13:00 GMT+1", a British one "Wed 9 Dec, 11:00 CET – 13:00 CET", where every page writes "Wed 9 Dec 11:00
+    CET" (the week headings already did since they stopped using the browser's language)."""
+    import zoneinfo
+
+    berlin = zoneinfo.ZoneInfo("Europe/Berlin")
+    booking = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                          pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12),
+                                          name="eval")
+    page = sign_in(new_page(tz="Europe/Berlin", locale=locale), "alpha-lead")
+    open_day(page, live_server, day)
+    tooltip = page.locator(f".fc-event[data-reservation-id='{booking.pk}']").get_attribute("title")
+    start, end = booking.start.astimezone(berlin), booking.end.astimezone(berlin)
+    expected = f"{start:%a} {start.day} {start:%b} {start:%H:%M} {start:%Z} – {end:%H:%M} {end:%Z} · eval"
+    assert tooltip.startswith(expected), (tooltip, expected)
+    assert page.errors == []
+
+
 _COVERED_COUNTS = """() => {
   const events = Array.from(document.querySelectorAll('.fc-timegrid-event-harness .fc-event'))
     .map(e => e.getBoundingClientRect());
