@@ -114,11 +114,11 @@ def test_drag_to_extend_into_a_conflict_is_refused_and_snaps_back(world, live_se
     assert utc_time.search(answer.value.json()["detail"])
     status = page.locator("#calendar-status").inner_text()
     assert not utc_time.search(status), status
-    # The window the refusal names starts at the booking's start, 10:00 on that day, shown in the page's zone.
-    start_shown = page.evaluate(
-        "(iso) => new Intl.DateTimeFormat(undefined, {timeZone: JSON.parse(document.getElementById("
-        "'calendar-config').textContent).tz, weekday: 'short', day: 'numeric', month: 'short', hour: '2-digit',"
-        " minute: '2-digit', hour12: false}).format(new Date(iso))", at(day, 10).isoformat())
+    # The window the refusal names starts at the booking's start, 10:00 on that day, shown in the page's zone and
+    # in the site's one format ("Tue 8 Dec 10:00 UTC"), whatever the browser's language.
+    tz = zoneinfo.ZoneInfo(page.evaluate("() => JSON.parse(document.getElementById('calendar-config').textContent).tz"))
+    start = at(day, 10).astimezone(tz)
+    start_shown = f"{start:%a} {start.day} {start:%b} {start:%H:%M} "
     assert start_shown in status, (start_shown, status)
     page.wait_for_timeout(200)
     after = event.bounding_box()
