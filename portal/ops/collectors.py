@@ -26,14 +26,13 @@ from django.db.models import Model
 from django.utils import timezone
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from portal.core.broker import queue_lengths
+
 __all__ = ["PortalCollector", "DEFAULT_QUEUES", "UTILIZATION_WINDOWS", "FAMILIES"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUES = ("default", "provisioning", "health", "fleet", "notifications")
-# Celery's Redis transport stores priorities 3, 6, 9 of queue Q in the lists "Q\x06\x16<n>".
-REDIS_PRIORITY_SEPARATOR = "\x06\x16"
-REDIS_PRIORITY_STEPS = (3, 6, 9)
 # name -> (offset of the window's start from now, length)
 UTILIZATION_WINDOWS = {
     "last_24h": (timedelta(hours=-24), timedelta(hours=24)),
@@ -723,23 +722,14 @@ def _queue_depths(up: GaugeMetricFamily, took: GaugeMetricFamily, deadline: floa
     """Celery queue depths: LLEN of each queue's Redis lists on the broker (all priority levels)."""
     queues = list(_setting("PORTAL_CELERY_QUEUES", DEFAULT_QUEUES))
 
-    def read(client: Any) -> list[int]:
-        pipe = client.pipeline(transaction=False)
-        for queue in queues:
-            pipe.llen(queue)
-            for step in REDIS_PRIORITY_STEPS:
-                pipe.llen(f"{queue}{REDIS_PRIORITY_SEPARATOR}{step}")
-        return pipe.execute()
-
-    lengths = _read_redis("broker", _setting("CELERY_BROKER_URL", None) or _setting("REDIS_URL", ""), read, up, took,
-                          deadline)
+    lengths = _read_redis("broker", _setting("CELERY_BROKER_URL", None) or _setting("REDIS_URL", ""),
+                          lambda client: queue_lengths(client, queues), up, took, deadline)
     if lengths is None:
         return
     family = GaugeMetricFamily("portal_celery_queue_length", "Messages waiting in each Celery queue.",
                                labels=["queue"])
-    per_queue = 1 + len(REDIS_PRIORITY_STEPS)
-    for i, queue in enumerate(queues):
-        family.add_metric([queue], sum(lengths[i * per_queue:(i + 1) * per_queue]))
+    for queue in queues:
+        family.add_metric([queue], lengths[queue])
     yield family
 
 

@@ -39,6 +39,7 @@ from django.db.models import Exists, Max, Min, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from portal.core import events
+from portal.core.broker import queue_lengths
 from portal.core.exceptions import InvalidInput, InvalidState, PermissionDenied
 from portal.core.models import AuditLog
 from portal.core.redact import without_processes
@@ -423,10 +424,6 @@ def _newest_cuda(*versions: str | None) -> str | None:
 # What a scheduled check reads when its node's agent has not picked up the previous message.
 AGENT_NOT_ANSWERING = "the agent is not answering"
 
-# kombu's Redis transport keeps a queue's prioritised messages in lists beside the queue's own.
-_PRIORITY_KEYS = ("", *(f"\x06\x16{step}" for step in (3, 6, 9)))
-
-
 def _waiting_in_agent_queues(queues: Sequence[str]) -> dict[str, int]:
     """Return the messages waiting in each node agent's queue, read in one round trip to the broker
     ({} when it cannot be read: the checks are then sent as before)."""
@@ -434,16 +431,10 @@ def _waiting_in_agent_queues(queues: Sequence[str]) -> dict[str, int]:
 
     try:
         with tasks.agent_run.app.connection_for_read() as conn:
-            pipe = conn.default_channel.client.pipeline(transaction=False)
-            for queue in queues:
-                for suffix in _PRIORITY_KEYS:
-                    pipe.llen(f"{queue}{suffix}")
-            lengths = pipe.execute()
+            return queue_lengths(conn.default_channel.client, queues)
     except Exception:  # noqa: BLE001 - any broker error: send, as before
         logger.warning("could not read the node agents' queue lengths", exc_info=True)
         return {}
-    per = len(_PRIORITY_KEYS)
-    return {queue: sum(lengths[i * per:(i + 1) * per]) for i, queue in enumerate(queues)}
 
 
 def _dispatch_scheduled(check_ids: Sequence[int]) -> int:
