@@ -63,8 +63,10 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "portal.ops.logging.RequestIdMiddleware",
     "portal.ops.metrics.RequestMetricsMiddleware",
-    "portal.core.middleware.RejectNulMiddleware",
+    # Outside everything that answers a request: HSTS, nosniff and the referrer policy on every answer,
+    # the 400 below included.
     "django.middleware.security.SecurityMiddleware",
+    "portal.core.middleware.RejectNulMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "portal.core.middleware.CommonMiddleware",  # Django's, with a 308 for the trailing slash

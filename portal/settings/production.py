@@ -95,8 +95,12 @@ LANGUAGE_COOKIE_SECURE = True
 # Everything is served from this origin (vendored JS/CSS, no CDN). Inline <script> needs the
 # per-request nonce: <script nonce="{{ request.csp_nonce }}">. Inline styles stay allowed for
 # htmx's indicator styles and Swagger UI; style injection is not script execution.
+# Right after SecurityMiddleware, outside every middleware that answers a request itself: the NUL 400,
+# whitenoise's static files and the 405 page are rendered above the views, and a CSP middleware below
+# them (the last in the list) never saw those answers, which went out with no policy at all.
 if "csp.middleware.CSPMiddleware" not in MIDDLEWARE:
-    MIDDLEWARE = [*MIDDLEWARE, "csp.middleware.CSPMiddleware"]
+    _security = MIDDLEWARE.index("django.middleware.security.SecurityMiddleware")
+    MIDDLEWARE = [*MIDDLEWARE[:_security + 1], "csp.middleware.CSPMiddleware", *MIDDLEWARE[_security + 1:]]
 CONTENT_SECURITY_POLICY = {
     "DIRECTIVES": {
         "default-src": [SELF],

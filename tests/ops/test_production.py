@@ -181,3 +181,42 @@ def test_a_server_started_without_a_settings_module_gets_production_not_dev(entr
                         "print(settings.SETTINGS_MODULE, settings.DEBUG)"], env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["portal.settings.production", "False"]
+
+
+# Every kind of answer production gives through the TLS proxy, from the view, the error handlers, the
+# whitenoise static files and the middleware that answer before (or after) a view: each carries the headers.
+_HEADER_PROBE = r"""
+import json, django
+django.setup()
+from django.test import Client
+from django.test.utils import override_settings
+answers = {}
+# No collectstatic here: the finders serve static files and templates name them unhashed.
+with override_settings(WHITENOISE_USE_FINDERS=True,
+                       STORAGES={"staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}}):
+    client = Client(HTTP_HOST="localhost", HTTP_X_FORWARDED_PROTO="https")
+    for name, path in [("page", "/accounts/login/"), ("api", "/api/v1/pools/"), ("not_found", "/no/such/page/"),
+                       ("api_not_found", "/api/v1/no-such/"), ("static", "/static/portal/portal.css"),
+                       ("method_page", "/accounts/logout/"), ("nul_page", "/accounts/login/?next=a%00b"),
+                       ("nul_api", "/api/v1/pools/?q=%00")]:
+        r = client.get(path, secure=True)
+        answers[name] = {"status": r.status_code, **{k.lower(): v for k, v in r.headers.items()}}
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.django_db
+def test_every_kind_of_answer_carries_the_security_headers():
+    result = run(["-c", _HEADER_PROBE], production_env(DATABASE_URL=database_url()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {name: a["status"] for name, a in answers.items()} == {
+        "page": 200, "api": 401, "not_found": 404, "api_not_found": 404, "static": 200, "method_page": 405,
+        "nul_page": 400, "nul_api": 400}
+    for name, headers in answers.items():
+        assert headers.get("x-content-type-options") == "nosniff", name
+        assert headers.get("strict-transport-security", "").startswith("max-age=31536000"), name
+        assert headers.get("referrer-policy") == "same-origin", name
+        assert headers.get("cross-origin-opener-policy") == "same-origin", name
+        csp = headers.get("content-security-policy", "")
+        assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, (name, csp)
