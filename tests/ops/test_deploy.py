@@ -189,6 +189,38 @@ def test_ports_line_up_with_what_listens(monkeypatch, tmp_path):
     assert "127.0.0.1:9090:9090" in SERVICES["prometheus"]["ports"]
 
 
+def _seconds(duration: str | int | None) -> float:
+    """A compose duration ("1m30s", "40s", "11m") in seconds; Docker's default (10 s) when unset."""
+    if duration is None:
+        return 10.0
+    if isinstance(duration, int | float):
+        return float(duration)
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", duration.strip())
+    assert parts and any(parts.groups()), f"not a compose duration: {duration!r}"
+    hours, minutes, seconds = (float(g or 0) for g in parts.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def test_stop_grace_periods_let_requests_and_tasks_finish(monkeypatch, tmp_path):
+    """`docker compose stop`/`up -d` sends SIGTERM, then SIGKILL after stop_grace_period (10 s unless set).
+    web: gunicorn drains in-flight requests for graceful_timeout (30 s), so they were cut off at 10 s with
+    a reset connection. Workers: SIGTERM is Celery's warm shutdown (finish the running task), and with
+    acks_late a task killed part-way stays unacknowledged until the broker's visibility timeout (an hour):
+    a cluster being provisioned during a deploy started an hour late. Every worker may now run its task
+    to the hard time limit, and web its requests to graceful_timeout."""
+    namespace: dict = {}
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
+    exec(compile((ROOT / "gunicorn.conf.py").read_text(), "gunicorn.conf.py", "exec"), namespace)  # noqa: S102
+    web = _seconds(SERVICES["web"].get("stop_grace_period"))
+    assert web > namespace["graceful_timeout"], f"web is killed after {web:g} s, before gunicorn's drain ends"
+    workers = {n: s for n, s in PORTAL_SERVICES.items() if s["command"][:4] == ["celery", "-A", "portal", "worker"]}
+    assert workers
+    for name, service in workers.items():
+        grace = _seconds(service.get("stop_grace_period"))
+        assert grace > django_settings.CELERY_TASK_TIME_LIMIT, (
+            f"{name} is killed after {grace:g} s, while a task may run {django_settings.CELERY_TASK_TIME_LIMIT} s")
+
+
 def test_every_environment_variable_is_read_by_something():
     sources = "\n".join(p.read_text() for p in PROJECT_SOURCES)
     example = env_example()
