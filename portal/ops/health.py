@@ -1,4 +1,5 @@
-"""Readiness checks for /readyz: PostgreSQL, Redis and a Celery worker, each with a short timeout.
+"""Readiness checks for /readyz: PostgreSQL (reachable, every migration of this code applied), Redis
+and a Celery worker, each with a short timeout.
 
 Every check opens its own short-lived connection from the *current* settings instead of using the
 request's pooled one, so a probe measures whether the service answers now (and a wedged server
@@ -8,6 +9,7 @@ costs at most the timeout, never a hung web worker).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import connections
 
-__all__ = ["CheckResult", "check_database", "check_redis", "check_celery", "readiness"]
+__all__ = ["CheckResult", "MigrationsPending", "check_database", "check_migrations", "check_redis", "check_celery",
+           "readiness"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,26 +50,76 @@ def _timed(name: str, fn) -> CheckResult:
     return CheckResult(True, time.perf_counter() - started)
 
 
+class MigrationsPending(Exception):
+    """The database lacks migrations this code ships (`manage.py migrate` has not run for this release)."""
+
+
+def _fresh_connection(alias: str):
+    """A new connection wrapper with the alias's current settings, the probe's timeouts on it."""
+    params = dict(settings.DATABASES[alias])
+    options = dict(params.get("OPTIONS") or {})
+    options["connect_timeout"] = max(1, int(round(_timeout())))
+    params["OPTIONS"] = options
+    # configure_settings fills in the defaults Django itself would (TIME_ZONE, TEST, …).
+    configured = connections.configure_settings({alias: params})[alias]
+    wrapper = connections[alias].__class__(configured, alias)
+    try:
+        with wrapper.cursor() as cur:
+            cur.execute("SELECT set_config('statement_timeout', %s, false)", [str(int(_timeout() * 1000))])
+    except BaseException:
+        wrapper.close()
+        raise
+    return wrapper
+
+
 def check_database(alias: str = "default") -> CheckResult:
     """Open a fresh connection with the alias's current settings and run SELECT 1."""
 
     def probe() -> None:
-        params = dict(settings.DATABASES[alias])
-        options = dict(params.get("OPTIONS") or {})
-        options["connect_timeout"] = max(1, int(round(_timeout())))
-        params["OPTIONS"] = options
-        # configure_settings fills in the defaults Django itself would (TIME_ZONE, TEST, …).
-        configured = connections.configure_settings({alias: params})[alias]
-        wrapper = connections[alias].__class__(configured, alias)
+        wrapper = _fresh_connection(alias)
         try:
             with wrapper.cursor() as cur:
-                cur.execute("SELECT set_config('statement_timeout', %s, false)", [str(int(_timeout() * 1000))])
                 cur.execute("SELECT 1")
                 cur.fetchone()
         finally:
             wrapper.close()
 
     return _timed("database", probe)
+
+
+@functools.cache
+def _shipped_migrations() -> tuple[tuple[tuple[str, str], frozenset], ...]:
+    """Every migration of the running code, with the ones each squashes: read from disk once per process."""
+    from django.db.migrations.loader import MigrationLoader
+
+    graph = MigrationLoader(None, ignore_no_migrations=True).graph
+    return tuple((key, frozenset(graph.nodes[key].replaces or ())) for key in sorted(graph.nodes))
+
+
+def check_migrations(alias: str = "default") -> CheckResult:
+    """Every migration of the running code is applied. A web started on a new image before `migrate`
+    finished (a rolling deploy, `docker compose up -d web`) would answer 500s on every table or column
+    the release adds: it is not ready until the schema is the code's.
+
+    The applied ones are read on the probe's own connection (MigrationRecorder would read them through
+    the alias's pooled connection, without the probe's timeouts)."""
+
+    def probe() -> None:
+        wrapper = _fresh_connection(alias)
+        try:
+            with wrapper.cursor() as cur:
+                applied: set = set()
+                if "django_migrations" in wrapper.introspection.table_names(cur):
+                    cur.execute("SELECT app, name FROM django_migrations")
+                    applied = set(cur.fetchall())
+        finally:
+            wrapper.close()
+        missing = [key for key, replaces in _shipped_migrations()
+                   if key not in applied and not (replaces and replaces <= applied)]
+        if missing:
+            raise MigrationsPending(f"{len(missing)} migration(s) not applied, among them {'.'.join(missing[0])}")
+
+    return _timed("migrations", probe)
 
 
 def check_redis() -> CheckResult:
@@ -137,4 +190,6 @@ def _probe_app(url: str):
 
 def readiness() -> dict[str, CheckResult]:
     """Run every readiness check; the service is ready when all are ok."""
-    return {"database": check_database(), "redis": check_redis(), "celery": check_celery()}
+    database = check_database()
+    migrations = check_migrations() if database.ok else CheckResult(False, 0.0, "DatabaseUnavailable")
+    return {"database": database, "migrations": migrations, "redis": check_redis(), "celery": check_celery()}

@@ -29,7 +29,7 @@ def healthz(request: HttpRequest) -> JsonResponse:
 @never_cache
 @require_safe
 def readyz(request: HttpRequest) -> JsonResponse:
-    """Readiness: PostgreSQL, Redis and a Celery worker answer; 503 with the failing checks otherwise."""
+    """Readiness: PostgreSQL (migrated), Redis and a Celery worker answer; 503 with the failing checks otherwise."""
     results = health.readiness()
     ready = all(r.ok for r in results.values())
     body = {"status": "ok" if ready else "unavailable", "checks": {k: v.as_dict() for k, v in results.items()}}

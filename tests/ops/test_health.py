@@ -7,7 +7,11 @@ again on the same port, plus a closed port. Nothing is mocked.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from django.test import Client
@@ -29,6 +33,17 @@ def wait_ready(client: Client, *, timeout: float = 45.0):
         time.sleep(0.5)
         status, body = readyz(client)
     return status, body
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def migrate(server, *args: str) -> None:
+    """`manage.py migrate [app migration]` on the throwaway cluster, as the compose stack's migrate runs it."""
+    env = {**os.environ, "DATABASE_URL": f"postgres://postgres@127.0.0.1:{server.port}/postgres"}
+    result = subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 @pytest.fixture
@@ -71,7 +86,8 @@ def test_readyz_ok_when_postgres_redis_and_a_worker_answer(stack):
     status, body = wait_ready(Client())
     assert status == 200, body
     assert body["status"] == "ok"
-    assert {name for name, check in body["checks"].items() if check["ok"]} == {"database", "redis", "celery"}
+    assert {name for name, check in body["checks"].items() if check["ok"]} == {"database", "migrations", "redis",
+                                                                                 "celery"}
 
 
 def test_readyz_fails_without_a_celery_worker(settings):
@@ -114,6 +130,7 @@ def test_readyz_fails_while_redis_is_down_and_recovers(stack, redis_server):
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
 def test_readyz_fails_while_postgres_is_down_and_recovers(stack, settings, postgres_server):
     client = Client()
+    migrate(postgres_server)
     settings.DATABASES = {**settings.DATABASES,
                           "default": postgres_server.settings_dict(settings.DATABASES["default"])}
     status, body = wait_ready(client)
@@ -142,3 +159,37 @@ def test_readyz_fails_fast_on_a_closed_postgres_port(stack, settings):
     assert body["checks"]["database"] == {"ok": False, "ms": body["checks"]["database"]["ms"],
                                           "error": "OperationalError"}
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_readyz_is_not_ready_until_every_migration_is_applied(stack, settings, postgres_server):
+    """A web started on a new image before `migrate` finished (a rolling deploy, `docker compose up -d web`)
+    was ready as soon as PostgreSQL answered SELECT 1, and took traffic it answered with 500s on the tables
+    and columns the release adds. It is ready once the schema is the code's."""
+    from django.db.migrations.loader import MigrationLoader
+
+    from portal.ops import health
+
+    settings.DATABASES = {**settings.DATABASES,
+                          "default": postgres_server.settings_dict(settings.DATABASES["default"])}
+    client = Client()
+    migrate(postgres_server)
+    migrate(postgres_server, "reservations", "zero")  # a database some releases behind, in effect
+    status, body = readyz(client)
+    assert status == 503, body
+    assert body["checks"]["database"]["ok"] is True
+    assert body["checks"]["migrations"] == {"ok": False, "ms": body["checks"]["migrations"]["ms"],
+                                            "error": "MigrationsPending"}
+    assert body["checks"]["redis"]["ok"] is True
+    # The latest migration of one app alone missing is enough.
+    migrate(postgres_server)
+    graph = MigrationLoader(None, ignore_no_migrations=True).graph
+    leaf = next(n for n in graph.leaf_nodes() if n[0] == "reservations")
+    previous = next(p.key for p in graph.node_map[leaf].parents if p.key[0] == "reservations")
+    migrate(postgres_server, *previous)
+    assert health.check_migrations().error == "MigrationsPending"
+    assert readyz(client)[0] == 503
+    migrate(postgres_server)
+    status, body = wait_ready(client)
+    assert status == 200, body
+    assert body["checks"]["migrations"]["ok"] is True
