@@ -74,7 +74,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXCLUSION_VIOLATION = "23P01"
-DEADLOCK_DETECTED = "40P01"
 # A booking that lost a race: 23P01 arrives as IntegrityError, 40P01 as OperationalError (Django
 # maps psycopg's DeadlockDetected, a TransactionRollback, there). Callers check the SQLSTATE.
 _COLLISIONS = (IntegrityError, OperationalError)
@@ -89,7 +88,9 @@ _RETRYABLE = (*_COLLISIONS, _NodeTaken)
 
 
 def _lost_race(exc: BaseException) -> bool:
-    return isinstance(exc, _NodeTaken) or _sqlstate(exc) in (EXCLUSION_VIOLATION, DEADLOCK_DETECTED)
+    """A node taken by another (23P01, or it left service) or a transaction lost to a concurrent one (SQLSTATE
+    class 40: a deadlock, a serialization failure): running the booking again on a fresh snapshot may succeed."""
+    return _lost_node(exc) or is_transient(exc)
 
 
 def _lost_node(exc: BaseException) -> bool:
@@ -517,7 +518,11 @@ def reservation_create(
 
     # A concurrent booking that won one of our nodes aborts our transaction with 23P01 (its
     # insert committed first); the whole booking is then retried from the quota lock on, on a
-    # fresh snapshot. The common, uncontended case pays for no savepoints.
+    # fresh snapshot. The common, uncontended case pays for no savepoints. So is one PostgreSQL
+    # rolled back over a concurrent transaction (a deadlock, a serialization failure). Attempts
+    # used up: capacity_unavailable only if the last one lost a node (the pick finding too few
+    # says so itself); lost to deadlocks, nothing says the nodes are taken: Busy (503, nothing written).
+    lost_node = False
     for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
         try:
             return _book_once(
@@ -528,7 +533,10 @@ def reservation_create(
         except _RETRYABLE as exc:
             if not _lost_race(exc):
                 raise
+            lost_node = _lost_node(exc)
             logger.info("booking collided with a concurrent change (attempt %d): %r", attempt + 1, exc)
+    if not lost_node:
+        raise Busy()
     raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
 
 

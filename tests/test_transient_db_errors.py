@@ -340,3 +340,80 @@ def test_a_node_sync_whose_swap_keeps_losing_deadlocks_is_retried_later(world, t
     assert Allocation.objects.get(reservation_id=rid, active=True).node_id == failed.pk
     assert provisioning.node_sync(node_id=failed.pk) == {"replaced": 1}  # the task's retry
     assert Allocation.objects.filter(reservation_id=rid, active=True).exclude(node=failed).count() == 1
+
+
+def _book_body(t0, hours=4):
+    return {"pool": "h100", "node_count": 1, "start": iso(t0), "end": iso(t0 + timedelta(hours=hours))}
+
+
+def test_a_booking_that_keeps_losing_deadlocks_answers_busy_not_capacity_unavailable(world, t0, deadlock_once,
+                                                                                    settings):
+    """A booking whose every attempt lost a deadlock (not a node: the pool is free) was answered 409
+    capacity_unavailable with suggested windows, as if the nodes were taken. It is busy (503, Retry-After), as a
+    change or a cancel that keeps losing is, and nothing of it is stored."""
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 3
+    deadlock_once("reservations_allocation", op="INSERT", times=100)
+    r = world.client("alpha-lead").post("/api/v1/reservations/", _book_body(t0), format="json",
+                                        HTTP_IDEMPOTENCY_KEY="busy-booking-1")
+    assert r.status_code == 503, r.content
+    body = r.json()
+    assert body["code"] == "busy" and body["fields"] == {} and body["detail"]
+    assert "suggestions" not in body
+    assert int(r["Retry-After"]) >= 1
+    assert _losses() == 3
+    assert not Reservation.objects.exists()
+    assert not Allocation.objects.filter(kind="reservation").exists()
+    assert not AuditLog.objects.filter(action="reservation.create").exists()
+    from reservations.models import IdempotencyKey
+    assert not IdempotencyKey.objects.exists()
+
+
+def test_a_booking_whose_last_attempt_loses_a_node_still_answers_capacity_unavailable(world, t0, deadlock_once,
+                                                                                      settings):
+    """Deadlocks first, then the pool really full: the answer is capacity_unavailable (the pick found no node)."""
+    from reservations.models import Node
+
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 3
+    h100 = Node.objects.filter(pool__name="h100", state="available")
+    for node in h100:
+        Allocation.objects.create(node=node, period=DateTimeTZRange(t0, t0 + timedelta(hours=4), "[)"),
+                                  kind="maintenance")
+    deadlock_once("reservations_idempotencykey", op="INSERT", times=2)  # the claim, before the pick
+    r = world.client("alpha-lead").post("/api/v1/reservations/", _book_body(t0), format="json",
+                                        HTTP_IDEMPOTENCY_KEY="full-pool-1")
+    assert r.status_code == 409, r.content
+    assert r.json()["code"] == "capacity_unavailable" and "suggestions" in r.json()
+    assert _losses() == 3
+    assert not Reservation.objects.exists()
+
+
+@pytest.mark.parametrize("condition", [DEADLOCK, SERIALIZATION])
+def test_a_booking_that_loses_a_race_once_is_retried_and_booked(world, t0, deadlock_once, condition):
+    """A serialization failure is a lost race as a deadlock is: the booking runs again (it was answered busy at
+    once, never retried)."""
+    deadlock_once("reservations_allocation", op="INSERT", times=1)
+    if condition == SERIALIZATION:
+        with connection.cursor() as cur:
+            cur.execute("CREATE OR REPLACE FUNCTION test_deadlock_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                        " IF nextval('test_deadlock_once') <= 1 THEN"
+                        " RAISE EXCEPTION 'could not serialize' USING ERRCODE = 'serialization_failure'; END IF;"
+                        " RETURN NEW; END $$")
+    r = world.client("alpha-lead").post("/api/v1/reservations/", _book_body(t0), format="json")
+    assert r.status_code == 201, r.content
+    assert _losses() == 2
+    assert Reservation.objects.count() == 1
+    assert AuditLog.objects.filter(action="reservation.create").count() == 1
+
+
+def test_the_booking_page_that_keeps_losing_deadlocks_says_busy_not_full(world, web, t0, deadlock_once, settings):
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    deadlock_once("reservations_allocation", op="INSERT", times=100)
+    data = {"tenant": "alpha", "pool": "h100", "node_count": 1, "start": iso(t0),
+            "end": iso(t0 + timedelta(hours=2)), "name": "web run", "orchestrator": "kubernetes",
+            "cuda_version": "12.6"}
+    r = web("alpha-lead", raise_request_exception=False).post("/reservations/new/", data)
+    assert r.status_code == 503
+    page = r.content.decode()
+    assert "try again" in page.lower() and 'value="web run"' in page  # the form kept, to send again
+    assert _losses() == 2
+    assert not Reservation.objects.exists()
