@@ -1116,8 +1116,14 @@ def node_replace_allocations(*, node: Node, actor: Any = None, reason: str = "")
         ).values_list("id", "reservation_id")
     )
     for allocation_id, reservation_id in listed:
-        outcomes.append(_replace_one(allocation_id=allocation_id, reservation_id=reservation_id, now=now,
-                                     actor=actor, reason=reason))
+        try:
+            outcomes.append(_replace_one(allocation_id=allocation_id, reservation_id=reservation_id, now=now,
+                                         actor=actor, reason=reason))
+        except Busy as exc:
+            # The moves before it are committed (each is a transaction of its own): the caller records them;
+            # a second call finds only what is left to move.
+            exc.outcomes = outcomes
+            raise
     return outcomes
 
 

@@ -40,7 +40,7 @@ from django.utils import timezone
 
 from portal.core import events
 from portal.core.broker import queue_lengths
-from portal.core.exceptions import InvalidInput, InvalidState, PermissionDenied
+from portal.core.exceptions import Busy, InvalidInput, InvalidState, PermissionDenied
 from portal.core.models import AuditLog
 from portal.core.redact import without_processes
 from portal.core.services import audit_record
@@ -687,6 +687,11 @@ def _fail_consequences(check: HealthCheck) -> None:
         _move_bookings_of(repair, node=node, actor=None, reason=reason)
         took_out = True
     if took_out:
+        # Teams whose bookings an earlier, unfinished run of this handling moved off already were on the node
+        # too: the repair's outcomes name their bookings.
+        moved = [o["reservation_id"] for o in repair.outcomes if o.get("reservation_id")]
+        tenant_ids = sorted({*tenant_ids, *Reservation.objects.filter(pk__in=moved).values_list("tenant_id",
+                                                                                               flat=True)})
         # The state the handling left the node in: drained from service, or held where it was (a node in
         # maintenance after a failed teardown stays there; the repair keeps it out).
         state = Node.objects.filter(pk=node.pk).values_list("state", flat=True).get()
@@ -782,8 +787,20 @@ def _take_out_of_service(*, node: Node, actor: Any, reason: str, check: HealthCh
 
 
 def _move_bookings_of(repair: Repair, *, node: Node, actor: Any, reason: str) -> None:
-    """Move the node's bookings off it and add what happened to each to the repair's outcomes."""
-    outcomes = _move_bookings(node=node, actor=actor, reason=reason)
+    """Move the node's bookings off it and add what happened to each to the repair's outcomes.
+
+    A move that keeps losing to concurrent changes raises Busy (the handling's re-run moves what is left): the
+    moves done before it are recorded first, as a second run no longer finds those bookings on the node.
+    """
+    try:
+        outcomes = _move_bookings(node=node, actor=actor, reason=reason)
+    except Busy as exc:
+        _add_outcomes(repair, getattr(exc, "outcomes", []))
+        raise
+    _add_outcomes(repair, outcomes)
+
+
+def _add_outcomes(repair: Repair, outcomes: list[dict[str, Any]]) -> None:
     if outcomes:
         repair.outcomes = [*repair.outcomes, *outcomes]
         Repair.objects.filter(pk=repair.pk).update(outcomes=repair.outcomes)

@@ -42,3 +42,74 @@ def test_a_check_cut_short_after_opening_its_repair_is_finished_and_announced(fl
         assert not Allocation.objects.filter(node=node, active=True, period__endswith__gt=timezone.now()).exists()
     finally:
         events.unsubscribe("*", rec)
+
+
+@pytest.fixture
+def deadlocking_moves_of():
+    """Have PostgreSQL fail the first `times` spare allocations of one booking with 40P01 (a trigger; a sequence,
+    which a rollback does not undo, counts them), as a swap losing deadlocks to a concurrent change would."""
+    from django.db import connection
+
+    made = []
+
+    def make(reservation_id: int, times: int) -> None:
+        with connection.cursor() as cur:
+            cur.execute("CREATE SEQUENCE test_move_deadlocks")
+            cur.execute("CREATE FUNCTION test_move_deadlocks() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                        f" IF NEW.reservation_id = {int(reservation_id)}"
+                        f" AND nextval('test_move_deadlocks') <= {int(times)} THEN"
+                        " RAISE EXCEPTION 'deadlock detected' USING ERRCODE = 'deadlock_detected'; END IF;"
+                        " RETURN NEW; END $$")
+            cur.execute("CREATE TRIGGER test_move_deadlocks BEFORE INSERT ON reservations_allocation"
+                        " FOR EACH ROW EXECUTE FUNCTION test_move_deadlocks()")
+        made.append(reservation_id)
+
+    yield make
+    if made:
+        with connection.cursor() as cur:
+            cur.execute("DROP TRIGGER test_move_deadlocks ON reservations_allocation;"
+                        " DROP FUNCTION test_move_deadlocks(); DROP SEQUENCE test_move_deadlocks")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_move_that_keeps_losing_deadlocks_is_finished_by_the_handlings_rerun(fleet, now_slot, settings,
+                                                                               deadlocking_moves_of):
+    """A failing node's bookings are moved one by one; one whose move keeps losing deadlocks raises Busy with the
+    handling unfinished (the check not handled). The re-run (health_maintain) moves what is left, and the repair
+    and the announcement name every booking moved, the ones moved in the first run too."""
+    from portal.core.exceptions import Busy
+
+    seen = []
+    rec = lambda e, p: seen.append((e, p))  # noqa: E731
+    events.subscribe("*", rec)
+    try:
+        settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+        first = fleet.book("alpha", ["gpu-001"], now_slot, now_slot + timedelta(hours=3))
+        second = fleet.book("beta", ["gpu-001"], now_slot + timedelta(hours=4), now_slot + timedelta(hours=6),
+                            status="confirmed")
+        node = fleet.node("gpu-001")
+        check = HealthCheck.objects.create(node=node, level="quick", trigger="schedule", status="running")
+        report = SimulatedFleet({"nodes": {node.hostname: [{"kind": "remap_failure", "gpu": 4}]}}).run(
+            {"id": check.pk, "host": node.hostname, "level": "quick", "model": "H100-SXM", "gpus": 8})
+        deadlocking_moves_of(second.pk, times=2)  # every attempt of the second booking's move loses
+
+        with pytest.raises(Busy):
+            health.health_check_record(check.pk, report)
+        assert HealthCheck.objects.get(pk=check.pk).handled_at is None
+        assert Allocation.objects.filter(reservation=second, node=node, active=True).exists()  # not moved yet
+        assert not Allocation.objects.filter(reservation=first, node=node, active=True).exists()  # moved
+
+        HealthCheck.objects.filter(pk=check.pk).update(finished_at=check.created_at - timedelta(minutes=5))
+        health.health_maintain()
+        assert HealthCheck.objects.get(pk=check.pk).handled_at is not None
+        for booking in (first, second):
+            held = Allocation.objects.filter(reservation=booking, active=True)
+            assert held.count() == 1 and held.get().node_id != node.pk
+        repair = Repair.objects.get(node=node)
+        assert sorted((o["reservation_id"], o["result"]) for o in repair.outcomes) == [
+            (first.pk, "replaced"), (second.pk, "replaced")]
+        [(_, failed)] = [(e, p) for e, p in seen if e == "node.failed"]
+        assert sorted(failed["tenant_ids"]) == sorted([fleet.tenants["alpha"].pk, fleet.tenants["beta"].pk])
+        assert sorted(o["reservation_id"] for o in failed["outcomes"]) == [first.pk, second.pk]
+    finally:
+        events.unsubscribe("*", rec)
