@@ -53,6 +53,7 @@ def deadlocking_moves_of():
     made = []
 
     def make(reservation_id: int, times: int) -> None:
+        assert not made, "one booking at a time"
         with connection.cursor() as cur:
             cur.execute("CREATE SEQUENCE test_move_deadlocks")
             cur.execute("CREATE FUNCTION test_move_deadlocks() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
@@ -74,11 +75,9 @@ def deadlocking_moves_of():
 @pytest.mark.django_db(transaction=True)
 def test_a_move_that_keeps_losing_deadlocks_is_finished_by_the_handlings_rerun(fleet, now_slot, settings,
                                                                                deadlocking_moves_of):
-    """A failing node's bookings are moved one by one; one whose move keeps losing deadlocks raises Busy with the
-    handling unfinished (the check not handled). The re-run (health_maintain) moves what is left, and the repair
+    """A failing node's bookings are moved one by one; one whose move keeps losing deadlocks (Busy) leaves the
+    handling unfinished (the check stored, not handled). The re-run (health_maintain) moves what is left, and the repair
     and the announcement name every booking moved, the ones moved in the first run too."""
-    from portal.core.exceptions import Busy
-
     seen = []
     rec = lambda e, p: seen.append((e, p))  # noqa: E731
     events.subscribe("*", rec)
@@ -93,8 +92,8 @@ def test_a_move_that_keeps_losing_deadlocks_is_finished_by_the_handlings_rerun(f
             {"id": check.pk, "host": node.hostname, "level": "quick", "model": "H100-SXM", "gpus": 8})
         deadlocking_moves_of(second.pk, times=2)  # every attempt of the second booking's move loses
 
-        with pytest.raises(Busy):
-            health.health_check_record(check.pk, report)
+        health.health_check_record(check.pk, report)  # stored; its handling left for the upkeep
+        assert HealthCheck.objects.get(pk=check.pk).status == "done"
         assert HealthCheck.objects.get(pk=check.pk).handled_at is None
         assert Allocation.objects.filter(reservation=second, node=node, active=True).exists()  # not moved yet
         assert not Allocation.objects.filter(reservation=first, node=node, active=True).exists()  # moved
@@ -113,3 +112,44 @@ def test_a_move_that_keeps_losing_deadlocks_is_finished_by_the_handlings_rerun(f
         assert sorted(o["reservation_id"] for o in failed["outcomes"]) == [first.pk, second.pk]
     finally:
         events.unsubscribe("*", rec)
+
+
+def _failing_check(node):
+    check = HealthCheck.objects.create(node=node, level="quick", trigger="schedule", status="running")
+    report = SimulatedFleet({"nodes": {node.hostname: [{"kind": "remap_failure", "gpu": 4}]}}).run(
+        {"id": check.pk, "host": node.hostname, "level": "quick", "model": "H100-SXM", "gpus": 8})
+    return check, report
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_whose_moves_keep_losing_does_not_hold_up_the_other_failing_nodes(fleet, now_slot, settings,
+                                                                               deadlocking_moves_of):
+    """Checks recorded together (the fleet's batch) are handled one by one, and the upkeep finishes every unhandled
+    one: a node whose move stays busy stopped the handling of every check after it, and the upkeep's run there
+    (the rest of the checks, the repairs' reconcile, the prune) with it. Each one is handled or left for the next
+    run on its own."""
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    stuck = fleet.book("alpha", ["gpu-001"], now_slot, now_slot + timedelta(hours=3))
+    other = fleet.book("beta", ["gpu-002"], now_slot, now_slot + timedelta(hours=3))
+    (first, first_report), (second, second_report) = _failing_check(fleet.node("gpu-001")), \
+        _failing_check(fleet.node("gpu-002"))
+    deadlocking_moves_of(stuck.pk, times=4)  # two handlings' attempts
+
+    result = health.health_checks_record([(first.pk, first_report), (second.pk, second_report)])
+    assert result == {"recorded": 2, "handled": 1}
+    assert HealthCheck.objects.get(pk=second.pk).handled_at is not None
+    assert not Allocation.objects.filter(reservation=other, node__hostname="gpu-002", active=True).exists()
+    assert Allocation.objects.filter(reservation=other, active=True).count() == 1
+
+    HealthCheck.objects.filter(pk=first.pk).update(finished_at=first.created_at - timedelta(minutes=5))
+    stale = HealthCheck.objects.create(node=fleet.node("gpu-003"), level="quick", trigger="schedule", status="done",
+                                       verdict="pass", finished_at=first.created_at - timedelta(minutes=5))
+    result = health.health_maintain()  # the stuck node's move loses again: the upkeep still does the rest
+    assert result["handled"] == 2
+    assert HealthCheck.objects.get(pk=first.pk).handled_at is None
+    assert HealthCheck.objects.get(pk=stale.pk).handled_at is not None
+
+    health.health_maintain()
+    assert HealthCheck.objects.get(pk=first.pk).handled_at is not None
+    held = Allocation.objects.filter(reservation=stuck, active=True)
+    assert held.count() == 1 and held.get().node.hostname != "gpu-001"
