@@ -986,7 +986,15 @@ def _node_follows(repair: Repair, *, actor: Any, stands: tuple[str, ...] = (Node
     if node.state != wanted:
         return False
     if wanted != NodeState.AVAILABLE:
-        outcomes = _move_bookings(node=node, actor=actor, reason=reason)
+        try:
+            outcomes = _move_bookings(node=node, actor=actor, reason=reason)
+        except Busy as exc:
+            # The step and the node's change are committed: they stand (a Busy here told staff "nothing was
+            # changed" of a step that was taken). The node's sync (node.state_changed) moves what is left,
+            # retrying while it stays busy; the moves done so far are recorded.
+            logger.warning("repair #%s: moving the bookings off %s left to the node's sync: %s", repair.pk,
+                           node.hostname, exc.detail)
+            outcomes = getattr(exc, "outcomes", [])
         if outcomes:
             Repair.objects.filter(pk=repair.pk).update(outcomes=[*repair.outcomes, *outcomes])
     if wanted == NodeState.FAILED:

@@ -153,3 +153,33 @@ def test_a_node_whose_moves_keep_losing_does_not_hold_up_the_other_failing_nodes
     assert HealthCheck.objects.get(pk=first.pk).handled_at is not None
     held = Allocation.objects.filter(reservation=stuck, active=True)
     assert held.count() == 1 and held.get().node.hostname != "gpu-001"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_repair_step_whose_move_stays_busy_is_taken_and_the_move_follows(fleet, now_slot, settings,
+                                                                          deadlocking_moves_of):
+    """A repair step that takes the node further out (cordoned: maintenance) moves its bookings off after the
+    step and the node's change are committed. A move that kept losing deadlocks raised Busy out of the step:
+    staff read "nothing was changed, try again" of a step that was taken (and trying it again was refused).
+    The step stands; the move is left to the node's sync (node.state_changed), which moves what is left."""
+    from provisioning import services as provisioning
+    from provisioning.health.services import repair_advance, repair_open
+
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    settings.PORTAL_HEALTH_MOVE_BOOKINGS = False  # the repair's opening leaves the booking where it is
+    staff = fleet.users["staff"]
+    booking = fleet.book("alpha", ["gpu-001"], now_slot, now_slot + timedelta(hours=3))
+    repair = repair_open(actor=staff, node=fleet.node("gpu-001"), reason="XID 79")
+    repair = repair_advance(actor=staff, repair=repair, to="accepted")
+    settings.PORTAL_HEALTH_MOVE_BOOKINGS = True
+    deadlocking_moves_of(booking.pk, times=2)
+
+    repair = repair_advance(actor=staff, repair=repair, to="cordoned")
+    assert Repair.objects.get(pk=repair.pk).state == "cordoned"
+    assert Node.objects.get(hostname="gpu-001").state == "maintenance"
+    assert Allocation.objects.filter(reservation=booking, node__hostname="gpu-001", active=True).exists()
+    assert health.repairs_reconcile() == 0  # nothing left undone by the step itself
+
+    assert provisioning.node_sync(node_id=fleet.node("gpu-001").pk) == {"replaced": 1}  # node.state_changed's task
+    held = Allocation.objects.filter(reservation=booking, active=True)
+    assert held.count() == 1 and held.get().node.hostname != "gpu-001"
