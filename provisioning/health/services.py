@@ -881,7 +881,15 @@ def repair_open(*, actor: Any, node: Node, reason: str) -> Repair:
             raise InvalidState(f"{node.hostname} is {node.state}.")
         if Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).exists():
             raise InvalidState(f"{node.hostname} already has an open repair.")
-        repair = _take_out_of_service(node=node, actor=actor, reason=reason, check=None)
+        try:
+            repair = _take_out_of_service(node=node, actor=actor, reason=reason, check=None)
+        except Busy as exc:
+            # The node is drained and its repair open (committed; the moves done are recorded): they stand, as
+            # "busy, nothing was changed" would be untrue and trying again is refused (an open repair). The
+            # node's sync (node.state_changed) moves what is left, retrying while it stays busy.
+            logger.warning("repair of %s: moving its bookings left to the node's sync: %s", node.hostname,
+                           exc.detail)
+            repair = Repair.objects.filter(node=node, state__in=OPEN_REPAIR_STATES).order_by("-pk").first()
         if repair is None:
             node = Node.objects.get(pk=node.pk)
             raise InvalidState(f"{node.hostname} is {node.state}.")

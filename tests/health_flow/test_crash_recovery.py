@@ -183,3 +183,26 @@ def test_a_repair_step_whose_move_stays_busy_is_taken_and_the_move_follows(fleet
     assert provisioning.node_sync(node_id=fleet.node("gpu-001").pk) == {"replaced": 1}  # node.state_changed's task
     held = Allocation.objects.filter(reservation=booking, active=True)
     assert held.count() == 1 and held.get().node.hostname != "gpu-001"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_repair_opened_by_staff_whose_move_stays_busy_is_opened_and_the_move_follows(fleet, now_slot, settings,
+                                                                                      deadlocking_moves_of):
+    """Staff opening a repair drains the node and opens the repair (committed) before moving its bookings. A move
+    that kept losing deadlocks answered "busy, nothing was changed, try again": trying again was refused (the node
+    has an open repair). The repair is opened; the node's sync (node.state_changed) moves what is left."""
+    from provisioning import services as provisioning
+    from provisioning.health.services import repair_open
+
+    settings.PORTAL_BOOKING_MAX_ATTEMPTS = 2
+    booking = fleet.book("alpha", ["gpu-001"], now_slot, now_slot + timedelta(hours=3))
+    deadlocking_moves_of(booking.pk, times=2)
+
+    repair = repair_open(actor=fleet.users["staff"], node=fleet.node("gpu-001"), reason="XID 79")
+    assert Repair.objects.get(pk=repair.pk).is_open
+    assert Node.objects.get(hostname="gpu-001").state == "draining"
+    assert Allocation.objects.filter(reservation=booking, node__hostname="gpu-001", active=True).exists()
+
+    assert provisioning.node_sync(node_id=fleet.node("gpu-001").pk) == {"replaced": 1}  # node.state_changed's task
+    held = Allocation.objects.filter(reservation=booking, active=True)
+    assert held.count() == 1 and held.get().node.hostname != "gpu-001"
