@@ -126,6 +126,7 @@ def wait_for_lock_waiter(table: str, timeout: float = 10) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         with connection.cursor() as cur:
+            cur.execute("SELECT pg_stat_clear_snapshot()")  # in a transaction, a fresh view on every call
             cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                         "AND query ILIKE %s AND pid <> pg_backend_pid() AND datname = current_database()",
                         [f"%{table}%"])

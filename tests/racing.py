@@ -21,6 +21,7 @@ def lock_waiters(table: str | None = None) -> int:
     """How many other sessions of this database wait on a lock (in a statement naming table, when given):
     sessions of other databases on the same server (another test run) do not count."""
     with connection.cursor() as cur:
+        cur.execute("SELECT pg_stat_clear_snapshot()")  # in a transaction, a fresh view on every call
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
                     " AND datname = current_database() AND query ILIKE %s", [f"%{table or ''}%"])
         return int(cur.fetchone()[0])

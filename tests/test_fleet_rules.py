@@ -24,6 +24,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def _someone_waits_for_me() -> bool:
     with connection.cursor() as cur:
+        # Inside a transaction PostgreSQL answers pg_stat_activity from the snapshot of its first read: without
+        # this, a waiter that queued after the first poll is never seen.
+        cur.execute("SELECT pg_stat_clear_snapshot()")
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))")
         return bool(cur.fetchone()[0])
 
