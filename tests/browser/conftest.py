@@ -52,6 +52,38 @@ def new_page(browser):
     yield make
     for context in contexts:
         context.close()
+    if contexts:
+        _wait_for_the_server_to_finish()
+
+
+def _wait_for_the_server_to_finish(timeout: float = 20) -> None:
+    """Wait until no other session of the test database is inside a statement or a transaction.
+
+    A closed page does not stop the live server: a request it sent just before (a calendar refetch, a
+    panel) is still running in a server thread. The test database's flush after the test then took
+    its table locks in the other order and PostgreSQL broke the deadlock by aborting the flush, which
+    left the rows behind for the next test. Read over a connection of its own: a test without database
+    access has its Django connection blocked.
+    """
+    import time
+
+    import psycopg
+    from django.db import connection
+
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    params.pop("server_side_binding", None)
+    params.pop("prepare_threshold", None)
+    with psycopg.connect(**params, autocommit=True) as conn:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " AND state IN ('active', 'idle in transaction') AND backend_type = 'client backend'").fetchone()[0]
+            if not busy:
+                return
+            time.sleep(0.05)
 
 
 @pytest.fixture
