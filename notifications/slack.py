@@ -23,8 +23,8 @@ except for ``test``):
 Why the care with text: names and reasons are typed by users, and Slack parses ``<...>``
 as links and mentions, so an unescaped reservation called ``<!channel>`` would page the
 whole channel, and ``*urgent*`` would be bold. Everything user-supplied goes through ``escape`` (entities
-for &<>, zero-width fences around *_~`; inside code spans only the entities) and length limits are
-enforced here, because Slack rejects an oversized message outright (``invalid_blocks``)
+for &<>, zero-width fences around *_~` and before a line-starting '>'; inside code spans only the entities)
+and length limits are enforced here, because Slack rejects an oversized message outright (``invalid_blocks``)
 instead of truncating it.
 """
 
@@ -112,6 +112,10 @@ EVENTS = frozenset(Event)
 # zero-width spaces on both sides is no longer at a word boundary, so Slack shows it as typed.
 _MARKS = re.compile(r"[*_~`]")
 _ZWSP = "\u200b"
+# A line starting with '>' is a block quote, and Slack reads '&gt;' there just the same; a zero-width space
+# before it means the line no longer starts with one. User text may be placed at a line start (a field's
+# value, a line after one the user typed), so the start of every piece counts as one.
+_QUOTE = re.compile(r"^([ \t]*)&gt;", re.MULTILINE)
 
 
 def _entities(text: Any) -> str:
@@ -123,10 +127,12 @@ def escape(text: Any) -> str:
     """Return user text for mrkdwn, shown literally: no links, no @channel/@here/<@U…> mentions, no formatting.
 
     &, < and > become entities (Slack's documented escaping); *, _, ~ and ` are fenced by zero-width
-    spaces so a reservation called ``*urgent*`` is not shown in bold. Every piece of user text in a
-    message goes through here (code spans use ``_entities``: nothing is formatted inside them).
+    spaces so a reservation called ``*urgent*`` is not shown in bold, and a '>' starting a line gets one in
+    front so it does not start a block quote. Every piece of user text in a message goes through here (code
+    spans use ``_entities``: nothing is formatted inside them).
     """
-    return _MARKS.sub(lambda m: f"{_ZWSP}{m.group()}{_ZWSP}", _entities(text))
+    text = _MARKS.sub(lambda m: f"{_ZWSP}{m.group()}{_ZWSP}", _entities(text))
+    return _QUOTE.sub(rf"\1{_ZWSP}&gt;", text)
 
 
 def plain(text: str) -> str:

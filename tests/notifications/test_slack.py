@@ -359,3 +359,22 @@ def test_a_failed_cluster_says_what_became_of_the_booking() -> None:
     assert "Provisioning" not in lead and "Tearing down the cluster" in lead and "keeps its nodes" not in lead
     assert teardown["blocks"][0]["text"]["text"] == ":rotating_light: Cluster teardown failed"
     assert teardown["text"].startswith("Cluster teardown failed: llm-pretrain")
+
+
+def test_user_text_cannot_start_a_block_quote() -> None:
+    """A '>' at the start of a line of user text (a reservation name, an agent's failure line) showed the rest as a
+    Slack block quote: Slack quotes a line starting with '&gt;' just as with '>'. The '>' is now fenced off."""
+    payload = {**RESERVATION, "name": "> shouting\n>>> all of it", "tenant_name": ">team", "actor": "bob\n> me",
+               "cluster_id": 7}
+    health = {**SAMPLES[Event.HEALTH_CHECK_FAILED], "name": ">x", "failures": ["GPU 1 down\n> see log", "> GPU 2"]}
+    messages = [build_message(event, payload, BASE) for event in (Event.RESERVATION_CONFIRMED,
+                                                                 Event.RESERVATION_CHANGED, Event.CLUSTER_READY)]
+    messages.append(build_message(Event.HEALTH_CHECK_FAILED, health, BASE))
+    for message in messages:
+        for text in _all_texts(message):
+            for line in text.split("\n"):
+                assert not re.match(r"[ \t]*(&gt;|>)", line), (text, line)
+    assert escape("> x") == f"{ZW}&gt; x"
+    assert escape("a\n  >b") == f"a\n  {ZW}&gt;b"
+    assert escape("a > b") == "a &gt; b"  # not at a line start: left alone
+    assert slack.plain(escape(">>> all\n> of it")) == ">>> all\n> of it"
