@@ -57,6 +57,7 @@ EVENT_LABELS: dict[str, str] = {
     Event.CLUSTER_READY: "Cluster ready",
     Event.CLUSTER_FAILED: "Cluster failed",
     Event.CLUSTER_DEGRADED: "Cluster degraded",
+    Event.CLUSTER_CREDENTIALS_RENEWED: "New kubeconfig issued",
     Event.NODE_FAILED: "Node failed",
     Event.NODE_REPLACED: "Node replaced",
     Event.HEALTH_CHECK_FAILED: "Health check failed",

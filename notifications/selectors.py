@@ -374,6 +374,24 @@ def _cluster_notice(slack_event: str) -> Translator:
     return translate
 
 
+def _credentials_renewed(name: str, payload: dict[str, Any]) -> list[Notice]:
+    """A live cluster's kubeconfig was issued again: the team's downloaded one stops working (provisioning)."""
+    reservation, extra = _cluster_lookup(payload)
+    if reservation is None or "cluster_id" not in extra:
+        return []
+    data = {**reservation_payload(reservation), **extra}
+    for key in ("expires_at", "previous_expires_at"):
+        try:
+            data[key] = format_utc(datetime.fromisoformat(str(payload[key])))
+        except (KeyError, TypeError, ValueError):
+            pass  # no expiry known (an API server that says none), or an unreadable one: left out
+    # One message per kubeconfig issued: the new token's issue time names it (a redelivered event adds nothing).
+    ident = payload.get("issued_at") or _digest(payload)
+    key = f"{Event.CLUSTER_CREDENTIALS_RENEWED}:r{reservation.pk}:c{extra['cluster_id']}:{ident}"
+    return [Notice(event=Event.CLUSTER_CREDENTIALS_RENEWED, key=key, payload=data, source_event=name,
+                   tenant_id=reservation.tenant_id)]
+
+
 def _reservation_degraded(name: str, payload: dict[str, Any]) -> list[Notice]:
     """A failed node with no spare left: the tenant's cluster runs short (reservations.node_replace_allocations)."""
     reservation = _reservation(payload.get("reservation_id"))
@@ -568,6 +586,7 @@ TRANSLATORS: dict[str, Translator] = {
     "cluster.ready": _cluster_notice(Event.CLUSTER_READY),
     "cluster.failed": _cluster_notice(Event.CLUSTER_FAILED),
     "cluster.degraded": _cluster_notice(Event.CLUSTER_DEGRADED),
+    "cluster.credentials_renewed": _credentials_renewed,
     "node.failed": _node_failed,
     "node.state_changed": _node_failed,
     "node.replaced": _node_replaced,

@@ -15,6 +15,7 @@ except for ``test``):
     billing           "committed" | "burst"       actor         username who did it (optional)
     previous_start, previous_end, previous_node_count           before a change (optional)
     cluster_id, orchestrator, cuda_version, access, phase       cluster events (optional)
+    expires_at, previous_expires_at   the new and the replaced kubeconfig's token expiry (optional)
     node, replacement hostnames (node events)     reason        free text (optional)
     level, verdict, failures (list of str)        health-check events
     used_nodes, max_nodes, percent (optional)     quota events
@@ -95,6 +96,7 @@ class Event(enum.StrEnum):
     CLUSTER_READY = "cluster.ready"
     CLUSTER_FAILED = "cluster.failed"
     CLUSTER_DEGRADED = "cluster.degraded"
+    CLUSTER_CREDENTIALS_RENEWED = "cluster.credentials_renewed"
     NODE_FAILED = "node.failed"
     NODE_REPLACED = "node.replaced"
     HEALTH_CHECK_FAILED = "health_check.failed"
@@ -543,6 +545,24 @@ def _cluster_degraded(c: _Ctx) -> _Msg:
     return _Msg(text, ":warning: Cluster degraded", blocks)
 
 
+def _cluster_credentials_renewed(c: _Ctx) -> _Msg:
+    c.need("tenant", "reservation_id")
+    lead = (
+        f"The cluster for {c.cluster_link()} of *{c.tenant}* has a new kubeconfig. "
+        f"Download it again from the cluster page: the one downloaded before "
+    )
+    if c.get("previous_expires_at"):
+        lead += f"stops working {slack_date(c.p['previous_expires_at'], '{date_pretty} at {time}')} at the latest."
+    else:
+        lead += "may stop working at any time."
+    fields = _cluster_fields(c)
+    if c.get("expires_at"):
+        fields.insert(0, _field("New kubeconfig expires", _when(c.p["expires_at"], "expires_at")))
+    blocks = [_section(lead, fields[:MAX_FIELDS])]
+    text = f"New kubeconfig issued: {c.reservation_label} ({c.tenant_plain})"
+    return _Msg(text, ":key: New kubeconfig issued", blocks)
+
+
 def _node_failed(c: _Ctx) -> _Msg:
     c.need("tenant", "node")
     where = f" of {c.cluster_link()}" if c.get("reservation_id") is not None else ""
@@ -619,6 +639,7 @@ _BUILDERS: dict[Event, Callable[[_Ctx], _Msg]] = {
     Event.CLUSTER_READY: _cluster_ready,
     Event.CLUSTER_FAILED: _cluster_failed,
     Event.CLUSTER_DEGRADED: _cluster_degraded,
+    Event.CLUSTER_CREDENTIALS_RENEWED: _cluster_credentials_renewed,
     Event.NODE_FAILED: _node_failed,
     Event.NODE_REPLACED: _node_replaced,
     Event.HEALTH_CHECK_FAILED: _health_check_failed,

@@ -20,8 +20,9 @@ How the pieces fit (DESIGN §5):
 Events (after commit): ``cluster.ready`` (+ recovered: true when a cluster degraded by a refused window
 change is whole again, not built), ``cluster.failed`` (+ phase, reason),
 ``cluster.degraded`` (+ reason; + node when one was lost, none when the backend refused a window
-change), ``cluster.deleted`` — each with cluster_id,
-reservation_id, tenant_id, status — and ``reservation.starting_soon`` /
+change), ``cluster.deleted``, ``cluster.credentials_renewed`` (+ issued_at, expires_at, previous_expires_at: a
+live cluster's kubeconfig issued again) — each with cluster_id, reservation_id, tenant_id, status — and
+``reservation.starting_soon`` /
 ``reservation.ending_soon`` (reservation_id, tenant_id, cluster_id, start/end).
 """
 
@@ -184,6 +185,9 @@ def _cluster_event(name: str, cluster: VirtualCluster, **extra: Any) -> None:
     events.emit(name, cluster_id=cluster.pk, reservation_id=cluster.reservation_id, tenant_id=cluster.tenant_id,
                 status=cluster.status, **extra)
 
+
+# A live cluster's kubeconfig was issued again (a capped token renewed, a window change, a rebuilt namespace).
+CREDENTIALS_RENEWED = "cluster.credentials_renewed"
 
 _PHASE_EVENTS = {
     ClusterStatus.READY: "cluster.ready",
@@ -695,11 +699,19 @@ def _keep_secrets(cluster_id: int, result: PhaseResult) -> None:
             logger.warning("cluster %s is %s: the credentials a late change produced are not kept", cluster_id,
                            cluster.status)
             return
+        previous = dict(cluster.backend_state)
         for name, plaintext in result.secrets.items():
             _store_secret(cluster, _SECRET_KINDS[name], plaintext, replace=True)
         if result.backend_state:
             cluster.backend_state = {**cluster.backend_state, **result.backend_state}
             cluster.save(update_fields=["backend_state", "updated_at"])
+        if "kubeconfig" in result.secrets and cluster.status in LIVE_STATUSES:
+            # The kubeconfig the team downloaded stops working when its token expires (at once when the
+            # namespace was rebuilt): tell them a new one is on the cluster page.
+            state = cluster.backend_state
+            _cluster_event(CREDENTIALS_RENEWED, cluster, issued_at=state.get("token_issued_at"),
+                           expires_at=state.get("token_expires_at"),
+                           previous_expires_at=previous.get("token_expires_at"))
 
 
 def _finish_ready(cluster_id: int, *, done: tuple[str, PhaseResult] | None) -> str:

@@ -56,6 +56,13 @@ SAMPLES: dict[Event, dict[str, Any]] = {
         "nodes": ["h100-sxm-003"],
         "reason": "XID 79 on GPU 3",
     },
+    Event.CLUSTER_CREDENTIALS_RENEWED: {
+        **RESERVATION,
+        "cluster_id": 7,
+        "orchestrator": "kubernetes",
+        "expires_at": START + timedelta(hours=2),
+        "previous_expires_at": START + timedelta(hours=1),
+    },
     Event.NODE_FAILED: {"tenant": "research", "reservation_id": 42, "name": "llm-pretrain", "node": "h100-sxm-003"},
     Event.NODE_REPLACED: {
         "tenant": "research",
@@ -140,7 +147,8 @@ def test_reservation_messages_link_back_and_show_times_both_ways(event: Event) -
 
 
 @pytest.mark.parametrize(
-    "event", [Event.CLUSTER_READY, Event.CLUSTER_FAILED, Event.CLUSTER_DEGRADED, Event.HEALTH_CHECK_FAILED]
+    "event", [Event.CLUSTER_READY, Event.CLUSTER_FAILED, Event.CLUSTER_DEGRADED, Event.HEALTH_CHECK_FAILED,
+              Event.CLUSTER_CREDENTIALS_RENEWED]
 )
 def test_cluster_messages_link_to_the_cluster(event: Event) -> None:
     body = "\n".join(_all_texts(build_message(event, SAMPLES[event], BASE)))
@@ -378,3 +386,17 @@ def test_user_text_cannot_start_a_block_quote() -> None:
     assert escape("a\n  >b") == f"a\n  {ZW}&gt;b"
     assert escape("a > b") == "a &gt; b"  # not at a line start: left alone
     assert slack.plain(escape(">>> all\n> of it")) == ">>> all\n> of it"
+
+
+def test_a_renewed_kubeconfig_says_when_the_downloaded_one_stops_working() -> None:
+    message = build_message(Event.CLUSTER_CREDENTIALS_RENEWED, SAMPLES[Event.CLUSTER_CREDENTIALS_RENEWED], BASE)
+    body = "\n".join(_all_texts(message))
+    old = START + timedelta(hours=1)
+    assert "has a new kubeconfig" in body and "Download it again from the cluster page" in body
+    assert f"<!date^{int(old.timestamp())}^" in body and "stops working" in body
+    assert "*New kubeconfig expires*" in body and "2025-03-01T11:00:00Z" in body
+    assert message["text"] == "New kubeconfig issued: llm-pretrain (Research &amp; Dev)"
+    unknown = {k: v for k, v in SAMPLES[Event.CLUSTER_CREDENTIALS_RENEWED].items()
+               if k not in ("expires_at", "previous_expires_at")}
+    body = "\n".join(_all_texts(build_message(Event.CLUSTER_CREDENTIALS_RENEWED, unknown, BASE)))
+    assert "may stop working" in body and "New kubeconfig expires" not in body
