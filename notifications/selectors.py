@@ -312,7 +312,10 @@ def _optional_model(app_label: str, name: str):
 
 
 def _transition_ident(cluster_id: Any, payload: dict[str, Any]) -> str:
-    """Name one cluster transition: its row when provisioning records it, else the payload."""
+    """Name one cluster transition: the row the event names, else the newest of its phase, else the payload."""
+    named = as_id(payload.get("transition_id"))
+    if named is not None:
+        return f"t{named}"
     ClusterTransition = _optional_model("provisioning", "ClusterTransition")
     status = payload.get("status")
     pk = as_id(cluster_id)

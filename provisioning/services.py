@@ -21,7 +21,8 @@ Events (after commit): ``cluster.ready`` (+ recovered: true when a cluster degra
 change is whole again, not built), ``cluster.failed`` (+ phase, reason),
 ``cluster.degraded`` (+ reason; + node when one was lost, none when the backend refused a window
 change), ``cluster.deleted``, ``cluster.credentials_renewed`` (+ issued_at, expires_at, previous_expires_at: a
-live cluster's kubeconfig issued again) — each with cluster_id, reservation_id, tenant_id, status — and
+live cluster's kubeconfig issued again) — each with cluster_id, reservation_id, tenant_id, status (the phase
+events also with transition_id, the row of that transition) — and
 ``reservation.starting_soon`` /
 ``reservation.ending_soon`` (reservation_id, tenant_id, cluster_id, start/end).
 """
@@ -226,7 +227,9 @@ def _transition(
         extra = dict(event_extra or {})
         if phase in (ClusterStatus.FAILED, ClusterStatus.DEGRADED):
             extra.setdefault("reason", detail[:500])
-        _cluster_event(_PHASE_EVENTS[phase], cluster, **extra)
+        # transition_id names this transition: a subscriber handed the event late (the outbox retried it) tells it
+        # as it was, not as whichever transition of the phase is the newest by then.
+        _cluster_event(_PHASE_EVENTS[phase], cluster, transition_id=transition.pk, **extra)
     return transition
 
 

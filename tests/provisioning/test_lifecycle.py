@@ -114,7 +114,8 @@ def test_the_tick_provisions_ahead_of_start_activates_at_start_and_tears_down_at
     assert "cluster.ready" in names and "cluster.deleted" in names
     ready = next(payload for name, payload in captured if name == "cluster.ready")
     assert ready == {"cluster_id": cluster.pk, "reservation_id": reservation.pk,
-                     "tenant_id": world.tenants["alpha"].pk, "status": "ready"}
+                     "tenant_id": world.tenants["alpha"].pk, "status": "ready",
+                     "transition_id": cluster.transitions.get(phase="ready").pk}
     # Every transition is in the audit log with its time (actor None: the lifecycle worker).
     actions = list(AuditLog.objects.filter(object_type="provisioning.virtualcluster", object_id=str(cluster.pk))
                    .order_by("created_at", "id").values_list("action", flat=True))
