@@ -140,12 +140,13 @@ def validated(serializer_class, request, **kwargs) -> Any:
         raise DomainError("The body must be a JSON object.", fields={"body": "Expected a JSON object."})
     serializer = serializer_class(data=request.data, context={"request": request}, **kwargs)
     serializer.is_valid(raise_exception=True)
-    if kwargs.get("partial"):
-        # A PATCH changes only what it names: one naming a field it does not know (a typo, "max_node") is
-        # refused by name, not answered 200 with that field dropped and the caller believing it applied.
-        unknown = sorted(set(request.data) - set(serializer.fields))
-        if unknown:
-            known = ", ".join(name for name, f in serializer.fields.items() if not f.read_only)
-            why = f"Unknown field; this change takes {known}."
-            raise DomainError(f"{unknown[0]}: {why}", fields={name: why for name in unknown})
+    # A write takes only what it names: a body naming a field the endpoint does not know (a typo, "max_node",
+    # or one it never takes, "is_staff" on a new user) is refused by name, not answered 200/201 with that
+    # field dropped and the caller believing it applied.
+    unknown = sorted(set(request.data) - set(serializer.fields))
+    if unknown:
+        known = ", ".join(name for name, f in serializer.fields.items() if not f.read_only)
+        why = f"Unknown field; this {'change' if kwargs.get('partial') else 'request'} takes {known}."
+        raise DomainError(f"{unknown[0]}: {why}", fields={name: why for name in unknown})
     return serializer.validated_data
+

@@ -1,0 +1,103 @@
+"""Bad input on the API's writes beyond the booking create (DESIGN §6): the 400 envelope naming the field,
+and nothing changed — no row, no audit entry, no outbox message."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from provisioning.models import VirtualCluster
+
+from .conftest import iso, now_clear_of_the_hour
+from .provisioning.conftest import FAST, book
+
+pytestmark = pytest.mark.django_db
+
+# Rows the API's bearer-token sign-in itself touches (its last-used time), whatever the request asks.
+SIGN_IN_TABLES = {"tenants_apitoken"}
+
+
+def database_state() -> dict[str, str]:
+    """A digest of every table's rows: a refused write must leave each one as it was."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY 1")
+        tables = [row[0] for row in cursor.fetchall() if row[0] not in SIGN_IN_TABLES]
+        state = {}
+        for table in tables:
+            cursor.execute(f'SELECT md5(coalesce(string_agg(t::text, \',\' ORDER BY t::text), \'\')) FROM "{table}" t')
+            state[table] = cursor.fetchone()[0]
+    return state
+
+
+def changed_tables(before: dict[str, str]) -> list[str]:
+    after = database_state()
+    return [table for table in before if before[table] != after.get(table)]
+
+
+@pytest.fixture
+def things(world, t0, settings):
+    """Ids: an alpha booking tomorrow with its pending cluster, an alpha cluster ready and running now, the
+    alpha quota and a node."""
+    from reservations.models import Reservation
+    from reservations.timeutil import slot_floor
+    from tenants.models import Quota
+
+    for key, value in FAST.items():
+        setattr(settings, key, value)
+    settings.PORTAL_PROVISIONING_BACKEND = "simulated"
+    running = book(world, "alpha-lead", slot_floor(now_clear_of_the_hour(600), 60))
+    Reservation.objects.filter(pk=running.pk).update(status="active")
+    pending = book(world, "alpha-lead", t0 + timedelta(hours=6))
+    clusters = {}
+    for booking, status in ((running, "ready"), (pending, "pending")):
+        clusters[status] = VirtualCluster.objects.update_or_create(reservation=booking, defaults=dict(
+            tenant=booking.tenant, status=status, backend="simulated", orchestrator="slurm",
+            orchestrator_version="24.11", cuda_version="12.8", default_memory_per_gpu_gib=80,
+            shared_storage_gib=100))[0].pk
+    return {"reservation": pending.pk, "pending": clusters["pending"], "ready": clusters["ready"],
+            "quota": Quota.objects.get(tenant__slug="alpha").pk, "node": world.nodes[-1].pk}
+
+
+def assert_refused(r, field, status=400, code="invalid"):
+    assert r.status_code == status, (r.status_code, r.content[:300])
+    assert r.json()["code"] == code, r.json()
+    if field is not None:
+        assert field in r.json()["fields"], r.json()
+        assert r.json()["detail"], r.json()
+
+
+UNKNOWN_FIELD_POSTS = [
+    ("/api/v1/users/", "staff", {"username": "newbie", "password": "Another-long-pw-9", "is_staff": True},
+     "is_staff"),
+    ("/api/v1/pools/", "staff", {"name": "a100", "gpu_model": "A100", "gpus_per_node": 8, "slot_minute": 30},
+     "slot_minute"),
+    ("/api/v1/nodes/", "staff", {"hostname": "h100-009", "pool": "h100", "stat": "maintenance"}, "stat"),
+    ("/api/v1/quotas/", "staff", {"tenant": "alpha", "pool": "other", "max_nodes": 1, "burst_node": 2}, "burst_node"),
+    ("/api/v1/tenants/", "staff", {"slug": "gamma", "name": "Gamma", "burst_enable": True}, "burst_enable"),
+    ("/api/v1/memberships/", "alpha-lead", {"tenant": "alpha", "user": "beta-viewer", "role": "viewer",
+                                            "expires": "2030-01-01T00:00:00Z"}, "expires"),
+    ("/api/v1/reservations/", "alpha-lead", None, "nmae"),
+    ("cluster:health-checks", "alpha-lead", {"levl": "full"}, "levl"),
+]
+
+
+@pytest.mark.parametrize("url,who,body,field", UNKNOWN_FIELD_POSTS, ids=[c[3] for c in UNKNOWN_FIELD_POSTS])
+def test_a_post_naming_an_unknown_field_is_refused_and_changes_nothing(world, t0, things, url, who, body, field):
+    # As a PATCH: a field the endpoint does not take (a typo, or one it never takes, as "is_staff" on a new
+    # user) is a 400 naming it, not a 201 with it dropped: a script creating a staff account was told it had.
+    from reservations.models import Pool
+
+    Pool.objects.create(name="other", gpu_model="x", gpus_per_node=8)
+    if body is None:
+        body = {"pool": "h100", "node_count": 1, "start": iso(t0 + timedelta(hours=12)),
+                "end": iso(t0 + timedelta(hours=14)), "nmae": "typo"}
+    if url == "cluster:health-checks":
+        url = f"/api/v1/clusters/{things['ready']}/health-checks/"
+    before = database_state()
+    r = world.client(who).post(url, body, format="json")
+    assert_refused(r, field)
+    assert field in r.json()["detail"], r.json()
+    assert changed_tables(before) == []
+
