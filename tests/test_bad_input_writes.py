@@ -101,3 +101,38 @@ def test_a_post_naming_an_unknown_field_is_refused_and_changes_nothing(world, t0
     assert field in r.json()["detail"], r.json()
     assert changed_tables(before) == []
 
+
+BODYLESS_ACTIONS = [("cancel", "alpha-lead"), ("teardown", "alpha-lead"), ("retry", "staff")]
+BAD_BODIES = [
+    ("application/json", '{"reason": ', "body"),
+    ("application/json", "[]", "body"),
+    ("application/json", "null", "body"),
+    ("application/json", '{"reason": "moved to next week"}', "reason"),
+    ("text/plain", "please cancel", "content_type"),
+    ("application/x-www-form-urlencoded", "confirm=yes", "content_type"),
+]
+
+
+@pytest.mark.parametrize("ctype,body,field", BAD_BODIES, ids=[b[2] + "-" + b[1][:8] for b in BAD_BODIES])
+@pytest.mark.parametrize("action,who", BODYLESS_ACTIONS, ids=[a[0] for a in BODYLESS_ACTIONS])
+def test_an_action_that_takes_no_body_refuses_a_bad_one_and_changes_nothing(world, things, action, who, ctype, body,
+                                                                            field):
+    # POST …/cancel/ (and a cluster's teardown/ and retry/) take no body: one that is no JSON, or names a field,
+    # was never read — a malformed body or one in another media type cancelled the booking (200), and a
+    # "reason" the caller sent was dropped without a word. Every other write answers these 400.
+    url = (f"/api/v1/reservations/{things['reservation']}/cancel/" if action == "cancel"
+           else f"/api/v1/clusters/{things['ready']}/{action}/")
+    before = database_state()
+    r = world.client(who).generic("POST", url, body, content_type=ctype)
+    assert_refused(r, field)
+    assert changed_tables(before) == []
+
+
+@pytest.mark.parametrize("body,ctype", [("", "application/json"), ("{}", "application/json"), ("", "")])
+def test_an_action_that_takes_no_body_still_takes_none_or_an_empty_object(world, things, body, ctype):
+    r = world.client("alpha-lead").generic("POST", f"/api/v1/reservations/{things['reservation']}/cancel/", body,
+                                           content_type=ctype)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.content
+    r = world.client("alpha-lead").generic("POST", f"/api/v1/clusters/{things['ready']}/teardown/", body,
+                                           content_type=ctype)
+    assert r.status_code == 200, r.content

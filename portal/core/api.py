@@ -15,7 +15,7 @@ from rest_framework.views import set_rollback
 
 from .exceptions import Busy, DomainError, is_transient
 
-__all__ = ["exception_handler", "envelope", "validated", "json_400", "json_404", "json_500"]
+__all__ = ["exception_handler", "envelope", "validated", "no_body", "json_400", "json_404", "json_500"]
 
 
 def envelope(code: str, detail: str, fields: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -150,3 +150,15 @@ def validated(serializer_class, request, **kwargs) -> Any:
         raise DomainError(f"{unknown[0]}: {why}", fields={name: why for name in unknown})
     return serializer.validated_data
 
+
+def no_body(request) -> None:
+    """Refuse a body on an action that takes none (cancel, teardown, retry): none, or an empty JSON object, is
+    all it takes. One that does not parse, comes in another media type, or names a field is a 400 as on every
+    other write, not ignored while the action goes ahead (the caller's "reason" dropped without a word)."""
+    data = request.data  # parsed here, whatever was sent: malformed JSON, another media type ⇒ 400
+    if not isinstance(data, dict):
+        raise DomainError("The body must be a JSON object (or left out).", fields={"body": "Expected a JSON object."})
+    if data:
+        why = "Unknown field; this action takes no body."
+        names = sorted(data)
+        raise DomainError(f"{names[0]}: {why}", fields={name: why for name in names})

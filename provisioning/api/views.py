@@ -10,7 +10,7 @@ from rest_framework.decorators import action
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 
-from portal.core.api import validated
+from portal.core.api import no_body, validated
 from portal.core.exceptions import NotFound
 
 from .. import selectors, services
@@ -52,14 +52,18 @@ class ClusterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     @action(detail=True, methods=["post"])
     def teardown(self, request, pk=None):
         """Tear the cluster down now; the reservation completes."""
-        cluster = services.cluster_request_teardown(actor=request.user, cluster=self.get_object())
+        cluster = self.get_object()
+        no_body(request)
+        cluster = services.cluster_request_teardown(actor=request.user, cluster=cluster)
         return self._out(cluster)
 
     @extend_schema(request=None, responses={200: s.ClusterSerializer})
     @action(detail=True, methods=["post"])
     def retry(self, request, pk=None):
         """Retry a failed cluster (staff)."""
-        cluster = services.cluster_retry(actor=request.user, cluster=self.get_object(), source=TransitionSource.API)
+        cluster = self.get_object()
+        no_body(request)
+        cluster = services.cluster_retry(actor=request.user, cluster=cluster, source=TransitionSource.API)
         return self._out(cluster)
 
     @extend_schema(

@@ -12,7 +12,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.core.api import validated
+from portal.core.api import no_body, validated
 from portal.core.exceptions import InvalidInput, PermissionDenied
 from portal.core.fields import AwareDateTimeField
 from portal.core.instrument import timed_booking
@@ -148,7 +148,9 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
     @extend_schema(request=None, responses={200: s.ReservationSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
-        reservation = services.reservation_cancel(actor=request.user, reservation=self.get_object())
+        reservation = self.get_object()
+        no_body(request)
+        reservation = services.reservation_cancel(actor=request.user, reservation=reservation)
         return Response(self._out(reservation))
 
     def _out(self, reservation):
