@@ -489,6 +489,8 @@ def cluster_configure(*, actor: Any, cluster: VirtualCluster, **changes: Any) ->
         if errors:
             first = next(iter(errors))
             raise InvalidInput(f"{first}: {errors[first]}", fields=errors)
+        if all(spec[key] == before[key] for key in allowed):
+            return cluster  # no change: nothing saved, and no audit entry of a change from A to A
         for key in allowed:
             setattr(cluster, key, spec[key])
         cluster.save()

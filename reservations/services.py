@@ -999,6 +999,8 @@ def _node_update(*, actor: Any, node: Node, state: str | None, reason: str | Non
             node.state = state
         if reason is not None:
             node.state_reason = reason[:255]
+        if {"state": node.state, "state_reason": node.state_reason} == before:
+            return node  # no change: nothing saved, and no audit entry of a change from A to A
         node.save()
         audit_record(actor=actor, action="node.update", obj=node, before=before,
                      after={"state": node.state, "state_reason": node.state_reason})

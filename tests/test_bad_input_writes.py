@@ -136,3 +136,22 @@ def test_an_action_that_takes_no_body_still_takes_none_or_an_empty_object(world,
     r = world.client("alpha-lead").generic("POST", f"/api/v1/clusters/{things['ready']}/teardown/", body,
                                            content_type=ctype)
     assert r.status_code == 200, r.content
+
+
+
+NO_CHANGE_PATCHES = [("node", "staff", {}), ("node", "staff", {"state": "available", "state_reason": ""}),
+                     ("cluster", "alpha-lead", {}), ("cluster", "alpha-lead", {"cuda_version": "12.8"}),
+                     ("quota", "staff", {}), ("tenant", "staff", {})]
+
+
+@pytest.mark.parametrize("what,who,body", NO_CHANGE_PATCHES, ids=[f"{p[0]}-{sorted(p[2])}" for p in NO_CHANGE_PATCHES])
+def test_a_patch_that_changes_nothing_writes_nothing(world, things, what, who, body):
+    # PATCH {} (or the values it already has) on a node or a cluster saved the row and wrote an audit entry of
+    # a change from A to A ("staff changed h100-004"), as the quota and tenant PATCHes no longer do: 200, the
+    # object as it is, and nothing written.
+    url = {"node": f"/api/v1/nodes/{things['node']}/", "cluster": f"/api/v1/clusters/{things['pending']}/",
+           "quota": f"/api/v1/quotas/{things['quota']}/", "tenant": "/api/v1/tenants/alpha/"}[what]
+    before = database_state()
+    r = world.client(who).patch(url, body, format="json")
+    assert r.status_code == 200, r.content
+    assert changed_tables(before) == []
