@@ -155,3 +155,46 @@ def test_a_patch_that_changes_nothing_writes_nothing(world, things, what, who, b
     r = world.client(who).patch(url, body, format="json")
     assert r.status_code == 200, r.content
     assert changed_tables(before) == []
+
+UNKNOWN_QUERIES = [
+    ("alpha-viewer", "/api/v1/reservations/", {"statu": "cancelled"}, "statu"),
+    ("alpha-viewer", "/api/v1/reservations/", {"status": "confirmed", "tenant": "beta"}, "tenant"),
+    ("alpha-viewer", "/api/v1/clusters/", {"reservations": "1"}, "reservations"),
+    ("alpha-viewer", "/api/v1/health-checks/", {"verdit": "fail"}, "verdit"),
+    ("staff", "/api/v1/nodes/", {"pool": "h100"}, "pool"),
+    ("staff", "/api/v1/pools/", {"gpu_model": "H100-SXM"}, "gpu_model"),
+    ("staff", "/api/v1/tenants/", {"slug": "alpha"}, "slug"),
+    ("staff", "/api/v1/quotas/", {"tenant": "alpha"}, "tenant"),
+    ("staff", "/api/v1/memberships/", {"role": "lead"}, "role"),
+    ("alpha-viewer", "/api/v1/availability/", {"pool": "h100", "nodes": "2"}, "nodes"),
+    ("alpha-lead", "/api/v1/usage/", {"months": "2026-01"}, "months"),
+    ("alpha-viewer", "/api/v1/reservations/", {"page_size": "5", "pagesize": "5"}, "pagesize"),
+]
+
+
+@pytest.mark.parametrize("who,url,params,field", UNKNOWN_QUERIES, ids=[f"{q[1]}-{q[3]}" for q in UNKNOWN_QUERIES])
+def test_a_query_parameter_a_read_does_not_take_is_refused_by_name(world, things, who, url, params, field):
+    # ?statu=cancelled (a typo) answered every reservation, 200, and the caller took them all for cancelled
+    # ones; ?pool= on the node list, which filters by state only, answered every pool's nodes. A parameter
+    # the read does not take is malformed input (DESIGN §6: 400 invalid naming it), as in a body.
+    r = world.client(who).get(url, params)
+    assert_refused(r, field)
+    assert "Unknown query parameter" in r.json()["fields"][field], r.json()
+    assert not set(r.json()["fields"]) - {field}, r.json()
+
+
+@pytest.mark.parametrize("who,url,params", [
+    ("alpha-viewer", "/api/v1/reservations/", {"status": "confirmed", "pool": "h100", "start": "2026-01-01T00:00:00Z",
+                                               "end": "2040-01-01T00:00:00Z", "page": "1", "page_size": "5",
+                                               "format": "json"}),
+    ("alpha-viewer", "/api/v1/clusters/", {"status": "pending", "page": "last"}),
+    ("alpha-viewer", "/api/v1/health-checks/", {"verdict": "fail", "level": "quick", "trigger": "tenant",
+                                                "status": "done"}),
+    ("staff", "/api/v1/nodes/", {"state": "available", "page_size": "2"}),
+    ("alpha-viewer", "/api/v1/availability/", {"pool": "h100", "step": "3600"}),
+    ("alpha-lead", "/api/v1/usage/", {"month": "2026-01", "tenant": "alpha"}),
+])
+def test_the_query_parameters_a_read_takes_still_work(world, things, who, url, params):
+    r = world.client(who).get(url, params)
+    assert r.status_code == 200, r.content
+

@@ -15,7 +15,7 @@ from rest_framework.views import set_rollback
 
 from .exceptions import Busy, DomainError, is_transient
 
-__all__ = ["exception_handler", "envelope", "validated", "no_body", "json_400", "json_404", "json_500"]
+__all__ = ["exception_handler", "envelope", "validated", "no_body", "known_query", "json_400", "json_404", "json_500"]
 
 
 def envelope(code: str, detail: str, fields: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -162,3 +162,17 @@ def no_body(request) -> None:
         why = "Unknown field; this action takes no body."
         names = sorted(data)
         raise DomainError(f"{names[0]}: {why}", fields={name: why for name in names})
+
+
+def known_query(request, names) -> None:
+    """Refuse a query parameter the read does not take (names, and ?format=): a typo (?statu=cancelled) or a
+    filter it does not have (?pool= on the node list) is malformed input, a 400 naming it, not ignored while
+    the whole list is answered as though it were filtered."""
+    from rest_framework.settings import api_settings
+
+    allowed = set(names) | {api_settings.URL_FORMAT_OVERRIDE}
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        takes = ", ".join(sorted(set(names))) or "none but page and page_size"
+        why = f"Unknown query parameter; this read takes {takes}."
+        raise drf.ValidationError({name: why for name in unknown})

@@ -24,12 +24,13 @@ class ClusterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     permission_classes = [IsAuthenticated]
     serializer_class = s.ClusterSerializer
     filter_backends: list = []
+    filter_params = ("status", "reservation")
 
     def get_queryset(self):
         qs = selectors.clusters_for_user(user=self.request.user)
         if self.action == "list":
             params = self.request.query_params
-            f = s.ClusterFilterSerializer(data={k: params[k] for k in ("status", "reservation") if k in params})
+            f = s.ClusterFilterSerializer(data={k: params[k] for k in self.filter_params if k in params})
             f.is_valid(raise_exception=True)
             if "status" in f.validated_data:
                 qs = qs.filter(status=f.validated_data["status"])

@@ -128,6 +128,7 @@ class HealthCheckListApi(generics.ListAPIView):
     permission_classes = [IsAuthenticated]
     serializer_class = HealthCheckSerializer
     filter_backends: list = []
+    filter_params = ("node", "cluster", "verdict", "level", "trigger", "status")  # FilterSerializer's
 
     def get_queryset(self):
         user = self.request.user

@@ -12,7 +12,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.core.api import no_body, validated
+from portal.core.api import known_query, no_body, validated
 from portal.core.exceptions import InvalidInput, PermissionDenied
 from portal.core.fields import AwareDateTimeField
 from portal.core.instrument import timed_booking
@@ -79,6 +79,7 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
     permission_classes = [IsAuthenticated]
     serializer_class = s.ReservationSerializer
     filter_backends = []
+    filter_params = ("status", "pool", "start", "end")
 
     def get_queryset(self):
         active = Prefetch(
@@ -89,8 +90,7 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
         qs = selectors.reservations_for_user(user=self.request.user).prefetch_related(active)
         if self.action == "list":
             params = self.request.query_params
-            f = s.ReservationFilterSerializer(data={k: params[k] for k in ("status", "pool", "start", "end")
-                                                    if k in params})
+            f = s.ReservationFilterSerializer(data={k: params[k] for k in self.filter_params if k in params})
             f.is_valid(raise_exception=True)
             data = f.validated_data
             if "status" in data:
@@ -163,6 +163,7 @@ class AvailabilityApi(APIView):
 
     @extend_schema(parameters=[s.AvailabilityQuerySerializer], responses={200: s.AvailabilitySerializer})
     def get(self, request):
+        known_query(request, s.AvailabilityQuerySerializer().fields)
         q = s.AvailabilityQuerySerializer(data=request.query_params.dict())
         q.is_valid(raise_exception=True)
         pool = q.validated_data["pool"]
@@ -210,6 +211,7 @@ class UsageApi(APIView):
     def get(self, request):
         from ..usage import parse_month, usage_tenant_ids
 
+        known_query(request, s.UsageQuerySerializer().fields)
         q = s.UsageQuerySerializer(data=request.query_params.dict())
         q.is_valid(raise_exception=True)
         month = parse_month(q.validated_data.get("month"))
