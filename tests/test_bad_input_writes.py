@@ -198,3 +198,16 @@ def test_the_query_parameters_a_read_takes_still_work(world, things, who, url, p
     r = world.client(who).get(url, params)
     assert r.status_code == 200, r.content
 
+
+@pytest.mark.parametrize("cluster,field", [({"orchestrater": "kubernetes"}, "cluster.orchestrater"),
+                                           ({"orchestrator": "kubernetes", "cuda": "12.4"}, "cluster.cuda"),
+                                           ({"mig_profile": "1g.10gb"}, "cluster.mig_profile")])
+def test_a_booking_naming_an_unknown_cluster_field_is_refused(world, t0, cluster, field):
+    # The top level of a booking refuses a field it does not take; the cluster spec inside it dropped one
+    # ({"orchestrater": "kubernetes"} booked a Slurm cluster, 201).
+    before = database_state()
+    body = {"pool": "h100", "node_count": 1, "start": iso(t0), "end": iso(t0 + timedelta(hours=2)),
+            "cluster": cluster}
+    r = world.client("alpha-lead").post("/api/v1/reservations/", body, format="json")
+    assert_refused(r, field)
+    assert changed_tables(before) == []

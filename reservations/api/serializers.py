@@ -63,6 +63,18 @@ class ClusterSpecSerializer(serializers.Serializer):
     orchestrator = serializers.ChoiceField(choices=Orchestrator.choices, required=False, default=Orchestrator.SLURM)
     cuda_version = serializers.ChoiceField(choices=CUDA_VERSIONS, required=False, default=DEFAULT_CUDA_VERSION)
 
+    def to_internal_value(self, data):
+        # A key the spec does not take ({"orchestrater": "kubernetes"}) is refused by name, as one at the top
+        # of the body is, not dropped while the default (Slurm) is booked. The rest of the spec is chosen on
+        # the cluster (PATCH /clusters/{id}/) while it is pending.
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                why = ("Unknown field; a booking's cluster takes orchestrator and cuda_version (the rest of the "
+                       "spec is chosen on the cluster, PATCH /api/v1/clusters/{id}/, while it is pending).")
+                raise serializers.ValidationError({name: why for name in unknown})
+        return super().to_internal_value(data)
+
 
 def _bookable_tenants(user):
     # The caller's role comes along, so the booking service need not ask for it again.
