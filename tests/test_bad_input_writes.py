@@ -211,3 +211,35 @@ def test_a_booking_naming_an_unknown_cluster_field_is_refused(world, t0, cluster
     r = world.client("alpha-lead").post("/api/v1/reservations/", body, format="json")
     assert_refused(r, field)
     assert changed_tables(before) == []
+
+
+NUMBERS_FOR_STRINGS = [
+    ("post", "/api/v1/nodes/", "staff", {"hostname": 5, "pool": "h100"}, "hostname"),
+    ("post", "/api/v1/pools/", "staff", {"name": "a100", "gpu_model": 100, "gpus_per_node": 8}, "gpu_model"),
+    ("post", "/api/v1/tenants/", "staff", {"slug": "gamma", "name": 7}, "name"),
+    ("post", "/api/v1/users/", "staff", {"username": "newbie", "password": 12345678901234}, "password"),
+    ("post", "/api/v1/reservations/", "alpha-lead", None, "name"),
+    ("patch", "reservation", "alpha-lead", {"name": 12}, "name"),
+    ("patch", "node", "staff", {"state_reason": 1.5}, "state_reason"),
+    ("patch", "cluster", "alpha-lead", {"cuda_version": 12.8}, "cuda_version"),
+    ("post", "health-checks", "alpha-lead", {"nodes": [1]}, "nodes.0"),
+]
+
+
+@pytest.mark.parametrize("method,url,who,body,field", NUMBERS_FOR_STRINGS,
+                         ids=[f"{n[1].strip('/').split('/')[-1]}-{n[4]}" for n in NUMBERS_FOR_STRINGS])
+def test_a_number_where_a_string_is_due_is_refused(world, t0, things, method, url, who, body, field):
+    # Integers refuse "2" and true (StrictIntegerField), booleans refuse "false": a string field took a JSON
+    # number and stored its text (a node named "5", a password 12345678901234, a name 12). The API takes
+    # each value as the JSON type the field is.
+    if body is None:
+        body = {"pool": "h100", "node_count": 1, "start": iso(t0 + timedelta(hours=12)),
+                "end": iso(t0 + timedelta(hours=14)), "name": 42}
+    url = {"reservation": f"/api/v1/reservations/{things['reservation']}/", "node": f"/api/v1/nodes/{things['node']}/",
+           "cluster": f"/api/v1/clusters/{things['pending']}/",
+           "health-checks": f"/api/v1/clusters/{things['ready']}/health-checks/"}.get(url, url)
+    before = database_state()
+    r = getattr(world.client(who), method)(url, body, format="json")
+    assert_refused(r, field)
+    assert r.json()["fields"][field] == "Not a valid string.", r.json()
+    assert changed_tables(before) == []

@@ -13,7 +13,7 @@ from .timefmt import format_utc
 
 __all__ = [
     "DATETIME_MAX", "DATETIME_MIN", "AwareDateTimeField", "in_supported_range", "StrictBooleanField",
-    "StrictIntegerField", "StrictSlugRelatedField", "ScopedSlugRelatedField",
+    "StrictIntegerField", "StrictSlugRelatedField", "ScopedSlugRelatedField", "StrictCharField", "StrictRegexField",
 ]
 
 
@@ -80,6 +80,26 @@ class StrictIntegerField(serializers.IntegerField):
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
         return super().to_internal_value(data)
+
+
+class _StringOnly:
+    """A JSON string only: DRF's CharField takes a number and stores its text (a node named "5", a password
+    12345678901234), where the API takes each value as the JSON type its field is."""
+
+    default_error_messages = {"not_a_string": "Not a valid string."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("not_a_string")
+        return super().to_internal_value(data)
+
+
+class StrictCharField(_StringOnly, serializers.CharField):
+    """DRF's CharField, refusing anything but a JSON string."""
+
+
+class StrictRegexField(_StringOnly, serializers.RegexField):
+    """DRF's RegexField, refusing anything but a JSON string."""
 
 
 class StrictBooleanField(serializers.BooleanField):

@@ -6,7 +6,7 @@ from django.urls import reverse
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from portal.core.fields import AwareDateTimeField, StrictIntegerField
+from portal.core.fields import AwareDateTimeField, StrictCharField, StrictIntegerField
 from reservations.choices import ReservationStatus
 
 from ..choices import ClusterStatus
@@ -132,9 +132,9 @@ class ClusterSerializer(serializers.ModelSerializer):
 
 
 class ClusterSpecInputSerializer(serializers.Serializer):
-    orchestrator_version = serializers.CharField(max_length=16, required=False)
-    cuda_version = serializers.CharField(max_length=16, required=False)
-    mig_profile = serializers.CharField(max_length=16, required=False, allow_blank=True)
+    orchestrator_version = StrictCharField(max_length=16, required=False)
+    cuda_version = StrictCharField(max_length=16, required=False)
+    mig_profile = StrictCharField(max_length=16, required=False, allow_blank=True)
     default_memory_per_gpu_gib = StrictIntegerField(required=False, min_value=1)
     shared_storage_gib = StrictIntegerField(required=False, min_value=0)
 

@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 
 from portal.core.api import validated
 from portal.core.exceptions import NotFound
-from portal.core.fields import AwareDateTimeField
+from portal.core.fields import AwareDateTimeField, StrictCharField
 from reservations.models import Node
 
 from . import selectors, services
@@ -77,7 +77,7 @@ class HealthCheckDetailSerializer(HealthCheckSerializer):
 class RequestInputSerializer(serializers.Serializer):
     level = serializers.ChoiceField(choices=CheckLevel.values, required=False, default=CheckLevel.QUICK)
     nodes = serializers.ListField(
-        child=serializers.CharField(max_length=253), required=False, allow_empty=False, min_length=1, max_length=1000
+        child=StrictCharField(max_length=253), required=False, allow_empty=False, min_length=1, max_length=1000
     )
 
 

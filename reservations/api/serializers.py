@@ -3,7 +3,14 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from portal.core.actors import actor_name
-from portal.core.fields import AwareDateTimeField, ScopedSlugRelatedField, StrictIntegerField, StrictSlugRelatedField
+from portal.core.fields import (
+    AwareDateTimeField,
+    ScopedSlugRelatedField,
+    StrictCharField,
+    StrictIntegerField,
+    StrictRegexField,
+    StrictSlugRelatedField,
+)
 from portal.core.timefmt import format_utc
 from tenants.models import Tenant
 
@@ -22,8 +29,8 @@ class PoolSerializer(serializers.ModelSerializer):
 
 
 class PoolInputSerializer(serializers.Serializer):
-    name = serializers.RegexField(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$", max_length=50)
-    gpu_model = serializers.CharField(max_length=100)
+    name = StrictRegexField(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$", max_length=50)
+    gpu_model = StrictCharField(max_length=100)
     gpus_per_node = StrictIntegerField(min_value=1, max_value=64)
     slot_minutes = StrictIntegerField(min_value=1, max_value=1440, required=False, default=60, help_text=(
         "Length of the pool's booking slot in minutes; must divide 1440 (the slots tile a day), e.g. 15, 30 "
@@ -49,14 +56,14 @@ class NodeSerializer(serializers.ModelSerializer):
 
 
 class NodeInputSerializer(serializers.Serializer):
-    hostname = serializers.RegexField(HOSTNAME_PATTERN, max_length=253)
+    hostname = StrictRegexField(HOSTNAME_PATTERN, max_length=253)
     pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all())
     state = serializers.ChoiceField(choices=NodeState.choices, required=False, default=NodeState.AVAILABLE)
 
 
 class NodeUpdateSerializer(serializers.Serializer):
     state = serializers.ChoiceField(choices=NodeState.choices, required=False)
-    state_reason = serializers.CharField(max_length=255, required=False, allow_blank=True)
+    state_reason = StrictCharField(max_length=255, required=False, allow_blank=True)
 
 
 class ClusterSpecSerializer(serializers.Serializer):
@@ -95,7 +102,7 @@ class ReservationCreateSerializer(serializers.Serializer):
     node_count = StrictIntegerField(min_value=1, max_value=100_000)
     start = AwareDateTimeField()
     end = AwareDateTimeField()
-    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    name = StrictCharField(max_length=200, required=False, allow_blank=True, default="")
     cluster = ClusterSpecSerializer(required=False)
 
     def validate(self, attrs):
@@ -111,7 +118,7 @@ class ReservationCreateSerializer(serializers.Serializer):
 class ReservationUpdateSerializer(serializers.Serializer):
     start = AwareDateTimeField(required=False)
     end = AwareDateTimeField(required=False)
-    name = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    name = StrictCharField(max_length=200, required=False, allow_blank=True)
 
     # What a booking fixes once made: a PATCH naming one of these is refused, not half applied
     # (PATCH {"end": …, "node_count": 8} would otherwise extend and silently keep the count).

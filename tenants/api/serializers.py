@@ -6,7 +6,9 @@ from portal.core.fields import (
     AwareDateTimeField,
     ScopedSlugRelatedField,
     StrictBooleanField,
+    StrictCharField,
     StrictIntegerField,
+    StrictRegexField,
     StrictSlugRelatedField,
 )
 from reservations.models import Pool
@@ -24,20 +26,20 @@ class TenantOutputSerializer(serializers.ModelSerializer):
 
 
 class TenantInputSerializer(serializers.Serializer):
-    slug = serializers.RegexField(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$", max_length=50)
-    name = serializers.CharField(max_length=120)
+    slug = StrictRegexField(r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$", max_length=50)
+    name = StrictCharField(max_length=120)
     burst_enabled = StrictBooleanField(required=False)  # no default: a PATCH would document one
     storage_quota_tib = StrictIntegerField(required=False, min_value=0, max_value=100000)
     vlan_id = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=4094)
-    cidr = serializers.CharField(required=False, allow_blank=True, max_length=43)
+    cidr = StrictCharField(required=False, allow_blank=True, max_length=43)
     slack_webhook_url = serializers.URLField(required=False, allow_blank=True, write_only=True,
                                               max_length=MAX_URL_LENGTH)  # what the egress check stores
 
 
 class UserInputSerializer(serializers.Serializer):
-    username = serializers.RegexField(r"^[\w.@+-]+$", max_length=150)
+    username = StrictRegexField(r"^[\w.@+-]+$", max_length=150)
     email = serializers.EmailField(required=False, allow_blank=True)
-    password = serializers.CharField(write_only=True, max_length=128, trim_whitespace=False)
+    password = StrictCharField(write_only=True, max_length=128, trim_whitespace=False)
 
 
 class UserOutputSerializer(serializers.Serializer):
