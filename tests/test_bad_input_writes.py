@@ -243,3 +243,13 @@ def test_a_number_where_a_string_is_due_is_refused(world, t0, things, method, ur
     assert_refused(r, field)
     assert r.json()["fields"][field] == "Not a valid string.", r.json()
     assert changed_tables(before) == []
+
+
+@pytest.mark.parametrize("param", ["page", "page_size"])
+@pytest.mark.parametrize("value", ["1_0", " 1", "+1", "\uff11", "\u0661"])
+def test_a_page_number_is_ascii_digits_only(world, param, value):
+    # Python's int() reads "1_0" as 10, " 1" and "+1" as 1 and a full-width or Arabic-Indic "1" as 1: a page
+    # number that is no whole number in the API's terms was taken (or answered 404 as past the end).
+    r = world.client("alpha-viewer").get("/api/v1/reservations/", {param: value})
+    assert_refused(r, param)
+    assert set(r.json()["fields"]) == {param}, r.json()

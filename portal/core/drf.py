@@ -58,10 +58,9 @@ class ContentNegotiation(negotiation.DefaultContentNegotiation):
 
 
 def _whole_number(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        return 0
+    """text as a whole number if it is ASCII digits only, else 0: int() also reads "1_0", " 1", "+1" and other
+    scripts' digits, none of them a page number in the API's terms."""
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 class Pagination(pagination.PageNumberPagination):
