@@ -6,7 +6,8 @@ Through :class:`~provisioning.backends.slurm_client.SlurmClient` (``scontrol``):
   StartTime EndTime Accounts=<tenant>`` as soon as it is confirmed (so Slurm's own
   scheduler keeps the window free), an extension or shortening an ``update``, a cancel or
   teardown a ``delete``; every call goes through ``ensure_reservation``, which converges
-  instead of failing when a task runs twice;
+  instead of failing when a task runs twice; the team's jobs left in a reservation being deleted
+  (running, or queued for its window) are cancelled, since Slurm deletes none that a job names;
 - a failed node is drained (``update NodeName=… State=DRAIN Reason="portal: …"``) and a
   replacement node swapped into the reservation's node list;
 - ``reconcile`` compares Slurm's reservations with the database both ways; a portal reservation
@@ -46,6 +47,7 @@ from .slurm_client import (
     Partition,
     PartitionNotFound,
     ReservationAlreadyStarted,
+    ReservationBusy,
     ReservationOverlap,
     SlurmClient,
     SlurmError,
@@ -214,10 +216,7 @@ class SlurmBackend(ProvisioningBackend):
         return result
 
     def teardown(self, ctx: ClusterContext) -> bool:
-        try:
-            self.client.delete_reservation(self.reservation_name(ctx), missing_ok=True)
-        except SlurmError as exc:
-            raise BackendError(f"Slurm: {exc.message}")
+        self._delete(self.reservation_name(ctx))
         return True
 
     def status(self, ctx: ClusterContext) -> BackendStatus:
@@ -276,8 +275,20 @@ class SlurmBackend(ProvisioningBackend):
     # --- drift ---
 
     def _delete(self, name: str) -> None:
+        """Delete the reservation; jobs the team left in it (running, or queued for the window) are cancelled.
+
+        Slurm refuses to delete a reservation any job names, even one only waiting for its window: a booking
+        cancelled or at its end goes with the team's jobs, which could never run once it is gone. Jobs still
+        ending after their cancel keep it for a moment: a transient error, and the retry deletes it.
+        """
         try:
-            self.client.delete_reservation(name, missing_ok=True)
+            try:
+                self.client.delete_reservation(name, missing_ok=True)
+            except ReservationBusy:
+                self.client.cancel_reservation_jobs(name)
+                self.client.delete_reservation(name, missing_ok=True)
+        except ReservationBusy as exc:
+            raise BackendError(f"Slurm: jobs of {name} still ending after their cancel: {exc.message}")
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
 

@@ -38,6 +38,7 @@ __all__ = [
     "PartitionNotFound",
     "Reservation",
     "ReservationAlreadyStarted",
+    "ReservationBusy",
     "ReservationExists",
     "ReservationNotFound",
     "ReservationOverlap",
@@ -91,6 +92,10 @@ class ReservationOverlap(SlurmError):
     The portal's database never double-books a node, so this means Slurm and the portal
     disagree (a reservation made by hand, or drift): treat it as an incident, not a retry.
     """
+
+
+class ReservationBusy(SlurmError):
+    """Raised when deleting a reservation that jobs still name (running, ending, or only queued for it)."""
 
 
 class ReservationAlreadyStarted(SlurmError):
@@ -199,11 +204,15 @@ class SlurmClient:
         slurm_conf: str | os.PathLike[str] | None = None,
         *,
         scontrol: str = "scontrol",
+        scancel: str | None = None,
         timeout: float = 30.0,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.slurm_conf = os.fspath(slurm_conf) if slurm_conf is not None else None
         self.scontrol = scontrol
+        # scancel of the same installation: the one beside scontrol when that is a path, else the PATH's.
+        beside = os.path.join(os.path.dirname(scontrol), "scancel") if os.path.dirname(scontrol) else ""
+        self.scancel = scancel or (beside if beside and os.access(beside, os.X_OK) else "scancel")
         self.timeout = timeout
         self._base_env = dict(os.environ if env is None else env)
 
@@ -310,6 +319,15 @@ class SlurmClient:
             if missing_ok and isinstance(error, ReservationNotFound):
                 return
             raise error
+
+    def cancel_reservation_jobs(self, name: str) -> None:
+        """Cancel every job of reservation ``name``, running or queued (``scancel --reservation``).
+
+        Slurm will not delete a reservation that jobs still name; the jobs of one that is gone would
+        never run anyway. No job (or no such reservation) is not an error.
+        """
+        _check_name(name, "reservation name")
+        self._run([f"--reservation={name}"], program=self.scancel)
 
     def show_reservations(self) -> dict[str, Reservation]:
         """Return every reservation Slurm knows, by name."""
@@ -503,8 +521,8 @@ class SlurmClient:
         env["LC_ALL"] = "C"
         return env
 
-    def _run(self, args: Sequence[str]) -> str:
-        command = [self.scontrol, *args]
+    def _run(self, args: Sequence[str], *, program: str | None = None) -> str:
+        command = [program or self.scontrol, *args]
         try:
             proc = subprocess.run(  # noqa: S603 - fixed argv, no shell
                 command,
@@ -517,7 +535,7 @@ class SlurmClient:
         except subprocess.TimeoutExpired:
             raise SlurmUnavailable(f"scontrol did not answer within {self.timeout:g}s", command=command)
         except FileNotFoundError:
-            raise SlurmError(f"scontrol not found ({self.scontrol!r})", command=command)
+            raise SlurmError(f"{os.path.basename(command[0])} not found ({command[0]!r})", command=command)
         if proc.returncode != 0:
             message = _error_message(proc.stderr, proc.stdout)
             raise _classify(message)(message, command=command, returncode=proc.returncode)
@@ -560,6 +578,8 @@ def _classify(message: str) -> type[SlurmError]:
         return ReservationOverlap
     if "duplicate reservation name" in text:
         return ReservationExists
+    if "reservation is in use" in text:
+        return ReservationBusy
     if "reservation already started" in text:
         return ReservationAlreadyStarted
     if re.search(r"reservation \S+ not found", text):

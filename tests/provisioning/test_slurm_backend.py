@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 from datetime import UTC, timedelta
 
 import pytest
@@ -661,3 +663,41 @@ def test_reconcile_reports_users_an_operator_added_to_a_portal_reservation_befor
     assert (repaired.users, repaired.accounts) == (frozenset(), {"alpha"})
     call_command("reconcile")
     assert "0 drifts" in capsys.readouterr().out
+
+
+def sbatch(cluster, *args: str) -> str:
+    """Submit a job as a tenant would (sbatch --reservation=… --account=…); return its id."""
+    env = {**os.environ, **cluster.env, "LC_ALL": "C"}
+    proc = subprocess.run(["sbatch", "--parsable", *args, "--wrap=sleep 600"], env=env, capture_output=True,
+                          text=True, timeout=30, check=True)
+    return proc.stdout.strip().split(";")[0]
+
+
+@pytest.mark.parametrize("how", ["cancel", "end"])
+def test_a_booking_with_the_teams_jobs_queued_in_its_reservation_is_torn_down(fleet, t0, prov_slurm, slurm_backend,
+                                                                                how):
+    """Slurm refuses to delete a reservation any job names ("Requested reservation is in use"), even a job that
+    only waits for the window: a team that queued work and then cancelled its booking (or left jobs queued at
+    its end) had its teardown fail on every try and its nodes put in maintenance. The team's jobs go with it."""
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=2)
+    name = f"alpha-{reservation.pk}"
+    jobs = [sbatch(prov_slurm, f"--reservation={name}", "--account=alpha", "-N1") for _ in range(2)]
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    try:
+        if how == "cancel":
+            reservation_cancel(actor=fleet.users["alpha-lead"], reservation=reservation)
+        else:
+            services.lifecycle_tick(now=t0 - timedelta(minutes=10))
+            assert services.cluster_provision(cluster_id=cluster.pk) == "ready"
+            services.lifecycle_tick(now=t0 + timedelta(hours=2))
+        assert services.cluster_teardown(cluster_id=cluster.pk) == "deleted"
+        assert name not in slurm_backend.show_reservations()
+        queue = scontrol(prov_slurm, "show", "job", *jobs[:1])
+        assert "JobState=CANCELLED" in queue or "Invalid job id" in queue, queue
+        assert not Node.objects.filter(state=NodeState.MAINTENANCE).exists()
+        # A teardown run again (a worker that died after the delete) changes nothing and does not fail.
+        assert slurm_backend.delete_reservation(name, missing_ok=True) is None
+        assert SlurmBackend(client=slurm_backend).teardown(services.build_context(cluster.pk))
+    finally:
+        env = {**os.environ, **prov_slurm.env}
+        subprocess.run(["scancel", *jobs], env=env, check=False, timeout=30)
