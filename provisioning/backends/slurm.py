@@ -11,7 +11,7 @@ Through :class:`~provisioning.backends.slurm_client.SlurmClient` (``scontrol``):
 - a failed node is drained (``update NodeName=… State=DRAIN Reason="portal: …"``) and a
   replacement node swapped into the reservation's node list;
 - ``reconcile`` compares Slurm's reservations with the database both ways; a portal reservation
-  changed by hand (nodes, window, accounts, ``Users=`` added, partition) is reported as a
+  changed by hand (nodes, window, accounts, ``Users=`` or ``Groups=`` added, partition) is reported as a
   mismatch, and only ``--fix`` puts it back as the portal holds it.
 
 The tenant's Slurm account is the ``Accounts=`` of its reservations. Creating the account
@@ -335,9 +335,12 @@ class SlurmBackend(ProvisioningBackend):
                   # The portal names no Users=: users added by hand run in the tenant's window, and the next
                   # _ensure removes them, so they are drift to report (and --fix removes them), not to keep.
                   or res.users
+                  # Groups= by hand: only those groups' members of the tenant's account may use it any more.
+                  or res.groups
                   or (self.partition is not None and res.partition != self.partition)):
                 where = f" in partition {res.partition}" if self.partition is not None else ""
                 users = f" and users {','.join(sorted(res.users))}" if res.users else ""
+                users += f" and groups {','.join(sorted(res.groups))}" if res.groups else ""
                 kind, detail = "mismatch", (f"Slurm holds {','.join(res.nodes)} from {res.start} until {res.end} "
                                             f"for {','.join(sorted(res.accounts)) or 'no account'}{users}{where}")
             else:

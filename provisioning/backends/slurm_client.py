@@ -124,6 +124,8 @@ class Reservation:
     state: str
     partition: str | None
     raw: Mapping[str, str] = field(repr=False, compare=False)
+    # Unix groups whose members alone may use it (with Accounts=, a job needs both): the portal sets none.
+    groups: frozenset[str] = frozenset()
 
     @property
     def active(self) -> bool:
@@ -271,12 +273,13 @@ class SlurmClient:
         end: datetime | None = None,
         accounts: Iterable[str] | None = None,
         users: Iterable[str] | None = None,
+        groups: Iterable[str] | None = None,
         flags: Iterable[str] = (),
         partition: str | None = None,
     ) -> Reservation:
         """Change the given fields of reservation ``name``; leave the others as they are.
 
-        ``accounts``/``users`` replace the current lists; ``flags`` are added. Slurm
+        ``accounts``/``users``/``groups`` replace the current lists (an empty one clears it); ``flags`` are added. Slurm
         refuses a new ``start`` once the reservation is active
         (:class:`ReservationAlreadyStarted`). Return the reservation as read back.
         """
@@ -295,6 +298,8 @@ class SlurmClient:
             argv.append(f"Accounts={','.join(_names(accounts, 'account'))}")
         if users is not None:
             argv.append(f"Users={','.join(_names(users, 'user'))}")
+        if groups is not None:
+            argv.append(f"Groups={','.join(_names(groups, 'group'))}")
         flags_t = _flags(flags)
         if flags_t:
             argv.append(f"Flags={','.join(flags_t)}")
@@ -375,8 +380,8 @@ class SlurmClient:
         that has begun raises :class:`ReservationAlreadyStarted`; a clash with another
         reservation raises :class:`ReservationOverlap`.
 
-        The caller owns the reservation: accounts and users not asked for (an operator's
-        ``Users=`` added by hand) are removed, and named in ``changed_fields``. Report such a
+        The caller owns the reservation: accounts, users and groups not asked for (an operator's
+        ``Users=`` or ``Groups=`` added by hand) are removed, and named in ``changed_fields``. Report such a
         difference before calling this (the backend's ``reconcile`` does) if it must be seen.
         """
         node_set = frozenset(_node_names(nodes))
@@ -413,6 +418,8 @@ class SlurmClient:
             changes["accounts"] = accounts_t
         if current.users != frozenset(users_t):
             changes["users"] = users_t
+        if current.groups:
+            changes["groups"] = ()  # the caller's accounts and users say who may use it, nobody's groups
         # Compare flag names only: Slurm reformats values (PURGE_COMP=30 -> =00:30:00).
         current_flags = {flag.split("=")[0] for flag in current.flags}
         missing_flags = [flag for flag in flags_t if flag.split("=")[0] not in current_flags]
@@ -620,6 +627,7 @@ def _parse_reservation(fields: Mapping[str, str]) -> Reservation:
         end=_parse_time(fields.get("EndTime")),
         accounts=_csv(fields, "Accounts"),
         users=_csv(fields, "Users"),
+        groups=_csv(fields, "Groups"),
         flags=_csv(fields, "Flags"),
         state=fields.get("State", ""),
         partition=_value(fields, "PartitionName"),

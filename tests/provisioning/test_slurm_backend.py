@@ -701,3 +701,33 @@ def test_a_booking_with_the_teams_jobs_queued_in_its_reservation_is_torn_down(fl
     finally:
         env = {**os.environ, **prov_slurm.env}
         subprocess.run(["scancel", *jobs], env=env, check=False, timeout=30)
+
+
+def test_groups_an_operator_set_on_a_portal_reservation_are_reported_and_removed(fleet, t0, prov_slurm,
+                                                                                 slurm_backend, capsys):
+    """Groups= set by hand on a <tenant>-<id> reservation narrows who of the tenant's account may use it (Slurm
+    wants the account and the group): the team's own jobs were refused ("Access denied to requested
+    reservation") while reconcile reported nothing and --fix, or the booking's next sync, left it there."""
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    name = f"alpha-{reservation.pk}"
+    assert "Reservation updated" in scontrol(prov_slurm, "update", f"ReservationName={name}", "Groups=nogroup")
+    with pytest.raises(subprocess.CalledProcessError):
+        sbatch(prov_slurm, f"--reservation={name}", "--account=alpha", "-N1")  # root is not in nogroup
+
+    with pytest.raises(SystemExit):
+        call_command("reconcile")
+    report = capsys.readouterr().out
+    assert f"slurm: mismatch {name}: " in report and "for alpha and groups nogroup" in report, report
+    assert "Groups=nogroup " in scontrol(prov_slurm, "show", "reservation", name, "--oneliner")  # reported only
+
+    call_command("reconcile", "--fix")
+    assert "1 drift, 1 repaired" in capsys.readouterr().out
+    assert "Groups=(null) " in scontrol(prov_slurm, "show", "reservation", name, "--oneliner")
+    job = sbatch(prov_slurm, f"--reservation={name}", "--account=alpha", "-N1")
+    subprocess.run(["scancel", job], env={**os.environ, **prov_slurm.env}, check=False, timeout=30)
+    call_command("reconcile")
+    assert "0 drifts" in capsys.readouterr().out
+    # The booking's own sync (an extension, a swap) puts it back as well, and says so.
+    scontrol(prov_slurm, "update", f"ReservationName={name}", "Groups=nogroup")
+    assert services.reservation_sync(reservation_id=reservation.pk) == "booked"
+    assert "Groups=(null) " in scontrol(prov_slurm, "show", "reservation", name, "--oneliner")
