@@ -9,7 +9,8 @@ Through :class:`~provisioning.backends.slurm_client.SlurmClient` (``scontrol``):
   instead of failing when a task runs twice; the team's jobs left in a reservation being deleted
   (running, or queued for its window) are cancelled, since Slurm deletes none that a job names;
 - a failed node is drained (``update NodeName=… State=DRAIN Reason="portal: …"``) and a
-  replacement node swapped into the reservation's node list;
+  replacement node swapped into the reservation's node list; the drain is unfinished
+  (``DrainIncomplete``) while jobs still run on the node, as Slurm lets them finish;
 - ``reconcile`` compares Slurm's reservations with the database both ways; a portal reservation
   changed by hand (nodes, window, accounts, ``Users=`` or ``Groups=`` added, partition) is reported as a
   mismatch, and only ``--fix`` puts it back as the portal holds it.
@@ -33,6 +34,7 @@ from .base import (
     BackendError,
     BackendStatus,
     ClusterContext,
+    DrainIncomplete,
     Drift,
     NodeRepairGuard,
     PhaseResult,
@@ -233,14 +235,20 @@ class SlurmBackend(ProvisioningBackend):
         # message, a staff note) is folded onto one line, not refused (the node must still drain).
         line = " ".join("".join(c if ord(c) >= 32 and ord(c) != 127 else " " for c in reason).split()) or "-"
         info = self._show_node(hostname)
-        if info is None or info.drained:
+        if info is None:
             return
-        try:
-            self.client.drain_node(hostname, f"{DRAIN_REASON_PREFIX} {line}"[:200])
-        except NodeNotFound:
-            return
-        except SlurmError as exc:
-            raise BackendError(f"Slurm: {exc.message}")
+        if not info.drained:
+            try:
+                info = self.client.drain_node(hostname, f"{DRAIN_REASON_PREFIX} {line}"[:200])
+            except NodeNotFound:
+                return
+            except SlurmError as exc:
+                raise BackendError(f"Slurm: {exc.message}")
+        if info.busy:
+            # DRAIN stops new jobs only: the running ones (the team's, still on the failed node) finish first.
+            # Unfinished until they end; the caller tries again (NodeDrain, PortalNodeDrainStuck).
+            raise DrainIncomplete(f"node {hostname}: Slurm jobs still running on it ({info.state}); "
+                                  f"see squeue -w {hostname}")
 
     def resume_node(self, hostname: str) -> None:
         info = self._show_node(hostname)
@@ -408,6 +416,11 @@ class SlurmBackend(ProvisioningBackend):
                     "node", hostname, f"portal says {state}, Slurm says {info.state}", fix=fix,
                     repair=guarded_node_repair(guard, hostname, state, lambda hostname=hostname, state=state:
                                                self.drain_node(hostname, f"node is {state} in the portal"))))
+            elif out_of_service and info.busy:
+                # Drained, but the jobs that ran there go on until they end (or staff cancel them): nothing to
+                # repair, the node is not empty yet (the node's own sync tries its drain again meanwhile).
+                drifts.append(Drift("node", hostname, f"portal says {state}, Slurm jobs still running on it "
+                                    f"({info.state}): see squeue -w {hostname}"))
             elif (not out_of_service and info.drained
                   and (info.reason or "").startswith(DRAIN_REASON_PREFIX)):
                 drifts.append(repaired_drift(

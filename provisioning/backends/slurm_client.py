@@ -154,6 +154,11 @@ class NodeInfo:
         """Tell whether the node is draining or drained (no new jobs go to it)."""
         return "DRAIN" in self.state_flags or self.base_state in {"DRAIN", "DRAINED", "DRAINING"}
 
+    @property
+    def busy(self) -> bool:
+        """Tell whether jobs still run (or are ending) on the node: ALLOCATED, MIXED or COMPLETING, drained or not."""
+        return self.base_state in {"ALLOCATED", "MIXED", "COMPLETING", "DRAINING"} or "COMPLETING" in self.state_flags
+
 
 @dataclass(frozen=True)
 class Partition:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -14,7 +15,7 @@ from portal.core.exceptions import DomainError
 from provisioning import services
 from provisioning.backends.base import BackendError
 from provisioning.backends.slurm import SlurmBackend
-from provisioning.models import VirtualCluster
+from provisioning.models import NodeDrain, VirtualCluster
 from reservations.choices import HOLDING_STATUSES, NodeState
 from reservations.models import Allocation, Node, Reservation
 from reservations.services import node_update, reservation_cancel, reservation_update
@@ -731,3 +732,49 @@ def test_groups_an_operator_set_on_a_portal_reservation_are_reported_and_removed
     scontrol(prov_slurm, "update", f"ReservationName={name}", "Groups=nogroup")
     assert services.reservation_sync(reservation_id=reservation.pk) == "booked"
     assert "Groups=(null) " in scontrol(prov_slurm, "show", "reservation", name, "--oneliner")
+
+
+def test_a_failed_node_with_the_teams_jobs_still_running_is_a_drain_not_finished(fleet, prov_slurm, slurm_backend,
+                                                                                  settings, tmp_path, capsys):
+    """Slurm's DRAIN stops new jobs but lets the running ones finish (the node shows MIXED+DRAIN, ALLOCATED+DRAIN
+    or +COMPLETING until they end). The backend took the drain as done at once, so the node counted as emptied
+    (no NodeDrain, no PortalNodeDrainStuck) while the team's jobs still ran on it. Now the drain is unfinished
+    until Slurm shows the node idle, and names the node for `squeue -w`.
+
+    The test controller runs no slurmd, so no job can run: Slurm's answer for a node still running jobs is
+    written by a wrapper around scontrol (the drain itself is real)."""
+    reservation = booked(fleet, "alpha-lead", now_slot(fleet), hours=3, nodes=2)
+    bad = Node.objects.get(hostname=hosts(reservation)[0])
+    busy = tmp_path / "jobs-running"
+    busy.touch()
+    wrapper = tmp_path / "scontrol"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ -e {busy} ] && [ "$1" = show ] && [ "$2" = node ]; then\n'
+        '  scontrol "$@" | sed "s/State=IDLE+DRAIN/State=MIXED+DRAIN/"\n'
+        "  exit 0\n"
+        "fi\n"
+        'exec scontrol "$@"\n')
+    wrapper.chmod(0o755)
+    settings.PORTAL_SCONTROL = str(wrapper)
+
+    node_update(actor=fleet.users["staff"], node=bad, state=NodeState.FAILED, reason="XID 79")
+    for _ in range(2):  # a drain tried again while the jobs run is still unfinished (and drains nothing twice)
+        with pytest.raises(services.RetryLater):
+            services.node_sync(node_id=bad.pk)
+        drain = NodeDrain.objects.get(node=bad)
+        assert f"slurm: node {bad.hostname}: Slurm jobs still running on it (MIXED+DRAIN" in drain.last_error
+        assert f"squeue -w {bad.hostname}" in drain.last_error
+    assert "Reason=portal: failed: XID 79" in scontrol(prov_slurm, "show", "node", bad.hostname)
+    assert bad.hostname not in hosts(reservation)  # the booking moved to a spare meanwhile
+    with pytest.raises(SystemExit):
+        call_command("reconcile")
+    assert f"slurm: node {bad.hostname}: portal says failed, Slurm jobs still running on it (MIXED+DRAIN" \
+        in capsys.readouterr().out
+
+    busy.unlink()  # the jobs ended
+    services.node_sync(node_id=bad.pk)
+    assert not NodeDrain.objects.filter(node=bad).exists()
+    with contextlib.suppress(SystemExit):  # the booking's swap, not synced here, is drift of its own
+        call_command("reconcile")
+    assert f"node {bad.hostname}" not in capsys.readouterr().out
