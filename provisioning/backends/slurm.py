@@ -176,7 +176,7 @@ class SlurmBackend(ProvisioningBackend):
         return self._hold(ctx)
 
     def release_booking(self, ctx: ClusterContext) -> None:
-        self.teardown(ctx)
+        self._delete(self.reservation_name(ctx))  # jobs still ending: a transient error, the sync is tried again
 
     # --- provisioning phases ---
 
@@ -218,8 +218,8 @@ class SlurmBackend(ProvisioningBackend):
         return result
 
     def teardown(self, ctx: ClusterContext) -> bool:
-        self._delete(self.reservation_name(ctx))
-        return True
+        """Delete the booking's reservation; False (in progress) while its cancelled jobs are still ending."""
+        return self._delete_cancelling_jobs(self.reservation_name(ctx))
 
     def status(self, ctx: ClusterContext) -> BackendStatus:
         try:
@@ -283,11 +283,16 @@ class SlurmBackend(ProvisioningBackend):
     # --- drift ---
 
     def _delete(self, name: str) -> None:
+        if not self._delete_cancelling_jobs(name):
+            raise BackendError(f"Slurm: jobs of {name} still ending after their cancel: the reservation stays "
+                               "until they have")
+
+    def _delete_cancelling_jobs(self, name: str) -> bool:
         """Delete the reservation; jobs the team left in it (running, or queued for the window) are cancelled.
 
         Slurm refuses to delete a reservation any job names, even one only waiting for its window: a booking
-        cancelled or at its end goes with the team's jobs, which could never run once it is gone. Jobs still
-        ending after their cancel keep it for a moment: a transient error, and the retry deletes it.
+        cancelled or at its end goes with the team's jobs, which could never run once it is gone. False while
+        jobs are still ending after their cancel (the next try deletes it); True once it is gone.
         """
         try:
             try:
@@ -295,10 +300,11 @@ class SlurmBackend(ProvisioningBackend):
             except ReservationBusy:
                 self.client.cancel_reservation_jobs(name)
                 self.client.delete_reservation(name, missing_ok=True)
-        except ReservationBusy as exc:
-            raise BackendError(f"Slurm: jobs of {name} still ending after their cancel: {exc.message}")
+        except ReservationBusy:
+            return False
         except SlurmError as exc:
             raise BackendError(f"Slurm: {exc.message}")
+        return True
 
     def reconcile(self, wanted: list[ClusterContext], *, fix: bool,
                   tenants: Collection[str] | None = None, live: Callable[[int], bool] | None = None,

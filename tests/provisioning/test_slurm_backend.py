@@ -704,6 +704,70 @@ def test_a_booking_with_the_teams_jobs_queued_in_its_reservation_is_torn_down(fl
         subprocess.run(["scancel", *jobs], env=env, check=False, timeout=30)
 
 
+def test_a_teardown_whose_cancelled_jobs_are_still_ending_is_in_progress_not_failed(fleet, t0, prov_slurm,
+                                                                                    slurm_backend, settings, tmp_path):
+    """A running job cancelled at the end of its booking takes a moment to end (COMPLETING), and Slurm keeps
+    refusing the delete until it has: the teardown is in progress and polled again, not an attempt that fails
+    (five of them failed the teardown for good and put the nodes in maintenance). The test controller runs no
+    slurmd, so no job runs: Slurm's refusal while one ends is written by a wrapper around scontrol."""
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    name = f"alpha-{reservation.pk}"
+    ending = tmp_path / "job-ending"
+    ending.touch()
+    wrapper = tmp_path / "scontrol"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ -e {ending} ] && [ "$1" = delete ]; then\n'
+        '  echo " delete_reservation $2: Requested reservation is in use" >&2\n'
+        "  exit 1\n"
+        "fi\n"
+        'exec scontrol "$@"\n')
+    wrapper.chmod(0o755)
+    settings.PORTAL_SCONTROL = str(wrapper)
+    reservation_cancel(actor=fleet.users["alpha-lead"], reservation=reservation)
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+
+    for _ in range(int(settings.PORTAL_PROVISIONING_MAX_ATTEMPTS) + 2):
+        with pytest.raises(services.RetryLater, match="teardown in progress"):
+            services.cluster_teardown(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.status == "tearing_down" and cluster.attempts == 0
+    assert not Node.objects.filter(state=NodeState.MAINTENANCE).exists()
+
+    ending.unlink()  # the job has ended
+    assert services.cluster_teardown(cluster_id=cluster.pk) == "deleted"
+    assert name not in slurm_backend.show_reservations()
+
+
+def test_a_cancelled_booking_whose_jobs_are_still_ending_is_released_once_they_have(fleet, t0, slurm_backend, settings,
+                                                                                     tmp_path):
+    """The booking's sync after a cancel (its cluster never started) took "still ending" as released: the
+    reservation stayed in Slurm, holding the nodes the portal hands to the next booking. It is tried again."""
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    name = f"alpha-{reservation.pk}"
+    ending = tmp_path / "job-ending"
+    ending.touch()
+    wrapper = tmp_path / "scontrol"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ -e {ending} ] && [ "$1" = delete ]; then\n'
+        '  echo " delete_reservation $2: Requested reservation is in use" >&2\n'
+        "  exit 1\n"
+        "fi\n"
+        'exec scontrol "$@"\n')
+    wrapper.chmod(0o755)
+    settings.PORTAL_SCONTROL = str(wrapper)
+    reservation_cancel(actor=fleet.users["alpha-lead"], reservation=reservation)
+
+    with pytest.raises(services.RetryLater, match=f"jobs of {name} still ending"):
+        services.reservation_sync(reservation_id=reservation.pk)
+    assert name in slurm_backend.show_reservations()
+
+    ending.unlink()
+    assert services.reservation_sync(reservation_id=reservation.pk) == "released"
+    assert name not in slurm_backend.show_reservations()
+
+
 def test_groups_an_operator_set_on_a_portal_reservation_are_reported_and_removed(fleet, t0, prov_slurm,
                                                                                  slurm_backend, capsys):
     """Groups= set by hand on a <tenant>-<id> reservation narrows who of the tenant's account may use it (Slurm
