@@ -3,6 +3,7 @@ what its column is, every page has one top-level heading, a page's named regions
 
 from __future__ import annotations
 
+from datetime import timedelta
 from html.parser import HTMLParser
 
 import pytest
@@ -45,3 +46,80 @@ def test_the_delivery_logs_button_column_has_a_header_a_screen_reader_can_say(wo
     headers = _column_headers(html)
     assert headers and all(headers), headers
     assert headers[-1] == "Action", headers
+
+
+class _Regions(HTMLParser):
+    """Each named region (a <section> or role="region" with aria-label or aria-labelledby): its label or the ids
+    it is labelled by; and the text of every element with an id."""
+
+    def __init__(self):
+        super().__init__()
+        self.regions: list[tuple[str, str]] = []  # ("label", text) or ("ids", "a b")
+        self.text: dict[str, str] = {}
+        self._open: list[tuple[str, str | None]] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "section" or a.get("role") == "region":
+            if a.get("aria-label"):
+                self.regions.append(("label", a["aria-label"]))
+            elif a.get("aria-labelledby"):
+                self.regions.append(("ids", a["aria-labelledby"]))
+        if tag in {"br", "img", "input", "meta", "link", "hr", "wbr"}:
+            return
+        self._open.append((tag, a.get("id")))
+        if a.get("id"):
+            self.text[a["id"]] = ""
+
+    def handle_endtag(self, tag):
+        while self._open:
+            if self._open.pop()[0] == tag:
+                break
+
+    def handle_data(self, data):
+        for _, ident in self._open:
+            if ident:
+                self.text[ident] += data
+
+
+def _region_names(html: str) -> list[str]:
+    parser = _Regions()
+    parser.feed(html)
+    return [" ".join(value.split()) if kind == "label"
+            else " ".join(" ".join(parser.text.get(i, "") for i in value.split()).split())
+            for kind, value in parser.regions]
+
+
+@pytest.fixture
+def provisioned(world, book, t0, settings):
+    """alpha's booking (tomorrow) with its cluster provisioned on the simulated backend."""
+    from provisioning import services as prov
+    from provisioning.models import VirtualCluster
+    from tests.provisioning.conftest import FAST
+
+    for key, value in FAST.items():
+        setattr(settings, key, value)
+    settings.PORTAL_PROVISIONING_BACKEND = "simulated"
+    booking = book("alpha-lead", t0, hours=2)
+    prov.lifecycle_tick(now=t0 - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=booking)
+    return booking, cluster
+
+
+def test_a_pages_named_regions_each_have_their_own_name(world, web, book, t0, provisioned):
+    """The dashboard's upcoming reservations, the reservation list, the usage table, the members table and a
+    cluster's history: the card (a named region) and the table's scroll box inside it (a named region too, so a
+    keyboard can scroll it) had the same name, so a screen reader's landmark list said "Active and upcoming
+    reservations" twice, one inside the other (axe: landmark-unique). The scroll box says it is the table."""
+    _, cluster = provisioned
+    client = web("alpha-lead")
+    problems = []
+    for path in ("/", "/reservations/", "/usage/", "/team/", f"/clusters/{cluster.pk}/"):
+        response = client.get(path)
+        assert response.status_code == 200, path
+        names = _region_names(response.content.decode())
+        assert names and all(names), (path, names)
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            problems.append((path, repeated, names))
+    assert not problems, f"regions named alike: {problems}"
