@@ -79,6 +79,14 @@ def _is_partial(request) -> bool:
     return bool(getattr(request, "htmx", False)) and not request.htmx.boosted
 
 
+def _on_booking_page(request) -> bool:
+    """The booking form is its page's main content (its heading the page's h1), not the calendar's side panel:
+    the page itself, or htmx swapping an answer into that page."""
+    if not _is_partial(request):
+        return True
+    return (request.htmx.current_url_abs_path or "").split("?")[0] == reverse("booking-form")
+
+
 def _refusal(exc: DomainError) -> str:
     """A service's refusal as this page says it: a capacity shortfall's window in the reader's zone."""
     shortfall = getattr(exc, "shortfall", None)
@@ -423,7 +431,8 @@ def booking_form(request):
                 status = exc.status
             else:
                 if _is_partial(request):
-                    response = render_page(request, "reservations/_booking_done.html", {"reservation": reservation})
+                    response = render_page(request, "reservations/_booking_done.html",
+                                           {"reservation": reservation, "standalone": _on_booking_page(request)})
                     return trigger_client_event(response, "reservation-changed", {"id": reservation.pk})
                 messages.success(request, f"Booked reservation #{reservation.pk}.")
                 return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
@@ -448,7 +457,7 @@ def booking_form(request):
             # select quietly show another pool (its first option) for a window picked on this one.
             form.fields["pool"].empty_label = "— choose a pool —"
             notice = f"{portal.tenant.name} has no quota in {pool_name}; choose one of its pools."
-    context = {"form": form, "suggestions": suggestions, "notice": notice}
+    context = {"form": form, "suggestions": suggestions, "notice": notice, "standalone": _on_booking_page(request)}
     if _is_partial(request):
         # htmx swaps only 2xx answers; the refusal is in the body.
         return render_page(request, "reservations/_booking_form.html", context)

@@ -103,6 +103,9 @@ def provisioned(world, book, t0, settings):
     booking = book("alpha-lead", t0, hours=2)
     prov.lifecycle_tick(now=t0 - timedelta(minutes=10))
     cluster = VirtualCluster.objects.get(reservation=booking)
+    prov.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.status == "ready" and cluster.connection
     return booking, cluster
 
 
@@ -123,3 +126,53 @@ def test_a_pages_named_regions_each_have_their_own_name(world, web, book, t0, pr
         if repeated:
             problems.append((path, repeated, names))
     assert not problems, f"regions named alike: {problems}"
+
+
+class _Headings(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.levels: list[int] = []
+
+    def handle_starttag(self, tag, attrs):
+        if len(tag) == 2 and tag[0] == "h" and tag[1] in "123456":
+            self.levels.append(int(tag[1]))
+
+
+def _heading_levels(html: str) -> list[int]:
+    parser = _Headings()
+    parser.feed(html)
+    return parser.levels
+
+
+def test_every_page_has_one_top_heading_and_no_skipped_level(world, web, provisioned):
+    """A screen-reader user moves through a page by its headings. The booking page (/reservations/new/) had
+    none at level 1 (axe: page-has-heading-one), and a cluster's page went from its h1 straight to the
+    status card's "Connection" at level 3 (axe: heading-order)."""
+    booking, cluster = provisioned
+    client = web("alpha-lead")
+    problems = []
+    for path in ("/", "/calendar/", "/reservations/", "/reservations/new/", f"/reservations/{booking.pk}/",
+                 "/availability/", "/usage/", "/team/", "/account/", "/notifications/", "/notifications/deliveries/",
+                 "/clusters/", f"/clusters/{cluster.pk}/"):
+        response = client.get(path)
+        assert response.status_code == 200, path
+        levels = _heading_levels(response.content.decode())
+        skips = [(a, b) for a, b in zip(levels, levels[1:], strict=False) if b > a + 1]
+        if levels.count(1) != 1 or levels[0] != 1 or skips:
+            problems.append((path, levels))
+    assert not problems, problems
+
+
+def test_the_booking_forms_heading_is_the_pages_h1_on_its_page_and_an_h2_in_the_calendars_panel(world, web):
+    """On its own page the form's heading is the page's h1, also when htmx swaps in the form again (a refusal
+    with its reasons); in the calendar's side panel, under the calendar's h1, it stays an h2."""
+    client = web("alpha-lead")
+    refused = {"tenant": "alpha", "pool": world.pool.name, "node_count": "1", "name": "x",
+               "start": "2030-01-01T10:00", "end": "2030-01-01T09:00"}
+    for current, level in (("/reservations/new/?pool=h100", 1), ("/calendar/?pool=h100", 2)):
+        hx = {"HX-Request": "true", "HX-Current-URL": f"http://testserver{current}"}
+        for response in (client.get("/reservations/new/", headers=hx),
+                         client.post("/reservations/new/", refused, headers=hx)):
+            html = response.content.decode()
+            assert f'<h{level} id="booking-title">New booking</h{level}>' in html, (current, html[:400])
+            assert _heading_levels(html).count(1) == (1 if level == 1 else 0), current
