@@ -27,6 +27,16 @@
     return DAY_NAMES[new Date(Date.UTC(d.year, d.month, d.day)).getUTCDay()] + " " + d.day + " " + MONTH_NAMES[d.month];
   }
 
+  // The toolbar's title for a day or a week, day before month as every date on the site ("Sun 6 Dec 2026",
+  // "7 – 13 Dec 2026", "28 Dec 2026 – 3 Jan 2027"), not FullCalendar's US "December 6, 2026" / "Dec 7 – 13, 2026".
+  function rangeTitle(arg) {
+    var s = arg.start, e = arg.end || arg.start;
+    if (s.year === e.year && s.month === e.month && s.day === e.day) { return dayHeading({ date: s }) + " " + s.year; }
+    var first = s.day + (s.month === e.month && s.year === e.year ? "" : " " + MONTH_NAMES[s.month]) +
+                (s.year === e.year ? "" : " " + s.year);
+    return first + " – " + e.day + " " + MONTH_NAMES[e.month] + " " + e.year;
+  }
+
   // A time as the site writes one ("Tue 8 Dec 13:00 CET", PAGE_TIME_FORMAT), whatever the browser's language:
   // built from the instant's fields in the calendar's zone, not from a formatter in the browser's locale (a US
   // browser wrote "Tue, Dec 8, 13:00 GMT+1"). One formatter per kind: building one per call costs more than
@@ -292,7 +302,9 @@
     // "Week" is the next seven days from the shown date: the days worth booking, not a half-gone calendar week.
     // Column headings name the month, day first as every date on the site ("Fri 4 Dec"): FullCalendar's
     // default "Fri 12/4" reads as 12 April to most, and its "Fri, Dec 4" is US order.
-    views: { timeGridWeek: { duration: { days: 7 }, buttonText: "Week", dayHeaderFormat: dayHeading } },
+    views: { timeGridWeek: { duration: { days: 7 }, buttonText: "Week", dayHeaderFormat: dayHeading,
+                             titleFormat: rangeTitle },
+             timeGridDay: { titleFormat: rangeTitle } },
     eventDisplay: "block",
     height: "auto",
     expandRows: true,
