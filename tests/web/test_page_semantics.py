@@ -176,3 +176,47 @@ def test_the_booking_forms_heading_is_the_pages_h1_on_its_page_and_an_h2_in_the_
             html = response.content.decode()
             assert f'<h{level} id="booking-title">New booking</h{level}>' in html, (current, html[:400])
             assert _heading_levels(html).count(1) == (1 if level == 1 else 0), current
+
+
+class _Controls(HTMLParser):
+    """The text (visible and screen-reader only) of each <button> and each link styled as a button (a.btn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self._depth = 0
+        self._tag = ""
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "button" or (tag == "a" and "btn" in (a.get("class") or "").split()):
+            self.names.append("")
+            self._tag = tag
+            self._depth = 1
+        elif self._depth and tag == self._tag:
+            self._depth += 1
+
+    def handle_endtag(self, tag):
+        if self._depth and tag == self._tag:
+            self._depth -= 1
+
+    def handle_data(self, data):
+        if self._depth:
+            self.names[-1] += data
+
+
+def test_each_webhooks_buttons_say_which_webhook_they_act_on(world, web):
+    """With two webhooks the notifications page had two "Save", two "Send test message", two "Rotate secret…"
+    and two "Delete" buttons: a screen reader's list of buttons could not tell them apart (the team page's
+    Save and Remove buttons name their member). Each names its webhook."""
+    from notifications import services as notify
+
+    for name in ("ci", ""):
+        notify.webhook_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                              url=f"https://{name or 'other'}.example.com/hooks/gpu-portal", name=name)
+    parser = _Controls()
+    parser.feed(web("alpha-lead").get("/notifications/").content.decode())
+    names = [" ".join(n.split()) for n in parser.names]
+    for action in ("Save", "Send test message", "Rotate secret…", "Delete"):
+        mine = [n for n in names if n == action or n.startswith(action + " webhook")]
+        assert len(mine) == 2 and len(set(mine)) == 2, (action, names)
