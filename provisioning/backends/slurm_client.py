@@ -575,12 +575,21 @@ class SlurmClient:
 
 
 # Transient outages of slurmctld or munged, not a refusal: "protocol authentication error" is munge down
-# (or keys that differ), "zero bytes were transmitted or received" a controller that dropped the RPC.
+# (or keys that differ), "zero bytes were transmitted or received" a controller that dropped the RPC. With
+# munged down on either side scontrol may say only what the auth plugin or the RPC layer saw: the plugin's
+# "Munge encode/decode failed: ...", Slurm's ESLURM_AUTH_* texts ("Invalid authentication credential",
+# "Authentication credential expired": clocks apart), or SLURM_UNEXPECTED_MSG_ERROR, "Unexpected message
+# received" (the controller's answer was not the reply to the request: it could not authenticate it).
 _UNAVAILABLE = (
     "unable to contact slurm controller",
     "socket timed out",
     "protocol authentication error",
     "zero bytes were transmitted or received",
+    "unexpected message received",
+    "munge encode failed",
+    "munge decode failed",
+    "invalid authentication credential",
+    "authentication credential expired",
 )
 
 

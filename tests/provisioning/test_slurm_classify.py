@@ -31,6 +31,13 @@ def failing_scontrol(tmp_path: Path, message: str) -> SlurmClient:
     "slurm_load_reservations error: Zero Bytes were transmitted or received",
     "slurm_load_reservations error: Unable to contact slurm controller (connect failure)",
     "slurm_load_reservations error: Socket timed out on send/recv operation",
+    # munged down or its key different: what scontrol 22.05 prints when the RPC layer or the auth plugin
+    # is all that saw it (slurm_errno.c's SLURM_UNEXPECTED_MSG_ERROR and ESLURM_AUTH_* texts).
+    "slurm_load_reservations error: Unexpected message received",
+    "scontrol: error: Munge encode failed: Failed to access \"/run/munge/munge.socket.2\": No such file or directory",
+    "scontrol: error: Munge decode failed: Invalid credential",
+    "scontrol: error: authentication: Invalid authentication credential",
+    "slurm_load_reservations error: Authentication credential expired",
 ])
 def test_controller_and_munge_outages_are_slurm_unavailable(tmp_path, message):
     """"Protocol authentication error" and "Zero Bytes were transmitted or received" are transient outages
