@@ -99,6 +99,13 @@ def _envelope(code: str, detail: str, fields: dict | None = None, status: int = 
     return JsonResponse({"code": code, "detail": detail, "fields": fields or {}}, status=status)
 
 
+def _busy_answer(response, exc: DomainError | None):
+    """A page answering Busy's 503 says when to send it again, as the API and BusyPageMiddleware do."""
+    if isinstance(exc, Busy):
+        response["Retry-After"] = str(exc.retry_after)
+    return response
+
+
 def _form_errors(form) -> JsonResponse:
     fields = {k: " ".join(v) for k, v in form.errors.items()}
     first = next(iter(fields.items()))
@@ -409,6 +416,7 @@ def booking_form(request):
     suggestions: list[dict] = []
     notice = ""
     status = 200
+    refusal: DomainError | None = None
     if request.method == "POST":
         form = BookingForm(request.POST, user=request.user, tenant=portal.tenant)
         if form.is_valid():
@@ -429,6 +437,7 @@ def booking_form(request):
             except DomainError as exc:
                 form.add_error(None, exc.detail)
                 status = exc.status
+                refusal = exc
             else:
                 if _is_partial(request):
                     response = render_page(request, "reservations/_booking_done.html",
@@ -461,7 +470,7 @@ def booking_form(request):
     if _is_partial(request):
         # htmx swaps only 2xx answers; the refusal is in the body.
         return render_page(request, "reservations/_booking_form.html", context)
-    return render_page(request, "reservations/booking_page.html", context, status=status)
+    return _busy_answer(render_page(request, "reservations/booking_page.html", context, status=status), refusal)
 
 
 @require_POST
@@ -590,6 +599,7 @@ def _change_from_page(request, pk: int, *, form_for, field: str, refused: str, d
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
     form = form_for(reservation, request.POST)
     status = 400
+    refusal: DomainError | None = None
     if form.is_valid():
         shown = form.cleaned_data.get(shown_field) if shown_field else None
         try:
@@ -601,6 +611,7 @@ def _change_from_page(request, pk: int, *, form_for, field: str, refused: str, d
             reason = exc.fields.get(field) if isinstance(exc, InvalidInput) else None
             form.add_error(field, f"{refused}: {reason or _refusal(exc)}")
             status = exc.status
+            refusal = exc
         else:
             messages.success(request, done(reservation))
             return HttpResponseRedirect(reverse("reservation-page", args=[reservation.pk]))
@@ -609,7 +620,7 @@ def _change_from_page(request, pk: int, *, form_for, field: str, refused: str, d
     if not context[shown_key]:  # no field to show the reason beside
         text = " ".join(form.errors.get(field, []))
         messages.error(request, text if text.startswith(refused) else f"{refused}: {text}")
-    return render_page(request, "reservations/detail.html", context, status=status)
+    return _busy_answer(render_page(request, "reservations/detail.html", context, status=status), refusal)
 
 
 def _extended(reservation) -> str:

@@ -85,6 +85,7 @@ def test_the_extend_page_says_busy_and_changes_nothing(world, web, t0, failing_g
     r = web("alpha-lead", raise_request_exception=False).post(f"/reservations/{rid}/extend/",
                                {"end": (t0 + timedelta(hours=6)).strftime("%Y-%m-%dT%H:%M")})
     assert r.status_code == 503
+    assert int(r["Retry-After"]) >= 1  # as the API's 503 and the middleware's page say when to send it again
     assert "try again" in r.content.decode().lower()
     assert Reservation.objects.get(pk=rid).period.upper == t0 + timedelta(hours=4)
 
@@ -413,6 +414,7 @@ def test_the_booking_page_that_keeps_losing_deadlocks_says_busy_not_full(world, 
             "cuda_version": "12.6"}
     r = web("alpha-lead", raise_request_exception=False).post("/reservations/new/", data)
     assert r.status_code == 503
+    assert int(r["Retry-After"]) >= 1
     page = r.content.decode()
     assert "try again" in page.lower() and 'value="web run"' in page  # the form kept, to send again
     assert _losses() == 2
