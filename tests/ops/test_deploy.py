@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -418,3 +419,38 @@ def test_the_image_build_context_leaves_out_secrets_and_local_state():
     ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert {".env", "deploy/secrets", "var", ".venv", ".git"} <= ignored, ignored
+
+
+def test_the_beat_healthcheck_reads_the_schedule_files_beat_really_writes(tmp_path):
+    """beat's schedule is a shelve: its files are named by the dbm module Python has, not by --schedule alone
+    (gdbm writes the name itself, ndbm adds .db, dumb writes .dat/.dir/.bak). The check stat'ed the bare
+    name, so where Python has no gdbm beat ran fine and was reported unhealthy for good. Here celery's own
+    PersistentScheduler writes its store with this Python's dbm, and the compose check, run by sh against
+    it, is healthy while the store is fresh and unhealthy once it is stale or missing."""
+    from celery.beat import PersistentScheduler
+
+    from portal.celery import app
+
+    beat = PORTAL_SERVICES["beat"]
+    command = beat["command"]
+    schedule = command[command.index("--schedule") + 1]
+    check = beat["healthcheck"]["test"]
+    assert check[0] == "CMD-SHELL"
+    script = check[1].replace("$$", "$")  # compose's escape of a literal $
+    assert schedule in script
+    store = tmp_path / "celerybeat-schedule"
+    script = script.replace(schedule, str(store))
+
+    def healthy() -> bool:
+        return subprocess.run(["sh", "-c", script], capture_output=True, timeout=10).returncode == 0
+
+    assert not healthy(), "no schedule store yet (beat not started) must not read as healthy"
+    scheduler = PersistentScheduler(app=app, schedule_filename=str(store))
+    scheduler.close()  # what beat does at startup and on every sync: the store written with this Python's dbm
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written, "PersistentScheduler wrote nothing"
+    assert healthy(), f"beat just wrote {written}, yet the healthcheck reads it as stuck"
+    stale = time.time() - 600
+    for path in tmp_path.iterdir():
+        os.utime(path, (stale, stale))
+    assert not healthy(), "a store untouched for ten minutes must read as stuck"
