@@ -7,6 +7,7 @@ from django.contrib.postgres.indexes import GistIndex
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import F, Func, Q
+from django.db.models.functions import Lower
 
 from tenants.models import slug_validator
 from tenants.querysets import TenantScopedQuerySet
@@ -48,6 +49,9 @@ class Pool(models.Model):
         return self.name
 
 
+NODE_HOSTNAME_TAKEN = "A node with that hostname exists (hostnames are compared ignoring case)."
+
+
 class Node(models.Model):
     hostname = models.CharField(max_length=253, unique=True)
     pool = models.ForeignKey(Pool, on_delete=models.PROTECT, related_name="nodes")
@@ -60,6 +64,11 @@ class Node(models.Model):
     class Meta:
         ordering = ["hostname"]
         indexes = [models.Index(fields=["pool", "state"])]
+        constraints = [
+            # H100-001 and h100-001 are one host in DNS terms: two nodes for it would book the machine twice.
+            models.UniqueConstraint(Lower("hostname"), name="node_hostname_ci_unique",
+                                    violation_error_message=NODE_HOSTNAME_TAKEN),
+        ]
 
     def __str__(self) -> str:
         return self.hostname

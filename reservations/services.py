@@ -879,14 +879,17 @@ def reservation_set_status(
 # --- fleet (staff) ----------------------------------------------------------------------
 
 
-def _create_unique(model: Any, field: str, **values: Any) -> Any:
+def _create_unique(model: Any, field: str, *, constraint: str | None = None, **values: Any) -> Any:
     """model.objects.create(**values); a concurrent create of the same unique field (which the exists()
-    check before it could not see) is the same 400 as a sequential one, not the IntegrityError's 500."""
+    check before it could not see) is the same 400 as a sequential one, not the IntegrityError's 500.
+    constraint: a unique constraint over an expression of the field (lower(hostname)), which is the field's
+    too."""
     try:
         with transaction.atomic():
             return model.objects.create(**values)
     except IntegrityError as exc:
-        if f"({field})" not in str(exc):
+        violated = getattr(getattr(exc.__cause__, "diag", None), "constraint_name", None)
+        if f"({field})" not in str(exc) and (constraint is None or violated != constraint):
             raise
         raise InvalidInput(f"{field}: already in use.", fields={field: "Already in use."}) from exc
 
@@ -931,9 +934,10 @@ def node_create(*, actor: Any, hostname: str, pool: Pool, state: str = NodeState
     if hostname_error(hostname):
         raise InvalidInput(f"hostname: {HOSTNAME_RULE[0].lower()}{HOSTNAME_RULE[1:]}",
                            fields={"hostname": HOSTNAME_RULE})
-    if Node.objects.filter(hostname=hostname).exists():
+    if Node.objects.filter(hostname__iexact=hostname).exists():  # one host in DNS terms (the database's too)
         raise InvalidInput("hostname: a node with that hostname exists.", fields={"hostname": "Already in use."})
-    node = _create_unique(Node, "hostname", hostname=hostname, pool=pool, state=state, gpus=gpus or [])
+    node = _create_unique(Node, "hostname", constraint="node_hostname_ci_unique", hostname=hostname, pool=pool,
+                          state=state, gpus=gpus or [])
     audit_record(actor=actor, action="node.create", obj=node, after={"hostname": hostname, "pool": pool.name,
                                                                      "state": state})
     return node

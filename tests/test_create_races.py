@@ -50,6 +50,9 @@ CASES = [
     ("/api/v1/pools/", {"name": "b200", "gpu_model": "B200", "gpus_per_node": 8}, _pool_row, "reservations_pool",
      "name", Pool),
     ("/api/v1/nodes/", {"hostname": "h100-new", "pool": "h100"}, _node_row, "reservations_node", "hostname", Node),
+    # The same host in DNS terms: hostnames are unique ignoring case, in the database (a unique index on
+    # lower(hostname)), so a case-variant's INSERT queues behind the uncommitted one and loses, as a duplicate.
+    ("/api/v1/nodes/", {"hostname": "H100-New", "pool": "h100"}, _node_row, "reservations_node", "hostname", Node),
     ("/api/v1/tenants/", {"slug": "gamma", "name": "Gamma"}, _tenant_row, "tenants_tenant", "slug", Tenant),
     ("/api/v1/users/", {"username": "newbie", "password": "A-long-enough-pw-7"}, _user_row, "auth_user",
      "username", get_user_model()),
@@ -60,7 +63,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("url,body,insert,table,field,model", CASES, ids=[c[0].split("/")[3] for c in CASES])
+@pytest.mark.parametrize("url,body,insert,table,field,model", CASES,
+                         ids=[c[0].split("/")[3] + ("-case-variant" if c[1].get("hostname") == "H100-New" else "")
+                              for c in CASES])
 def test_a_create_racing_a_duplicate_is_a_400_not_a_500(url, body, insert, table, field, model):
     world = make_world()
     Tenant.objects.create(slug="gamma", name="Gamma") if url.endswith("/quotas/") else None

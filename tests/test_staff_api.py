@@ -105,6 +105,20 @@ def test_a_username_differing_only_in_case_is_refused_as_the_admin_refuses_it(wo
     assert not AuditLog.objects.filter(action="user.create").exists()
 
 
+def test_a_hostname_differing_only_in_case_is_refused(world):
+    """H100-001 and h100-001 are one host in DNS terms (and to Slurm's and Kubernetes' node lookups); the API
+    took the second as a new node, so the one machine could be booked twice over."""
+    from reservations.models import Node
+
+    existing = Node.objects.order_by("hostname").first().hostname
+    nodes = Node.objects.count()
+    r = world.client("staff").post("/api/v1/nodes/", {"hostname": existing.upper(), "pool": "h100"}, format="json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid", r.json()
+    assert list(r.json()["fields"]) == ["hostname"], r.json()
+    assert Node.objects.count() == nodes
+    assert not AuditLog.objects.filter(action="node.create").exists()
+
+
 @pytest.mark.parametrize("body", [{}, {"max_nodes": 3, "burst_nodes": 1}, {"max_duration_hours": None}])
 def test_a_quota_patch_that_changes_nothing_records_no_change(world, body):
     """A PATCH giving no field, or the values the quota already has, changed nothing: it was audited as a

@@ -691,6 +691,20 @@ def test_a_hostname_the_backends_cannot_name_is_a_form_error_on_the_node_admin(w
     assert not Node.objects.filter(hostname=hostname).exists()
 
 
+def test_a_hostname_differing_only_in_case_is_a_form_error_on_the_node_admin(world, staff):
+    from reservations.models import Node
+
+    existing = Node.objects.order_by("hostname").first().hostname
+    nodes = Node.objects.count()
+    response = staff.post(reverse("admin:reservations_node_add"), {
+        "hostname": existing.upper(), "pool": world.pool.pk, "state": "available", "_save": "Save",
+        "allocations-TOTAL_FORMS": "0", "allocations-INITIAL_FORMS": "0"})
+    assert response.status_code == 200  # the form again, with the reason
+    assert "A node with that hostname exists" in response.content.decode()
+    assert Node.objects.count() == nodes
+    assert not AuditLog.objects.filter(action="node.create").exists()
+
+
 def test_a_valid_hostname_is_still_added_from_the_node_admin(world, staff):
     from reservations.models import Node
 
