@@ -173,11 +173,14 @@ def test_duplicate_messages_racing_in_two_processes_post_once(worker, world, t0,
     channel, _ = webhook_for("alpha", receiver.url("/ci/hook"))
     book("alpha", t0)
     delivery = wait_for(lambda: Delivery.objects.filter(channel=channel).first(), what="fan-out")
-    for _ in range(6):  # a redelivered message, the sweeper, an admin's retry… all at once
-        deliver_task.apply_async(args=[delivery.pk])
+    # a redelivered message, the sweeper, an admin's retry… all at once
+    duplicates = [deliver_task.apply_async(args=[delivery.pk]).id for _ in range(6)]
 
     wait_for(lambda: _delivered(delivery.pk), timeout=30, what="delivered")
-    time.sleep(3.0)  # let every duplicate run to its end
+    # Every duplicate runs to its end: one that found the delivery claimed comes back after the lease (4 s
+    # here), one that found the send slot taken after the rate limit; a fixed wait asserted before they had.
+    wait_for(lambda: all(f"notifications.deliver[{task_id}] succeeded" in worker.output() for task_id in duplicates),
+             timeout=60, what="every duplicate task to finish")
     assert len(receiver.requests) == 1
     assert DeliveryAttempt.objects.filter(delivery=delivery).count() == 1
 
