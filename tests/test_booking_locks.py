@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -13,6 +14,7 @@ from reservations.models import Allocation, Reservation
 from reservations.services import reservation_create
 
 from .conftest import make_world
+from .racing import lock_waiters
 
 
 @pytest.mark.django_db(transaction=True)
@@ -50,7 +52,11 @@ def test_bookings_of_two_tenants_in_one_pool_do_not_wait_for_each_other(monkeypa
     assert alpha_holds_quota.wait(30)
     beta = threading.Thread(target=book, args=("beta",), name="beta")
     beta.start()
-    beta.join(15)
+    # Until beta finishes or is seen queued on a lock: a fixed 15 s join failed a correct booking that a loaded
+    # machine ran slower than that.
+    deadline = time.monotonic() + 120
+    while beta.is_alive() and lock_waiters() == 0 and time.monotonic() < deadline:
+        beta.join(0.02)
     finished_while_alpha_held_its_lock = not beta.is_alive()
     beta_done.set()
     alpha.join(30)
