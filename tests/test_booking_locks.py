@@ -140,7 +140,15 @@ def test_a_maintenance_window_racing_a_booking_of_its_node_is_refused_cleanly(t0
         original_audit(**kwargs)
         if kwargs["action"] == "reservation.create":
             inserted.set()
-            time.sleep(0.3)
+            # Until the window is seen queued behind this booking (or has come back without waiting): a fixed
+            # 0.3 s let a slow staff thread arrive after the commit, and the race was never run.
+            deadline = time.monotonic() + 60
+            while "maintenance" not in outcome and time.monotonic() < deadline:
+                with connection.cursor() as cur:
+                    cur.execute("SELECT pg_stat_clear_snapshot()")  # a transaction keeps its first view of it
+                if lock_waiters():
+                    break
+                time.sleep(0.02)
 
     def staff():
         try:
