@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from reservations import services
 from reservations.timeutil import slot_floor
-from tests.conftest import iso
+from tests.conftest import iso, now_clear_of_the_hour
 
 pytestmark = pytest.mark.django_db
 
@@ -116,7 +116,9 @@ def test_availability_shows_the_past_and_beyond_the_horizon_as_not_bookable(worl
     # looked bookable, but the booking form's preview and the service refuse them. They are shaded as not
     # bookable (no free nodes, their own class and a hint), exactly where the service's rule says.
     settings.PORTAL_BOOKING_HORIZON_DAYS = 2
-    now = timezone.now()
+    # The page draws "past" up to the slot running now and the horizon from its own clock: an hour that rolled
+    # over between this now and the requests moved both a slot away from what is asserted below.
+    now = now_clear_of_the_hour()
     horizon = now + timedelta(days=2)
     client = web("alpha-lead")
     params = {"pool": "h100", "start": iso(t0 - timedelta(days=2)), "end": iso(t0 + timedelta(days=3))}
