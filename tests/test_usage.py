@@ -20,7 +20,7 @@ from reservations.selectors import usage_for_period
 from reservations.services import reservation_cancel
 from reservations.usage import Month, parse_month
 
-from .conftest import iso
+from .conftest import iso, now_clear_of_the_hour
 
 pytestmark = pytest.mark.django_db
 
@@ -155,10 +155,12 @@ def test_a_node_swapped_by_the_service_counts_up_to_the_swap(world):
 
     pool, nodes = _pool(name="usage-swap", nodes=6, gpus=8)
     alpha = world.tenants["alpha"]
-    now = timezone.now()
+    # The running booking lies inside this month, and the one ahead in the next: in a month's last hours a
+    # six-hour booking ran into the next month (and into the booking ahead: an exclusion violation).
+    now = now_clear_of_the_hour()
     month = Month(now.year, now.month)
     start = max(month.start, now - 3 * HOUR).replace(microsecond=0)
-    end = start + 6 * HOUR
+    end = min(start + 6 * HOUR, month.end)
     running = Reservation.objects.create(tenant=alpha, pool=pool, node_count=1, period=DateTimeTZRange(start, end),
                                          status=ReservationStatus.ACTIVE)
     Allocation.objects.create(reservation=running, node=nodes[0], period=DateTimeTZRange(start, end))
