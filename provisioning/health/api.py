@@ -138,7 +138,7 @@ class HealthCheckListApi(generics.ListAPIView):
         f.is_valid(raise_exception=True)
         data = f.validated_data
         if "node" in data:
-            nodes = Node.objects.filter(hostname=data["node"])
+            nodes = Node.objects.filter(hostname__iexact=data["node"])  # one host in DNS terms, as node_create
             visible = selectors.visible_node_ids(user)
             if visible is not None:
                 nodes = nodes.filter(pk__in=visible)

@@ -85,7 +85,8 @@ def fleet_health(request):
 @require_GET
 @portal_view(staff_only=True)
 def node_health(request, hostname: str):
-    node = get_object_or_404(selectors.nodes_with_health(Node.objects.select_related("pool")), hostname=hostname)
+    node = get_object_or_404(selectors.nodes_with_health(Node.objects.select_related("pool")),
+                             hostname__iexact=hostname)
     checks = selectors.checks_for_user(request.user).filter(node=node).order_by("-created_at", "-pk")
     page = Paginator(checks, 50).get_page(request.GET.get("page"))
     latest = selectors.latest_checks([node.pk]).get(node.pk)
@@ -98,7 +99,7 @@ def node_health(request, hostname: str):
 @require_POST
 @portal_view(staff_only=True)
 def node_check(request, hostname: str):
-    node = get_object_or_404(Node, hostname=hostname)
+    node = get_object_or_404(Node, hostname__iexact=hostname)
     try:
         check = services.node_health_check_request(actor=request.user, node=node, level=request.POST.get("level"))
         messages.success(request, f"{check.get_level_display().split(' (')[0]} check #{check.pk} of {node} queued.")
@@ -110,7 +111,7 @@ def node_check(request, hostname: str):
 @require_POST
 @portal_view(staff_only=True)
 def node_repair_open(request, hostname: str):
-    node = get_object_or_404(Node, hostname=hostname)
+    node = get_object_or_404(Node, hostname__iexact=hostname)
     try:
         repair = services.repair_open(actor=request.user, node=node, reason=request.POST.get("reason", ""))
     except DomainError as exc:

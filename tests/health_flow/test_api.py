@@ -128,6 +128,9 @@ def test_results_are_isolated_by_tenant(fleet, clusters, settings, eager, django
     assert listed("beta-member", verdict="warn") == {("gpu-003", "schedule"), ("gpu-003", "tenant")}
     assert listed("alpha-lead", verdict="warn") == set()
     assert listed("beta-lead", node="gpu-003", trigger="tenant") == {("gpu-003", "tenant")}
+    # A hostname is one host ignoring case (node_create refuses a case variant): GPU-003 filters gpu-003.
+    assert listed("beta-lead", node="GPU-003", trigger="tenant") == {("gpu-003", "tenant")}
+    assert listed("staff", node="Gpu-001") == {("gpu-001", "schedule")}
     # Another tenant's node or cluster in a filter reads exactly like an unknown one.
     for params, field in (({"node": "gpu-003"}, "node"), ({"node": "nope"}, "node"),
                           ({"cluster": clusters["beta"].pk}, "cluster"), ({"cluster": 999999}, "cluster"),

@@ -313,3 +313,20 @@ def test_a_checks_times_show_the_date_when_it_changed_since_it_was_queued(fleet,
                                    " · finished Mon 2 Mar 00:04:00 JST")
     # The same day: the times alone, as before.
     assert times("UTC") == "queued Sun 1 Mar 14:59:30 UTC · started 15:00:10 UTC · finished 15:04:00 UTC"
+
+
+@pytest.mark.django_db
+def test_the_node_pages_find_a_node_named_in_another_case(fleet, django_capture_on_commit_callbacks):
+    # Hostnames are one host ignoring case (node_create refuses a case variant): a path naming GPU-001 (as
+    # an agent's or a DNS name reads) is node gpu-001's page and buttons, not a 404.
+    client = browser(fleet.users["staff"])
+    page = client.get("/health/nodes/GPU-001/")
+    assert page.status_code == 200 and page.context["node"] == fleet.node("gpu-001")
+    with django_capture_on_commit_callbacks():
+        checked = client.post("/health/nodes/Gpu-001/check/", {"level": "quick"})
+    assert checked.status_code == 302 and checked["Location"] == "/health/nodes/gpu-001/"
+    assert HealthCheck.objects.filter(node=fleet.node("gpu-001"), level="quick").exists()
+    with django_capture_on_commit_callbacks():
+        opened = client.post("/health/nodes/GPU-002/repair/", {"reason": "XID 79"})
+    assert opened.status_code == 302
+    assert Repair.objects.filter(node=fleet.node("gpu-002")).exists()
