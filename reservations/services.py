@@ -789,7 +789,9 @@ def _repoint_allocations(
         )
 
     def attempt() -> None:
-        reservation.allocations.all().delete()
+        # Only the allocations holding nodes: the released ones are the record of earlier node swaps (which
+        # node, replaced when and why), read by staff on the booking's admin page; they hold nothing.
+        allocations.delete()
         node_ids = selectors.free_node_ids(pool_id=pool.pk, start=period.lower, end=period.upper, limit=n)
         if len(node_ids) < n:
             raise _capacity_error(pool=pool, node_count=n, start=period.lower, end=period.upper, now=now)

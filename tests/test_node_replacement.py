@@ -143,3 +143,37 @@ def test_a_swap_racing_a_move_that_re_picks_the_nodes_finds_nothing_left(world, 
     outcomes = behind_a_lock(moves_and_re_picks, lambda: node_replace_allocations(node=failed, reason="XID 79"))
     assert outcomes == [{"reservation_id": r.pk, "result": "unchanged"}], outcomes
     assert list(Allocation.objects.filter(reservation=r, active=True).values_list("node_id", flat=True)) == [other.pk]
+
+
+@pytest.mark.django_db
+def test_re_picking_the_nodes_of_a_booking_keeps_the_record_of_an_earlier_swap(world, t0):
+    """A future booking whose node failed was moved whole to a spare: the failed node's allocation stays,
+    released, as the record of the swap (staff read it in the booking's admin page: which node, replaced when,
+    why). Moving the booking later into time its spare is taken re-picks its nodes; that deleted every one of
+    its allocations, the swap's record with them. Only the ones holding nodes are replaced now."""
+    from django.test import Client
+
+    from reservations.services import reservation_update
+
+    r = reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                           node_count=1, start=t0, end=t0 + timedelta(hours=2))
+    failed = Node.objects.get(hostname=r.node_hostnames[0])
+    [outcome] = fail(failed, world.users["staff"])
+    assert outcome["result"] == "replaced"
+    spare = Node.objects.get(hostname=outcome["spare"])
+    record = Allocation.objects.get(reservation=r, node=failed)
+    assert not record.active and record.replaced_at == t0
+    # The spare is taken right after the booking's window: extending into it must re-pick the node.
+    Allocation.objects.create(node=spare, kind="maintenance",
+                              period=(t0 + timedelta(hours=2), t0 + timedelta(hours=4)))
+    r = reservation_update(actor=world.users["alpha-lead"], reservation=Reservation.objects.get(pk=r.pk),
+                           end=t0 + timedelta(hours=4))
+    [holding] = Allocation.objects.filter(reservation=r, active=True)
+    assert holding.node_id not in (failed.pk, spare.pk) and holding.period.upper == t0 + timedelta(hours=4)
+    kept = Allocation.objects.get(pk=record.pk)
+    assert (kept.node_id, kept.active, kept.replaced_at, kept.note) == (failed.pk, False, t0, record.note)
+    assert overlapping_allocations() == 0
+    staff = Client()
+    staff.force_login(world.users["staff"])
+    page = staff.get(f"/admin/reservations/reservation/{r.pk}/change/").content.decode()
+    assert record.note in page
