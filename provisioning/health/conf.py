@@ -43,6 +43,13 @@ def agent_queue_mode() -> str:
     return mode
 
 
+def node_queue(hostname: str) -> str:
+    """A node agent's own queue. Hostnames are one host ignoring case (as node_create compares them), broker
+    queue names are not: both ends name it in lower case, so an agent started as H100-001 (its socket name, or
+    --hostname) serves the checks the portal sends node h100-001, and the other way round."""
+    return f"node.{hostname.lower()}"
+
+
 def fleet_queue() -> str:
     """The simulated fleet's queue (tests and benchmarks use their own name on a shared broker)."""
     return str(setting("PORTAL_HEALTH_FLEET_QUEUE", "fleet"))

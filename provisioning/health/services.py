@@ -142,7 +142,8 @@ _INSERT_SQL = """
         (node_id, reservation_id, level, trigger, status, verdict, recommended_action, summary,
          gpu_results, report, error, agent_queue, requested_by_id, created_at)
     SELECT n.id, %(reservation)s, %(level)s, %(trigger)s, %(queued)s, '', '', '',
-           '[]'::jsonb, '{}'::jsonb, '', CASE WHEN %(mode)s = 'node' THEN 'node.' || n.hostname ELSE %(fleet)s END,
+           '[]'::jsonb, '{}'::jsonb, '',
+           CASE WHEN %(mode)s = 'node' THEN 'node.' || lower(n.hostname) ELSE %(fleet)s END,  -- conf.node_queue
            %(user)s, %(now)s
     FROM reservations_node n
     WHERE {where}
@@ -482,7 +483,7 @@ def dispatch(check_ids: Sequence[int]) -> int:
                     # here into "unknown" already); a burn-in may run past the default task limit.
                     limit = conf.level_timeout_s(job["level"])
                     tasks.agent_run.apply_async(
-                        args=[job], queue=f"node.{job['host']}", producer=producer, expires=limit,
+                        args=[job], queue=conf.node_queue(job["host"]), producer=producer, expires=limit,
                         soft_time_limit=limit, time_limit=limit + 60,
                     )
     except Exception:  # noqa: BLE001 - any broker error: the checks expire and are queued again

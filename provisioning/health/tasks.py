@@ -147,7 +147,7 @@ def record_report(check_id: int, report: dict[str, Any], agent: str | None = Non
         try:
             # It matters until the agent's next check supersedes the receipt; it may wait behind the longest
             # check the agent runs. A dead agent's queue must not keep it past that (Redis evicts nothing).
-            xids_accepted.apply_async(args=[agent, check_id], queue=f"node.{agent}",
+            xids_accepted.apply_async(args=[agent, check_id], queue=conf.node_queue(agent),
                                       expires=max(conf.level_timeout_s(level) for level in CheckLevel.values))
         except Exception:  # noqa: BLE001 - the report is stored; unacknowledged XIDs are only reported again
             logger.warning("could not acknowledge check %s to %s", check_id, agent, exc_info=True)

@@ -25,6 +25,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from provisioning.health.conf import node_queue
+
 NODE_AGENT_SETTINGS = "portal.settings.node_agent"
 
 
@@ -46,7 +48,7 @@ def build_argv(argv: Sequence[str] | None = None) -> list[str]:
         name = f"health-fleet@{socket.gethostname()}"
     else:
         host = args.hostname or socket.gethostname()
-        queue = f"node.{host}"
+        queue = node_queue(host)  # lower case, as the portal names it
         concurrency = args.concurrency or 1  # one check at a time: medium tests own every GPU
         name = f"health-agent@{host}"
     # The agent takes no message it cannot start yet (whatever settings module it runs): one held while an

@@ -69,3 +69,38 @@ def test_the_acknowledgement_of_a_report_expires(world, monkeypatch):
     # Long enough to wait behind the longest check the agent may be running, and no longer.
     assert kwargs["queue"] == f"node.{world.nodes[0].hostname}"
     assert max(conf.level_timeout_s(level) for level in ("quick", "medium", "full")) <= kwargs["expires"] <= 86400
+
+
+def test_a_node_and_its_agent_named_in_different_cases_meet_on_one_queue(world, node_mode, monkeypatch,
+                                                                         django_capture_on_commit_callbacks):
+    """Hostnames are one host ignoring case, broker queue names are not: node H100-001's checks went to
+    node.H100-001 while its agent, started as h100-001 (its socket name), served node.h100-001; nobody read
+    them and the node was reported not answering. Both ends name the queue in lower case."""
+    from provisioning.health.worker import build_argv
+
+    node = world.nodes[0]
+    type(node).objects.filter(pk=node.pk).update(hostname=node.hostname.upper())
+    node.refresh_from_db()
+    agent = build_argv(["node", "--hostname", node.hostname.lower()])
+    queue = agent[agent.index("-Q") + 1]
+    assert build_argv(["node", "--hostname", node.hostname])[agent.index("-Q") + 1] == queue
+    node_mode.delete(queue, f"node.{node.hostname}")
+    try:
+        [check] = _sweep_one(node, django_capture_on_commit_callbacks)
+        assert node_mode.llen(queue) == 1 and node_mode.llen(f"node.{node.hostname}") == 0
+        assert check.agent_queue == queue
+        # The acknowledgement of its report goes there too.
+        sent = []
+        monkeypatch.setattr(tasks.xids_accepted, "apply_async", lambda *a, **kw: sent.append(kw))
+        HealthCheck.objects.filter(pk=check.pk).update(status="done", verdict="pass", finished_at=services._now(),
+                                                       handled_at=services._now())
+        tasks.record_report(check.pk, {}, agent=node.hostname)
+        assert [kw["queue"] for kw in sent] == [queue]
+    finally:
+        node_mode.delete(queue, f"node.{node.hostname}")
+
+
+def _sweep_one(node, capture) -> list[HealthCheck]:
+    with capture(execute=True):
+        ids = services.health_checks_request(nodes=[node], level="quick", trigger="staff")
+    return list(HealthCheck.objects.filter(pk__in=[c.pk for c in ids]))
