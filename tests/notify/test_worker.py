@@ -102,6 +102,40 @@ def purge_queue() -> None:
     client.close()
 
 
+def broker_pending() -> int:
+    """Messages the broker may still hand a worker: queued, or delivered and not yet acknowledged.
+
+    Tasks acknowledge late (CELERY_TASK_ACKS_LATE), so a message stays in ``unacked`` while its task
+    runs; one left there past the visibility timeout (4 s here) goes back on its queue and runs again.
+    """
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    try:
+        queued = sum(client.llen(k) for queue in QUEUES for k in client.scan_iter(match=f"{queue}*", _type="list"))
+        return queued + client.hlen("unacked")
+    finally:
+        client.close()
+
+
+def wait_until_broker_idle(*, hold_s: float = 1.0, timeout: float = 60) -> None:
+    """Wait until no message is queued or unacknowledged, and it stays so for ``hold_s``.
+
+    Then nothing can be redelivered after the visibility timeout: a later POST would need a message.
+    The hold covers a message between the queue and ``unacked`` (popped, not yet recorded by the worker).
+    """
+    deadline = time.monotonic() + timeout
+    idle_since: float | None = None
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if broker_pending():
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= hold_s:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for the broker to have nothing queued or unacked")
+
+
 @pytest.fixture(scope="module")
 def worker(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Worker]:
     with django_db_blocker.unblock():
@@ -132,7 +166,8 @@ def test_booking_reaches_slack_and_the_signed_webhook(worker, world, t0, book, r
     assert envelope["type"] == Event.RESERVATION_CONFIRMED
     assert envelope["data"]["reservation_id"] == reservation.pk
     wait_for(lambda: Delivery.objects.filter(status=DeliveryStatus.DELIVERED).count() == 2, what="delivered")
-    time.sleep(1.0)
+    # Not a fixed pause: a message redelivered after the visibility timeout would post only seconds later.
+    wait_until_broker_idle()
     assert len(receiver.requests) == 2  # once per channel, no more
 
 
@@ -198,7 +233,7 @@ def test_nothing_lost_when_the_worker_is_killed_mid_delivery(worker, world, t0, 
 
     worker.start()  # acks_late: the unacknowledged message comes back to the new worker
     wait_for(lambda: _delivered(delivery.pk), timeout=40, what="delivery after restart")
-    time.sleep(2.0)
+    wait_until_broker_idle()  # every copy of the message has run and been acknowledged: none left to come back
 
     requests = receiver.requests
     assert len(requests) == 2  # the interrupted POST and the one that got its 200
