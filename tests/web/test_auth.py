@@ -15,20 +15,20 @@ pytestmark = pytest.mark.django_db
 PASSWORD = "pw-Long-enough-1"
 
 
+def forget_sign_in_failures() -> None:
+    """Forget sign-in failures and locks of the users and address these tests use (never flush the shared Redis)."""
+    for name in ("alpha-lead", "alpha-member", "beta-lead", "nobody"):
+        for kind in ("fail-user", "lock-user"):
+            cache.delete(tenant_forms._key(kind, name))
+    for kind in ("fail-ip", "lock-ip"):
+        cache.delete(tenant_forms._key(kind, "127.0.0.1"))
+
+
 @pytest.fixture(autouse=True)
 def clean_lockout_keys():
-    """Forget sign-in failures of the users these tests use (never flush the shared Redis)."""
-
-    def clear():
-        for name in ("alpha-lead", "alpha-member", "beta-lead", "nobody"):
-            for kind in ("fail-user", "lock-user"):
-                cache.delete(tenant_forms._key(kind, name))
-        for kind in ("fail-ip", "lock-ip"):
-            cache.delete(tenant_forms._key(kind, "127.0.0.1"))
-
-    clear()
+    forget_sign_in_failures()
     yield
-    clear()
+    forget_sign_in_failures()
 
 
 def _post_login(client: Client, username: str, password: str, **extra):
@@ -164,7 +164,7 @@ def test_the_lockout_message_counts_its_minutes_in_words(world, client, settings
     settings.PORTAL_LOGIN_MAX_FAILURES = 2
     for lockout, words in ((60, b"Try again in 1 minute."), (900, b"Try again in 15 minutes.")):
         settings.PORTAL_LOGIN_LOCKOUT_SECONDS = lockout
-        cache.clear()
+        forget_sign_in_failures()  # the previous round's lock; only these keys, the Redis db is shared
         for _ in range(2):
             _post_login(client, "alpha-lead", "wrong")
         response = _post_login(client, "alpha-lead", PASSWORD)
