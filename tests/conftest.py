@@ -84,6 +84,21 @@ def forget_throttle_budgets(*users) -> None:
             conn.delete(name)
 
 
+def forget_anon_throttle_budgets(address: str) -> None:
+    """Start this client address on a fresh anonymous API rate budget (every rate's key for it).
+
+    Budgets outlive the test in Redis: a test that throttles an address on purpose would otherwise
+    find it already throttled when the suite runs again within the minute.
+    """
+    import redis
+    from django.conf import settings
+
+    conn = redis.Redis.from_url(settings.REDIS_URL)
+    prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
+    for name in conn.scan_iter(f"{prefix}:throttle:anon:*:{address}"):
+        conn.delete(name)
+
+
 @pytest.fixture
 def world(db) -> World:
     return make_world()
