@@ -77,11 +77,13 @@ def test_readyz_celery_check_returns_within_three_timeouts(settings, monkeypatch
 
     import threading
 
-    done = threading.Event()
+    done, release = threading.Event(), threading.Event()
 
     class Control:
         def ping(self, timeout, limit):
-            time.sleep(3)  # a broker that answers PING but where the broadcast hangs
+            # A broker that answers PING but where the broadcast hangs: for 30 s, far past the 1.5 s the check
+            # may take, so a check that waited for the hang cannot pass for one that gave up on a loaded machine.
+            release.wait(30)
             done.set()
             return []
 
@@ -94,6 +96,7 @@ def test_readyz_celery_check_returns_within_three_timeouts(settings, monkeypatch
     took = time.monotonic() - started
     assert not result.ok
     assert took < 0.5 * 3 + 1, f"check_celery took {took:.1f}s; the docstring promises <= 1.5 s"
+    release.set()  # the hang ends (the broker answers at last)
     assert done.wait(10)  # the abandoned probe ends on its own (and logs while the test still captures)
     time.sleep(0.2)
 
