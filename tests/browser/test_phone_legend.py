@@ -8,12 +8,13 @@ from .conftest import PHONE
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-# Every item of every legend that begins a line (at the legend's left edge), with what it shows first: its
-# ::before's text (where it has one) and then its own.
+# Every item of every legend that begins a line (at the legend's left edge; a hidden line break aside), with what
+# it shows first: its ::before's text (where it has one) and then its own.
 _LINE_STARTS = """() => Array.from(document.querySelectorAll('.legend')).flatMap(legend => {
   const style = getComputedStyle(legend);
   const left = legend.getBoundingClientRect().left + parseFloat(style.borderLeftWidth) + parseFloat(style.paddingLeft);
-  return Array.from(legend.children).filter(item => item.getBoundingClientRect().left <= left + 2).map(item => {
+  const items = Array.from(legend.children).filter(item => item.getAttribute('aria-hidden') !== 'true');
+  return items.filter(item => item.getBoundingClientRect().left <= left + 2).map(item => {
     const before = getComputedStyle(item, '::before');
     const generated = before.display !== 'none' && /^".*"$/.test(before.content) ? before.content.slice(1, -1) : '';
     return {legend: legend.getAttribute('aria-label'), text: (generated + item.textContent).trim()};
@@ -25,7 +26,7 @@ SEPARATORS = ("·", "•", "|", "-", "–", "—")
 
 @pytest.mark.parametrize(("who", "path"), [("alpha-lead", "/calendar/?pool=h100"),
                                            ("alpha-viewer", "/calendar/?pool=h100"),
-                                           ("alpha-lead", "/availability/")])
+                                           ("alpha-lead", "/availability/"), ("staff", "/fleet/")])
 def test_no_legend_line_starts_with_a_separator_on_a_phone(world, live_server, new_page, sign_in, who, path):
     """At 390 px the calendar's legends wrap, and their notes ("· drag across free time to book…", "· each
     booking shows its status in words…") began a line of their own with the "·" that was meant to stand
