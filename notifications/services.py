@@ -14,8 +14,10 @@ Delivery guarantees, and what gives each one:
   re-queued when a worker dies; ``deliveries_requeue_stuck`` (beat) re-queues any open row
   nobody is working on, whatever happened to its message.
 - **Retries**: 5xx/timeouts back off exponentially with full jitter, 429 waits ``Retry-After``
-  (at most the backoff cap); a permanent error (any other 4xx, Slack's ``channel_not_found`` …) stops at once and flags
-  the channel broken so its lead sees it; every attempt is recorded.
+  (at most the backoff cap), for PORTAL_NOTIFY_MAX_ATTEMPTS tries and at least PORTAL_NOTIFY_RETRY_HOURS
+  (24 h) from the first one, so a day-long outage of the receiver loses nothing; a permanent error (any
+  other 4xx, Slack's ``channel_not_found`` …) stops at once and flags the channel broken so its lead sees
+  it; every attempt is recorded.
 - **≤ 1 message per second per webhook URL**, across all workers (``ratelimit``, in Redis).
 
 The network call happens outside any transaction; the outcome is written in a short one.
@@ -134,7 +136,18 @@ def _backoff_base() -> float:
 
 
 def _backoff_cap() -> float:
-    return float(_setting("PORTAL_NOTIFY_BACKOFF_CAP", 600.0))
+    return float(_setting("PORTAL_NOTIFY_BACKOFF_CAP", 3600.0))
+
+
+def retry_window() -> timedelta:
+    """How long a retryable delivery keeps being tried, from its first attempt (or its last requeue), at least.
+
+    Counted in time, not attempts: with full jitter a dozen attempts spanned anything from seconds to under an
+    hour (about 18 minutes on average), so a receiver (or Slack) down longer than that lost the message for good."""
+    hours = float(_setting("PORTAL_NOTIFY_RETRY_HOURS", 24.0))
+    if hours < 0:
+        raise ImproperlyConfigured("PORTAL_NOTIFY_RETRY_HOURS must be 0 or more.")
+    return timedelta(hours=hours)
 
 
 def _min_interval() -> float:
@@ -1004,9 +1017,17 @@ def _mark_repaired(channel_id: int | None, *, url: str | None = None, actor: Any
                  before=before, after={"broken_error": "", "by": by})
 
 
+def _budget_start(delivery: Delivery) -> datetime:
+    """When the delivery's current budget of attempts began: its first attempt since creation or the last requeue."""
+    started = (DeliveryAttempt.objects.filter(delivery_id=delivery.pk, number=delivery.requeued_after + 1)
+               .values_list("started_at", flat=True).first())
+    return started or delivery.created_at
+
+
 def _record(delivery_id: int, *, token: uuid.UUID, attempt: DeliveryAttempt, url: str,
-            outcome: transport.Outcome) -> SendResult:
+            outcome: transport.Outcome, window: timedelta | None = None) -> SendResult:
     now = timezone.now()
+    window = retry_window() if window is None else window
     with transaction.atomic(durable=True):
         delivery = Delivery.objects.select_for_update().get(pk=delivery_id)
         attempt.finished_at = now
@@ -1034,9 +1055,13 @@ def _record(delivery_id: int, *, token: uuid.UUID, attempt: DeliveryAttempt, url
         delivery.lease_until = delivery.claim = None
         retry_in = None
         tries = delivery.attempts - delivery.requeued_after
-        if outcome.retryable and tries < max_attempts():
+        if outcome.retryable and (tries < max_attempts() or now - _budget_start(delivery) < window):
             delay = transport.retry_delay(outcome, tries - 1, base_s=_backoff_base(),
                                           cap_s=_backoff_cap())
+            if tries >= max_attempts():
+                # Past the attempts, in the retry window: a receiver's "Retry-After: 1" waits the backoff all the
+                # same (it would otherwise cost an attempt a second, a day long).
+                delay = max(delay, transport.backoff(tries - 1, base_s=_backoff_base(), cap_s=_backoff_cap()))
             delivery.status = DeliveryStatus.RETRYING
             delivery.next_attempt_at = attempt.next_attempt_at = now + timedelta(seconds=delay)
             retry_in = delay
@@ -1074,7 +1099,8 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
         problem = egress.destination_problem(url)
         if problem:
             return _finish(delivery.pk, status=DeliveryStatus.FAILED, error=f"blocked_destination: {problem}")
-    timeout, deadline = http_timeout(), http_deadline()  # read before the claim: a bad setting claims nothing
+    # Read before the claim: a bad setting claims nothing.
+    timeout, deadline, window = http_timeout(), http_deadline(), retry_window()
     secrets: list[str] = []
     if delivery.kind == ChannelKind.WEBHOOK:
         # Before the claim too: signing failing after it left the delivery "sending" until its lease ran out, for
@@ -1112,7 +1138,7 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
             ratelimit.hold(_redis(), ratelimit.key_for_url(url), min(outcome.retry_after, _backoff_cap()))
         except Exception:  # noqa: BLE001 - Redis down: the outcome still has to be recorded
             logger.warning("could not hold the send slot of a rate-limited webhook", exc_info=True)
-    return _record(delivery.pk, token=token, attempt=attempt, url=url, outcome=outcome)
+    return _record(delivery.pk, token=token, attempt=attempt, url=url, outcome=outcome, window=window)
 
 
 def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:

@@ -297,6 +297,7 @@ def test_a_test_message_goes_through_a_broken_channel_and_repairs_it(world, rece
 def test_gives_up_after_max_attempts_without_breaking_the_channel(world, receiver, slack_for, confirmed,
                                                                   notify_settings):
     notify_settings.PORTAL_NOTIFY_MAX_ATTEMPTS = 2
+    notify_settings.PORTAL_NOTIFY_RETRY_HOURS = 0  # attempts only (the day-long window: test_retry_window)
     notify_settings.PORTAL_NOTIFY_MIN_INTERVAL = 0.05
     channel = slack_for("alpha", receiver.url("/services/T0/B0/alpha"))
     receiver.default = Reply.server_error()

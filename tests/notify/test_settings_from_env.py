@@ -14,6 +14,7 @@ from notifications import services
     ("PORTAL_NOTIFY_BACKOFF_BASE", services._backoff_base, 5.0),
     ("PORTAL_NOTIFY_BACKOFF_CAP", services._backoff_cap, 120.0),
     ("PORTAL_NOTIFY_MIN_INTERVAL", services._min_interval, 0.5),
+    ("PORTAL_NOTIFY_RETRY_HOURS", lambda: services.retry_window().total_seconds() / 3600, 6.0),
 ])
 def test_a_setting_given_only_in_the_environment_is_used(monkeypatch, name, read, value):
     assert not hasattr(settings, name), f"{name} is now a Django setting; this test no longer covers the environment"
