@@ -369,7 +369,7 @@ def _cluster_notice(slack_event: str) -> Translator:
             data.pop("nodes", None)
         if slack_event == Event.CLUSTER_DEGRADED and payload.get("node"):
             # The same node failure may also arrive as reservation.degraded: one message for both.
-            key = f"{slack_event}:r{reservation.pk}:{payload['node']}"
+            key = _node_failure_key(reservation.pk, payload)
         else:
             key = f"{slack_event}:r{reservation.pk}:{_transition_ident(extra.get('cluster_id'), payload)}"
         return [Notice(event=slack_event, key=key, payload=data, source_event=name, tenant_id=reservation.tenant_id)]
@@ -395,6 +395,16 @@ def _credentials_renewed(name: str, payload: dict[str, Any]) -> list[Notice]:
                    tenant_id=reservation.tenant_id)]
 
 
+def _node_failure_key(reservation_id: int, payload: dict[str, Any]) -> str:
+    """Name one failure of a node in a booking: by the booking's allocation the node lost, which
+    reservation.degraded and the cluster.degraded it causes both carry (one message for the two, and a
+    redelivered event adds nothing). The same node failing again in the booking (it came back as a spare)
+    lost another allocation: another message. Events from before they carried it: by the node alone."""
+    key = f"{Event.CLUSTER_DEGRADED}:r{reservation_id}:{payload['node']}"
+    allocation = as_id(payload.get("allocation_id"))
+    return f"{key}:a{allocation}" if allocation is not None else key
+
+
 def _reservation_degraded(name: str, payload: dict[str, Any]) -> list[Notice]:
     """A failed node with no spare left: the tenant's cluster runs short (reservations.node_replace_allocations)."""
     reservation = _reservation(payload.get("reservation_id"))
@@ -409,7 +419,8 @@ def _reservation_degraded(name: str, payload: dict[str, Any]) -> list[Notice]:
         reason = f"{count_of(missing, 'node')} missing. {reason}".strip()
     if reason:
         data["reason"] = reason
-    key = f"{Event.CLUSTER_DEGRADED}:r{reservation.pk}:{payload.get('node') or f'm{missing}'}"
+    key = _node_failure_key(reservation.pk, payload) if payload.get("node") else \
+        f"{Event.CLUSTER_DEGRADED}:r{reservation.pk}:m{missing}"
     return _told_apart(Notice(event=Event.CLUSTER_DEGRADED, key=key, payload=data, source_event=name,
                               tenant_id=reservation.tenant_id))
 

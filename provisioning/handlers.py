@@ -55,13 +55,14 @@ def on_node_state_changed(event: str, payload: dict[str, Any]) -> None:
 def on_node_replaced(event: str, payload: dict[str, Any]) -> None:
     from .services import _enqueue
 
-    _enqueue("cluster_nodes_changed", payload["reservation_id"], payload["failed"], payload["spare"])
+    _enqueue("cluster_nodes_changed", payload["reservation_id"], payload["failed"], payload["spare"],
+             payload.get("allocation_id"))
 
 
 def on_reservation_degraded(event: str, payload: dict[str, Any]) -> None:
     from .services import _enqueue
 
-    _enqueue("cluster_nodes_changed", payload["reservation_id"], payload["node"], None)
+    _enqueue("cluster_nodes_changed", payload["reservation_id"], payload["node"], None, payload.get("allocation_id"))
 
 
 def connect() -> None:

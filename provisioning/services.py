@@ -19,10 +19,10 @@ How the pieces fit (DESIGN §5):
 
 Events (after commit): ``cluster.ready`` (+ recovered: true when a cluster degraded by a refused window
 change is whole again, not built), ``cluster.failed`` (+ phase, reason),
-``cluster.degraded`` (+ reason; + node when one was lost, none when the backend refused a window
-change), ``cluster.deleted``, ``cluster.credentials_renewed`` (+ issued_at, expires_at, previous_expires_at: a
-live cluster's kubeconfig issued again) — each with cluster_id, reservation_id, tenant_id, status (the phase
-events also with transition_id, the row of that transition) — and
+``cluster.degraded`` (+ reason; + node and allocation_id when one was lost, none when the backend
+refused a window change), ``cluster.deleted``, ``cluster.credentials_renewed`` (+ issued_at, expires_at,
+previous_expires_at: a live cluster's kubeconfig issued again) — each with cluster_id, reservation_id,
+tenant_id, status (the phase events also with transition_id, the row of that transition) — and
 ``reservation.starting_soon`` /
 ``reservation.ending_soon`` (reservation_id, tenant_id, cluster_id, start/end).
 """
@@ -1332,22 +1332,26 @@ def _drain_unfinished(node_id: int, reason: str) -> float:
     return countdown
 
 
-def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None) -> str:
+def cluster_nodes_changed(*, reservation_id: int, failed: str, spare: str | None,
+                          allocation_id: int | None = None) -> str:
     """Bring a cluster along after its reservation lost node failed (to spare, or to nothing: degraded).
 
     Holds the cluster's lock, as provisioning and teardown do: a swap never runs beside a teardown
     (it would build again what the teardown removed) nor beside a provisioning run (whose later
     phases read the new node set; the swap follows once the run is over). RetryLater when the lock
-    stays taken.
+    stays taken. allocation_id: the booking's allocation the node lost (it names the failure in the
+    cluster.degraded this may cause; None from a message queued before events carried it).
     """
     cluster_id = VirtualCluster.objects.filter(reservation_id=reservation_id).values_list("pk", flat=True).first()
     if cluster_id is None:
         return "nothing to do"
     with _held_or_retry(LOCK_CLUSTER, cluster_id, busy=_CLUSTER_BUSY):
-        return _cluster_nodes_changed_locked(cluster_id, reservation_id=reservation_id, failed=failed, spare=spare)
+        return _cluster_nodes_changed_locked(cluster_id, reservation_id=reservation_id, failed=failed, spare=spare,
+                                             allocation_id=allocation_id)
 
 
-def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, failed: str, spare: str | None) -> str:
+def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, failed: str, spare: str | None,
+                                  allocation_id: int | None = None) -> str:
     cluster = VirtualCluster.objects.select_related("reservation").get(pk=cluster_id)
     # A failed cluster's booking was let go of (its nodes went back to others): a swap that waited for
     # the failing run must not hold the window in the backend again.
@@ -1371,11 +1375,12 @@ def _cluster_nodes_changed_locked(cluster_id: int, *, reservation_id: int, faile
             elif holds_bookings(cluster.backend) and holding:
                 _book(backend, ctx, repair=True)  # with no node left, the backend lets go of the booking
     except BackendError as exc:
-        _degrade(cluster.pk, f"could not replace {failed} in the {cluster.backend} backend: {exc.message}", failed)
+        _degrade(cluster.pk, f"could not replace {failed} in the {cluster.backend} backend: {exc.message}", failed,
+                 allocation_id)
         return "degraded"
     if spare is None:
         missing = Reservation.objects.values_list("missing_nodes", flat=True).get(pk=reservation_id)
-        _degrade(cluster.pk, f"{failed} failed and no spare node is free ({missing} missing)", failed)
+        _degrade(cluster.pk, f"{failed} failed and no spare node is free ({missing} missing)", failed, allocation_id)
         return "degraded"
     return "replaced"
 
@@ -1397,12 +1402,15 @@ def _swap_audited(cluster: VirtualCluster, *, reservation_id: int, failed: str, 
     return audited.count() >= max(1, swapped.count())
 
 
-def _degrade(cluster_id: int, reason: str, hostname: str) -> None:
+def _degrade(cluster_id: int, reason: str, hostname: str, allocation_id: int | None = None) -> None:
+    extra: dict[str, Any] = {"node": hostname}
+    if allocation_id is not None:
+        extra["allocation_id"] = allocation_id  # names the failure, as reservation.degraded's does
     with transaction.atomic():
         cluster = _lock_cluster(cluster_id)
         if cluster.status == ClusterStatus.READY:
             _transition(cluster, ClusterStatus.DEGRADED, source=TransitionSource.NODE, detail=reason,
-                        event_extra={"node": hostname})
+                        event_extra=extra)
 
 
 # --- the lifecycle tick -------------------------------------------------------------------

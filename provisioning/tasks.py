@@ -100,11 +100,13 @@ def node_changed(self, node_id: int) -> dict:
 
 
 @shared_task(bind=True, name="provisioning.cluster_nodes_changed", ignore_result=True, max_retries=None)
-def cluster_nodes_changed(self, reservation_id: int, failed: str, spare: str | None) -> str:
+def cluster_nodes_changed(self, reservation_id: int, failed: str, spare: str | None,
+                          allocation_id: int | None = None) -> str:
     from . import services
 
     try:
-        return services.cluster_nodes_changed(reservation_id=reservation_id, failed=failed, spare=spare)
+        return services.cluster_nodes_changed(reservation_id=reservation_id, failed=failed, spare=spare,
+                                              allocation_id=allocation_id)
     except services.RetryLater as exc:
         # The cluster is being provisioned or torn down: the swap follows once that run lets go.
         raise self.retry(countdown=exc.countdown, max_retries=None)

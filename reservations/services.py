@@ -1180,14 +1180,17 @@ def _replace_one_once(*, allocation_id: int, reservation_id: int, now: datetime,
             reservation.save(update_fields=["missing_nodes", "updated_at"])
             result = {"reservation_id": reservation.pk, "result": "degraded", "failed": old.hostname,
                       "missing_nodes": reservation.missing_nodes}
+            # allocation_id (the row the node lost) names this failure: the same node failing again in the same
+            # booking (it came back as a spare) is another failure, with another allocation.
             events.emit("reservation.degraded", reservation_id=reservation.pk, tenant_id=reservation.tenant_id,
-                        node=old.hostname, missing_nodes=reservation.missing_nodes, reason=reason)
+                        node=old.hostname, missing_nodes=reservation.missing_nodes, reason=reason,
+                        allocation_id=allocation.pk)
         else:
             reservation.save(update_fields=["updated_at"])  # its nodes changed: a revision (the feed's LAST-MODIFIED)
             result = {"reservation_id": reservation.pk, "result": "replaced", "failed": old.hostname,
                       "spare": spare.hostname}
             events.emit("node.replaced", reservation_id=reservation.pk, tenant_id=reservation.tenant_id,
-                        failed=old.hostname, spare=spare.hostname, reason=reason)
+                        failed=old.hostname, spare=spare.hostname, reason=reason, allocation_id=allocation.pk)
         audit_record(actor=actor, action="reservation.replace_node", obj=reservation,
                      tenant_id=reservation.tenant_id, before={**before, "node": old.hostname},
                      after={**_snapshot(reservation), **{k: v for k, v in result.items() if k != "reservation_id"}})

@@ -44,7 +44,8 @@ def test_running_booking_moves_the_rest_of_its_window_to_a_spare(world, captured
     r.refresh_from_db()
     assert r.missing_nodes == 0
     assert ("node.replaced", {"reservation_id": r.pk, "tenant_id": r.tenant_id, "failed": failed.hostname,
-                              "spare": spare, "reason": "XID 79: fallen off the bus"}) in captured_events
+                              "spare": spare, "reason": "XID 79: fallen off the bus",
+                              "allocation_id": old.pk}) in captured_events  # the allocation lost names the failure
     assert overlapping_allocations() == 0
     body = world.client("alpha-lead").get(f"/api/v1/reservations/{r.pk}/").json()
     assert failed.hostname not in body["nodes"] and spare in body["nodes"] and body["missing_nodes"] == 0
