@@ -437,6 +437,9 @@ def _node_replaced(name: str, payload: dict[str, Any]) -> list[Notice]:
     if payload.get("cluster_id") is not None:
         data["cluster_id"] = payload["cluster_id"]
     key = f"{Event.NODE_REPLACED}:r{reservation.pk}:{failed}:{spare}"
+    allocation = as_id(payload.get("allocation_id"))
+    if allocation is not None:  # the allocation the node lost names this swap (the same pair may swap again)
+        key = f"{key}:a{allocation}"
     return _told_apart(Notice(event=Event.NODE_REPLACED, key=key, payload=data, source_event=name,
                               tenant_id=reservation.tenant_id))
 

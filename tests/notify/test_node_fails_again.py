@@ -76,3 +76,30 @@ def test_a_node_failing_again_in_the_same_booking_is_announced_again(
     bodies = [request.body.decode() for request in receiver.wait_for(2)]
     assert all(first.hostname in body for body in bodies)
     assert "1 node missing" in bodies[0] and "2 nodes missing" in bodies[1], bodies
+
+
+def test_the_same_pair_of_nodes_swapped_again_in_a_booking_is_announced_again(
+        world, t0, book, receiver, slack_for, settings, eager, captured_events, django_capture_on_commit_callbacks):
+    settings.PORTAL_NOTIFY_MIN_INTERVAL = 0.001
+    reservation = book("alpha", t0, nodes=1)
+    (first,) = Node.objects.filter(allocations__reservation=reservation)
+    second = Node.objects.exclude(pk=first.pk).order_by("hostname").first()
+    Node.objects.exclude(Q(pk=first.pk) | Q(pk=second.pk)).update(state=NodeState.MAINTENANCE)
+
+    for failing, back in ((first, first), (second, second), (first, None)):  # first → second → first → second
+        _set(world, failing, NodeState.FAILED, django_capture_on_commit_callbacks)
+        if back is not None:
+            _set(world, back, NodeState.AVAILABLE, django_capture_on_commit_callbacks)
+    told = [payload for name, payload in captured_events if name == "node.replaced"]
+    assert [(p["failed"], p["spare"]) for p in told] == [(first.hostname, second.hostname),
+                                                         (second.hostname, first.hostname),
+                                                         (first.hostname, second.hostname)]
+
+    slack_for("alpha", receiver.url("/services/T0/B0/alpha"), events=[Event.NODE_REPLACED])
+    created = [d for _ in range(2) for payload in told
+               for d in services.event_fanout(event="node.replaced", payload=payload)]
+
+    assert len(created) == 3  # each swap once, the redelivered events nothing
+    for delivery in created:
+        assert services.delivery_send(delivery_id=delivery.pk).status == "delivered"
+    assert len(receiver.wait_for(3)) == 3
