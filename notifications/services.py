@@ -12,7 +12,8 @@ Delivery guarantees, and what gives each one:
   sender is never overtaken; a killed one is, once its lease expires.
 - **Never lost**: the row exists (committed) before any task is queued; tasks are acked late and
   re-queued when a worker dies; ``deliveries_requeue_stuck`` (beat) re-queues any open row
-  nobody is working on, whatever happened to its message.
+  nobody is working on, whatever happened to its message (one it re-queued is left to that
+  message for SWEEP_HOLD_S, so a queue that is behind does not get a copy a minute).
 - **Retries**: 5xx/timeouts back off exponentially with full jitter, 429 waits ``Retry-After``
   (at most the backoff cap), for PORTAL_NOTIFY_MAX_ATTEMPTS tries and at least PORTAL_NOTIFY_RETRY_HOURS
   (24 h) from the first one, so a day-long outage of the receiver loses nothing; a permanent error (any
@@ -1167,9 +1168,46 @@ def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:
     return delivery
 
 
-def deliveries_requeue_stuck(*, now: datetime | None = None, grace_s: float = 60.0) -> list[int]:
-    """Queue again every open delivery nobody is working on (beat): the belt to acks_late's braces."""
-    ids = selectors.stuck_delivery_ids(now=now or timezone.now(), grace=timedelta(seconds=grace_s))
+# After the sweeper queues a delivery again it leaves it this long to that message: a delivery late because the
+# queue is behind (its own message waits there) is not queued again every minute, one more copy each time.
+SWEEP_HOLD_S = 300
+SWEEP_KEY_PREFIX = "portal:notify:swept:"
+
+
+def _sweep_key(pk: int, message_id: str, attempts: int) -> str:
+    # The message id tells a row apart from an earlier one with the same id (a database restored or recreated);
+    # the attempt count lets a delivery that moved on (and is stuck again) be queued at once.
+    return f"{SWEEP_KEY_PREFIX}{pk}:{message_id}:{attempts}"
+
+
+def _not_swept_lately(ids: list[int], limit: int) -> list[int]:
+    """Of these stuck deliveries, the first `limit` the sweeper has not queued within SWEEP_HOLD_S (marking them)."""
+    rows = Delivery.objects.filter(pk__in=ids).order_by("id").values_list("id", "message_id", "attempts")
+    keys = [(pk, _sweep_key(pk, message_id, attempts)) for pk, message_id, attempts in rows]
+    chosen: list[int] = []
+    try:
+        client = _redis()
+        position = 0
+        while position < len(keys) and len(chosen) < limit:
+            batch = keys[position:position + limit - len(chosen)]
+            position += len(batch)
+            pipe = client.pipeline(transaction=False)
+            for _, key in batch:
+                pipe.set(key, "1", nx=True, ex=SWEEP_HOLD_S)
+            chosen += [pk for (pk, _), fresh in zip(batch, pipe.execute(), strict=True) if fresh]
+    except Exception:  # noqa: BLE001 - Redis down: queue them all (the broker is Redis too; it may be back by then)
+        logger.warning("could not check which stuck deliveries were queued lately", exc_info=True)
+        return [pk for pk, _ in keys][:limit]
+    return chosen
+
+
+def deliveries_requeue_stuck(*, now: datetime | None = None, grace_s: float = 60.0, limit: int = 500) -> list[int]:
+    """Queue again every open delivery nobody is working on (beat): the belt to acks_late's braces.
+
+    One the sweeper queued within SWEEP_HOLD_S is left to that message (under a backlog it waits in the queue,
+    as the delivery's own retry does); a lost one is queued again after the hold."""
+    ids = selectors.stuck_delivery_ids(now=now or timezone.now(), grace=timedelta(seconds=grace_s), limit=limit * 10)
+    ids = _not_swept_lately(ids, limit)
     if ids:
         logger.warning("requeueing %d stuck deliveries", len(ids))
         _enqueue(ids)
