@@ -91,6 +91,7 @@ FAMILIES = {
     "portal_repairs_open": ("gauge", "provisioning"),
     "portal_notification_deliveries": ("gauge", "notifications"),
     "portal_notification_deliveries_last_hour": ("gauge", "notifications"),
+    "portal_notification_failures_last_hour": ("gauge", "notifications"),
     "portal_outbox_events": ("gauge", "always"),
     "portal_outbox_oldest_age_seconds": ("gauge", "always"),
 }
@@ -570,6 +571,21 @@ class PortalCollector:
             f"WHERE {_q(created)} > clock_timestamp() - interval '1 hour' GROUP BY 1, 2"
         )), ordered=True)
         yield recent
+        updated = _field(delivery, "updated_at")
+        if not updated:
+            return
+        # Failed in the last hour, whenever created: a message retried for a day (PORTAL_NOTIFY_RETRY_HOURS) fails
+        # a day after it was made, out of the window above.
+        failures = GaugeMetricFamily("portal_notification_failures_last_hour",
+                                     "Deliveries that failed in the last hour (refused for good, or out of retries), "
+                                     "by channel kind.", labels=["channel"])
+        rows = _rows(
+            f"SELECT {channel_sql}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
+            f"WHERE {_q(status)} = 'failed' AND {_q(updated)} > clock_timestamp() - interval '1 hour' GROUP BY 1"
+        )
+        _add_counts(failures, [(c,) for c in _choices(delivery, channel)],
+                    (((str(chan or ""),), count) for chan, count in rows), ordered=True)
+        yield failures
 
     # --- domain events ----------------------------------------------------------------------
 

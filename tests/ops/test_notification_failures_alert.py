@@ -1,0 +1,64 @@
+"""PortalNotificationsFailing fires for a delivery that failed in the last hour, whenever it was created (found in a
+review: it counted only deliveries created in the last hour, and a message retried for a day before it failed, as
+every retryable one now is, never set it off)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from django.test import Client
+from django.utils import timezone
+
+from notifications.models import Delivery
+
+from .conftest import scrape
+
+pytestmark = pytest.mark.django_db
+RULES_FILE = Path(__file__).resolve().parents[2] / "deploy" / "alerts.yml"
+
+
+def _delivery(key: str, status: str, *, created_ago: timedelta, changed_ago: timedelta) -> None:
+    row = Delivery.objects.create(key=key, kind="slack", event="reservation.confirmed", message_id=key, body="{}",
+                                  status=status)
+    Delivery.objects.filter(pk=row.pk).update(created_at=timezone.now() - created_ago,
+                                              updated_at=timezone.now() - changed_ago)
+
+
+def _firing(s, tmp_path) -> subprocess.CompletedProcess:
+    series = [{"series": 'up{instance="web:8000",job="portal"}', "values": "1x20"}]
+    for family in s.families.values():
+        for sample in family.samples:
+            if sample.name.startswith("portal_notification"):
+                labels = {**sample.labels, "job": "portal", "instance": "web:8000"}
+                text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                series.append({"series": f"{sample.name}{{{text}}}", "values": f"{sample.value:g}x20"})
+    spec = {"rule_files": [str(RULES_FILE)], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [{
+            "expr": 'count by (alertname, channel) '
+                    '(ALERTS{alertstate="firing", alertname="PortalNotificationsFailing"})',
+            "eval_time": "5m",
+            "exp_samples": [{"labels": '{alertname="PortalNotificationsFailing", channel="slack"}', "value": 1}],
+        }],
+    }]}
+    path = tmp_path / "failures_test.yml"
+    path.write_text(yaml.safe_dump(spec, width=10_000))
+    return subprocess.run([shutil.which("promtool"), "test", "rules", str(path)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_message_that_failed_after_a_day_of_retries_sets_off_the_alert(ops, tmp_path):
+    # Created yesterday, retried all day, out of retries ten minutes ago.
+    _delivery("day-long", "failed", created_ago=timedelta(hours=25), changed_ago=timedelta(minutes=10))
+    # Failed (and told) yesterday: not this hour's news.
+    _delivery("old", "failed", created_ago=timedelta(hours=30), changed_ago=timedelta(hours=5))
+    s = scrape(Client())
+    assert s.value("portal_notification_failures_last_hour", channel="slack") == 1
+    assert s.value("portal_notification_failures_last_hour", channel="webhook") == 0
+    result = _firing(s, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
