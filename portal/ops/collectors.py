@@ -92,6 +92,7 @@ FAMILIES = {
     "portal_notification_deliveries": ("gauge", "notifications"),
     "portal_notification_deliveries_last_hour": ("gauge", "notifications"),
     "portal_notification_failures_last_hour": ("gauge", "notifications"),
+    "portal_notification_deliveries_retrying_over_an_hour": ("gauge", "notifications"),
     "portal_outbox_events": ("gauge", "always"),
     "portal_outbox_oldest_age_seconds": ("gauge", "always"),
 }
@@ -586,6 +587,19 @@ class PortalCollector:
         _add_counts(failures, [(c,) for c in _choices(delivery, channel)],
                     (((str(chan or ""),), count) for chan, count in rows), ordered=True)
         yield failures
+        # Still trying an hour after it was made: a receiver that is down now (retries go on for a day, so the
+        # failure above would tell an operator a day late).
+        retrying = GaugeMetricFamily("portal_notification_deliveries_retrying_over_an_hour",
+                                     "Deliveries not yet delivered, failed or skipped, made over an hour ago, "
+                                     "by channel kind.", labels=["channel"])
+        rows = _rows(
+            f"SELECT {channel_sql}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
+            f"WHERE {_q(status)} IN ('pending', 'sending', 'retrying')"
+            f" AND {_q(created)} < clock_timestamp() - interval '1 hour' GROUP BY 1"
+        )
+        _add_counts(retrying, [(c,) for c in _choices(delivery, channel)],
+                    (((str(chan or ""),), count) for chan, count in rows), ordered=True)
+        yield retrying
 
     # --- domain events ----------------------------------------------------------------------
 

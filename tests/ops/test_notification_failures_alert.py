@@ -29,7 +29,8 @@ def _delivery(key: str, status: str, *, created_ago: timedelta, changed_ago: tim
                                               updated_at=timezone.now() - changed_ago)
 
 
-def _firing(s, tmp_path) -> subprocess.CompletedProcess:
+def _firing(s, tmp_path, alertname: str = "PortalNotificationsFailing", *,
+            channel: str = "slack") -> subprocess.CompletedProcess:
     series = [{"series": 'up{instance="web:8000",job="portal"}', "values": "1x20"}]
     for family in s.families.values():
         for sample in family.samples:
@@ -41,9 +42,9 @@ def _firing(s, tmp_path) -> subprocess.CompletedProcess:
         "interval": "1m", "input_series": series,
         "promql_expr_test": [{
             "expr": 'count by (alertname, channel) '
-                    '(ALERTS{alertstate="firing", alertname="PortalNotificationsFailing"})',
-            "eval_time": "5m",
-            "exp_samples": [{"labels": '{alertname="PortalNotificationsFailing", channel="slack"}', "value": 1}],
+                    f'(ALERTS{{alertstate="firing", alertname="{alertname}"}})',
+            "eval_time": "18m",
+            "exp_samples": [{"labels": f'{{alertname="{alertname}", channel="{channel}"}}', "value": 1}],
         }],
     }]}
     path = tmp_path / "failures_test.yml"
@@ -62,3 +63,24 @@ def test_a_message_that_failed_after_a_day_of_retries_sets_off_the_alert(ops, tm
     assert s.value("portal_notification_failures_last_hour", channel="webhook") == 0
     result = _firing(s, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_a_receiver_down_for_over_an_hour_sets_off_an_alert_before_the_day_of_retries_ends(ops, tmp_path):
+    """Retries now go on for a day: a receiver down for hours must not wait that long to be noticed."""
+    _delivery("down-90m", "retrying", created_ago=timedelta(minutes=90), changed_ago=timedelta(minutes=5))
+    _delivery("down-3h", "pending", created_ago=timedelta(hours=3), changed_ago=timedelta(minutes=1))
+    _delivery("fresh", "retrying", created_ago=timedelta(minutes=20), changed_ago=timedelta(minutes=1))
+    s = scrape(Client())
+    assert s.value("portal_notification_deliveries_retrying_over_an_hour", channel="slack") == 2
+    assert s.value("portal_notification_deliveries_retrying_over_an_hour", channel="webhook") == 0
+    result = _firing(s, tmp_path, "PortalNotificationsRetrying")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_no_retrying_alert_while_every_waiting_delivery_is_under_an_hour_old(ops, tmp_path):
+    _delivery("fresh", "retrying", created_ago=timedelta(minutes=50), changed_ago=timedelta(minutes=1))
+    _delivery("failed", "failed", created_ago=timedelta(hours=3), changed_ago=timedelta(hours=2))
+    s = scrape(Client())
+    assert s.value("portal_notification_deliveries_retrying_over_an_hour", channel="slack") == 0
+    result = _firing(s, tmp_path, "PortalNotificationsRetrying")
+    assert result.returncode != 0 and "PortalNotificationsRetrying" in result.stdout + result.stderr
