@@ -100,6 +100,19 @@ def forget_anon_throttle_budgets(address: str) -> None:
 
 
 @pytest.fixture
+def eager():
+    """Run Celery tasks in-process (an event's subscriber queues a task; it runs before the call returns),
+    propagating their errors."""
+    from celery import current_app
+
+    conf = current_app.conf
+    before = (conf.task_always_eager, conf.task_eager_propagates)
+    conf.task_always_eager, conf.task_eager_propagates = True, True
+    yield
+    conf.task_always_eager, conf.task_eager_propagates = before
+
+
+@pytest.fixture
 def world(db) -> World:
     return make_world()
 

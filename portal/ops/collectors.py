@@ -575,31 +575,26 @@ class PortalCollector:
         updated = _field(delivery, "updated_at")
         if not updated:
             return
+        table, channels = _q(delivery._meta.db_table), [(c,) for c in _choices(delivery, channel)]
+
+        def by_channel(name: str, documentation: str, where: str) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, documentation, labels=["channel"])
+            rows = _rows(f"SELECT {channel_sql}, count(*) FROM {table} WHERE {where} GROUP BY 1")  # noqa: S608
+            _add_counts(family, channels, (((str(chan or ""),), count) for chan, count in rows), ordered=True)
+            return family
+
         # Failed in the last hour, whenever created: a message retried for a day (PORTAL_NOTIFY_RETRY_HOURS) fails
         # a day after it was made, out of the window above.
-        failures = GaugeMetricFamily("portal_notification_failures_last_hour",
-                                     "Deliveries that failed in the last hour (refused for good, or out of retries), "
-                                     "by channel kind.", labels=["channel"])
-        rows = _rows(
-            f"SELECT {channel_sql}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
-            f"WHERE {_q(status)} = 'failed' AND {_q(updated)} > clock_timestamp() - interval '1 hour' GROUP BY 1"
-        )
-        _add_counts(failures, [(c,) for c in _choices(delivery, channel)],
-                    (((str(chan or ""),), count) for chan, count in rows), ordered=True)
-        yield failures
+        yield by_channel("portal_notification_failures_last_hour",
+                         "Deliveries that failed in the last hour (refused for good, or out of retries), "
+                         "by channel kind.",
+                         f"{_q(status)} = 'failed' AND {_q(updated)} > clock_timestamp() - interval '1 hour'")
         # Still trying an hour after it was made: a receiver that is down now (retries go on for a day, so the
         # failure above would tell an operator a day late).
-        retrying = GaugeMetricFamily("portal_notification_deliveries_retrying_over_an_hour",
-                                     "Deliveries not yet delivered, failed or skipped, made over an hour ago, "
-                                     "by channel kind.", labels=["channel"])
-        rows = _rows(
-            f"SELECT {channel_sql}, count(*) FROM {_q(delivery._meta.db_table)} "  # noqa: S608
-            f"WHERE {_q(status)} IN ('pending', 'sending', 'retrying')"
-            f" AND {_q(created)} < clock_timestamp() - interval '1 hour' GROUP BY 1"
-        )
-        _add_counts(retrying, [(c,) for c in _choices(delivery, channel)],
-                    (((str(chan or ""),), count) for chan, count in rows), ordered=True)
-        yield retrying
+        yield by_channel("portal_notification_deliveries_retrying_over_an_hour",
+                         "Deliveries not yet delivered, failed or skipped, made over an hour ago, by channel kind.",
+                         f"{_q(status)} IN ('pending', 'sending', 'retrying')"
+                         f" AND {_q(created)} < clock_timestamp() - interval '1 hour'")
 
     # --- domain events ----------------------------------------------------------------------
 

@@ -25,18 +25,6 @@ from tenants.services import token_issue
 PASSWORD = "pw-Long-enough-1"  # noqa: S105
 
 
-@pytest.fixture
-def eager():
-    """Run Celery tasks in-process (dispatch → fleet_run → record), propagating errors."""
-    from celery import current_app
-
-    conf = current_app.conf
-    before = (conf.task_always_eager, conf.task_eager_propagates)
-    conf.task_always_eager, conf.task_eager_propagates = True, True
-    yield
-    conf.task_always_eager, conf.task_eager_propagates = before
-
-
 def fleet_spec(nodes: dict[str, Any] | None = None, **default: Any) -> str:
     """Return PORTAL_FAKE_NVML text: per-host faults (a list) or node specs."""
     return json.dumps({"default": default, "nodes": nodes or {}})

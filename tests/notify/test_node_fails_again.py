@@ -24,18 +24,6 @@ pytestmark = pytest.mark.django_db
 NODE_EVENTS = ("reservation.degraded", "node.replaced", "cluster.degraded")
 
 
-@pytest.fixture
-def eager():
-    """Run the provisioning tasks the events' subscribers queue in-process (cluster_nodes_changed)."""
-    from celery import current_app
-
-    conf = current_app.conf
-    before = (conf.task_always_eager, conf.task_eager_propagates)
-    conf.task_always_eager, conf.task_eager_propagates = True, True
-    yield
-    conf.task_always_eager, conf.task_eager_propagates = before
-
-
 def _set(world, node: Node, state: str, django_capture_on_commit_callbacks) -> None:
     with django_capture_on_commit_callbacks(execute=True):
         node_update(actor=world.users["staff"], node=Node.objects.get(pk=node.pk), state=state, reason="XID 79")

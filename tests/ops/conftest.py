@@ -52,6 +52,19 @@ class Scrape:
         return {name for name, _ in self.samples}
 
 
+def promtool_series(s: Scrape, minutes: int, *, prefix: str = "") -> list[dict[str, str]]:
+    """A scrape's samples (those whose name starts with prefix) as promtool input series, each value held for
+    minutes, beside the web target's up."""
+    series = [{"series": 'up{instance="web:8000",job="portal"}', "values": f"1x{minutes}"}]
+    for family in s.families.values():
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                labels = {**sample.labels, "job": "portal", "instance": "web:8000"}
+                text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                series.append({"series": f"{sample.name}{{{text}}}", "values": f"{sample.value:g}x{minutes}"})
+    return series
+
+
 def scrape(client: Client | None = None, **headers) -> Scrape:
     client = client or Client()
     response = client.get("/metrics", **headers)

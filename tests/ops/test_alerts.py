@@ -18,7 +18,7 @@ from portal.ops.collectors import FAMILIES
 from reservations import services
 from tests.conftest import make_world
 
-from .conftest import scrape
+from .conftest import promtool_series, scrape
 from .test_deploy import SERVICES, family_of, metric_names, tool
 from .test_metrics import other_app_rows
 
@@ -146,12 +146,7 @@ def test_on_a_real_scrape_the_alerts_that_should_fire_do(ops, tmp_path, django_c
                 if op == "=":
                     assert value in present, f"{name}: {metric}{{{label}={value!r}}} matches nothing in {present}"
 
-    series = [{"series": 'up{instance="web:8000",job="portal"}', "values": "1x70"}]
-    for family in s.families.values():
-        for sample in family.samples:
-            labels = {**sample.labels, "job": "portal", "instance": "web:8000"}
-            text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-            series.append({"series": f"{sample.name}{{{text}}}", "values": f"{sample.value:g}x70"})
+    series = promtool_series(s, 70)
     spec = {"rule_files": [str(RULES_FILE)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
         "promql_expr_test": [{

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from notifications.models import Delivery
 
-from .conftest import scrape
+from .conftest import promtool_series, scrape
 
 pytestmark = pytest.mark.django_db
 RULES_FILE = Path(__file__).resolve().parents[2] / "deploy" / "alerts.yml"
@@ -31,13 +31,7 @@ def _delivery(key: str, status: str, *, created_ago: timedelta, changed_ago: tim
 
 def _firing(s, tmp_path, alertname: str = "PortalNotificationsFailing", *,
             channel: str = "slack") -> subprocess.CompletedProcess:
-    series = [{"series": 'up{instance="web:8000",job="portal"}', "values": "1x20"}]
-    for family in s.families.values():
-        for sample in family.samples:
-            if sample.name.startswith("portal_notification"):
-                labels = {**sample.labels, "job": "portal", "instance": "web:8000"}
-                text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-                series.append({"series": f"{sample.name}{{{text}}}", "values": f"{sample.value:g}x20"})
+    series = promtool_series(s, 20, prefix="portal_notification")
     spec = {"rule_files": [str(RULES_FILE)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
         "promql_expr_test": [{

@@ -704,14 +704,9 @@ def test_a_booking_with_the_teams_jobs_queued_in_its_reservation_is_torn_down(fl
         subprocess.run(["scancel", *jobs], env=env, check=False, timeout=30)
 
 
-def test_a_teardown_whose_cancelled_jobs_are_still_ending_is_in_progress_not_failed(fleet, t0, prov_slurm,
-                                                                                    slurm_backend, settings, tmp_path):
-    """A running job cancelled at the end of its booking takes a moment to end (COMPLETING), and Slurm keeps
-    refusing the delete until it has: the teardown is in progress and polled again, not an attempt that fails
-    (five of them failed the teardown for good and put the nodes in maintenance). The test controller runs no
-    slurmd, so no job runs: Slurm's refusal while one ends is written by a wrapper around scontrol."""
-    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
-    name = f"alpha-{reservation.pk}"
+def _delete_refused_while_a_job_ends(tmp_path, settings):
+    """Point the backend at a wrapper around scontrol that answers a delete as Slurm does while a job in the
+    reservation is still ending, for as long as the returned file exists (the test controller runs no slurmd)."""
     ending = tmp_path / "job-ending"
     ending.touch()
     wrapper = tmp_path / "scontrol"
@@ -724,6 +719,18 @@ def test_a_teardown_whose_cancelled_jobs_are_still_ending_is_in_progress_not_fai
         'exec scontrol "$@"\n')
     wrapper.chmod(0o755)
     settings.PORTAL_SCONTROL = str(wrapper)
+    return ending
+
+
+def test_a_teardown_whose_cancelled_jobs_are_still_ending_is_in_progress_not_failed(fleet, t0, prov_slurm,
+                                                                                    slurm_backend, settings, tmp_path):
+    """A running job cancelled at the end of its booking takes a moment to end (COMPLETING), and Slurm keeps
+    refusing the delete until it has: the teardown is in progress and polled again, not an attempt that fails
+    (five of them failed the teardown for good and put the nodes in maintenance). The test controller runs no
+    slurmd, so no job runs: Slurm's refusal while one ends is written by a wrapper around scontrol."""
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    name = f"alpha-{reservation.pk}"
+    ending = _delete_refused_while_a_job_ends(tmp_path, settings)
     reservation_cancel(actor=fleet.users["alpha-lead"], reservation=reservation)
     cluster = VirtualCluster.objects.get(reservation=reservation)
 
@@ -745,18 +752,7 @@ def test_a_cancelled_booking_whose_jobs_are_still_ending_is_released_once_they_h
     reservation stayed in Slurm, holding the nodes the portal hands to the next booking. It is tried again."""
     reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
     name = f"alpha-{reservation.pk}"
-    ending = tmp_path / "job-ending"
-    ending.touch()
-    wrapper = tmp_path / "scontrol"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        f'if [ -e {ending} ] && [ "$1" = delete ]; then\n'
-        '  echo " delete_reservation $2: Requested reservation is in use" >&2\n'
-        "  exit 1\n"
-        "fi\n"
-        'exec scontrol "$@"\n')
-    wrapper.chmod(0o755)
-    settings.PORTAL_SCONTROL = str(wrapper)
+    ending = _delete_refused_while_a_job_ends(tmp_path, settings)
     reservation_cancel(actor=fleet.users["alpha-lead"], reservation=reservation)
 
     with pytest.raises(services.RetryLater, match=f"jobs of {name} still ending"):
