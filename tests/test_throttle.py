@@ -164,7 +164,10 @@ def test_redis_down_lets_requests_through_and_says_so(world, caplog) -> None:
             assert [c.get("/api/v1/pools/").status_code for _ in range(3)] == [200, 200, 200]
     finally:
         throttle._client.cache_clear()
-    assert sum("Redis unavailable" in rec.getMessage() for rec in caplog.records) == 3
+    # One warning per request from the user throttle (the token's first use here also logs one of its own,
+    # from the failed-authentication check in tenants.auth).
+    assert sum("Redis unavailable" in rec.getMessage() for rec in caplog.records
+               if rec.name == "portal.core.throttle") == 3
 
 
 @pytest.mark.parametrize("garbage", ["inf", "1e300", "nan", "-inf", "99999999999999999999"])

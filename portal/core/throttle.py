@@ -32,7 +32,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from rest_framework.throttling import BaseThrottle
 
-__all__ = ["Rate", "parse_rate", "acquire", "RedisRateThrottle"]
+__all__ = ["Rate", "parse_rate", "acquire", "peek", "RedisRateThrottle"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,23 @@ if allow_at > now then
 end
 local ttl_ms = math.ceil((new_tat - now) / 1000)
 redis.call('SET', KEYS[1], string.format('%.0f', new_tat), 'PX', math.max(ttl_ms, 1))
+return 0
+"""
+
+# The same bucket read, not counted: 0 when the next acquire would be allowed, else the microseconds until it is.
+_PEEK_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local interval = tonumber(ARGV[1])
+local period = tonumber(ARGV[2])
+local tat = tonumber(redis.call('GET', KEYS[1]) or 0) or 0
+if tat ~= tat or tat < now or tat > now + period then
+    return 0
+end
+local allow_at = tat + interval - period
+if allow_at > now then
+    return allow_at - now
+end
 return 0
 """
 
@@ -106,6 +123,11 @@ def _script(client: redis.Redis):
     return client.register_script(_GCRA_LUA)
 
 
+@functools.lru_cache(maxsize=4)
+def _peek_script(client: redis.Redis):
+    return client.register_script(_PEEK_LUA)
+
+
 def acquire(client: redis.Redis, key: str, rate: Rate) -> float:
     """Count one request against key at rate; return 0.0 if allowed, else the seconds to wait.
 
@@ -114,6 +136,24 @@ def acquire(client: redis.Redis, key: str, rate: Rate) -> float:
     """
     wait_us = int(_script(client)(keys=[key], args=[rate.interval_us, rate.period_us]))
     return min(max(wait_us, 0), rate.period_us) / 1_000_000
+
+
+def peek(client: redis.Redis, key: str, rate: Rate) -> float:
+    """The seconds until an ``acquire`` of key at rate would be allowed (0.0: now); counts nothing."""
+    wait_us = int(_peek_script(client)(keys=[key], args=[rate.interval_us, rate.period_us]))
+    return min(max(wait_us, 0), rate.period_us) / 1_000_000
+
+
+def redis_client():
+    """The process's pooled client for settings.REDIS_URL, as the throttles use it."""
+    return _client(settings.REDIS_URL)
+
+
+def budget_key(scope: str, rate: Rate, ident: str) -> str:
+    # The rate is part of the key: changing it starts every client on a fresh budget
+    # instead of reading a TAT that was advanced at another pace.
+    prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
+    return f"{prefix}:throttle:{scope}:{rate}:{ident}"
 
 
 class RedisRateThrottle(BaseThrottle, ABC):
@@ -133,12 +173,9 @@ class RedisRateThrottle(BaseThrottle, ABC):
         if not rate_setting or ident is None:
             return True
         rate = parse_rate(rate_setting)
-        # The rate is part of the key: changing it starts every client on a fresh budget
-        # instead of reading a TAT that was advanced at another pace.
-        prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
-        key = f"{prefix}:throttle:{self.scope}:{rate}:{ident}"
+        key = budget_key(self.scope, rate, ident)
         try:
-            self._wait = acquire(_client(settings.REDIS_URL), key, rate)
+            self._wait = acquire(redis_client(), key, rate)
         except (redis.RedisError, OSError) as exc:
             logger.warning("throttle %s not applied: Redis unavailable (%s)", self.scope, exc)
             return True

@@ -179,6 +179,8 @@ REST_FRAMEWORK = {
 # Throttle rates are read per request (portal.core.throttle), so they can come from the environment.
 PORTAL_THROTTLE_USER = env("PORTAL_THROTTLE_USER", default="1200/min")
 PORTAL_THROTTLE_ANON = env("PORTAL_THROTTLE_ANON", default="120/min")
+# Failed Bearer authentications per client address (tenants.auth): past it, 429 before the token lookup.
+PORTAL_THROTTLE_BAD_TOKEN = env("PORTAL_THROTTLE_BAD_TOKEN", default="30/min")
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "GPU Portal API",

@@ -11,6 +11,7 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 PORTAL_EVENTS_INLINE = True
 PORTAL_THROTTLE_USER = "100000/min"
 PORTAL_THROTTLE_ANON = "100000/min"
+PORTAL_THROTTLE_BAD_TOKEN = "100000/min"
 CACHES["default"]["KEY_PREFIX"] = env("CACHE_KEY_PREFIX", default="portal-test")  # noqa: F405
 PORTAL_FERNET_KEYS = ["dGVzdC1vbmx5LWZlcm5ldC1rZXktMzItYnl0ZXMhISE="]
 # Parallel test sessions on one machine (e.g. several developers' worktrees) each name their own database.
