@@ -89,6 +89,10 @@ SESSION_COOKIE_SAMESITE = "Lax"
 SESSION_COOKIE_AGE = env.int("SESSION_COOKIE_AGE", default=60 * 60 * 12)
 CSRF_COOKIE_SECURE = True
 CSRF_COOKIE_SAMESITE = "Lax"
+# No page script reads the CSRF cookie: htmx sends the token from <body hx-headers>, calendar.js from
+# <meta name="csrf-token">, Swagger UI from its template; tests/browser/test_csrf_cookie_httponly.py books with
+# it on. (Little against XSS, which can read the page's token; it keeps the cookie out of document.cookie.)
+CSRF_COOKIE_HTTPONLY = True
 LANGUAGE_COOKIE_SECURE = True
 
 # --- Content Security Policy (django-csp 4) ----------------------------------------------

@@ -62,6 +62,7 @@ def test_production_settings_values():
         "import json; from django.conf import settings as s; import django; django.setup();"
         "print(json.dumps({'hsts': s.SECURE_HSTS_SECONDS, 'sub': s.SECURE_HSTS_INCLUDE_SUBDOMAINS,"
         "'cookie': s.SESSION_COOKIE_SECURE, 'csrf': s.CSRF_COOKIE_SECURE, 'debug': s.DEBUG,"
+        "'csrf_httponly': s.CSRF_COOKIE_HTTPONLY,"
         "'storage': s.STORAGES['staticfiles']['BACKEND'], 'mw': s.MIDDLEWARE, 'apps': s.INSTALLED_APPS,"
         "'csp': s.CONTENT_SECURITY_POLICY['DIRECTIVES']['default-src'],"
         "'fmt': s.LOGGING['formatters']['json']['()'], 'token': s.PORTAL_METRICS_TOKEN}))"
@@ -75,6 +76,8 @@ def test_production_settings_values():
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout)
     assert s["hsts"] >= 31536000 and s["sub"] and s["cookie"] and s["csrf"] and not s["debug"]
+    # No page script reads the CSRF cookie (htmx and the calendar take the token from the page).
+    assert s["csrf_httponly"] is True
     assert s["storage"] == "whitenoise.storage.CompressedManifestStaticFilesStorage"
     mw = s["mw"]
     assert mw.count("portal.ops.logging.RequestIdMiddleware") == 1
