@@ -83,6 +83,10 @@ SECURE_REFERRER_POLICY = "same-origin"
 SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
 
+# __Host-: the browser takes the session cookie only from this host, over HTTPS, with Path=/ and no Domain, so a
+# sibling subdomain (or a plain-HTTP answer on one) cannot plant a session cookie of its own. Nothing outside
+# the tests' (development settings) names the cookie; renaming it signs everyone in again once, at the upgrade.
+SESSION_COOKIE_NAME = "__Host-sessionid"
 SESSION_COOKIE_SECURE = True
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"

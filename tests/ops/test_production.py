@@ -223,3 +223,50 @@ def test_every_kind_of_answer_carries_the_security_headers():
         assert headers.get("cross-origin-opener-policy") == "same-origin", name
         csp = headers.get("content-security-policy", "")
         assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, (name, csp)
+
+
+# Sign in through the TLS proxy under production settings, as a browser would (CSRF enforced), and read the
+# cookies' attributes as they are sent.
+_COOKIE_PROBE = r"""
+import json, re, secrets, django
+django.setup()
+from django.contrib.auth import get_user_model
+from django.test import Client
+from django.test.utils import override_settings
+
+def attrs(morsel):
+    return {"httponly": bool(morsel["httponly"]), "secure": bool(morsel["secure"]), "path": morsel["path"],
+            "domain": morsel["domain"], "samesite": morsel["samesite"]}
+
+name, password = "cookie-probe-" + secrets.token_hex(4), "pw-Long-enough-1"
+user = get_user_model().objects.create_user(username=name, password=password)
+# No collectstatic here: templates name static files unhashed.
+static = {"staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}}
+try:
+    with override_settings(STORAGES=static):
+        client = Client(enforce_csrf_checks=True, HTTP_HOST="localhost", HTTP_X_FORWARDED_PROTO="https")
+        page = client.get("/accounts/login/", secure=True)
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.content.decode()).group(1)
+        signed_in = client.post("/accounts/login/", {"username": name, "password": password,
+                                                     "csrfmiddlewaretoken": token}, secure=True,
+                                HTTP_ORIGIN="https://localhost", HTTP_REFERER="https://localhost/accounts/login/")
+        home = client.get("/", secure=True)
+    print(json.dumps({"csrf": {k: attrs(m) for k, m in page.cookies.items()}, "login": signed_in.status_code,
+                      "session": {k: attrs(m) for k, m in signed_in.cookies.items()}, "home": home.status_code}))
+finally:
+    user.delete()
+"""
+
+
+@pytest.mark.django_db
+def test_production_cookies_are_host_only_secure_and_out_of_scripts_reach():
+    result = run(["-c", _COOKIE_PROBE], production_env(DATABASE_URL=database_url()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = json.loads(result.stdout.strip().splitlines()[-1])
+    # The CSRF cookie: no page script reads it (the pages carry the token), so scripts cannot.
+    assert s["csrf"]["csrftoken"]["httponly"] and s["csrf"]["csrftoken"]["secure"]
+    # The session cookie is __Host-: the browser takes it only from this host over HTTPS with Path=/ and no
+    # Domain, so a sibling subdomain (or a plain-HTTP answer on one) cannot plant a session of its own.
+    assert s["login"] == 302 and s["home"] == 200, s
+    session = s["session"]["__Host-sessionid"]
+    assert session == {"httponly": True, "secure": True, "path": "/", "domain": "", "samesite": "Lax"}
