@@ -55,6 +55,7 @@ __all__ = [
     "quota_alert_obsolete",
     "deliveries_for_user",
     "channels_for_user",
+    "latest_tests",
     "broken_channels_for_user",
     "failed_deliveries_count",
     "lead_tenants",
@@ -785,6 +786,16 @@ def deliveries_for_user(*, user, tenant: Tenant | None = None, status: str | Non
 def channels_for_user(*, user, tenant: Tenant):
     qs = Channel.objects.for_user(user) if user.is_staff else Channel.objects.for_user(user, roles=[Role.LEAD])
     return qs.filter(tenant=tenant).select_related("tenant")
+
+
+def latest_tests(channels) -> dict[int, Delivery]:
+    """The newest test message of each of these channels, by channel id (what "Send test message" came to)."""
+    ids = [channel.pk for channel in channels]
+    if not ids:
+        return {}
+    rows = (Delivery.objects.filter(channel_id__in=ids, event=Event.TEST)
+            .order_by("channel_id", "-created_at", "-id").distinct("channel_id"))
+    return {delivery.channel_id: delivery for delivery in rows}
 
 
 def broken_channels_for_user(*, user, tenant: Tenant | None = None) -> list[Channel]:

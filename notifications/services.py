@@ -151,6 +151,23 @@ def retry_window() -> timedelta:
     return timedelta(hours=hours)
 
 
+def test_retry_seconds() -> float:
+    """How long a test message is tried at the most, from its first attempt: a lead waits on the page for its
+    answer, which says whether the receiver works now (a day of retries, as an event's, told them nothing)."""
+    seconds = float(_setting("PORTAL_NOTIFY_TEST_RETRY_SECONDS", 60.0))
+    if seconds < 0:
+        raise ImproperlyConfigured("PORTAL_NOTIFY_TEST_RETRY_SECONDS must be 0 or more.")
+    return seconds
+
+
+def test_max_attempts() -> int:
+    """Tries of a test message at the most (within test_retry_seconds)."""
+    value = int(_setting("PORTAL_NOTIFY_TEST_MAX_ATTEMPTS", 3))
+    if value < 1:
+        raise ImproperlyConfigured("PORTAL_NOTIFY_TEST_MAX_ATTEMPTS must be 1 or more.")
+    return value
+
+
 def _min_interval() -> float:
     return float(_setting("PORTAL_NOTIFY_MIN_INTERVAL", 1.0))
 
@@ -1026,7 +1043,8 @@ def _budget_start(delivery: Delivery) -> datetime:
 
 
 def _record(delivery_id: int, *, token: uuid.UUID, attempt: DeliveryAttempt, url: str,
-            outcome: transport.Outcome, window: timedelta | None = None) -> SendResult:
+            outcome: transport.Outcome, window: timedelta | None = None,
+            test_budget: tuple[float, int] | None = None) -> SendResult:
     now = timezone.now()
     window = retry_window() if window is None else window
     with transaction.atomic(durable=True):
@@ -1056,7 +1074,25 @@ def _record(delivery_id: int, *, token: uuid.UUID, attempt: DeliveryAttempt, url
         delivery.lease_until = delivery.claim = None
         retry_in = None
         tries = delivery.attempts - delivery.requeued_after
-        if outcome.retryable and (tries < max_attempts() or now - _budget_start(delivery) < window):
+        if delivery.event == Event.TEST:
+            # The lead reads the receiver's own words on the page: its answer's first line, when it is not the error.
+            said = " ".join(outcome.body.split())[:100]
+            if said and said != outcome.error:
+                delivery.last_error = f"{outcome.error}: {said}"[:200]
+        if outcome.retryable and delivery.event == Event.TEST:
+            # A test message checks the receiver now: a few tries within a minute or so, then its answer is final.
+            delay = transport.retry_delay(outcome, tries - 1, base_s=_backoff_base(), cap_s=_backoff_cap())
+            limit = timedelta(seconds=test_retry_seconds() if test_budget is None else test_budget[0])
+            attempts_allowed = test_max_attempts() if test_budget is None else test_budget[1]
+            if tries < attempts_allowed and now + timedelta(seconds=delay) - _budget_start(delivery) <= limit:
+                delivery.status = DeliveryStatus.RETRYING
+                delivery.next_attempt_at = attempt.next_attempt_at = now + timedelta(seconds=delay)
+                retry_in = delay
+            else:
+                delivery.status = DeliveryStatus.FAILED
+                delivery.next_attempt_at = None
+                delivery.last_error = f"{delivery.last_error} (test message: gave up after {tries} attempts)"[:200]
+        elif outcome.retryable and (tries < max_attempts() or now - _budget_start(delivery) < window):
             delay = transport.retry_delay(outcome, tries - 1, base_s=_backoff_base(),
                                           cap_s=_backoff_cap())
             if tries >= max_attempts():
@@ -1102,6 +1138,7 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
             return _finish(delivery.pk, status=DeliveryStatus.FAILED, error=f"blocked_destination: {problem}")
     # Read before the claim: a bad setting claims nothing.
     timeout, deadline, window = http_timeout(), http_deadline(), retry_window()
+    test_budget = (test_retry_seconds(), test_max_attempts()) if delivery.event == Event.TEST else None
     secrets: list[str] = []
     if delivery.kind == ChannelKind.WEBHOOK:
         # Before the claim too: signing failing after it left the delivery "sending" until its lease ran out, for
@@ -1112,6 +1149,11 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
             return _finish(delivery.pk, status=DeliveryStatus.FAILED, error=f"secret_invalid: {exc}")
     # Take the webhook's one-per-second slot before the row: a slot wasted on a lost claim is harmless.
     wait = ratelimit.acquire(_redis(), ratelimit.key_for_url(url), _min_interval())
+    if wait > 0 and test_budget is not None and (
+            timezone.now() + timedelta(seconds=wait) - _budget_start(delivery)).total_seconds() > test_budget[0]:
+        # The receiver asked for a long pause (a 429's Retry-After): the lead learns that now, not after it.
+        return _finish(delivery.pk, status=DeliveryStatus.FAILED,
+                       error=f"rate_limited: the receiver asked for a pause of {wait:.0f} s (Retry-After); not sent")
     if wait > 0:
         # Jitter: many messages queued for one webhook would otherwise all wake in the same instant.
         return SendResult(status=delivery.status, retry_in=wait + random.uniform(0, _min_interval()))  # noqa: S311
@@ -1139,7 +1181,8 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
             ratelimit.hold(_redis(), ratelimit.key_for_url(url), min(outcome.retry_after, _backoff_cap()))
         except Exception:  # noqa: BLE001 - Redis down: the outcome still has to be recorded
             logger.warning("could not hold the send slot of a rate-limited webhook", exc_info=True)
-    return _record(delivery.pk, token=token, attempt=attempt, url=url, outcome=outcome, window=window)
+    return _record(delivery.pk, token=token, attempt=attempt, url=url, outcome=outcome, window=window,
+                   test_budget=test_budget)
 
 
 def delivery_requeue(*, actor: Any, delivery: Delivery) -> Delivery:

@@ -74,6 +74,9 @@ def _settings_context(request, tenant, **extra):
     slack = next((c for c in channels if c.kind == ChannelKind.SLACK), None)
     webhooks = [c for c in channels if c.kind == ChannelKind.WEBHOOK]
     slack_events = slack.events if slack is not None else list(EVENT_LABELS)
+    tests = selectors.latest_tests(channels)
+    for channel in channels:
+        channel.last_test = tests.get(channel.pk)  # what its "Send test message" came to, shown beside the button
     context = {
         "tenant": tenant,
         "slack": slack,
@@ -170,7 +173,9 @@ def _send_test(request, channel: Channel):
         delivery = services.channel_send_test(actor=request.user, channel=channel)
     except DomainError as exc:
         return _error(request, exc)
-    messages.success(request, f"Test message queued (delivery #{delivery.pk}); its result appears in the log.")
+    messages.success(request, f"Test message queued (delivery #{delivery.pk}). It is tried for up to "
+                              f"{services.test_retry_seconds():.0f} seconds; reload this page for the receiver's "
+                              "answer.")
     return _back()
 
 
