@@ -5,6 +5,7 @@ delivered reads as -1 pending, and the hourly prune of 90-day-old deliveries can
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from datetime import timedelta
@@ -73,6 +74,61 @@ def test_new_deliveries_per_hour_counts_the_deliveries_created_in_the_last_hour(
             for status in DeliveryStatus.values
         ]}],
     }]}
+    path = tmp_path / "panel_test.yml"
+    path.write_text(yaml.safe_dump(spec, width=10_000))
+    result = subprocess.run([shutil.which("promtool"), "test", "rules", str(path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+# --- the notification alerts' metrics are on the dashboard ---------------------------------------------------------
+
+
+def notification_alert_metrics() -> dict[str, set[str]]:
+    """The portal_notification_* metrics each alert of deploy/alerts.yml is raised on, by alert."""
+    rules = yaml.safe_load((ROOT / "deploy/alerts.yml").read_text())
+    out = {}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            names = set(re.findall(r"\bportal_notification_[a-zA-Z0-9_]+\b", rule.get("expr", "")))
+            if "alert" in rule and names:
+                out[rule["alert"]] = names
+    return out
+
+
+def test_every_notification_alerts_metric_has_a_panel_by_channel_on_the_dashboard():
+    """An operator paged for PortalNotificationsFailing or PortalNotificationsRetrying opens the Notifications
+    dashboard: it shows the metric the alert fired on, by channel kind, as the alert counts it."""
+    alerts = notification_alert_metrics()
+    assert {"PortalNotificationsFailing", "PortalNotificationsRetrying"} <= alerts.keys()
+    board = json.loads((ROOT / "deploy/grafana/dashboards/notifications.json").read_text())
+    shown = {name: [p["title"] for p in board["panels"] for t in p["targets"]
+                    if re.search(rf"\b{name}\b", t["expr"]) and re.search(r"by \(channel\)", t["expr"])]
+             for names in alerts.values() for name in names}
+    missing = sorted(name for name, titles in shown.items() if not titles)
+    assert not missing, f"no panel of the Notifications dashboard shows {missing} by channel"
+
+
+def test_the_failing_and_retrying_panels_count_each_channel_kind(ops, tmp_path):
+    # Slack: one failed in the last hour (after a day of retries), one failed yesterday; webhook: one retrying
+    # for two hours, one made ten minutes ago (retrying, but not for an hour yet).
+    deliver("failed-now", "failed", created_ago=timedelta(days=1))
+    yesterday = deliver("failed-yesterday", "failed", created_ago=timedelta(days=2))
+    Delivery.objects.filter(pk=yesterday.pk).update(updated_at=timezone.now() - timedelta(days=1))
+    deliver("retrying-long", "retrying", created_ago=timedelta(hours=2))
+    deliver("retrying-new", "retrying", created_ago=timedelta(minutes=10))
+    Delivery.objects.filter(key__startswith="retrying").update(kind="webhook")
+    now = dict(series(scrape(Client())))
+    input_series = [{"series": name, "values": f"{value:g}x30"} for name, value in now.items()]
+    expected = {
+        "Failed in the last hour, by channel": {"slack": 1, "webhook": 0},
+        "Retrying for over an hour, by channel": {"slack": 0, "webhook": 1},
+    }
+    tests = [{"expr": panel_expr(title), "eval_time": "30m", "exp_samples": [
+        {"labels": f'{{channel="{channel}"}}', "value": value} for channel, value in values.items()]}
+        for title, values in expected.items()]
+    spec = {"rule_files": [], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": input_series, "promql_expr_test": tests}]}
     path = tmp_path / "panel_test.yml"
     path.write_text(yaml.safe_dump(spec, width=10_000))
     result = subprocess.run([shutil.which("promtool"), "test", "rules", str(path)], capture_output=True, text=True,
