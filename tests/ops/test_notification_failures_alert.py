@@ -22,8 +22,9 @@ pytestmark = pytest.mark.django_db
 RULES_FILE = Path(__file__).resolve().parents[2] / "deploy" / "alerts.yml"
 
 
-def _delivery(key: str, status: str, *, created_ago: timedelta, changed_ago: timedelta) -> None:
-    row = Delivery.objects.create(key=key, kind="slack", event="reservation.confirmed", message_id=key, body="{}",
+def _delivery(key: str, status: str, *, created_ago: timedelta, changed_ago: timedelta,
+              event: str = "reservation.confirmed") -> None:
+    row = Delivery.objects.create(key=key, kind="slack", event=event, message_id=key, body="{}",
                                   status=status)
     Delivery.objects.filter(pk=row.pk).update(created_at=timezone.now() - created_ago,
                                               updated_at=timezone.now() - changed_ago)
@@ -78,3 +79,20 @@ def test_no_retrying_alert_while_every_waiting_delivery_is_under_an_hour_old(ops
     assert s.value("portal_notification_deliveries_retrying_over_an_hour", channel="slack") == 0
     result = _firing(s, tmp_path, "PortalNotificationsRetrying")
     assert result.returncode != 0 and "PortalNotificationsRetrying" in result.stdout + result.stderr
+
+
+def test_a_leads_failed_test_message_pages_nobody(ops, tmp_path):
+    """A test message to a receiver that is down fails within a minute, on purpose, and its lead reads why on the
+    notifications page: it is no delivery lost (or late), and sets off neither alert; a real one still does."""
+    _delivery("test-failed", "failed", created_ago=timedelta(minutes=3), changed_ago=timedelta(minutes=2),
+              event="test")
+    _delivery("test-stuck", "retrying", created_ago=timedelta(hours=2), changed_ago=timedelta(minutes=2),
+              event="test")
+    s = scrape(Client())
+    assert s.value("portal_notification_failures_last_hour", channel="slack") == 0
+    assert s.value("portal_notification_deliveries_retrying_over_an_hour", channel="slack") == 0
+    result = _firing(s, tmp_path)
+    assert result.returncode != 0 and "PortalNotificationsFailing" in result.stdout + result.stderr
+
+    _delivery("real", "failed", created_ago=timedelta(hours=25), changed_ago=timedelta(minutes=2))
+    assert scrape(Client()).value("portal_notification_failures_last_hour", channel="slack") == 1
