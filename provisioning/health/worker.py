@@ -6,7 +6,8 @@
         Pair it with PORTAL_HEALTH_AGENT_QUEUE=fleet on the portal (the default).
 
     python -m provisioning.health.worker node [--hostname NAME] [-l info]
-        On a GPU node: serves ``node.<hostname>`` with pynvml, one check at a time, and posts
+        On a GPU node: serves ``node.<hostname in lower case>`` (and ``node.<hostname>`` as given, when
+        it has capitals: the queue before names went to lower case) with pynvml, one check at a time, and posts
         reports back to the ``health`` queue. Needs only the broker (CELERY_BROKER_URL /
         REDIS_URL), no database. Set PORTAL_HEALTH_AGENT_QUEUE=node on the portal.
 
@@ -49,6 +50,11 @@ def build_argv(argv: Sequence[str] | None = None) -> list[str]:
     else:
         host = args.hostname or socket.gethostname()
         queue = node_queue(host)  # lower case, as the portal names it
+        if f"node.{host}" != queue:
+            # The queue of the name as given too: an agent served it before queue names went to lower case, and
+            # what the portal sent there before the upgrade (or a portal not yet upgraded still sends) would
+            # otherwise wait in Redis for ever, unread. A check goes to one queue only: it runs once.
+            queue = f"{queue},node.{host}"
         concurrency = args.concurrency or 1  # one check at a time: medium tests own every GPU
         name = f"health-agent@{host}"
     # The agent takes no message it cannot start yet (whatever settings module it runs): one held while an

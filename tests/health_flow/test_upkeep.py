@@ -313,3 +313,20 @@ def test_a_failing_sweep_outside_any_maintenance_window_still_takes_the_node_out
         health_sweep()
     assert Repair.objects.filter(node=node, state="recommended").exists()
     assert Node.objects.get(pk=node.pk).state == "draining"
+
+
+def test_an_agent_named_in_capitals_also_serves_the_queue_it_served_before(monkeypatch):
+    """An agent on a node whose name has capitals (its socket name, or --hostname) served node.H100-001 before
+    the queue names went to lower case; the messages the portal sent there before the upgrade (and what a
+    portal not yet upgraded still sends there) must not be left in Redis for ever, unread, the node's checks
+    never run. The agent reads both: the lower-case queue first, the one of its name as given."""
+    from provisioning.health.worker import build_argv
+
+    node = build_argv(["node", "--hostname", "H100-001"])
+    assert node[node.index("-Q") + 1].split(",") == ["node.h100-001", "node.H100-001"]
+    monkeypatch.setattr("socket.gethostname", lambda: "GPU-Node-7")
+    node = build_argv(["node"])
+    assert node[node.index("-Q") + 1].split(",") == ["node.gpu-node-7", "node.GPU-Node-7"]
+    # A name in lower case already: one queue.
+    node = build_argv(["node", "--hostname", "h100-001"])
+    assert node[node.index("-Q") + 1] == "node.h100-001"
