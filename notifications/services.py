@@ -1154,6 +1154,15 @@ def delivery_send(*, delivery_id: int, worker: str = "") -> SendResult:
         # The receiver asked for a long pause (a 429's Retry-After): the lead learns that now, not after it.
         return _finish(delivery.pk, status=DeliveryStatus.FAILED,
                        error=f"rate_limited: the receiver asked for a pause of {wait:.0f} s (Retry-After); not sent")
+    if wait > _min_interval():
+        # The webhook is held (a 429's Retry-After, up to the backoff cap): the row says when this message comes
+        # back, or the sweeper took it for lost (its next attempt long past) and queued a copy every time its own
+        # hold ran out, each copy alive until the delivery ends. Not for the ordinary per-second slot: no write.
+        due = timezone.now() + timedelta(seconds=wait)
+        Delivery.objects.filter(
+            Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lt=due),
+            pk=delivery.pk, status__in=[DeliveryStatus.PENDING, DeliveryStatus.RETRYING],
+        ).update(next_attempt_at=due)
     if wait > 0:
         # Jitter: many messages queued for one webhook would otherwise all wake in the same instant.
         return SendResult(status=delivery.status, retry_in=wait + random.uniform(0, _min_interval()))  # noqa: S311

@@ -15,6 +15,7 @@ from notifications import ratelimit, services
 from notifications.choices import DeliveryStatus
 from notifications.models import Delivery
 from notifications.slack import Event
+from tests.notifications.receiver import Reply
 
 pytestmark = pytest.mark.django_db
 
@@ -75,3 +76,33 @@ def test_deliveries_left_to_their_message_do_not_keep_the_others_from_the_sweep(
     assert services.deliveries_requeue_stuck(limit=2) == [first.pk, second.pk]
     assert services.deliveries_requeue_stuck(limit=2) == [third.pk]
     assert services.deliveries_requeue_stuck(limit=2) == []
+
+
+def test_a_message_waiting_out_its_webhooks_429_is_not_taken_for_lost(world, receiver, slack_for, book, t0,
+                                                                      notify_settings, redis_client):
+    """A 429 holds every message to that webhook for its Retry-After (up to PORTAL_NOTIFY_BACKOFF_CAP, an hour).
+    A message that met the hold comes back by itself when it ends, but its row still read "due" (its
+    next attempt long past): a minute on the sweeper took it for lost and queued a copy, and one more each time
+    its hold ran out, a dozen copies in an hour for each message waiting, each alive until the message ends."""
+    notify_settings.PORTAL_NOTIFY_MIN_INTERVAL = 0.05
+    notify_settings.PORTAL_NOTIFY_BACKOFF_CAP = 3600  # the default: a Retry-After of 10 minutes is kept
+    url = receiver.url("/services/T0/B0/alpha")
+    slack_for("alpha", url)
+    receiver.script(Reply.rate_limited(600))
+    reservations = [book("alpha", t0 + timedelta(hours=3 * i)) for i in range(2)]
+    first, second = (services.event_fanout(event="reservation.confirmed", payload={"reservation_id": r.pk})[0]
+                     for r in reservations)
+    try:
+        assert services.delivery_send(delivery_id=first.pk).retry_in == 600
+        held = services.delivery_send(delivery_id=second.pk)
+        assert not held.posted and held.retry_in > 590
+        now = timezone.now()
+        for minutes in (2, 5, 9):
+            assert services.deliveries_requeue_stuck(now=now + timedelta(minutes=minutes)) == []
+        # Lost after all (its message never came back once the hold was over): the sweeper makes up for it.
+        assert second.pk in services.deliveries_requeue_stuck(now=now + timedelta(minutes=12))
+    finally:
+        redis_client.delete(ratelimit.key_for_url(url))
+        for row in (first, second):
+            for key in redis_client.scan_iter(f"{services.SWEEP_KEY_PREFIX}{row.pk}:*"):
+                redis_client.delete(key)
