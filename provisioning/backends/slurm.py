@@ -7,7 +7,9 @@ Through :class:`~provisioning.backends.slurm_client.SlurmClient` (``scontrol``):
   scheduler keeps the window free), an extension or shortening an ``update``, a cancel or
   teardown a ``delete``; every call goes through ``ensure_reservation``, which converges
   instead of failing when a task runs twice; the team's jobs left in a reservation being deleted
-  (running, or queued for its window) are cancelled, since Slurm deletes none that a job names;
+  at the booking's cancel or end, or as an orphan (running, or queued for its window), are cancelled, since
+  Slurm deletes none that a job names (a live booking left with no node keeps its jobs and its reservation
+  until they end);
 - a failed node is drained (``update NodeName=… State=DRAIN Reason="portal: …"``) and a
   replacement node swapped into the reservation's node list; the drain is unfinished
   (``DrainIncomplete``) while jobs still run on the node, as Slurm lets them finish;
@@ -137,7 +139,14 @@ class SlurmBackend(ProvisioningBackend):
         if ctx.nodes:
             return self._ensure(ctx)
         name = self.reservation_name(ctx)
-        self._delete(name)
+        try:
+            self.client.delete_reservation(name, missing_ok=True)
+        except ReservationBusy:
+            # The booking still runs (it may get a spare back): the team's jobs in it are theirs, not cancelled as
+            # at its cancel or end; a running one on the drained node finishes. Tried again until none is left.
+            raise BackendError(f"Slurm: jobs of the team still name {name}: it is removed once they have ended")
+        except SlurmError as exc:
+            raise BackendError(f"Slurm: {exc.message}")
         return PhaseResult(connection=self._connection(ctx),
                            detail=f"booking holds no nodes: Slurm reservation {name} removed")
 

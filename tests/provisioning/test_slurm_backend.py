@@ -764,6 +764,29 @@ def test_a_cancelled_booking_whose_jobs_are_still_ending_is_released_once_they_h
     assert name not in slurm_backend.show_reservations()
 
 
+def test_a_live_booking_left_with_no_node_keeps_the_teams_jobs(fleet, t0, prov_slurm, slurm_backend):
+    """A booking whose every node failed (no spare free) holds no Slurm reservation, but its removal cancelled
+    the team's jobs in it (scancel --reservation, meant for a booking cancelled or at its end): the work the
+    team queued, and any still running on the failed node, which the drain lets finish, were killed while
+    the booking still ran and could get a spare back. The reservation stays while jobs name it (tried again,
+    a transient error), and the jobs stay too."""
+    import dataclasses
+
+    reservation = booked(fleet, "alpha-lead", t0, hours=2, nodes=1)
+    name = f"alpha-{reservation.pk}"
+    job = sbatch(prov_slurm, f"--reservation={name}", "--account=alpha", "-N1")
+    cluster = VirtualCluster.objects.get(reservation=reservation)
+    try:
+        ctx = dataclasses.replace(services.build_context(cluster.pk), nodes=())
+        with pytest.raises(BackendError) as refused:
+            SlurmBackend(client=slurm_backend).update_window(ctx)
+        assert refused.value.transient and "jobs" in refused.value.message
+        assert name in slurm_backend.show_reservations()
+        assert "JobState=PENDING" in scontrol(prov_slurm, "show", "job", job)
+    finally:
+        subprocess.run(["scancel", job], env={**os.environ, **prov_slurm.env}, check=False, timeout=30)
+
+
 def test_groups_an_operator_set_on_a_portal_reservation_are_reported_and_removed(fleet, t0, prov_slurm,
                                                                                  slurm_backend, capsys):
     """Groups= set by hand on a <tenant>-<id> reservation narrows who of the tenant's account may use it (Slurm
