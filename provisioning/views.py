@@ -60,7 +60,7 @@ def cluster_list(request):
 @portal_view
 def cluster_detail(request, pk: int):
     cluster = _cluster(request, pk)
-    template = "provisioning/_cluster_status.html" if request.headers.get("HX-Request") else \
+    template = "provisioning/_cluster_poll.html" if request.headers.get("HX-Request") else \
         "provisioning/cluster_detail.html"
     return render_page(request, template, panel_context(request.user, cluster))
 

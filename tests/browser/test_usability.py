@@ -380,3 +380,44 @@ def test_a_booking_refused_for_a_field_takes_focus_to_that_field(world, live_ser
     expect(end).to_be_focused()
     expect(page.get_by_label("Name")).to_have_value("backwards")
     assert page.errors == []
+
+
+def test_a_cluster_watched_until_ready_offers_its_key_without_a_reload(world, live_server, new_page, sign_in, day,
+                                                                        settings):
+    """A member watching a new cluster come up on the reservation page (or the cluster page) saw the status card
+    reach Ready with its connection details, but the Credentials part still said "Issued while the network is
+    configured." with no download link until they reloaded the page: only the status card was polled. The
+    credentials and the actions beside them now follow each poll."""
+    from datetime import timedelta
+
+    from provisioning import services as provisioning
+    from provisioning.models import VirtualCluster
+    from tests.provisioning.conftest import FAST
+
+    for key, value in FAST.items():
+        setattr(settings, key, value)
+    settings.PORTAL_PROVISIONING_BACKEND = "simulated"
+    booking = services.reservation_create(actor=world.users["alpha-member"], tenant=world.tenants["alpha"],
+                                          pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    provisioning.lifecycle_tick(now=at(day, 10) - timedelta(minutes=10))
+    cluster = VirtualCluster.objects.get(reservation=booking)
+    assert cluster.status not in ("ready", "failed")
+
+    pages = []
+    for path in (f"/reservations/{booking.pk}/", f"/clusters/{cluster.pk}/"):
+        page = sign_in(new_page(), "alpha-member")
+        page.goto(live_server.url + path)
+        expect(page.get_by_text("Issued while the network is configured.")).to_be_visible()
+        pages.append(page)
+
+    provisioning.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.status == "ready"
+
+    for page in pages:  # no reload: the next poll brings them
+        expect(page.locator("#cluster-status .badge")).to_have_text("Ready", timeout=10_000)
+        download = page.get_by_role("link", name=re.compile("^download"))
+        expect(download).to_have_attribute("href", f"/clusters/{cluster.pk}/credentials/ssh_key/")
+        expect(page.get_by_text("Issued while the network is configured.")).to_have_count(0)
+        expect(page.get_by_role("button", name="Tear down now")).to_be_visible()
+        assert page.errors == []
