@@ -308,3 +308,25 @@ def test_a_run_name_without_spaces_does_not_widen_the_reservation_pages_on_a_pho
     expect(page.locator("#side-panel #panel-title")).to_contain_text(name)
     overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 1, f"the calendar with the panel open scrolls sideways by {overflow}px"
+
+
+def test_the_admin_pages_log_no_error_in_the_browsers_console(world, live_server, new_page, sign_in):
+    """Every page of the Django admin (its sign-in page too) left "Failed to load resource: 404 (Not Found)" in
+    the browser's console: with no icon named, the browser asked for /favicon.ico, which the portal does not
+    serve. The portal's own pages name an empty icon; the admin's now do too."""
+    anonymous = new_page()
+    failures = []
+    anonymous.on("console", lambda msg: failures.append(msg.text) if msg.type == "error" else None)
+    anonymous.on("response", lambda r: failures.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    anonymous.goto(f"{live_server.url}/admin/login/")
+    expect(anonymous.get_by_role("button", name="Log in")).to_be_visible()
+    anonymous.wait_for_load_state("networkidle")
+    assert failures == []
+
+    page = sign_in(new_page(), "staff")
+    page.on("console", lambda msg: failures.append(msg.text) if msg.type == "error" else None)
+    page.on("response", lambda r: failures.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    page.goto(f"{live_server.url}/admin/")
+    expect(page.locator("#site-name")).to_be_visible()
+    page.wait_for_load_state("networkidle")
+    assert failures == []
