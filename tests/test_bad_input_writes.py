@@ -183,6 +183,19 @@ def test_a_query_parameter_a_read_does_not_take_is_refused_by_name(world, things
     assert not set(r.json()["fields"]) - {field}, r.json()
 
 
+def test_an_unknown_pool_in_the_reservation_lists_filter_is_refused_by_name(world, things):
+    # ?pool=h100-sxn (a typo) or ?pool=H100 (the model's spelling, not the pool's name) answered 200 with no
+    # reservations, and a script took the pool for empty; the availability read and the health-check list's
+    # ?node= and ?cluster= answer an unknown name 400 "Unknown pool 'x'.", and so does this filter now.
+    for pool in ("h100-sxn", "H100"):
+        r = world.client("alpha-viewer").get("/api/v1/reservations/", {"pool": pool})
+        assert_refused(r, "pool")
+        assert r.json()["fields"]["pool"] == f"Unknown pool '{pool}'.", r.json()
+    mine = world.client("alpha-viewer").get("/api/v1/reservations/", {"pool": world.pool.name})
+    assert mine.status_code == 200 and mine.json()["count"] >= 1, mine.content
+    assert {row["pool"] for row in mine.json()["results"]} == {world.pool.name}
+
+
 @pytest.mark.parametrize("who,url,params", [
     ("alpha-viewer", "/api/v1/reservations/", {"status": "confirmed", "pool": "h100", "start": "2026-01-01T00:00:00Z",
                                                "end": "2040-01-01T00:00:00Z", "page": "1", "page_size": "5",

@@ -220,7 +220,10 @@ class ReservationSerializer(serializers.ModelSerializer):
 
 class ReservationFilterSerializer(serializers.Serializer):
     status = serializers.ChoiceField(choices=ReservationStatus.choices, required=False)
-    pool = serializers.CharField(required=False, max_length=50)
+    # An unknown name is a 400 naming it (as the availability read answers), not an empty list that a script
+    # takes for a pool with no reservations.
+    pool = StrictSlugRelatedField(slug_field="name", queryset=Pool.objects.all(), required=False,
+                                  help_text="The pool's name.")
     start = AwareDateTimeField(required=False)
     end = AwareDateTimeField(required=False)
 

@@ -96,7 +96,7 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
             if "status" in data:
                 qs = qs.filter(status=data["status"])
             if "pool" in data:
-                qs = qs.filter(pool__name=data["pool"])
+                qs = qs.filter(pool=data["pool"])
             qs = qs.meeting(start=data.get("start"), end=data.get("end"))
         return qs
 
