@@ -33,6 +33,8 @@ from typing import Any
 
 from portal.core.conf import setting, setting_bool, setting_float, setting_int  # noqa: F401 - re-exported for this app
 
+from .queues import node_queue  # noqa: F401 - re-exported for this app
+
 LEVEL_TIMEOUTS_S = {"quick": 300.0, "medium": 3600.0, "full": 14400.0}
 
 
@@ -41,13 +43,6 @@ def agent_queue_mode() -> str:
     if mode not in ("fleet", "node"):
         raise ValueError(f"PORTAL_HEALTH_AGENT_QUEUE must be 'fleet' or 'node', not {mode!r}")
     return mode
-
-
-def node_queue(hostname: str) -> str:
-    """A node agent's own queue. Hostnames are one host ignoring case (as node_create compares them), broker
-    queue names are not: both ends name it in lower case, so an agent started as H100-001 (its socket name, or
-    --hostname) serves the checks the portal sends node h100-001, and the other way round."""
-    return f"node.{hostname.lower()}"
 
 
 def fleet_queue() -> str:

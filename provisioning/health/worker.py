@@ -26,7 +26,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from provisioning.health.conf import node_queue
+from provisioning.health.queues import node_queue  # plain Python: no settings picked before main's
 
 NODE_AGENT_SETTINGS = "portal.settings.node_agent"
 
