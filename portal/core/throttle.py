@@ -39,17 +39,21 @@ logger = logging.getLogger(__name__)
 _PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 # KEYS[1]: the client's key. ARGV[1]: emission interval (period / N), ARGV[2]: the period, both
-# in microseconds. Returns 0 when the request is allowed (and counted), else the microseconds
-# until it would be. Integers are formatted with %.0f: Lua's tostring would write 1.7e+15.
-_GCRA_LUA = """
+# in microseconds. The bucket's read, shared by the two scripts below.
+_BUCKET_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local interval = tonumber(ARGV[1])
 local period = tonumber(ARGV[2])
 local tat = tonumber(redis.call('GET', KEYS[1]) or 0) or 0
 -- A TAT is never beyond now + period. One that is (or NaN: tat ~= tat) was not written by
--- this script, or the server clock stepped back: start the client on a fresh bucket.
-if tat ~= tat or tat < now or tat > now + period then
+-- this script, or the server clock stepped back: the client is on a fresh bucket.
+local fresh = tat ~= tat or tat < now or tat > now + period
+"""
+# Returns 0 when the request is allowed (and counted), else the microseconds until it would be.
+# Integers are formatted with %.0f: Lua's tostring would write 1.7e+15.
+_GCRA_LUA = _BUCKET_LUA + """
+if fresh then
     tat = now
 end
 local new_tat = tat + interval
@@ -63,13 +67,8 @@ return 0
 """
 
 # The same bucket read, not counted: 0 when the next acquire would be allowed, else the microseconds until it is.
-_PEEK_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local interval = tonumber(ARGV[1])
-local period = tonumber(ARGV[2])
-local tat = tonumber(redis.call('GET', KEYS[1]) or 0) or 0
-if tat ~= tat or tat < now or tat > now + period then
+_PEEK_LUA = _BUCKET_LUA + """
+if fresh then
     return 0
 end
 local allow_at = tat + interval - period

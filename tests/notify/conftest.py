@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
+from django.db.models import F
 
 from notifications import ratelimit, services
-from notifications.models import Channel
+from notifications.models import Channel, Delivery, DeliveryAttempt
 from reservations import services as booking
 from tenants.services import tenant_slack_webhook_set
 from tests.notifications.receiver import WebhookReceiver
@@ -137,3 +138,15 @@ def start_receiver_command(log: Path, **env: str) -> tuple[subprocess.Popen, int
     while "Listening" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     return proc, port
+
+
+def let_time_pass(delivery_id: int, seconds: float) -> None:
+    """Let `seconds` go by for one delivery without sleeping: everything it recorded (made, attempted, next due,
+    and its attempts' times) moves that far into the past."""
+    shift = timedelta(seconds=seconds)
+    Delivery.objects.filter(pk=delivery_id).update(
+        created_at=F("created_at") - shift, last_attempt_at=F("last_attempt_at") - shift,
+        next_attempt_at=F("next_attempt_at") - shift)
+    DeliveryAttempt.objects.filter(delivery_id=delivery_id).update(
+        started_at=F("started_at") - shift, finished_at=F("finished_at") - shift,
+        next_attempt_at=F("next_attempt_at") - shift)

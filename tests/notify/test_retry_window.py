@@ -6,17 +6,16 @@ asked for, so the next attempt is due now and the delivery sees the time that "p
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import F
 
 from notifications import ratelimit, services
 from notifications.choices import DeliveryStatus
 from notifications.models import Delivery, DeliveryAttempt
 from tests.notifications.receiver import Reply
+
+from .conftest import let_time_pass as _pass
 
 pytestmark = pytest.mark.django_db
 
@@ -37,17 +36,6 @@ def _confirmed(book, t0):
     (delivery,) = services.event_fanout(event="reservation.confirmed",
                                         payload={"reservation_id": reservation.pk, "tenant_id": reservation.tenant_id})
     return delivery
-
-
-def _pass(delivery_id: int, seconds: float) -> None:
-    """Let `seconds` go by for this delivery: everything it recorded moves that far into the past."""
-    shift = timedelta(seconds=seconds)
-    Delivery.objects.filter(pk=delivery_id).update(
-        created_at=F("created_at") - shift, last_attempt_at=F("last_attempt_at") - shift,
-        next_attempt_at=F("next_attempt_at") - shift)
-    DeliveryAttempt.objects.filter(delivery_id=delivery_id).update(
-        started_at=F("started_at") - shift, finished_at=F("finished_at") - shift,
-        next_attempt_at=F("next_attempt_at") - shift)
 
 
 def _send_until(delivery_id: int, *, stop) -> tuple[services.SendResult, float, list[float]]:

@@ -9,18 +9,18 @@ The clock is driven, not slept: after each attempt the delivery's history moves 
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import pytest
-from django.db.models import F
 from django.test import Client
 from django.urls import reverse
 
 from notifications import services
 from notifications.choices import DeliveryStatus
-from notifications.models import Delivery, DeliveryAttempt
+from notifications.models import Delivery
 from notifications.slack import Event
 from tests.notifications.receiver import Reply
+
+from .conftest import let_time_pass as _pass
 
 pytestmark = pytest.mark.django_db
 
@@ -41,16 +41,6 @@ def lead(world) -> Client:
     client = Client()
     client.force_login(world.users["alpha-lead"])
     return client
-
-
-def _pass(delivery_id: int, seconds: float) -> None:
-    shift = timedelta(seconds=seconds)
-    Delivery.objects.filter(pk=delivery_id).update(
-        created_at=F("created_at") - shift, last_attempt_at=F("last_attempt_at") - shift,
-        next_attempt_at=F("next_attempt_at") - shift)
-    DeliveryAttempt.objects.filter(delivery_id=delivery_id).update(
-        started_at=F("started_at") - shift, finished_at=F("finished_at") - shift,
-        next_attempt_at=F("next_attempt_at") - shift)
 
 
 def _send_until_final(delivery_id: int, *, give_up_after_s: float) -> float:
