@@ -72,6 +72,8 @@ FEED_HISTORY = timedelta(days=30)
 FLEET_PAGE_SIZE = 100
 # Hooks for later work (virtual clusters, credentials, health): the first template that exists wins.
 CLUSTER_TEMPLATES = ["provisioning/_reservation_cluster.html", "reservations/_cluster_placeholder.html"]
+# The reservation page's poll of its cluster card (only a cluster's card polls: without provisioning, nothing does).
+CLUSTER_POLL_TEMPLATES = ["provisioning/_reservation_cluster_poll.html", "reservations/_cluster_placeholder.html"]
 CLUSTER_BADGE_TEMPLATES = ["provisioning/_cluster_badge.html", "reservations/_cluster_badge_placeholder.html"]
 
 
@@ -547,6 +549,8 @@ def _detail_context(request, reservation) -> dict:
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,
         "cluster_template": select_template(CLUSTER_TEMPLATES).template.name,
+        # The cluster card polls the page itself, saying which status the page shows (see reservation_detail).
+        "cluster_poll_url": f"{reverse('reservation-page', args=[reservation.pk])}?shown={reservation.status}",
         "now": now,
     }
 
@@ -571,10 +575,18 @@ def reservation_list(request):
 
 
 @require_safe
+@vary_on_headers("HX-Request")  # one URL, two answers: a browser must not cache the polled fragment as the page
 @portal_view
 def reservation_detail(request, pk: int):
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
-    return render_page(request, "reservations/detail.html", _detail_context(request, reservation))
+    context = _detail_context(request, reservation)
+    if request.headers.get("HX-Request") and "shown" in request.GET:
+        # The cluster card's poll: the card, and the parts that follow the booking's status when it moved on
+        # from the one the page shows (not every time: a form being filled in beside them is left alone).
+        context.update(cluster_poll_template=select_template(CLUSTER_POLL_TEMPLATES).template.name,
+                       status_moved=request.GET["shown"] != reservation.status)
+        return render_page(request, "reservations/_detail_poll.html", context)
+    return render_page(request, "reservations/detail.html", context)
 
 
 @require_safe

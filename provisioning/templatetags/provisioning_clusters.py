@@ -5,16 +5,16 @@ from __future__ import annotations
 from django import template
 
 from portal.core.redact import without_secrets
+from reservations.choices import ReservationStatus
 
+from ..choices import TERMINAL_STATUSES
 from ..models import VirtualCluster
 from ..selectors import clusters_for_user
 
 register = template.Library()
 
 
-@register.inclusion_tag("provisioning/_cluster_panel.html", takes_context=True)
-def cluster_panel(context, reservation):
-    """The reservation's cluster: phases with times, connection, credentials, actions (tenant-scoped)."""
+def _reservation_panel(context, reservation) -> dict:
     request = context.get("request")
     user = getattr(request, "user", None)
     cluster = clusters_for_user(user=user).filter(reservation_id=reservation.pk).first() if user else None
@@ -22,7 +22,28 @@ def cluster_panel(context, reservation):
         return {"cluster": None, "reservation": reservation}
     from ..views import panel_context
 
-    return {**panel_context(user, cluster), "reservation": reservation, "csrf_token": context.get("csrf_token")}
+    panel = {**panel_context(user, cluster), "reservation": reservation, "csrf_token": context.get("csrf_token")}
+    poll_url = context.get("cluster_poll_url")
+    if poll_url:
+        # The reservation page polls its own URL, which sends the booking's status parts with the card; it goes on
+        # until the booking is under way (a cluster ready before the window starts waits for it to be active).
+        panel["poll_url"] = poll_url
+        panel["polling"] = panel["polling"] or (
+            reservation.status in (ReservationStatus.CONFIRMED, ReservationStatus.PROVISIONING)
+            and cluster.status not in TERMINAL_STATUSES)
+    return panel
+
+
+@register.inclusion_tag("provisioning/_cluster_panel.html", takes_context=True)
+def cluster_panel(context, reservation):
+    """The reservation's cluster: phases with times, connection, credentials, actions (tenant-scoped)."""
+    return _reservation_panel(context, reservation)
+
+
+@register.inclusion_tag("provisioning/_cluster_poll.html", takes_context=True)
+def cluster_poll(context, reservation):
+    """The reservation page's poll of its cluster: the status card, and the credentials and actions beside it."""
+    return _reservation_panel(context, reservation)
 
 
 @register.inclusion_tag("provisioning/_cluster_badge_inner.html")

@@ -421,3 +421,58 @@ def test_a_cluster_watched_until_ready_offers_its_key_without_a_reload(world, li
         expect(page.get_by_text("Issued while the network is configured.")).to_have_count(0)
         expect(page.get_by_role("button", name="Tear down now")).to_be_visible()
         assert page.errors == []
+
+
+def test_a_reservation_watched_until_its_cluster_is_ready_shows_its_new_status_without_a_reload(
+        world, live_server, new_page, sign_in, day, settings):
+    """A team watching its new cluster come up on the reservation page saw the cluster reach Ready, but the
+    header's status badge, the lifecycle line and the actions beside the booking kept the status the page
+    loaded with (Confirmed) until a reload: only the cluster part was polled. Each poll now brings the
+    booking's status parts too (htmx out-of-band, when the status moved on), and polling stops once the
+    booking is under way with its cluster handed over."""
+    from datetime import timedelta
+
+    from provisioning import services as provisioning
+    from provisioning.models import VirtualCluster
+    from tests.provisioning.conftest import FAST
+
+    for key, value in FAST.items():
+        setattr(settings, key, value)
+    settings.PORTAL_PROVISIONING_BACKEND = "simulated"
+    booking = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"],
+                                          pool=world.pool, node_count=1, start=at(day, 10), end=at(day, 12))
+    page = sign_in(new_page(), "alpha-lead")
+    console_errors: list[str] = []
+    page.on("console", lambda msg: console_errors.append(msg.text) if msg.type == "error" else None)
+    polls: list[str] = []
+    page.on("request", lambda req: polls.append(req.url) if req.headers.get("hx-request") else None)
+    page.goto(f"{live_server.url}/reservations/{booking.pk}/")
+    badge = page.locator("h1 + div .badge").first
+    current = page.locator(".lifecycle [aria-current=step]")
+    expect(badge).to_have_text("Confirmed")
+    expect(current).to_have_attribute("data-status", "confirmed")
+
+    provisioning.lifecycle_tick(now=at(day, 10) - timedelta(minutes=10))  # the window is near: it is built
+    cluster = VirtualCluster.objects.get(reservation=booking)
+    provisioning.cluster_provision(cluster_id=cluster.pk)
+    cluster.refresh_from_db()
+    assert cluster.status == "ready"
+
+    # no reload: the next poll brings the cluster and the booking's status together
+    expect(page.locator("#cluster-status .badge")).to_have_text("Ready", timeout=10_000)
+    expect(badge).to_have_text("Provisioning")
+    expect(current).to_have_attribute("data-status", "provisioning")
+
+    provisioning.lifecycle_tick(now=at(day, 10))  # the window starts: the booking is under way
+    expect(badge).to_have_text("Active", timeout=10_000)
+    expect(current).to_have_attribute("data-status", "active")
+    expect(page.get_by_role("button", name=re.compile(r"^\+4 hours"))).to_be_visible()
+    expect(page.get_by_role("button", name="Tear down now")).to_be_visible()
+
+    # nothing more will change for a while: polling has stopped
+    expect(page.locator("[hx-trigger^=every]")).to_have_count(0)
+    seen = len(polls)
+    page.wait_for_timeout(4_000)
+    assert len(polls) == seen
+    assert page.errors == []
+    assert console_errors == []

@@ -419,3 +419,35 @@ def test_extend_message_writes_the_new_end_as_the_pages_do(world, web, book):
     shown = date_format(timezone.localtime(r.end, zoneinfo.ZoneInfo("Europe/Berlin")), "D j M H:i T")
     page = client.get(f"/reservations/{r.pk}/").content.decode()
     assert f"Reservation #{r.pk} now ends {shown}." in page, re.findall(r"now ends[^<]*", page)
+
+
+def test_the_pages_cluster_poll_brings_the_status_parts_only_when_the_status_moved_on(world, web, book, t0):
+    """The reservation page's cluster card polls the page itself, saying the status it shows: the answer is the card
+    (with the credentials and actions beside it), and the badge, lifecycle and booking actions out-of-band only when
+    the booking's status is no longer that one, so a name or end being typed beside them is not wiped every poll."""
+    from provisioning.services import cluster_create_for_reservation
+    from reservations.models import Reservation
+
+    r = book("alpha-lead", t0)
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    client = web("alpha-lead")
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    card = re.search(r'<section[^>]*id="cluster-status"[^>]*>', page).group(0)
+    assert f'hx-get="/reservations/{r.pk}/?shown=confirmed"' in card and 'hx-trigger="every 3s"' in card
+    assert 'id="reservation-status-badge"' in page and 'id="reservation-actions"' in page
+
+    same = client.get(f"/reservations/{r.pk}/", {"shown": "confirmed"}, **HTMX)
+    assert same.status_code == 200 and "HX-Request" in same["Vary"]
+    body = same.content.decode()
+    assert 'id="cluster-status"' in body and 'id="cluster-credentials" hx-swap-oob="true"' in body
+    assert "reservation-status-badge" not in body and "reservation-actions" not in body and "<h1" not in body
+
+    Reservation.objects.filter(pk=r.pk).update(status="provisioning")
+    moved = client.get(f"/reservations/{r.pk}/", {"shown": "confirmed"}, **HTMX).content.decode()
+    for part in ("reservation-status-badge", "reservation-lifecycle", "reservation-actions"):
+        assert f'id="{part}" hx-swap-oob="true"' in moved, part
+    assert 'class="badge st-provisioning"' in moved
+    assert re.search(r'data-status="provisioning"[^>]*aria-current="step"', moved)
+    assert f'hx-get="/reservations/{r.pk}/?shown=provisioning"' in moved  # the next poll says what it now shows
+    # the cluster page's own card still polls the cluster page
+    assert f'hx-get="/clusters/{cluster.pk}/"' in client.get(f"/clusters/{cluster.pk}/").content.decode()
