@@ -242,6 +242,7 @@ name, password = "cookie-probe-" + secrets.token_hex(4), "pw-Long-enough-1"
 user = get_user_model().objects.create_user(username=name, password=password)
 # No collectstatic here: templates name static files unhashed.
 static = {"staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}}
+client = None
 try:
     with override_settings(STORAGES=static):
         client = Client(enforce_csrf_checks=True, HTTP_HOST="localhost", HTTP_X_FORWARDED_PROTO="https")
@@ -254,6 +255,12 @@ try:
     print(json.dumps({"csrf": {k: attrs(m) for k, m in page.cookies.items()}, "login": signed_in.status_code,
                       "session": {k: attrs(m) for k, m in signed_in.cookies.items()}, "home": home.status_code}))
 finally:
+    # The subprocess commits to the test database: leave no session behind (a later test counts the table's rows).
+    from django.conf import settings
+    from django.contrib.sessions.models import Session
+    cookie = client.cookies.get(settings.SESSION_COOKIE_NAME) if client is not None else None
+    if cookie is not None:
+        Session.objects.filter(session_key=cookie.value).delete()
     user.delete()
 """
 
