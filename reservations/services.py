@@ -8,7 +8,7 @@ import logging
 import re
 from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
@@ -72,6 +72,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 EXCLUSION_VIOLATION = "23P01"
 # A booking that lost a race: 23P01 arrives as IntegrityError, 40P01 as OperationalError (Django
@@ -471,6 +472,20 @@ def _with_retry(attempt_fn, *, on_exhausted):
     raise on_exhausted()
 
 
+def _rerun_while_transient(what: str, run_once: Callable[[], _T]) -> _T:
+    """run_once (a durable transaction of its own) again on a fresh snapshot when PostgreSQL rolled it back over a
+    concurrent transaction (a deadlock, a serialization failure), at most PORTAL_BOOKING_MAX_ATTEMPTS times; then
+    Busy (503, nothing written). Any other error goes up at once."""
+    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
+        try:
+            return run_once()
+        except OperationalError as exc:
+            if not is_transient(exc):
+                raise
+            logger.info("%s lost to a concurrent change (attempt %d): %r", what, attempt + 1, exc)
+    raise Busy()
+
+
 # --- reservations -----------------------------------------------------------------------
 
 
@@ -666,15 +681,8 @@ def reservation_update(
     booking of the same tenant over the tenant row lock a window guard takes, or a serialization failure) is run
     again from the row lock on, on a fresh snapshot, at most PORTAL_BOOKING_MAX_ATTEMPTS times; then Busy (503,
     nothing written)."""
-    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
-        try:
-            return _update_once(actor=actor, reservation=reservation, start=start, end=end, name=name,
-                                expected=expected)
-        except OperationalError as exc:
-            if not is_transient(exc):
-                raise
-            logger.info("reservation change lost to a concurrent one (attempt %d): %r", attempt + 1, exc)
-    raise Busy()
+    return _rerun_while_transient("reservation change", lambda: _update_once(
+        actor=actor, reservation=reservation, start=start, end=end, name=name, expected=expected))
 
 
 def _update_once(
@@ -818,14 +826,7 @@ def reservation_cancel(*, actor: Any, reservation: Reservation) -> Reservation:
     Like reservation_update, a transaction PostgreSQL rolls back over a concurrent one (a deadlock, e.g. with a
     node swap moving its allocations, or a serialization failure) is run again from the row lock on, on a fresh
     snapshot, at most PORTAL_BOOKING_MAX_ATTEMPTS times; then Busy (503, nothing written)."""
-    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
-        try:
-            return _cancel_once(actor=actor, reservation=reservation)
-        except OperationalError as exc:
-            if not is_transient(exc):
-                raise
-            logger.info("reservation cancel lost to a concurrent change (attempt %d): %r", attempt + 1, exc)
-    raise Busy()
+    return _rerun_while_transient("reservation cancel", lambda: _cancel_once(actor=actor, reservation=reservation))
 
 
 def _cancel_once(*, actor: Any, reservation: Reservation) -> Reservation:
@@ -1140,15 +1141,8 @@ def _replace_one(*, allocation_id: int, reservation_id: int, now: datetime, acto
     """Move one booking off the node. A transaction lost to a concurrent one (a deadlock, e.g. with a cancel or a
     window change of the booking, or a serialization failure) is run again from the row lock on, on a fresh
     snapshot, at most PORTAL_BOOKING_MAX_ATTEMPTS times; then Busy (nothing written: the caller tries later)."""
-    for attempt in range(settings.PORTAL_BOOKING_MAX_ATTEMPTS):
-        try:
-            return _replace_one_once(allocation_id=allocation_id, reservation_id=reservation_id, now=now,
-                                     actor=actor, reason=reason)
-        except OperationalError as exc:
-            if not is_transient(exc):
-                raise
-            logger.info("node swap lost to a concurrent change (attempt %d): %r", attempt + 1, exc)
-    raise Busy()
+    return _rerun_while_transient("node swap", lambda: _replace_one_once(
+        allocation_id=allocation_id, reservation_id=reservation_id, now=now, actor=actor, reason=reason))
 
 
 def _replace_one_once(*, allocation_id: int, reservation_id: int, now: datetime, actor: Any,

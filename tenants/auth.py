@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # an address does not shut out a token that address was using; a token this process has not served yet (a
 # new one, a fresh process) is refused with the flood until the address's budget refills.
 _SERVED_MAX = 10_000
-_served: dict[str, None] = {}  # key hashes this process answered; cleared whole when full
+_served: set[str] = set()  # key hashes this process answered; cleared whole when full
 
 
 def _failure_budget(request):
@@ -41,31 +41,29 @@ def _failure_budget(request):
     return budget_key("bad_token", rate, BaseThrottle().get_ident(request)), rate
 
 
-def _over_the_limit(request) -> None:
-    """429 when this address has spent its failed-authentication budget; counts nothing."""
+def _bad_token_wait(request, *, spend: bool) -> float:
+    """Seconds this address must wait, its failed-authentication budget spent (0: it may go on); spend counts one
+    failure. Redis down: nothing is counted and nothing refused (logged)."""
     budget = _failure_budget(request)
     if budget is None:
-        return
+        return 0.0
     try:
-        wait = peek(redis_client(), *budget)
+        return (acquire if spend else peek)(redis_client(), *budget)
     except (redis.RedisError, OSError) as exc:
         logger.warning("bad-token throttle not applied: Redis unavailable (%s)", exc)
-        return
-    if wait:
+        return 0.0
+
+
+def _over_the_limit(request) -> None:
+    """429 when this address has spent its failed-authentication budget; counts nothing."""
+    if wait := _bad_token_wait(request, spend=False):
         raise exceptions.Throttled(wait)
 
 
 def _refuse(request, message: str):
     """Count one failed authentication against the address: 401, or 429 once past its budget."""
-    budget = _failure_budget(request)
-    if budget is not None:
-        try:
-            wait = acquire(redis_client(), *budget)
-        except (redis.RedisError, OSError) as exc:
-            logger.warning("bad-token throttle not applied: Redis unavailable (%s)", exc)
-            wait = 0.0
-        if wait:
-            raise exceptions.Throttled(wait)
+    if wait := _bad_token_wait(request, spend=True):
+        raise exceptions.Throttled(wait)
     raise exceptions.AuthenticationFailed(message)
 
 
@@ -93,7 +91,7 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         token = _TOKEN.get(_token_by_hash, key_hash, shape="token")
         now = timezone.now()
         if token is None or not token.user.is_active or (token.expires_at and token.expires_at <= now):
-            _served.pop(key_hash, None)
+            _served.discard(key_hash)
             _refuse(request, "Invalid or expired token.")
         # Touch last_used_at at most once a minute: a write per request would serialise scripts. The
         # condition is repeated in the UPDATE, so of concurrent requests only the first writes, and one that
@@ -105,12 +103,12 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
                        .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _TOUCH_EVERY))
                        .update(last_used_at=now))
             if not touched and not ApiToken.objects.filter(pk=token.pk, revoked=False).exists():
-                _served.pop(key_hash, None)
+                _served.discard(key_hash)
                 _refuse(request, "Invalid or expired token.")
         if key_hash not in _served:
             if len(_served) >= _SERVED_MAX:
                 _served.clear()
-            _served[key_hash] = None
+            _served.add(key_hash)
         return token.user, token
 
     def authenticate_header(self, request):
