@@ -360,10 +360,11 @@ _READY = """
 """
 
 # One INSERT of a booking's allocations in node-id order; {reservation} is the reservation id's
-# SQL and {rows} what the SELECT reads besides the node ids.
+# SQL and {rows} what the SELECT reads besides the node ids. The period is passed as its two bounds
+# (a half-open tstzrange is built by PostgreSQL): psycopg dumps a Python range in Python, a timestamp in C.
 _ALLOCATIONS_INSERT = """
     INSERT INTO reservations_allocation (reservation_id, node_id, period, kind, active, note, created_by_id, created_at)
-    SELECT {reservation}, node_id, %(period)s, %(kind)s, true, '', %(actor)s, %(now)s
+    SELECT {reservation}, node_id, tstzrange(%(lower)s, %(upper)s), %(kind)s, true, '', %(actor)s, %(now)s
     FROM {rows}unnest(%(nodes)s::bigint[]) AS node_id ORDER BY node_id
 """
 
@@ -375,8 +376,8 @@ _INSERT_BOOKING_TEMPLATE = """
         INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name, status, status_reason,
             missing_nodes, billing, burst_part_nodes, orchestrator, cuda_version, created_by_id, created_at,
             updated_at)
-        SELECT %(tenant)s, %(pool)s, %(n)s, %(period)s, %(name)s, %(status)s, '', 0, %(billing)s, %(burst_part)s,
-            %(orchestrator)s, %(cuda)s, %(actor)s, %(now)s, %(now)s
+        SELECT %(tenant)s, %(pool)s, %(n)s, tstzrange(%(lower)s, %(upper)s), %(name)s, %(status)s, '', 0, %(billing)s,
+            %(burst_part)s, %(orchestrator)s, %(cuda)s, %(actor)s, %(now)s, %(now)s
         FROM ready
         RETURNING id, on_demand_rate, gpus_per_node
     ), a AS ({allocations})
@@ -407,7 +408,8 @@ def _insert_booking(
     with connection.cursor() as cur:
         cur.execute(_NODE_LOCKS, {"nodes": nodes})
         cur.execute(_INSERT_BOOKING_SQL, {
-            "tenant": tenant.pk, "pool": pool.pk, "n": node_count, "period": period, "name": name,
+            "tenant": tenant.pk, "pool": pool.pk, "n": node_count, "lower": period.lower, "upper": period.upper,
+            "name": name,
             "status": ReservationStatus.CONFIRMED, "billing": billing, "burst_part": burst_part,
             "orchestrator": orchestrator,
             "cuda": cuda_version, "actor": _actor_id(actor), "now": now, "kind": AllocationKind.RESERVATION,
@@ -452,7 +454,8 @@ def _allocate(*, reservation: Reservation, node_ids: list[int], period: DateTime
     nodes = sorted(node_ids)
     with connection.cursor() as cur:
         cur.execute(_NODE_LOCKS, {"nodes": nodes})
-        cur.execute(_ALLOCATE_SQL, {"reservation": reservation.pk, "period": period, "kind": AllocationKind.RESERVATION,
+        cur.execute(_ALLOCATE_SQL, {"reservation": reservation.pk, "lower": period.lower, "upper": period.upper,
+                                    "kind": AllocationKind.RESERVATION,
                                     "actor": _actor_id(actor), "now": timezone.now(), "nodes": nodes})
         if cur.rowcount != len(nodes):
             raise _NodeTaken(nodes)

@@ -99,6 +99,17 @@ def forget_anon_throttle_budgets(address: str) -> None:
         conn.delete(name)
 
 
+@pytest.fixture(autouse=True)
+def _no_relay_run_queued():
+    """Each test starts with no outbox relay run marked as queued: a flag an earlier test set (its wake-up
+    message never consumed) would otherwise keep this test's commits from queueing one for up to
+    RELAY_QUEUED_TTL_MS (portal.core.events)."""
+    from portal.core import events
+
+    events._relay_started()
+    yield
+
+
 @pytest.fixture
 def eager():
     """Run Celery tasks in-process (an event's subscriber queues a task; it runs before the call returns),

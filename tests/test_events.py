@@ -68,15 +68,27 @@ def refuse(*args, **kwargs):
     raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
 
-def test_background_subscribers_cost_the_emitter_one_row_and_one_message(outboxed, handlers, broker,
-                                                                        django_capture_on_commit_callbacks):
+def relay_queued(client) -> bool:
+    return bool(client.exists(events._relay_queued_key()))
+
+
+def test_background_subscribers_cost_the_emitter_one_row_and_a_relay_wake_up(outboxed, handlers, broker,
+                                                                            django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
         events.emit("test.happened", thing_id=7, at=timezone.now())
     assert [name for name, _, _ in handlers] == ["inline"]  # only the inline one ran here
     row = OutboxEvent.objects.get()
     assert row.event == "test.happened" and row.payload["thing_id"] == 7 and row.attempts == 0
-    assert row.available_at > timezone.now() + timedelta(seconds=events.OUTBOX_PUBLISH_LEASE_S - 10)
+    assert row.available_at <= timezone.now()  # due at once: the relay's to publish
+    assert queued_tasks(broker) == [("core.outbox_relay", [])]  # no task message of the event built here
+    assert relay_queued(broker)
+
+    broker.delete("default")
+    assert tasks.outbox_relay() == 1  # what a worker does with the wake-up
+    assert not relay_queued(broker)  # cleared as the run started
     assert queued_tasks(broker) == [("core.dispatch_event", [row.pk])]
+    row.refresh_from_db()  # leased: the relay's beat run does not send it again meanwhile
+    assert row.available_at > timezone.now() + timedelta(seconds=events.OUTBOX_PUBLISH_LEASE_S - 10)
 
     assert tasks.dispatch_event(row.pk) == "done"  # what the worker does with the message
     assert [name for name, _, _ in handlers] == ["inline", "bg1", "bg2"]
@@ -85,6 +97,76 @@ def test_background_subscribers_cost_the_emitter_one_row_and_one_message(outboxe
 
     assert tasks.dispatch_event(row.pk) == "duplicate"  # the event is done, nothing runs twice
     assert len(handlers) == 3
+
+
+def test_a_burst_of_commits_queues_one_relay_run_and_a_commit_after_it_started_the_next(
+        outboxed, handlers, broker, django_capture_on_commit_callbacks):
+    for i in range(20):
+        with django_capture_on_commit_callbacks(execute=True):
+            events.emit("test.happened", thing_id=i)
+    assert queued_tasks(broker) == [("core.outbox_relay", [])]  # one wake-up for the 20 commits
+    broker.delete("default")
+    assert tasks.outbox_relay() == 20  # the queued run finds every row committed before it looked
+    # The run cleared the flag before it looked: a commit after that (its row possibly after the run's
+    # scan) queues the next run instead of waiting for the beat.
+    with django_capture_on_commit_callbacks(execute=True):
+        events.emit("test.happened", thing_id=99)
+    names = [name for name, _ in queued_tasks(broker)]
+    assert names.count("core.dispatch_event") == 20 and names.count("core.outbox_relay") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_commits_racing_relay_runs_leave_no_event_behind(outboxed, handlers, broker):
+    """Emitters commit while two workers run the relay off the queue's wake-ups: when the emitters are done
+    and the queue is drained, every event has been published exactly once and none is left waiting for the
+    beat (a commit landing between a run's clearing the flag and its scan, or after the scan, queued a run)."""
+    emitters, per_emitter = 4, 15
+    barrier = threading.Barrier(emitters + 2)
+    done = threading.Event()
+    published: list[int] = []
+    errors: list[BaseException] = []
+
+    def emit_many(k):
+        try:
+            barrier.wait(10)
+            for i in range(per_emitter):
+                events.emit("test.happened", thing_id=k * 100 + i)  # autocommit: committed, then the wake-up
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    def worker():
+        try:
+            barrier.wait(10)
+            while True:
+                raw = broker.rpop("default")  # kombu's Redis transport pushes left, consumes right
+                if raw is None:
+                    if done.is_set():
+                        return
+                    time.sleep(0.002)
+                    continue
+                if json.loads(raw)["headers"]["task"] == "core.outbox_relay":
+                    published.extend(events.outbox_relay())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=emit_many, args=(k,)) for k in range(emitters)]
+    workers = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads + workers:
+        t.start()
+    for t in threads:
+        t.join(60)
+    done.set()
+    for t in workers:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads + workers)
+    rows = list(OutboxEvent.objects.values_list("id", flat=True))
+    assert len(rows) == emitters * per_emitter
+    assert sorted(published) == sorted(rows)  # each one published, once
+    assert not OutboxEvent.objects.filter(available_at__lte=timezone.now()).exists()  # none left for the beat
 
 
 def test_an_event_without_background_subscribers_of_its_own_still_reaches_notifications(outboxed, broker,
@@ -101,8 +183,8 @@ def test_an_event_without_background_subscribers_of_its_own_still_reaches_notifi
     finally:
         events.unsubscribe("test.quiet", record)
     assert seen == ["test.quiet"]
-    # notifications subscribes to "*" in the background, so a message still goes: exactly one.
-    assert [name for name, _ in queued_tasks(broker)] == ["core.dispatch_event"]
+    # notifications subscribes to "*" in the background, so the relay is still woken: exactly once.
+    assert [name for name, _ in queued_tasks(broker)] == ["core.outbox_relay"]
     assert OutboxEvent.objects.count() == 1
 
 
@@ -120,13 +202,15 @@ def test_a_rolled_back_write_leaves_no_event(outboxed, handlers, broker, django_
 def test_broker_down_keeps_the_event_for_the_relay(outboxed, handlers, broker, monkeypatch,
                                                    django_capture_on_commit_callbacks, caplog):
     monkeypatch.setattr(tasks.dispatch_event, "apply_async", refuse)
+    monkeypatch.setattr(tasks.outbox_relay, "apply_async", refuse)
     with django_capture_on_commit_callbacks(execute=True), caplog.at_level(logging.WARNING):
         events.emit("test.happened", thing_id=3)
     # The emitter did not run the background work itself and lost nothing: the row is due now.
     assert [name for name, _, _ in handlers] == ["inline"]
     row = OutboxEvent.objects.get()
     assert row.available_at <= timezone.now()
-    assert "the relay will" in caplog.text
+    assert "its beat run will publish" in caplog.text
+    assert not relay_queued(broker)  # no run was queued: the next commit tries again at once
 
     assert events.outbox_relay() == []  # still down: the relay keeps it due
     assert OutboxEvent.objects.get().available_at <= timezone.now()
@@ -145,6 +229,8 @@ def test_the_relay_repeats_only_events_whose_lease_passed(outboxed, handlers, br
         events.emit("test.happened", thing_id=1)
         events.emit("test.happened", thing_id=2)
     first, second = OutboxEvent.objects.order_by("id")
+    broker.delete("default")
+    assert events.outbox_relay() == [first.pk, second.pk]  # the wake-up's run: due at once
     broker.delete("default")
     assert events.outbox_relay() == []  # both messages left a moment ago
 
@@ -289,7 +375,7 @@ def test_racing_relays_publish_each_due_event_once(outboxed, handlers, broker, m
         t.join(60)
     assert not errors and not any(t.is_alive() for t in threads)
     assert sorted(sent) == sorted(OutboxEvent.objects.values_list("id", flat=True))  # all 60, each once
-    assert sorted(body[0] for _, body in queued_tasks(broker)) == sorted(sent)
+    assert sorted(body[0] for name, body in queued_tasks(broker) if name == "core.dispatch_event") == sorted(sent)
 
 
 def test_staff_requeue_stuck_events_from_the_admin(outboxed, handlers, broker, django_capture_on_commit_callbacks):

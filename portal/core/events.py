@@ -9,14 +9,18 @@ Two kinds of subscriber:
   that must happen before the caller returns (enqueueing a task, a metric).
 - background (``subscribe(..., background=True)``): runs in a Celery worker, at least once.
   ``emit`` writes the event to the outbox table (``core.OutboxEvent``) inside the emitter's
-  transaction, and after the commit publishes one ``core.dispatch_event`` message with the
-  row's id, whatever the number of background subscribers; the worker claims the row, runs
-  them and deletes it (if one of them fails, the row stays and is retried after a backoff; ten
-  claims and it is left for an operator). A booking request thus answers without creating the
-  cluster or fanning out notifications itself, and an event whose message never left (the process died right after
-  the commit, the broker was down) or was lost is published again by ``core.outbox_relay``
-  (beat) once its ``available_at`` has passed. Background subscribers must therefore be
-  idempotent (they take ids and re-read). ``PORTAL_EVENTS_INLINE = True`` runs them in the
+  transaction, due at once, and after the commit wakes the relay: ``core.outbox_relay``, run by
+  a worker, publishes one ``core.dispatch_event`` message per due row (with its id), whatever
+  the number of background subscribers; the worker claims the row, runs them and deletes it (if
+  one of them fails, the row stays and is retried after a backoff; ten claims and it is left
+  for an operator). The wake-up is one Redis ``SET NX``: the commit that finds no relay run
+  queued publishes one, the others of a burst publish nothing (the queued run finds their rows;
+  it clears the flag before it looks, so a commit after that queues the next run). A booking
+  request thus answers without creating the cluster, fanning out notifications or building a
+  task message itself, and an event whose wake-up never left (the process died right after the
+  commit, Redis or the broker was down) or whose message was lost is published by the relay's
+  beat run (every 15 s) once its ``available_at`` has passed. Background subscribers must
+  therefore be idempotent (they take ids and re-read). ``PORTAL_EVENTS_INLINE = True`` runs them in the
   emitting process after the commit instead (the in-process test suite).
 """
 
@@ -98,12 +102,17 @@ OUTBOX_MAX_ATTEMPTS = 10
 OUTBOX_RETRY_STEP_S = 60
 OUTBOX_RETRY_MAX_S = 900
 
+# Due at once: the relay publishes it (and leases it for OUTBOX_PUBLISH_LEASE_S) as soon as it runs.
 # clock_timestamp(), not now(): now() is the start of the transaction, which for an event
-# emitted late in a long transaction is already in the past.
+# emitted late in a long transaction is already in the past (the backlog age is read from created_at).
 _OUTBOX_INSERT = (
     "INSERT INTO core_outboxevent (event, payload, created_at, available_at, attempts) "
-    "VALUES (%s, %s::jsonb, clock_timestamp(), clock_timestamp() + make_interval(secs => %s), 0) RETURNING id"
+    "VALUES (%s, %s::jsonb, clock_timestamp(), clock_timestamp(), 0) RETURNING id"
 )
+# The relay's wake-up flag: set (NX) by the commit that queues a relay run, cleared by the run as it starts.
+# While it is set, other commits queue nothing: the queued run will find their rows. A run that never
+# starts (its message lost, no worker up) stops holding later commits back after this long.
+RELAY_QUEUED_TTL_MS = 2000
 _OUTBOX_CLAIM = (
     "UPDATE core_outboxevent SET attempts = attempts + 1,"
     " available_at = clock_timestamp() + make_interval(secs => %s)"
@@ -139,6 +148,53 @@ def _publish(outbox_id: int) -> bool:
     return True
 
 
+def _relay_queued_key() -> str:
+    prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
+    return f"{prefix}:outbox:relay-queued"
+
+
+def _wake_relay() -> None:
+    """Queue a relay run (core.outbox_relay) for the events just committed, unless one is queued already.
+
+    Never raises: an event whose wake-up could not be sent is due, and the relay's beat run publishes it.
+    """
+    import redis
+
+    from .tasks import outbox_relay
+    from .throttle import redis_client
+
+    client, key = redis_client(), _relay_queued_key()
+    try:
+        if not client.set(key, "1", nx=True, px=RELAY_QUEUED_TTL_MS):
+            return  # a run is queued and has not started: it will find these rows
+    except (redis.RedisError, OSError) as exc:  # no flag to share: queue a run of our own
+        logger.warning("outbox: could not read the relay's flag (%s); queueing a run", exc.__class__.__name__)
+        client = None
+    try:
+        outbox_relay.apply_async(retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1,
+                                                           "interval_step": 0.1})
+    except Exception:  # noqa: BLE001 - any broker error: the rows are due, the beat run publishes them
+        logger.warning("could not queue the outbox relay; its beat run will publish the events", exc_info=True)
+        if client is not None:  # let the next commit try again rather than wait out the flag
+            try:
+                client.delete(key)
+            except (redis.RedisError, OSError):
+                pass
+
+
+def _relay_started() -> None:
+    """A relay run is starting: clear the flag first, so a commit after this point queues the next run
+    (this one may already have looked past its row)."""
+    import redis
+
+    from .throttle import redis_client
+
+    try:
+        redis_client().delete(_relay_queued_key())
+    except (redis.RedisError, OSError) as exc:  # the flag expires by itself
+        logger.warning("outbox: could not clear the relay's flag (%s)", exc.__class__.__name__)
+
+
 def _due_now(outbox_ids: list[int]) -> None:
     """Hand events whose message could not be sent to the relay's next run (not after a lease)."""
     try:
@@ -152,8 +208,7 @@ def _due_now(outbox_ids: list[int]) -> None:
 def _after_commit(event: str, payload: dict[str, Any], outbox_id: int | None, background_inline: bool) -> None:
     _run(_handlers(_subscribers, event), event, payload)
     if outbox_id is not None:
-        if not _publish(outbox_id):
-            _due_now([outbox_id])
+        _wake_relay()
     elif background_inline:
         # The payload as a worker would get it, so the in-process suite meets JSON too.
         dispatch_background(event, json.loads(_jsonable(payload)))
@@ -170,7 +225,7 @@ def emit(event: str, **payload: Any) -> None:
     outbox_id = None
     if background and not background_inline:
         with connection.cursor() as cur:
-            cur.execute(_OUTBOX_INSERT, [event, _jsonable(payload), OUTBOX_PUBLISH_LEASE_S])
+            cur.execute(_OUTBOX_INSERT, [event, _jsonable(payload)])
             outbox_id = cur.fetchone()[0]
     transaction.on_commit(lambda: _after_commit(event, payload, outbox_id, background_inline))
 
@@ -224,7 +279,8 @@ def _dispatch_locked(outbox_id: int) -> str:
 
 
 def outbox_relay(*, limit: int = 500) -> list[int]:
-    """Publish the outbox events that are due (never sent, lost, their worker died, or to retry)."""
+    """Publish the outbox events that are due (just committed, lost, their worker died, or to retry)."""
+    _relay_started()
     with transaction.atomic():
         with connection.cursor() as cur:
             cur.execute(_OUTBOX_DUE, [OUTBOX_PUBLISH_LEASE_S, OUTBOX_MAX_ATTEMPTS, limit])

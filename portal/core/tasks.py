@@ -24,7 +24,8 @@ def dispatch_event(outbox_id: int | str, payload: dict[str, Any] | None = None) 
 
 @shared_task(name="core.outbox_relay", ignore_result=True)
 def outbox_relay() -> int:
-    """Publish again the outbox events whose message never left or was lost; return how many."""
+    """Publish the due outbox events (woken by a commit, or beat's run for those whose message never left or
+    was lost); return how many."""
     from . import events
 
     return len(events.outbox_relay())
