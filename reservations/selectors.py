@@ -226,12 +226,24 @@ def _peaks(sql: str, params: dict[str, Any]) -> dict[int, int]:
         return {pool_id: int(peak or 0) for pool_id, peak in cur.fetchall()}
 
 
+# tenant_peak_usage as a scalar subquery (0 when nothing is held), for a statement that reads it along with
+# other things (the booking's rights, after its quota lock); its parameters are peak_params(...).
+PEAK_ONE_POOL_SCALAR = f"(SELECT coalesce(max(peak), 0) FROM ({_PEAK_ONE_POOL_SQL}) AS peaks(pool_id, peak))"  # noqa: S608
+
+
+def peak_params(
+    *, tenant_id: int, pool_id: int, start: datetime, end: datetime, exclude_reservation_id: int | None = None
+) -> dict[str, Any]:
+    return {"tenant": tenant_id, "pool": pool_id, "start": start, "end": end, "statuses": list(HOLDING_STATUSES),
+            "exclude": exclude_reservation_id or 0}
+
+
 def tenant_peak_usage(
     *, tenant_id: int, pool_id: int, start: datetime, end: datetime, exclude_reservation_id: int | None = None
 ) -> int:
     """Return the most nodes the tenant holds in the pool at any instant of [start, end)."""
-    params = {"tenant": tenant_id, "pool": pool_id, "start": start, "end": end,
-              "exclude": exclude_reservation_id or 0}
+    params = peak_params(tenant_id=tenant_id, pool_id=pool_id, start=start, end=end,
+                         exclude_reservation_id=exclude_reservation_id)
     return _peaks(_PEAK_ONE_POOL_SQL, params).get(pool_id, 0)
 
 

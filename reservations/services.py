@@ -231,23 +231,34 @@ _QUOTA_LOCK_SQL = (
 # waits for this booking's commit; without it a booking read the old flag, queued at its commit on
 # the change's lock, and committed as burst after burst was disabled. Services that update the tenant
 # row for other fields lock it FOR NO KEY UPDATE, which does not conflict.
+# The same statement reads the tenant's peak use of the pool over the window (selectors.tenant_peak_usage): its
+# snapshot is taken after the quota lock was granted (the statement before), so every booking of the tenant
+# in the pool that held the lock before this one is counted — the only order the peak depends on.
+# Constant fragments only, no input.
 _RIGHTS_SQL = (
-    "SELECT t.burst_enabled, m.role FROM tenants_tenant t JOIN tenants_membership m"
-    " ON m.tenant_id = t.id AND m.user_id = %s WHERE t.id = %s FOR SHARE OF m FOR KEY SHARE OF t"
+    f"SELECT t.burst_enabled, m.role, {selectors.PEAK_ONE_POOL_SCALAR} FROM tenants_tenant t"  # noqa: S608
+    " JOIN tenants_membership m ON m.tenant_id = t.id AND m.user_id = %(actor)s WHERE t.id = %(tenant)s"
+    " FOR SHARE OF m FOR KEY SHARE OF t"
 )
-_BURST_SQL = "SELECT burst_enabled FROM tenants_tenant WHERE id = %s FOR KEY SHARE"
+_BURST_SQL = (f"SELECT burst_enabled, 'staff', {selectors.PEAK_ONE_POOL_SCALAR} FROM tenants_tenant"  # noqa: S608
+              " WHERE id = %(tenant)s FOR KEY SHARE")
 
 
-def _rights_now(*, actor: Any, tenant: Tenant, owner_id: int | None) -> bool:
-    """Check the actor may still book (or change owner_id's booking) for tenant; return its burst flag."""
+def _rights_and_peak(
+    *, actor: Any, tenant: Tenant, pool: Pool, start: datetime, end: datetime, exclude_reservation_id: int | None,
+    owner_id: int | None,
+) -> tuple[bool, int]:
+    """Check the actor may still book (or change owner_id's booking) for tenant; return its burst flag and the
+    tenant's peak use of pool over [start, end) (exclude_reservation_id left out). Call after the quota lock."""
+    params = selectors.peak_params(tenant_id=tenant.pk, pool_id=pool.pk, start=start, end=end,
+                                   exclude_reservation_id=exclude_reservation_id)
+    staff = actor is None or getattr(actor, "is_staff", False)
     with connection.cursor() as cur:
-        if actor is None or getattr(actor, "is_staff", False):
-            cur.execute(_BURST_SQL, [tenant.pk])
-            return bool(cur.fetchone()[0])
-        cur.execute(_RIGHTS_SQL, [actor.pk, tenant.pk])
+        cur.execute(_BURST_SQL if staff else _RIGHTS_SQL, {**params, "actor": _actor_id(actor)})
         row = cur.fetchone()
-    _judge_role(row and row[1], roles=BOOKING_ROLES, actor=actor, owner_id=owner_id)
-    return bool(row[0])
+    if not staff:
+        _judge_role(row and row[1], roles=BOOKING_ROLES, actor=actor, owner_id=owner_id)
+    return bool(row[0]), int(row[2])
 
 
 def _classify_billing(
@@ -271,13 +282,11 @@ def _classify_billing(
     max_nodes, burst_nodes, max_duration_hours, slot_minutes = row
     if slot_minutes != pool.slot_minutes:  # changed since the window was checked: judge it on the grid now
         _raise_if(_grid_errors(start=start, end=end, slot_minutes=slot_minutes))
-    burst_enabled = _rights_now(actor=actor, tenant=tenant, owner_id=owner_id)
+    burst_enabled, peak = _rights_and_peak(actor=actor, tenant=tenant, pool=pool, start=start, end=end,
+                                           exclude_reservation_id=exclude_reservation_id, owner_id=owner_id)
     hours = (end - start).total_seconds() / 3600
     if max_duration_hours is not None and hours > max_duration_hours:
         raise QuotaExceeded(f"{hours:g} h is longer than the {max_duration_hours} h allowed in {pool.name}.")
-    peak = selectors.tenant_peak_usage(
-        tenant_id=tenant.pk, pool_id=pool.pk, start=start, end=end, exclude_reservation_id=exclude_reservation_id
-    )
     if peak + node_count <= max_nodes:
         return Billing.COMMITTED, 0
     limit = max_nodes + (burst_nodes if burst_enabled else 0)

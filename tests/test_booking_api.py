@@ -340,11 +340,11 @@ def test_booking_reads_the_role_and_pool_size_with_the_tenant_and_pool(world, t0
     statements = [q["sql"].lstrip() for q in captured.captured_queries]
     assert not any(s.startswith('SELECT "tenants_membership"') for s in statements), statements
     assert not any(s.startswith("SELECT COUNT(") for s in statements), statements
-    # token, pool (+ size), tenant (+ role), quota lock, the role and burst flag again under it, peak, free
-    # nodes, node locks, insert (if the nodes are still available), audit (the tests run events inline, so
-    # no outbox row)
+    # token, pool (+ size), tenant (+ role), quota lock, the role and burst flag again under it with the peak,
+    # free nodes, node locks, insert (if the nodes are still available), audit (the tests run events inline,
+    # so no outbox row)
     reads_and_writes = [s[:60] for s in statements if s.split()[0].upper() in ("SELECT", "WITH", "INSERT")]
-    assert len(reads_and_writes) == 10, reads_and_writes
+    assert len(reads_and_writes) == 9, reads_and_writes
 
 
 def test_role_annotation_answers_only_for_the_user_it_was_read_for(world):

@@ -27,15 +27,15 @@ def test_bookings_of_two_tenants_in_one_pool_do_not_wait_for_each_other(monkeypa
     world = make_world(nodes=4, max_nodes=2, burst_nodes=0)
     alpha_holds_quota = threading.Event()
     beta_done = threading.Event()
-    real_peak = selectors.tenant_peak_usage
+    real_free_nodes = selectors.free_nodes
 
-    def peak(**kwargs):
+    def free_nodes(**kwargs):  # the booking's next step after its quota lock and peak
         if threading.current_thread().name == "alpha":
             alpha_holds_quota.set()
             beta_done.wait(30)  # keep the transaction open, quota row locked, until beta is through
-        return real_peak(**kwargs)
+        return real_free_nodes(**kwargs)
 
-    monkeypatch.setattr(selectors, "tenant_peak_usage", peak)
+    monkeypatch.setattr(selectors, "free_nodes", free_nodes)
     results: dict[str, object] = {}
 
     def book(who: str) -> None:
