@@ -223,6 +223,31 @@ def test_broker_down_keeps_the_event_for_the_relay(outboxed, handlers, broker, m
     assert not OutboxEvent.objects.exists()
 
 
+def test_a_wake_up_publishes_more_due_events_than_one_batch(outboxed, handlers, broker,
+                                                         django_capture_on_commit_callbacks):
+    """A transaction (or a burst of commits while one relay run is queued) leaves more events than a batch: the
+    woken run publishes them all, not one batch and the rest to the beat's runs (a batch every 15 s)."""
+    with django_capture_on_commit_callbacks(execute=True):
+        for i in range(12):
+            events.emit("test.happened", thing_id=i)
+    assert queued_tasks(broker) == [("core.outbox_relay", [])]  # one wake-up for the transaction
+    broker.delete("default")
+    rows = sorted(OutboxEvent.objects.values_list("id", flat=True))
+    assert events.outbox_relay(limit=5) == rows  # three batches: 5, 5, 2
+    assert [body[0] for _, body in queued_tasks(broker)] == rows[::-1]  # kombu pushes left
+    assert not OutboxEvent.objects.filter(available_at__lte=timezone.now()).exists()  # none left for the beat
+
+
+def test_a_relay_run_stops_at_a_batch_the_broker_refused(outboxed, handlers, broker, monkeypatch,
+                                                         django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        for i in range(12):
+            events.emit("test.happened", thing_id=i)
+    monkeypatch.setattr(tasks.dispatch_event, "apply_async", refuse)
+    assert events.outbox_relay(limit=5) == []  # one batch tried, handed back due; no loop over the same rows
+    assert OutboxEvent.objects.filter(available_at__lte=timezone.now()).count() == 12
+
+
 def test_the_relay_repeats_only_events_whose_lease_passed(outboxed, handlers, broker,
                                                           django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
