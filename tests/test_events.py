@@ -317,6 +317,29 @@ def test_a_poison_event_stops_after_the_last_attempt(outboxed, handlers, broker,
     assert "left for an operator" in caplog.text
 
 
+def test_stuck_events_are_reported_at_the_beats_pace_not_per_wake_up(outboxed, handlers, broker, monkeypatch,
+                                                                      django_capture_on_commit_callbacks, caplog):
+    """Every commit now wakes a relay run: one stuck event must not turn each of them into an ERROR line (and a
+    count over the whole table); a worker reports it as often as the beat runs the relay."""
+    with django_capture_on_commit_callbacks(execute=True):
+        events.emit("test.happened", thing_id=14)
+    OutboxEvent.objects.update(attempts=events.OUTBOX_MAX_ATTEMPTS)
+    clock = [1000.0]
+    monkeypatch.setattr(events.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(events, "_stuck_reported_at", None)
+
+    def reports():
+        return sum("left for an operator" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+
+    with caplog.at_level(logging.ERROR):
+        for _ in range(20):  # twenty bookings' wake-ups within a second
+            events.outbox_relay()
+        assert reports() == 1
+        clock[0] += events.OUTBOX_STUCK_REPORT_S
+        events.outbox_relay()
+        assert reports() == 2  # still said, at the beat's pace
+
+
 def test_a_claimed_event_is_held_for_the_task_time_limit(outboxed, handlers, broker, settings,
                                                          django_capture_on_commit_callbacks):
     """While its worker is still within the task time limit, the relay does not send it to another."""

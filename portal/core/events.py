@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -101,6 +102,10 @@ OUTBOX_MAX_ATTEMPTS = 10
 # A claim whose subscribers failed is retried after attempts × this, at most the cap.
 OUTBOX_RETRY_STEP_S = 60
 OUTBOX_RETRY_MAX_S = 900
+# How often a worker process says, in its log, that events are stuck: the beat's relay pace (every commit wakes
+# a run, and a count over the whole table each time would say it per booking).
+OUTBOX_STUCK_REPORT_S = 15
+_stuck_reported_at: float | None = None
 
 # Due at once: the relay publishes it (and leases it for OUTBOX_PUBLISH_LEASE_S) as soon as it runs.
 # clock_timestamp(), not now(): now() is the start of the transaction, which for an event
@@ -297,11 +302,21 @@ def outbox_relay(*, limit: int = 500) -> list[int]:
             break
         if len(due) < limit:
             break
+    _report_stuck()
+    return sent
+
+
+def _report_stuck() -> None:
+    """Log the stuck events, at most once per OUTBOX_STUCK_REPORT_S in this process (PortalOutboxStuck alerts)."""
+    global _stuck_reported_at
+    now = time.monotonic()
+    if _stuck_reported_at is not None and now - _stuck_reported_at < OUTBOX_STUCK_REPORT_S:
+        return
+    _stuck_reported_at = now
     stuck = _stuck_count()
     if stuck:
         logger.error("%d outbox events were claimed %d times without finishing; left for an operator",
                      stuck, OUTBOX_MAX_ATTEMPTS)
-    return sent
 
 
 def outbox_requeue(outbox_ids: list[int], *, actor: Any = None) -> int:
