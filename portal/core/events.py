@@ -123,10 +123,14 @@ _OUTBOX_CLAIM = (
     " available_at = clock_timestamp() + make_interval(secs => %s)"
     " WHERE id = %s AND attempts < %s RETURNING event, payload, attempts"
 )
+# The due rows through the available_at index: clock_timestamp() compared row by row is volatile, no index
+# condition, and the scan walked every leased row (sent, waiting for a worker) on each run; as a sub-select
+# it is read once, when the statement runs (after its snapshot: a row committed before it is due by it).
+# ARRAY(...) has the update find the rows by id, not hash-join a scan of the whole table.
 _OUTBOX_DUE = (
-    "UPDATE core_outboxevent SET available_at = clock_timestamp() + make_interval(secs => %s) WHERE id IN ("
-    "  SELECT id FROM core_outboxevent WHERE available_at <= clock_timestamp() AND attempts < %s"
-    "  ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id"
+    "UPDATE core_outboxevent SET available_at = clock_timestamp() + make_interval(secs => %s) WHERE id = ANY(ARRAY("
+    "  SELECT id FROM core_outboxevent WHERE available_at <= (SELECT clock_timestamp()) AND attempts < %s"
+    "  ORDER BY available_at LIMIT %s FOR UPDATE SKIP LOCKED)) RETURNING id"
 )
 
 
