@@ -548,3 +548,24 @@ def test_a_copy_after_its_worker_died_goes_ahead_at_once(outboxed, handlers, bro
     assert outcome == "done"
     assert [name for name, _, _ in handlers if name != "inline"] == ["bg1", "bg2"]
     assert not OutboxEvent.objects.exists()
+
+
+def test_eager_tasks_run_the_woken_relay_inline_and_an_event_a_subscriber_emits(outboxed, handlers, broker, eager,
+                                                                               django_capture_on_commit_callbacks):
+    """CELERY_TASK_ALWAYS_EAGER (a developer's setup): the commit's wake-up runs the relay in the process, which
+    runs each event's background subscribers; one of them emitting an event wakes a nested run that finds it."""
+    def chain(event, payload):
+        if payload["thing_id"] < 3:
+            with transaction.atomic():
+                events.emit("test.happened", thing_id=payload["thing_id"] + 1)
+
+    events.subscribe("test.happened", chain, background=True)
+    try:
+        with django_capture_on_commit_callbacks(execute=True):
+            events.emit("test.happened", thing_id=0)
+            events.emit("test.happened", thing_id=10)
+    finally:
+        events.unsubscribe("test.happened", chain)
+    assert sorted(p["thing_id"] for name, _, p in handlers if name == "bg1") == [0, 1, 2, 3, 10]
+    assert not OutboxEvent.objects.exists()  # every one handled, none left for the beat
+    assert not relay_queued(broker) and queued_tasks(broker) == []
