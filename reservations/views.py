@@ -73,6 +73,10 @@ FLEET_PAGE_SIZE = 100
 # Hooks for later work (virtual clusters, credentials, health): the first template that exists wins.
 CLUSTER_TEMPLATES = ["provisioning/_reservation_cluster.html", "reservations/_cluster_placeholder.html"]
 # The reservation page's poll of its cluster card (only a cluster's card polls: without provisioning, nothing does).
+# While the cluster comes up it polls every 3 s; once the booking is under way (Active) nothing follows its status
+# for a while, but a node can still fail and be swapped for a spare: the card goes on polling, this much slower, for
+# the Nodes card and the timeline (sent only when they changed), until the booking is no longer active.
+ACTIVE_POLL_SECONDS = 15
 CLUSTER_POLL_TEMPLATES = ["provisioning/_reservation_cluster_poll.html", "reservations/_cluster_placeholder.html"]
 CLUSTER_BADGE_TEMPLATES = ["provisioning/_cluster_badge.html", "reservations/_cluster_badge_placeholder.html"]
 
@@ -509,7 +513,7 @@ def _instant(value) -> datetime | None:
 
 def _history(reservation) -> list:
     """The status timeline; a changed start or end as instants (the audit keeps UTC text), so the page
-    shows them in the user's zone like every other time on it."""
+    shows them in the user's zone like every other time on it, and a node swap's two nodes."""
     entries = list(selectors.reservation_history(reservation=reservation))
     for h in entries:
         before, after = h.before or {}, h.after or {}
@@ -518,7 +522,23 @@ def _history(reservation) -> list:
             for key, label in (("start", "start"), ("end", "end"))
             if before.get(key) and after.get(key) and before[key] != after[key]
         ]
+        # A node swap names the node that left and the one that took over ("" when no spare was free); not the
+        # audit's reason (a health failure's words), which staff read on the node's page.
+        h.swap = (after["failed"], after.get("spare") or "") \
+            if h.action == "reservation.replace_node" and after.get("failed") else None
     return entries
+
+
+def _fingerprint(*parts) -> str:
+    """A short digest of what a polled part of the page shows: the poll sends it back, and the part comes again
+    only when it differs."""
+    return f"{zlib.crc32(repr(parts).encode()):08x}"
+
+
+def _held_nodes(reservation) -> list[tuple[str, str, str]]:
+    """The nodes the booking holds now, as the Nodes card shows them: (hostname, state, state in words)."""
+    return sorted((a.node.hostname, a.node.state, a.node.get_state_display())
+                  for a in reservation.active_allocations)
 
 
 def _detail_context(request, reservation) -> dict:
@@ -534,10 +554,20 @@ def _detail_context(request, reservation) -> dict:
         for label, delta in (("+1 slot", slot), ("+4 hours", timedelta(hours=4)), ("+1 day", timedelta(days=1)))
         if delta >= slot and delta % slot == timedelta(0)
     ]
+    held = _held_nodes(reservation)
+    history = _history(reservation)
+    # What the Nodes card and the timeline show, in a few characters: the poll says them back (see
+    # reservation_detail). The timeline is the booking's audit trail, which only grows.
+    nodes_shown = _fingerprint(held, reservation.missing_nodes)
+    timeline_shown = f"{len(history)}-{history[-1].pk}" if history else "0"
+    page_url = reverse("reservation-page", args=[reservation.pk])
     return {
         "reservation": reservation,
-        "nodes": sorted(a.node.hostname for a in reservation.active_allocations),
-        "history": _history(reservation),
+        "nodes": [hostname for hostname, _, _ in held],
+        "held_nodes": held,
+        "history": history,
+        "nodes_shown": nodes_shown,
+        "timeline_shown": timeline_shown,
         "changeable": changeable,
         # Its cluster torn down early, an ending booking can still be cancelled but never given a new end.
         "extendable": changeable and reservation.status != ReservationStatus.ENDING,
@@ -549,8 +579,11 @@ def _detail_context(request, reservation) -> dict:
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,
         "cluster_template": select_template(CLUSTER_TEMPLATES).template.name,
-        # The cluster card polls the page itself, saying which status the page shows (see reservation_detail).
-        "cluster_poll_url": f"{reverse('reservation-page', args=[reservation.pk])}?shown={reservation.status}",
+        # The cluster card polls the page itself, saying which status, nodes and timeline the page shows (see
+        # reservation_detail); an active booking's page goes on polling, slowly, while its nodes can change.
+        "cluster_poll_url": f"{page_url}?shown={reservation.status}&nodes={nodes_shown}&timeline={timeline_shown}",
+        "cluster_watch_every": (f"{ACTIVE_POLL_SECONDS}s" if reservation.status == ReservationStatus.ACTIVE
+                                and reservation.end > now else None),
         "now": now,
     }
 
@@ -583,8 +616,11 @@ def reservation_detail(request, pk: int):
     if request.headers.get("HX-Request") and "shown" in request.GET:
         # The cluster card's poll: the card, and the parts that follow the booking's status when it moved on
         # from the one the page shows (not every time: a form being filled in beside them is left alone).
+        # The Nodes card and the timeline likewise, when they no longer show what the page has (a node swapped).
         context.update(cluster_poll_template=select_template(CLUSTER_POLL_TEMPLATES).template.name,
-                       status_moved=request.GET["shown"] != reservation.status)
+                       status_moved=request.GET["shown"] != reservation.status,
+                       nodes_moved=request.GET.get("nodes") != context["nodes_shown"],
+                       timeline_moved=request.GET.get("timeline") != context["timeline_shown"])
         return render_page(request, "reservations/_detail_poll.html", context)
     return render_page(request, "reservations/detail.html", context)
 

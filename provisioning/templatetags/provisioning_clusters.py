@@ -31,6 +31,11 @@ def _reservation_panel(context, reservation) -> dict:
         panel["polling"] = panel["polling"] or (
             reservation.status in (ReservationStatus.CONFIRMED, ReservationStatus.PROVISIONING)
             and cluster.status not in TERMINAL_STATUSES)
+        # Under way, a booking's node can still fail and be swapped for a spare: the page says how often it goes on
+        # looking (slower) for its Nodes card and timeline (cluster_watch_every, none once the booking is over).
+        watch_every = context.get("cluster_watch_every")
+        if not panel["polling"] and watch_every and cluster.status not in TERMINAL_STATUSES:
+            panel["polling"], panel["poll_every"] = True, watch_every
     return panel
 
 

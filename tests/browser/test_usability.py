@@ -428,8 +428,8 @@ def test_a_reservation_watched_until_its_cluster_is_ready_shows_its_new_status_w
     """A team watching its new cluster come up on the reservation page saw the cluster reach Ready, but the
     header's status badge, the lifecycle line and the actions beside the booking kept the status the page
     loaded with (Confirmed) until a reload: only the cluster part was polled. Each poll now brings the
-    booking's status parts too (htmx out-of-band, when the status moved on), and polling stops once the
-    booking is under way with its cluster handed over."""
+    booking's status parts too (htmx out-of-band, when the status moved on), and polling slows down once the
+    booking is under way with its cluster handed over (from every 3 s to every 15 s: only its nodes can change)."""
     from datetime import timedelta
 
     from provisioning import services as provisioning
@@ -469,8 +469,11 @@ def test_a_reservation_watched_until_its_cluster_is_ready_shows_its_new_status_w
     expect(page.get_by_role("button", name=re.compile(r"^\+4 hours"))).to_be_visible()
     expect(page.get_by_role("button", name="Tear down now")).to_be_visible()
 
-    # nothing more will change for a while: polling has stopped
-    expect(page.locator("[hx-trigger^=every]")).to_have_count(0)
+    # nothing more follows its status for a while: the 3 s polling has stopped; the card goes on looking, every
+    # 15 s, only for a node swapped under the running booking (test_reservation_nodes_live)
+    expect(page.locator("[hx-trigger='every 3s']")).to_have_count(0)
+    expect(page.locator("[hx-trigger^=every]")).to_have_count(1)
+    expect(page.locator("#cluster-status")).to_have_attribute("hx-trigger", "every 15s")
     seen = len(polls)
     page.wait_for_timeout(4_000)
     assert len(polls) == seen

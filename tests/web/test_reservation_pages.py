@@ -433,7 +433,8 @@ def test_the_pages_cluster_poll_brings_the_status_parts_only_when_the_status_mov
     client = web("alpha-lead")
     page = client.get(f"/reservations/{r.pk}/").content.decode()
     card = re.search(r'<section[^>]*id="cluster-status"[^>]*>', page).group(0)
-    assert f'hx-get="/reservations/{r.pk}/?shown=confirmed"' in card and 'hx-trigger="every 3s"' in card
+    assert re.search(rf'hx-get="/reservations/{r.pk}/\?shown=confirmed&amp;nodes=[0-9a-f]{{8}}&amp;timeline=[0-9-]+"',
+                     card) and 'hx-trigger="every 3s"' in card, card
     assert 'id="reservation-status-badge"' in page and 'id="reservation-actions"' in page
 
     same = client.get(f"/reservations/{r.pk}/", {"shown": "confirmed"}, **HTMX)
@@ -448,6 +449,116 @@ def test_the_pages_cluster_poll_brings_the_status_parts_only_when_the_status_mov
         assert f'id="{part}" hx-swap-oob="true"' in moved, part
     assert 'class="badge st-provisioning"' in moved
     assert re.search(r'data-status="provisioning"[^>]*aria-current="step"', moved)
-    assert f'hx-get="/reservations/{r.pk}/?shown=provisioning"' in moved  # the next poll says what it now shows
+    assert f'hx-get="/reservations/{r.pk}/?shown=provisioning&amp;' in moved  # the next poll says what it now shows
     # the cluster page's own card still polls the cluster page
     assert f'hx-get="/clusters/{cluster.pk}/"' in client.get(f"/clusters/{cluster.pk}/").content.decode()
+
+
+def _poll_url(body: str) -> str:
+    """The URL the cluster card polls next (as the browser reads the attribute)."""
+    import html
+
+    return html.unescape(re.search(r'<section[^>]*id="cluster-status"[^>]*hx-get="([^"]*)"', body).group(1))
+
+
+def test_the_pages_poll_brings_the_nodes_and_timeline_only_when_they_changed(world, web, book, t0):
+    """A lead watching an active booking's page while a node failed its health checks and was drained and replaced
+    (its allocation moved to a spare) kept seeing the old node in the Nodes card, and no swap in the timeline,
+    until a reload: the page's poll brought only the cluster card and the status parts, and it stopped polling
+    once the booking was active. The poll now says which nodes and which timeline the page shows; the answer
+    brings the Nodes card's list and the timeline out-of-band when they are no longer those (not every poll),
+    and an active booking's page goes on polling, more slowly, while its nodes can still change."""
+    from provisioning.models import VirtualCluster
+    from provisioning.services import cluster_create_for_reservation
+    from reservations.models import Reservation
+    from reservations.services import node_replace_allocations, node_update
+
+    r = book("alpha-lead", t0)
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    Reservation.objects.filter(pk=r.pk).update(status="active")
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="ready")
+    (old,) = [a.node for a in r.allocations.filter(active=True).select_related("node")]
+    client = web("alpha-viewer")  # a viewer sees the booking's nodes as the page shows them
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    card = re.search(r'<section[^>]*id="cluster-status"[^>]*>', page).group(0)
+    # active, its cluster handed over: the card still polls (its nodes can be swapped), but slowly
+    assert 'hx-trigger="every 15s"' in card, card
+    url = _poll_url(page)
+    assert url.startswith(f"/reservations/{r.pk}/?shown=active&nodes=") and "&timeline=" in url, url
+    assert re.search(r'<section[^>]*aria-labelledby="nodes-title"[^>]*>\s*<h2 id="nodes-title">Nodes</h2>\s*'
+                     r'<div id="reservation-nodes" aria-live="polite">', page)
+    assert re.search(r'<section[^>]*aria-labelledby="timeline-title"[^>]*>\s*<h2 id="timeline-title">'
+                     r'Status timeline</h2>\s*<ul id="reservation-timeline"', page)
+
+    same = client.get(url, **HTMX)
+    assert same.status_code == 200
+    body = same.content.decode()
+    assert 'id="cluster-status"' in body
+    assert "reservation-nodes" not in body and "reservation-timeline" not in body, body
+    assert _poll_url(body) == url
+
+    node_update(actor=world.users["staff"], node=old, state="draining", reason="health check failed")
+    draining = client.get(url, **HTMX).content.decode()
+    nodes = re.search(r'<div id="reservation-nodes" hx-swap-oob="innerHTML">(.*?)</div>', draining, re.S).group(1)
+    assert old.hostname in nodes and "Draining" in nodes, nodes
+    assert "reservation-timeline" not in draining  # the booking's record did not change
+    url = _poll_url(draining)
+
+    (outcome,) = node_replace_allocations(node=old, reason="XID 79")
+    assert outcome["result"] == "replaced"
+    spare = outcome["spare"]
+    swapped = client.get(url, **HTMX).content.decode()
+    nodes = re.search(r'<div id="reservation-nodes" hx-swap-oob="innerHTML">(.*?)</div>', swapped, re.S).group(1)
+    assert spare in nodes and old.hostname not in nodes, nodes
+    timeline = re.search(r'<ul id="reservation-timeline" class="timeline" hx-swap-oob="innerHTML">(.*?)</ul>',
+                         swapped, re.S).group(1)
+    assert "Node replaced" in timeline and f"{old.hostname} → {spare}" in timeline, timeline
+    assert "XID" not in timeline  # the reason stays with staff
+    # the status did not move: the badge and the booking's actions (a form being typed in) are left alone
+    assert "reservation-status-badge" not in swapped and "reservation-actions" not in swapped
+    url = _poll_url(swapped)
+    settled = client.get(url, **HTMX).content.decode()
+    assert "reservation-nodes" not in settled and "reservation-timeline" not in settled
+    assert spare in client.get(f"/reservations/{r.pk}/").content.decode()
+
+    # another tenant's poll learns nothing
+    assert web("beta-lead").get(url, **HTMX).status_code == 404
+
+
+def test_the_pages_poll_stops_once_the_booking_is_over(world, web, book, t0):
+    """The slower poll of an active booking's nodes ends with the booking: an ended one's page does not poll."""
+    from provisioning.models import VirtualCluster
+    from provisioning.services import cluster_create_for_reservation
+    from reservations.models import Reservation
+
+    r = book("alpha-lead", t0)
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="ready")
+    Reservation.objects.filter(pk=r.pk).update(status="completed")
+    page = web("alpha-lead").get(f"/reservations/{r.pk}/").content.decode()
+    assert 'id="cluster-status"' in page and "hx-trigger" not in page
+
+
+def test_the_pages_poll_says_when_a_failed_node_found_no_spare(world, web, book, t0):
+    """A node failing under an active booking with no spare free leaves it a node short: the poll brings the Nodes
+    card saying so, and the timeline entry names the node lost."""
+    from provisioning.services import cluster_create_for_reservation
+    from reservations.models import Reservation
+    from reservations.services import node_replace_allocations, node_update
+
+    r = book("alpha-lead", t0)
+    cluster_create_for_reservation(reservation_id=r.pk)
+    Reservation.objects.filter(pk=r.pk).update(status="active")
+    (old,) = [a.node for a in r.allocations.filter(active=True).select_related("node")]
+    for node in world.nodes:
+        if node.pk != old.pk:
+            node_update(actor=world.users["staff"], node=node, state="maintenance")
+    client = web("alpha-lead")
+    url = _poll_url(client.get(f"/reservations/{r.pk}/").content.decode())
+    node_update(actor=world.users["staff"], node=old, state="failed")
+    (outcome,) = node_replace_allocations(node=old)
+    assert outcome["result"] == "degraded"
+    body = client.get(url, **HTMX).content.decode()
+    nodes = re.search(r'<div id="reservation-nodes" hx-swap-oob="innerHTML">(.*?)</div>', body, re.S).group(1)
+    assert "No nodes held" in nodes and "1 node short: no spare node was free to replace it." in nodes, nodes
+    assert f"{old.hostname} → no spare free" in body
