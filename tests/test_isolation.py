@@ -56,7 +56,7 @@ ENVELOPE = {401: "not_authenticated", 403: "permission_denied", 404: "not_found"
 def test_object_matrix(world, booked, t0, endpoint, method, who, expected):
     url = object_urls(world, booked)[endpoint]
     body = dict(BODIES.get(method, {}))
-    if endpoint == "reservation":
+    if endpoint == "reservation" and method != "get":  # a GET's data is its query string, which it takes none of
         body = {"end": iso(t0 + timedelta(hours=3)), "name": "pwned"}
     before = Reservation.objects.get(pk=booked["alpha"]["id"])
     r = getattr(world.client(who), method)(url, body, format="json")

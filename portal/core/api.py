@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from django.conf import settings
@@ -15,7 +16,8 @@ from rest_framework.views import set_rollback
 
 from .exceptions import Busy, DomainError, is_transient
 
-__all__ = ["exception_handler", "envelope", "validated", "no_body", "known_query", "json_400", "json_404", "json_500"]
+__all__ = ["exception_handler", "envelope", "validated", "no_body", "known_query", "KnownQuery", "json_400", "json_404",
+           "json_500"]
 
 
 def envelope(code: str, detail: str, fields: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -165,14 +167,61 @@ def no_body(request) -> None:
 
 
 def known_query(request, names) -> None:
-    """Refuse a query parameter the read does not take (names, and ?format=): a typo (?statu=cancelled) or a
-    filter it does not have (?pool= on the node list) is malformed input, a 400 naming it, not ignored while
-    the whole list is answered as though it were filtered."""
+    """Refuse a query parameter the request does not take (names, and ?format=): a typo (?statu=cancelled), a
+    filter the list does not have (?pool= on the node list) or a wish the route has no notion of
+    (?dry_run=1 on a change, ?force=true on a cancel) is malformed input, a 400 naming it, not ignored while
+    the request is answered, or carried out, as though it had been understood."""
     from rest_framework.settings import api_settings
 
     allowed = set(names) | {api_settings.URL_FORMAT_OVERRIDE}
     unknown = sorted(set(request.query_params) - allowed)
     if unknown:
-        takes = ", ".join(sorted(set(names))) or "none but page and page_size"
-        why = f"Unknown query parameter; this read takes {takes}."
+        takes = ", ".join(sorted(set(names))) or "none"
+        why = f"Unknown query parameter; this request takes {takes}."
         raise drf.ValidationError({name: why for name in unknown})
+
+
+@functools.cache
+def _field_names(serializer_class) -> frozenset[str]:
+    # Once per class: a serializer's fields are built (deep-copied) on each instance.
+    return frozenset(serializer_class().fields)
+
+
+class KnownQuery:
+    """Mixed into every API view (before DRF's classes): the query parameters a request may carry are the ones
+    its route documents, and any other is refused (known_query) before the handler runs, so a refused write
+    changes nothing and a refused read reads nothing.
+
+    A route takes
+    - on a list (a viewset's "list" action, a ListAPIView's GET): the view's filter_params (or its
+      django-filter filterset_fields) and the paginator's page and page size;
+    - on any route: the fields of the view's query_serializer, where it has one (availability, usage);
+    - and ?format= everywhere (DRF's format override; portal.core.drf.ContentNegotiation judges its value).
+    Nothing else: a detail read, a change or an action takes no query parameter.
+    """
+
+    filter_params: tuple[str, ...] = ()
+    query_serializer: Any = None
+
+    def query_params_taken(self) -> set[str]:
+        names = set(_field_names(self.query_serializer)) if self.query_serializer is not None else set()
+        if self.is_list_request():
+            names |= set(self.filter_params or getattr(self, "filterset_fields", None) or ())
+            paginator = getattr(self, "paginator", None)
+            if paginator is not None:
+                names |= {paginator.page_query_param, paginator.page_size_query_param} - {None}
+        return names
+
+    def is_list_request(self) -> bool:
+        from rest_framework.mixins import ListModelMixin
+
+        if hasattr(self, "action_map"):  # a viewset: its router-mapped action names the route
+            return getattr(self, "action", None) == "list"
+        return isinstance(self, ListModelMixin) and self.request.method in ("GET", "HEAD")
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)  # authentication, permissions, throttles first: 401/403/429
+        method = request.method.lower()
+        if method not in self.http_method_names or not hasattr(self, method):
+            return  # DRF answers 405 next: the method is judged before what it carries
+        known_query(request, self.query_params_taken())

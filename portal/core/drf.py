@@ -72,12 +72,7 @@ class Pagination(pagination.PageNumberPagination):
         # is no number (the default page) or cuts one over the maximum down to it; DESIGN §6 keeps 404 for
         # unknown objects (and, as the schema says, a page past the end) and answers malformed or
         # out-of-range input with 400 invalid naming the field.
-        # A parameter the list does not take (a typo of a filter, a filter it does not have) is refused by name:
-        # the list's filters are the view's filter_params (or its django-filter filterset_fields).
-        from .api import known_query
-
-        filters = getattr(view, "filter_params", None) or getattr(view, "filterset_fields", None) or ()
-        known_query(request, [*filters, self.page_query_param, self.page_size_query_param])
+        # A parameter the list does not take was refused before the view ran (portal.core.api.KnownQuery).
         page = request.query_params.get(self.page_query_param)
         if page is not None and page not in self.last_page_strings and _whole_number(page) < 1:
             raise exceptions.ValidationError({self.page_query_param: "A whole number, 1 or more."})

@@ -10,7 +10,7 @@ from rest_framework.decorators import action
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 
-from portal.core.api import no_body, validated
+from portal.core.api import KnownQuery, no_body, validated
 from portal.core.exceptions import NotFound
 
 from .. import selectors, services
@@ -20,7 +20,7 @@ from . import serializers as s
 
 # The list's filters (not the detail routes'), documented from the serializer that checks them.
 @extend_schema_view(list=extend_schema(parameters=[s.ClusterFilterSerializer]))
-class ClusterViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class ClusterViewSet(KnownQuery, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
     serializer_class = s.ClusterSerializer
     filter_backends: list = []

@@ -19,7 +19,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.core.api import validated
+from portal.core.api import KnownQuery, validated
 from portal.core.exceptions import NotFound
 from portal.core.fields import AwareDateTimeField, StrictCharField
 from reservations.models import Node
@@ -103,7 +103,7 @@ def _clusters_for(user):
     return VirtualCluster.objects.for_user(user)
 
 
-class ClusterHealthCheckCreateApi(APIView):
+class ClusterHealthCheckCreateApi(KnownQuery, APIView):
     permission_classes = [IsAuthenticated]
 
     @extend_schema(request=RequestInputSerializer, responses={202: RequestOutputSerializer})
@@ -124,7 +124,7 @@ class ClusterHealthCheckCreateApi(APIView):
 
 
 @extend_schema(parameters=[FilterSerializer])
-class HealthCheckListApi(generics.ListAPIView):
+class HealthCheckListApi(KnownQuery, generics.ListAPIView):
     permission_classes = [IsAuthenticated]
     serializer_class = HealthCheckSerializer
     filter_backends: list = []
@@ -157,7 +157,7 @@ class HealthCheckListApi(generics.ListAPIView):
         return qs.order_by("-created_at", "-pk")
 
 
-class HealthCheckDetailApi(generics.RetrieveAPIView):
+class HealthCheckDetailApi(KnownQuery, generics.RetrieveAPIView):
     permission_classes = [IsAuthenticated]
     serializer_class = HealthCheckDetailSerializer
 

@@ -12,7 +12,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.core.api import known_query, no_body, validated
+from portal.core.api import KnownQuery, no_body, validated
 from portal.core.exceptions import InvalidInput, PermissionDenied
 from portal.core.fields import AwareDateTimeField
 from portal.core.instrument import timed_booking
@@ -26,7 +26,7 @@ from ..timeutil import slot_floor
 from . import serializers as s
 
 
-class PoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class PoolViewSet(KnownQuery, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [StaffWritePermission]
     serializer_class = s.PoolSerializer
     lookup_field = "name"
@@ -43,7 +43,7 @@ class PoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         return Response(s.PoolSerializer(pool).data, status=status.HTTP_201_CREATED)
 
 
-class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class NodeViewSet(KnownQuery, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [StaffWritePermission]
     serializer_class = s.NodeSerializer
     filterset_fields = ["state"]
@@ -75,7 +75,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
 # The list's filters (not the detail routes'), documented from the serializer that checks them.
 @extend_schema_view(list=extend_schema(parameters=[s.ReservationFilterSerializer]))
-class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class ReservationViewSet(KnownQuery, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
     serializer_class = s.ReservationSerializer
     filter_backends = []
@@ -158,12 +158,12 @@ class ReservationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
         return self.get_serializer(fresh).data
 
 
-class AvailabilityApi(APIView):
+class AvailabilityApi(KnownQuery, APIView):
     permission_classes = [IsAuthenticated]
+    query_serializer = s.AvailabilityQuerySerializer
 
     @extend_schema(parameters=[s.AvailabilityQuerySerializer], responses={200: s.AvailabilitySerializer})
     def get(self, request):
-        known_query(request, s.AvailabilityQuerySerializer().fields)
         q = s.AvailabilityQuerySerializer(data=request.query_params.dict())
         q.is_valid(raise_exception=True)
         pool = q.validated_data["pool"]
@@ -196,7 +196,7 @@ class AvailabilityApi(APIView):
         return Response({"pool": pool.name, "total_nodes": total, "slots": body})
 
 
-class UsageApi(APIView):
+class UsageApi(KnownQuery, APIView):
     """GPU-hours per tenant and pool in a UTC calendar month, committed vs burst, with the burst cost.
 
     Leads read the tenants they lead, staff every tenant; members and viewers are refused.
@@ -206,12 +206,12 @@ class UsageApi(APIView):
     """
 
     permission_classes = [IsAuthenticated]
+    query_serializer = s.UsageQuerySerializer
 
     @extend_schema(parameters=[s.UsageQuerySerializer], responses={200: s.UsageSerializer})
     def get(self, request):
         from ..usage import parse_month, usage_tenant_ids
 
-        known_query(request, s.UsageQuerySerializer().fields)
         q = s.UsageQuerySerializer(data=request.query_params.dict())
         q.is_valid(raise_exception=True)
         month = parse_month(q.validated_data.get("month"))

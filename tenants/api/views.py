@@ -7,6 +7,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from portal.core.api import KnownQuery
 from portal.core.api import validated as _valid
 from portal.core.permissions import StaffOnlyPermission, StaffWritePermission
 
@@ -16,7 +17,7 @@ from ..models import Membership, Quota, Tenant
 from . import serializers as s
 
 
-class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class TenantViewSet(KnownQuery, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [StaffWritePermission]
     serializer_class = s.TenantOutputSerializer
     lookup_field = "slug"
@@ -39,7 +40,7 @@ class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         return Response(s.TenantOutputSerializer(tenant).data)
 
 
-class UserCreateApi(APIView):
+class UserCreateApi(KnownQuery, APIView):
     permission_classes = [StaffOnlyPermission]
 
     @extend_schema(request=s.UserInputSerializer, responses={201: s.UserOutputSerializer})
@@ -49,7 +50,7 @@ class UserCreateApi(APIView):
         return Response({"id": user.pk, "username": user.username}, status=status.HTTP_201_CREATED)
 
 
-class MembershipViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+class MembershipViewSet(KnownQuery, mixins.ListModelMixin, viewsets.GenericViewSet):
     permission_classes = [IsAuthenticated]
     serializer_class = s.MembershipOutputSerializer
 
@@ -72,7 +73,7 @@ class MembershipViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
         return Response(s.MembershipOutputSerializer(membership).data, status=status.HTTP_201_CREATED)
 
 
-class QuotaViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class QuotaViewSet(KnownQuery, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     permission_classes = [StaffWritePermission]
     serializer_class = s.QuotaOutputSerializer
 
