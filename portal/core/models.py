@@ -29,10 +29,11 @@ class OutboxEvent(models.Model):
     """A domain event waiting for its background subscribers: the transactional outbox.
 
     ``events.emit`` writes the row in the emitter's transaction, so the event exists exactly
-    when the change it announces does; after the commit one Celery message carries the id. The
-    worker runs the subscribers and deletes the row. A message that was never sent (the
-    process died after the commit, the broker was down) or was lost is sent again by the
-    relay (``core.outbox_relay``, beat) once ``available_at`` has passed.
+    when the change it announces does, due at once; after the commit the relay
+    (``core.outbox_relay``, woken by the commit or run by beat) sends one Celery message carrying
+    the id and leases the row. The worker runs the subscribers and deletes the row. A row whose
+    wake-up never left (the process died after the commit, Redis or the broker was down) or whose
+    message was lost is sent by the relay's next run once ``available_at`` has passed.
     """
 
     event = models.CharField(max_length=64)

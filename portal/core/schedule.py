@@ -1,8 +1,9 @@
 """Beat entries of the core app, merged into CELERY_BEAT_SCHEDULE by the settings (no Django imports here)."""
 
 BEAT: dict = {
-    # Domain events whose message never left the web process (it died after the commit, the
-    # broker was down) or was lost are published again once their lease has passed.
+    # The outbox relay's safety net: a commit wakes a run itself, and this one publishes the events
+    # whose wake-up never left (the web process died after the commit, Redis or the broker was down)
+    # or whose message was lost, once their lease has passed.
     "core-outbox-relay": {
         "task": "core.outbox_relay",
         "schedule": 15.0,

@@ -269,7 +269,8 @@ PORTAL_METRICS_ALLOWED_NETWORKS = env_list("PORTAL_METRICS_ALLOWED_NETWORKS", de
 PORTAL_READYZ_TIMEOUT = env.float("PORTAL_READYZ_TIMEOUT", default=2.0)
 PORTAL_CELERY_QUEUES = ["default", "provisioning", "health", "fleet", "notifications"]
 # Background event subscribers (cluster creation, notification fan-out) run in a worker: the event
-# is written to the outbox with the change and one core.dispatch_event message carries its id;
+# is written to the outbox with the change, and the relay (woken by the commit) sends one core.dispatch_event
+# message carrying its id;
 # True runs them in the emitting process after commit instead (portal/core/events.py).
 PORTAL_EVENTS_INLINE = env.bool("PORTAL_EVENTS_INLINE", default=False)
 

@@ -172,7 +172,8 @@ def test_booking_reaches_slack_and_the_signed_webhook(worker, world, t0, book, r
 
 
 def test_background_dispatch_reaches_the_receiver(worker, world, t0, book, receiver, webhook_for, settings):
-    """As in production: the booking only publishes core.dispatch_event; the worker fans out and delivers."""
+    """As in production: the booking only wakes the outbox relay; the worker publishes core.dispatch_event, fans
+    out and delivers."""
     settings.PORTAL_EVENTS_INLINE = False
     _, secret = webhook_for("alpha", receiver.url("/bg/hook"))
 
