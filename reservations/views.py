@@ -21,6 +21,7 @@ from django.shortcuts import get_object_or_404
 from django.template.loader import select_template
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.crypto import salted_hmac
 from django.utils.formats import date_format
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST, require_safe
@@ -557,9 +558,12 @@ def _detail_context(request, reservation) -> dict:
     held = _held_nodes(reservation)
     history = _history(reservation)
     # What the Nodes card and the timeline show, in a few characters: the poll says them back (see
-    # reservation_detail). The timeline is the booking's audit trail, which only grows.
+    # reservation_detail). The timeline is the booking's audit trail, which only grows: its length and last entry
+    # say whether it did, keyed with the site's secret, as the audit's ids are one sequence for the whole portal
+    # (the page must not let a tenant count what everyone else did between two of its own changes).
     nodes_shown = _fingerprint(held, reservation.missing_nodes)
-    timeline_shown = f"{len(history)}-{history[-1].pk}" if history else "0"
+    timeline_shown = salted_hmac("reservation-timeline", f"{len(history)}-{history[-1].pk if history else 0}",
+                                 algorithm="sha256").hexdigest()[:16]
     page_url = reverse("reservation-page", args=[reservation.pk])
     return {
         "reservation": reservation,

@@ -433,8 +433,8 @@ def test_the_pages_cluster_poll_brings_the_status_parts_only_when_the_status_mov
     client = web("alpha-lead")
     page = client.get(f"/reservations/{r.pk}/").content.decode()
     card = re.search(r'<section[^>]*id="cluster-status"[^>]*>', page).group(0)
-    assert re.search(rf'hx-get="/reservations/{r.pk}/\?shown=confirmed&amp;nodes=[0-9a-f]{{8}}&amp;timeline=[0-9-]+"',
-                     card) and 'hx-trigger="every 3s"' in card, card
+    assert re.search(rf'hx-get="/reservations/{r.pk}/\?shown=confirmed&amp;nodes=[0-9a-f]{{8}}'
+                     r'&amp;timeline=[0-9a-f]{16}"', card) and 'hx-trigger="every 3s"' in card, card
     assert 'id="reservation-status-badge"' in page and 'id="reservation-actions"' in page
 
     same = client.get(f"/reservations/{r.pk}/", {"shown": "confirmed"}, **HTMX)
@@ -562,3 +562,35 @@ def test_the_pages_poll_says_when_a_failed_node_found_no_spare(world, web, book,
     nodes = re.search(r'<div id="reservation-nodes" hx-swap-oob="innerHTML">(.*?)</div>', body, re.S).group(1)
     assert "No nodes held" in nodes and "1 node short: no spare node was free to replace it." in nodes, nodes
     assert f"{old.hostname} → no spare free" in body
+
+
+def test_the_pages_poll_does_not_show_the_portal_wide_audit_sequence(world, web, book, t0, settings):
+    """The poll's timeline marker was "<entries>-<last audit row id>": the audit log's ids are one sequence for the
+    whole portal, so any member or viewer could read it off the page, touch their own booking (a rename) and read
+    it again, and learn how much every other tenant and staff did in between. The marker now says only whether the
+    timeline changed: a digest keyed with the site's secret, from which no id can be read back."""
+    import html as html_lib
+
+    from portal.core.models import AuditLog
+    from provisioning.services import cluster_create_for_reservation
+
+    r = book("alpha-lead", t0)
+    cluster_create_for_reservation(reservation_id=r.pk)
+    client = web("alpha-viewer")
+    url = _poll_url(client.get(f"/reservations/{r.pk}/").content.decode())
+    timeline = re.search(r"[?&]timeline=([^&]*)", html_lib.unescape(url)).group(1)
+    last = AuditLog.objects.filter(object_type="reservations.reservation", object_id=str(r.pk)).order_by(
+        "created_at", "id").last()
+    assert last is not None
+    assert not re.search(rf"(?<![0-9a-f]){last.pk}(?![0-9a-f])", timeline), timeline
+    # keyed: the same timeline under another secret gives another marker (not an encoding of the id)
+    settings.SECRET_KEY_FALLBACKS = [settings.SECRET_KEY]  # the viewer stays signed in
+    settings.SECRET_KEY = settings.SECRET_KEY + "-other"
+    other = re.search(r"[?&]timeline=([^&]*)",
+                      _poll_url(client.get(f"/reservations/{r.pk}/").content.decode())).group(1)
+    assert other != timeline
+    # and the poll still brings the timeline only when it changed
+    same = client.get(f"/reservations/{r.pk}/?shown={r.status}&nodes=x&timeline={other}", **HTMX).content.decode()
+    assert "reservation-timeline" not in same
+    moved = client.get(f"/reservations/{r.pk}/?shown={r.status}&nodes=x&timeline={timeline}", **HTMX).content.decode()
+    assert "reservation-timeline" in moved
