@@ -2,8 +2,8 @@
 
 BEAT: dict = {
     # The outbox relay's safety net: a commit wakes a run itself, and this one publishes the events
-    # whose wake-up never left (the web process died after the commit, Redis or the broker was down)
-    # or whose message was lost, once their lease has passed.
+    # whose wake-up never left (the web process died after the commit, Redis or the broker was down:
+    # due at once) or whose message was lost (due once its lease has passed).
     "core-outbox-relay": {
         "task": "core.outbox_relay",
         "schedule": 15.0,
