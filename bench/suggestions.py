@@ -3,6 +3,8 @@
 
     .venv/bin/python bench/suggestions.py [--nodes 1000] [--allocations 50000] [--requests 30] [--reseed]
                                           [--check]
+    .venv/bin/python bench/suggestions.py --slot-minutes 1
+
 
 A capacity_unavailable refusal carries the nearest windows of the same length that would fit
 (DESIGN §4): services._capacity_error calls suggest_windows with the booking's window, earliest =
@@ -25,6 +27,13 @@ What it does:
    rather long windows, where the summary's bound is loose and many starts are counted exactly).
 3. Times suggest_windows for each (a warm-up pass first) and prints p50/p95 over all of them, the
    nothing-fits case on its own, and p95 against the limit (LIMIT_MS) as a ratio.
+
+--slot-minutes M times short slots instead (the grid of ±60 days is 172,800 starts with 1-minute slots), on
+a pool of its own in the same database (``bench-slots-M``, loaded once, the scale load left alone): 30
+nodes, each down one hour every twelve, staggered 24 minutes apart, from 62 days back to 63 ahead, and
+compacted: every slot has nodes free, so the per-slot summary rules no start out, but no 24-hour window
+has a node free throughout. It times two refusals: one node for 24 h (nothing fits in ±60 days, every
+start counted) and 31 nodes of the 30 for 4 h (more than the pool has: nothing can ever fit).
 
 --check also runs the statement suggest_windows used before it was a sweep (REFERENCE_SQL: an exact
 per-node count for every candidate) once per request, requires the same answers and prints its
@@ -117,9 +126,13 @@ def main() -> int:
     parser.add_argument("--reseed", action="store_true")
     parser.add_argument("--check", action="store_true",
                         help="Also run the pre-sweep statement once per request: same answers, its times.")
+    parser.add_argument("--slot-minutes", type=int, default=0,
+                        help="Time a pool of this slot length instead (see above); the scale load is left alone.")
     args = parser.parse_args()
 
     name = os.environ.get("BENCH_SUGGESTIONS_DB", "portal_suggestions")
+    if args.slot_minutes:
+        return short_slots(base_database_url(), name, args.slot_minutes)
     db_url = ensure_loaded(base_database_url(), name, args)
     os.environ.update({"DATABASE_URL": db_url, "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "DEBUG": "false"})
 
@@ -209,6 +222,67 @@ def main() -> int:
     verdict = "met" if p95 <= LIMIT_MS else "NOT met"
     print(f"ratio: suggest_windows p95 / limit = {p95 / LIMIT_MS:.2f} ({p95:.1f} ms against {LIMIT_MS:g} ms: "
           f"{verdict}; worst {max(times + t_nothing):.1f} ms)")
+    return 0
+
+
+def short_slots(url: str, name: str, slot_minutes: int) -> int:
+    """--slot-minutes: the two refusals of a short-slot pool, each timed 5 times after a warm-up."""
+    db_url = with_dbname(url, name)
+    with psycopg.connect(**psycopg_kwargs(with_dbname(url, "postgres")), autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            conn.execute(f'CREATE DATABASE "{name}"')
+    env = {**os.environ, "DATABASE_URL": db_url, "DJANGO_SETTINGS_MODULE": "portal.settings.dev"}
+    manage(env, "migrate", "--no-input", "-v", "0")
+    os.environ.update({"DATABASE_URL": db_url, "DJANGO_SETTINGS_MODULE": "portal.settings.dev", "DEBUG": "false"})
+
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+    from django.utils import timezone
+
+    from reservations import selectors, services
+    from reservations.models import Allocation, Node, Pool
+    from reservations.timeutil import slot_floor
+
+    h = timedelta(hours=1)
+    now = timezone.now()
+    pool, _ = Pool.objects.get_or_create(name=f"bench-slots-{slot_minutes}", defaults={
+        "gpu_model": "H100-SXM", "gpus_per_node": 8, "slot_minutes": slot_minutes})
+    if not Allocation.objects.filter(node__pool=pool).exists():  # loaded once (dates relative to that day)
+        print(f"suggestions: loading the {pool.name} pool …", flush=True)
+        nodes = list(Node.objects.filter(pool=pool)) or Node.objects.bulk_create(
+            Node(hostname=f"{pool.name}-{i}", pool=pool, state="available") for i in range(30))
+        base = slot_floor(now, 60)
+        Allocation.objects.bulk_create(
+            (Allocation(node=node, period=DateTimeTZRange(t, t + h), kind="maintenance", note="bench")
+             for i, node in enumerate(nodes)
+             for t in (base - timedelta(days=62) + timedelta(minutes=24 * i) + 12 * h * k for k in range(250))),
+            batch_size=2000)
+        while services.slot_usage_compact():
+            pass
+    earliest = slot_floor(now, slot_minutes)
+    latest_end = now + timedelta(days=settings.PORTAL_BOOKING_HORIZON_DAYS)
+    search = timedelta(days=settings.PORTAL_SUGGESTION_SEARCH_DAYS)
+    start = slot_floor(now, 60) + timedelta(days=1)
+    cases = [("1 node for 24 h: nothing fits in ±60 days", 1, 24 * h),
+             ("31 nodes of 30 for 4 h: never fits", 31, 4 * h)]
+    print(f"suggestions — {pool.name}: 30 nodes, {slot_minutes}-minute slots "
+          f"({platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, {datetime.now(UTC):%Y-%m-%d})")
+    for label, n, length in cases:
+        def call(n=n, length=length):
+            return selectors.suggest_windows(pool=pool, node_count=n, start=start, end=start + length,
+                                             earliest=earliest, latest_end=latest_end, search=search)
+
+        if call():
+            sys.exit(f"suggestions: {label} found a window; the load is not what it should be")
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t) * 1000)
+        print(f"  {label:<46} p50 {percentile(times, 50):8.1f} ms   worst {max(times):8.1f} ms   (n=5)")
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -300,18 +299,19 @@ def free_nodes(*, pool_id: int, start: datetime, end: datetime, limit: int) -> l
 # candidates, then closes).
 #
 # Reading every allocation of ±60 days costs ~30 ms on a busy 1,000-node pool before any counting,
-# so suggest_windows first prunes with the per-slot summary (AVAILABILITY_SUMMARY_SQL, a row per
-# slot): every candidate is on the slot grid (earliest too, when _capacity_error passes the
-# current slot; one off the grid is scored as it is), and a node busy in a slot wholly inside [t,
-# t + dur) is busy in the window, so free(t) ≤ the fewest free nodes in those slots. Only the grid
-# starts whose bound reaches node_count (%(starts)s) are scored, and only the allocations that can
-# matter to them are read: those meeting [t - slot, t + dur + slot) of one of them (the ones whose
-# snapped boundary lands on t, and the ones inside its window). A gap between two allocations read
-# is then right for every start scored, whatever lies unread between them: an allocation inside a
-# scored window is always read. The nearest starts on each side go first, then more of them, then
-# the rest, each only for a side where none fitted yet (SUGGESTION_PASSES), so the worst case (the
-# summary rules nothing out, nothing fits) reads the range about 1.3 times, never candidates ×
-# nodes.
+# so suggest_windows first prunes with the per-slot summary (SUGGESTION_BOUND_SQL): every
+# candidate is on the slot grid (earliest too, when _capacity_error passes the current slot; one
+# off the grid is scored as it is), and a node busy in a slot wholly inside [t, t + dur) is busy
+# in the window, so free(t) ≤ the fewest free nodes in those slots. Only the grid starts whose
+# bound reaches node_count are scored, and only the allocations that can matter to them are read:
+# those meeting [t - slot, t + dur + slot) of one of them (the ones whose snapped boundary lands on
+# t, and the ones inside its window). A gap between two allocations read is then right for every
+# start scored, whatever lies unread between them: an allocation inside a scored window is always
+# read. The starts scored travel as runs of consecutive grid starts, [first, last] pairs
+# (%(run_lo)s, %(run_hi)s), never one timestamp per slot: with 1-minute slots ±60 days is 172,800
+# starts. The nearest starts on each side go first, then more of them, then the rest, each only
+# for a side where none fitted yet (SUGGESTION_PASSES), so the worst case (the summary rules
+# nothing out, nothing fits) reads the range about 1.3 times, never candidates × nodes.
 SUGGESTIONS_SQL = """
 WITH pa AS (
     SELECT a.node_id, a.period, lower(a.period) AS lo, upper(a.period) AS hi, n.state = %(available)s AS up
@@ -325,6 +325,7 @@ WITH pa AS (
 ), begins AS MATERIALIZED (
     SELECT DISTINCT lo AS l FROM pa WHERE period && tstzrange(%(lo)s, %(hi)s)
 ), cand AS (
+    -- A candidate is on the grid (or is earliest, before every grid start): in a run means one of its starts.
     SELECT DISTINCT t FROM (
         SELECT to_timestamp(ceil(extract(epoch FROM u) / %(slot_s)s) * %(slot_s)s) AS t FROM ends
         UNION ALL
@@ -332,7 +333,9 @@ WITH pa AS (
         UNION ALL SELECT %(earliest)s::timestamptz
     ) c
     WHERE t >= %(earliest)s AND t + %(dur)s <= %(latest_end)s AND t <> %(start)s
-      AND t >= %(lo)s AND t <= %(hi)s AND t = ANY(%(starts)s::timestamptz[])
+      AND t >= %(lo)s AND t <= %(hi)s
+      AND t <@ (SELECT range_agg(tstzrange(a, b, '[]'))
+                FROM unnest(%(run_lo)s::timestamptz[], %(run_hi)s::timestamptz[]) r(a, b))
 ), alloc AS (
     SELECT node_id, hi, lag(hi) OVER (PARTITION BY node_id ORDER BY lo) AS g0, lo - %(dur)s AS g1
     FROM pa WHERE up
@@ -358,8 +361,44 @@ FROM scored, idle
 WHERE k = 1 AND idle.n + open >= %(n)s
 """
 
+# The per-slot summary's bound for suggest_windows, from the same rows as AVAILABILITY_SUMMARY_SQL
+# (busy + pending deltas per slot of [start, end)) but only where they matter: the slots with
+# fewer than n free nodes (busy > available - n), as runs of consecutive slot indexes from start
+# (first, last), gaps-and-islands. A slot without rows has every available node free, and a request
+# for more than the available nodes is answered before the bound is used, so only the slots with
+# rows can block: the cost is the busy slots, never one row per slot of the range. Also the pool's
+# slot length check (as in AVAILABILITY_SUMMARY_SQL) and its available nodes, in the same snapshot.
+SUGGESTION_BOUND_SQL = """
+WITH avail AS (
+    SELECT count(*) AS n FROM reservations_node WHERE pool_id = %(pool)s AND state = 'available'
+), over AS MATERIALIZED (
+    -- Slots with fewer than n free nodes; not read at all when more nodes are asked than are available.
+    SELECT coalesce(u.slot, d.slot) AS slot
+    FROM (SELECT slot, busy FROM reservations_poolslotusage
+          WHERE pool_id = %(pool)s AND slot >= %(start)s AND slot < %(end)s AND (SELECT n FROM avail) >= %(n)s) u
+    FULL JOIN (SELECT slot, sum(delta) AS busy FROM reservations_poolslotusagedelta
+               WHERE pool_id = %(pool)s AND slot >= %(start)s AND slot < %(end)s AND (SELECT n FROM avail) >= %(n)s
+               GROUP BY slot) d ON d.slot = u.slot
+    WHERE coalesce(u.busy, 0) + coalesce(d.busy, 0) > (SELECT n FROM avail) - %(n)s
+), blocked AS (
+    SELECT (extract(epoch FROM slot - %(start)s) / %(step_s)s)::bigint AS i
+    FROM over WHERE mod(extract(epoch FROM slot - %(start)s), %(step_s)s) = 0
+), islands AS (
+    SELECT min(i) AS first, max(i) AS last
+    FROM (SELECT i, i - row_number() OVER (ORDER BY i) AS g FROM blocked) b GROUP BY g
+)
+SELECT (SELECT slot_minutes * 60 = %(step_s)s FROM reservations_pool WHERE id = %(pool)s),
+       (SELECT n FROM avail),
+       coalesce((SELECT array_agg(first ORDER BY first) FROM islands), '{}'),
+       coalesce((SELECT array_agg(last ORDER BY first) FROM islands), '{}')
+"""
+
 # How many starts on each side (the nearest the summary allows) the first passes score; the last scores the rest.
 SUGGESTION_PASSES = (24, 240)
+
+# Consecutive candidate starts: (first, how many, step); the step is negative for a side taken nearest first
+# before start.
+_Run = tuple[datetime, int, timedelta]
 
 
 def suggest_windows(
@@ -371,7 +410,9 @@ def suggest_windows(
     The candidate starts are allocation boundaries snapped to the slot grid, within ±search of
     start, not before earliest, ending by latest_end; the per-slot summary rules out those that
     cannot fit, and SUGGESTIONS_SQL counts the rest exactly: the nearest first, then more of a
-    side still without a fit (SUGGESTION_PASSES). One to four statements.
+    side still without a fit (SUGGESTION_PASSES). One to four statements; one when node_count is
+    more than the pool's available nodes (nothing can fit anywhere). The grid is never built:
+    the starts are runs, (first, count, step), so the cost follows the busy slots and the runs.
     """
     duration = end - start
     step = timedelta(minutes=pool.slot_minutes)
@@ -389,32 +430,33 @@ def suggest_windows(
         "n": node_count,
     }
 
-    def score(cur, starts: list[datetime]) -> tuple[datetime | None, datetime | None]:
-        """The latest fit before start and the earliest after, among the candidates at starts."""
-        if not starts:
+    def score(cur, runs: list[_Run]) -> tuple[datetime | None, datetime | None]:
+        """The latest fit before start and the earliest after, among the candidates in runs."""
+        if not runs:
             return None, None
-        read: list[list[datetime]] = []
-        for t in sorted(starts):
-            if read and t - step <= read[-1][1]:
-                read[-1][1] = t + duration + step
-            else:
-                read.append([t - step, t + duration + step])
-        cur.execute(SUGGESTIONS_SQL, {**params, "starts": starts, "read_lo": [r[0] for r in read],
-                                      "read_hi": [r[1] for r in read]})
+        spans = sorted((min(f, f + st * (k - 1)), max(f, f + st * (k - 1))) for f, k, st in runs)
+        # Each start t reads [t - step, t + dur + step): for a run of starts, one range from its first to its last.
+        cur.execute(SUGGESTIONS_SQL, {**params, "run_lo": [a for a, _ in spans], "run_hi": [b for _, b in spans],
+                                      "read_lo": [a - step for a, _ in spans],
+                                      "read_hi": [b + duration + step for _, b in spans]})
         (before, after), = cur.fetchall()
         return before, after
 
     with connection.cursor() as cur:
-        may_fit = _suggestion_bound(cur, pool=pool, lo=lo, hi=hi, duration=duration, node_count=node_count)
-        # Every candidate is a grid instant, or earliest itself (on the grid when it is the current slot).
-        grid = [g for g in sorted({*_grid(lo, hi, step), *([earliest] if lo <= earliest <= hi else [])})
-                if g != start and g >= earliest and g + duration <= latest_end and may_fit(g)]
-        earlier = [g for g in reversed(grid) if g < start]  # nearest first
-        later = [g for g in grid if g > start]
+        runs = _suggestion_starts(cur, pool=pool, lo=lo, hi=hi, last=min(hi, latest_end - duration),
+                                  duration=duration, node_count=node_count)
+        if runs is None:
+            return []
+        # earliest, when it is off the grid, is a candidate of its own before every grid start (on the grid it is one).
+        if lo <= earliest <= hi and earliest + duration <= latest_end and (earliest - EPOCH) % step:
+            runs.insert(0, (earliest, 1, step))
+        earlier, later = _sides(runs, start)
+        total = sum(k for _, k, _ in earlier) + sum(k for _, k, _ in later)
         before = after = None
         done = 0
-        for upto in (*SUGGESTION_PASSES, len(grid)):
-            batch = (earlier[done:upto] if before is None else []) + (later[done:upto] if after is None else [])
+        for upto in (*SUGGESTION_PASSES, total):
+            batch = ((_take(earlier, done, upto) if before is None else [])
+                     + (_take(later, done, upto) if after is None else []))
             done = upto
             if batch:
                 more_before, more_after = score(cur, batch)
@@ -423,50 +465,79 @@ def suggest_windows(
     return [{"start": t, "end": t + duration} for t in (before, after) if t is not None]
 
 
-def _grid(lo: datetime, hi: datetime, step: timedelta) -> list[datetime]:
-    """The slot-grid instants in [lo, hi]."""
-    t, out = slot_ceil(lo, int(step.total_seconds()) // 60), []
-    while t <= hi:
-        out.append(t)
-        t += step
+def _sides(runs: list[_Run], start: datetime) -> tuple[list[_Run], list[_Run]]:
+    """Split runs (in time order, step > 0) at start, start itself left out: before it nearest first, after it."""
+    earlier: list[_Run] = []
+    later: list[_Run] = []
+    for first, count, step in runs:
+        below = 0 if start <= first else min(count, -((first - start) // step))  # starts < start
+        if below:
+            earlier.append((first + step * (below - 1), below, -step))
+        above = 0 if start < first else (start - first) // step + 1  # the first index > start
+        if above < count:
+            later.append((first + step * above, count - above, step))
+    earlier.reverse()
+    return earlier, later
+
+
+def _take(runs: list[_Run], lo: int, hi: int) -> list[_Run]:
+    """The starts lo..hi - 1 of runs (counted along them), as runs."""
+    out: list[_Run] = []
+    offset = 0
+    for first, count, step in runs:
+        a, b = max(lo, offset), min(hi, offset + count)
+        if a < b:
+            out.append((first + step * (a - offset), b - a, step))
+        offset += count
+        if offset >= hi:
+            break
     return out
 
 
-def _suggestion_bound(cur, *, pool: Pool, lo: datetime, hi: datetime, duration: timedelta, node_count: int):
-    """Return a test t -> False when the window [t, t + duration) on the grid cannot hold node_count free nodes.
+def _suggestion_starts(
+    cur, *, pool: Pool, lo: datetime, hi: datetime, last: datetime, duration: timedelta, node_count: int
+) -> list[_Run] | None:
+    """Return the grid starts in [lo, last] whose window [t, t + duration) may hold node_count free nodes, as runs
+    in time order; None when node_count is more than the pool's available nodes (no window can ever fit).
 
     From the per-slot summary: free(t) ≤ the fewest free nodes in any slot wholly inside the
-    window. A window that holds no whole slot, or a summary that is not on the pool's slot
-    length, rules nothing out.
+    window, so a start is ruled out when one of those slots has fewer than node_count free. A
+    window that holds no whole slot, or a summary that is not on the pool's slot length, rules
+    nothing out. The summary covers [floor(lo), ceil(hi + duration)); only its blocking slots are
+    read, as runs, and the runs of starts are computed from them: nothing per slot.
     """
     step = timedelta(minutes=pool.slot_minutes)
     whole = duration // step
-    if whole < 1:
-        return lambda t: True
     t0 = slot_floor(lo, pool.slot_minutes)
     t1 = slot_ceil(hi + duration, pool.slot_minutes)
-    cur.execute(AVAILABILITY_SUMMARY_SQL, {"pool": pool.pk, "start": t0, "end": t1, "step_s": step.total_seconds()})
-    (fits, available, busy), = cur.fetchall()
-    if fits is not True:
-        return lambda t: True
-    free = [available - b for b in busy]
-    # Sliding minimum of free over `whole` slots: bound[i] for the window starting at slot i.
-    bound: list[int] = []
-    window: deque[int] = deque()  # indexes of free, increasing values
-    for i, f in enumerate(free):
-        while window and free[window[-1]] >= f:
-            window.pop()
-        window.append(i)
-        if window[0] <= i - whole:
-            window.popleft()
-        if i >= whole - 1:
-            bound.append(free[window[0]])
-
-    def may_fit(t: datetime) -> bool:
-        i, off = divmod(t - t0, step)
-        return off or not 0 <= i < len(bound) or bound[i] >= node_count
-
-    return may_fit
+    cur.execute(SUGGESTION_BOUND_SQL, {"pool": pool.pk, "start": t0, "end": t1, "step_s": pool.slot_minutes * 60,
+                                       "n": node_count})
+    (fits, available, firsts, lasts), = cur.fetchall()
+    if node_count > available:
+        return None
+    g0 = slot_ceil(lo, pool.slot_minutes)  # the first grid start
+    count = (last - g0) // step + 1 if last >= g0 else 0
+    if count <= 0:
+        return []
+    if whole < 1 or fits is not True:
+        return [(g0, count, step)]
+    # A blocked slot j rules out the starts whose window holds it: slot indexes j - whole + 1 .. j, of the
+    # starts that have a bound at all (index < slots - whole + 1); grid start k is slot index k + shift.
+    shift = (g0 - t0) // step
+    bounded = (t1 - t0) // step - whole + 1 - shift  # grid starts k < bounded have a bound
+    out: list[_Run] = []
+    k = 0
+    for j1, j2 in zip(firsts, lasts, strict=True):
+        a = max(0, j1 - whole + 1 - shift)
+        b = min(count - 1, j2 - shift, bounded - 1)
+        if a > b:
+            continue
+        if a > k:
+            out.append((g0 + step * k, a - k, step))
+        k = max(k, b + 1)
+    if k < count:
+        out.append((g0 + step * k, count - k, step))
+    return out
 
 
 # --- browser portal reads (calendar, booking preview, dashboard, fleet, feed) -------------

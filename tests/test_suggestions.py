@@ -69,7 +69,7 @@ blocks = st.lists(st.tuples(st.integers(0, 7), st.integers(-30, 60), st.integers
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(slot=st.sampled_from([60, 120, 30]), states=st.lists(st.sampled_from(STATES), min_size=1, max_size=8),
+@given(slot=st.sampled_from([60, 120, 30, 1]), states=st.lists(st.sampled_from(STATES), min_size=1, max_size=8),
        allocs=blocks, at=st.integers(0, 30), hours=st.integers(1, 8), extra=st.integers(0, 2),
        search_slots=st.integers(8, 48), earliest_back=st.integers(-2, 50), horizon=st.integers(0, 80),
        horizon_off=st.integers(0, 59), passes=st.sampled_from([(24, 240), (1, 3), (2,), ()]))
@@ -201,3 +201,88 @@ def test_when_the_summary_rules_nothing_out_and_nothing_fits_the_allocations_are
     assert got == []
     assert scans <= 3 * (len(nodes) + 1), f"{scans} scans of the allocations for one refusal ({read} rows read)"
     assert read <= 3 * len(rows), f"{read} allocation rows read for one refusal; the pool has {len(rows)}"
+
+
+def _bound_cost(call):
+    """Run call(); return (its answer, statements run, array elements bound to them, peak Python memory in bytes).
+
+    Counts, not time: what suggest_windows hands PostgreSQL and what it builds in Python for it.
+    """
+    import tracemalloc
+
+    statements, elements = [], 0
+
+    def wrapper(execute, sql, params, many, context):
+        nonlocal elements
+        statements.append(sql)
+        values = params.values() if isinstance(params, dict) else (params or ())
+        elements += sum(len(v) for v in values if isinstance(v, list | tuple))
+        return execute(sql, params, many, context)
+
+    tracemalloc.start()
+    try:
+        with connection.execute_wrapper(wrapper):
+            got = call()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return got, len(statements), elements, peak
+
+
+def test_one_minute_slots_nothing_fits_costs_the_surviving_starts_not_every_minute_of_the_search(db):
+    """1-minute slots, ±60 days, the per-slot summary rules nothing out and nothing fits.
+
+    Two nodes, each down an hour every twelve hours, six hours apart: every minute has a node free, so
+    every start passes the summary's bound, but no 24-hour window has one node free throughout. Before,
+    suggest_windows built the grid in Python, a datetime per minute of the search (~172,800 of them, and
+    a busy count per minute read back from the summary), and bound them all to the last pass as a
+    timestamp array (1.5 s on a 30-node pool). Now the surviving starts travel as a few runs.
+    """
+    pool, nodes = _pool(1, ["available", "available"])
+    h = timedelta(hours=1)
+    base = slot_floor(timezone.now(), 60) + timedelta(days=1)
+    rows = [Allocation(node=nodes[i], period=DateTimeTZRange(t, t + h), kind="maintenance", note="down")
+            for i in range(2)
+            for t in (base - timedelta(days=62) + 6 * h * i + 12 * h * k for k in range(2 * 125))]
+    Allocation.objects.bulk_create(rows, batch_size=2000)
+    start = base
+    got, statements, elements, peak = _bound_cost(lambda: selectors.suggest_windows(
+        pool=pool, node_count=1, start=start, end=start + 24 * h, earliest=start - timedelta(days=61),
+        latest_end=start + timedelta(days=365), search=timedelta(days=60)))
+    assert got == []
+    assert elements <= 100, f"{elements} array elements bound for one refusal"
+    assert peak <= 1_000_000, f"{peak} bytes of Python objects built for one refusal"
+    assert statements <= 4
+
+
+def _summary_scans() -> int:
+    """Scans of the per-slot summary's tables (and their indexes) by this session so far."""
+    with connection.cursor() as cur:
+        cur.execute("""
+            SELECT sum(pg_stat_get_xact_numscans(c)) FROM (
+                SELECT indexrelid AS c FROM pg_index
+                WHERE indrelid IN ('reservations_poolslotusage'::regclass, 'reservations_poolslotusagedelta'::regclass)
+                UNION ALL SELECT 'reservations_poolslotusage'::regclass
+                UNION ALL SELECT 'reservations_poolslotusagedelta'::regclass) x
+        """)
+        return int(cur.fetchone()[0])
+
+
+def test_more_nodes_than_the_pool_has_available_answers_no_suggestion_at_once(db):
+    """An empty pool of 30 available nodes (and a drained one), 1-minute slots, 31 nodes asked: no window can
+    ever fit, so the answer is [] from one count, before any grid or summary (0.24-0.62 s before: the
+    summary's 172,800 slots read back and the grid built in Python, to rule out every start)."""
+    pool, _ = _pool(1, ["available"] * 30 + ["draining"])
+    start = slot_floor(timezone.now(), 60) + timedelta(days=1)
+    summary_scans = _summary_scans()
+    got, statements, elements, peak = _bound_cost(lambda: selectors.suggest_windows(
+        pool=pool, node_count=31, start=start, end=start + timedelta(hours=4), earliest=start - timedelta(days=1),
+        latest_end=start + timedelta(days=365), search=timedelta(days=60)))
+    assert got == []
+    assert statements == 1 and elements == 0
+    assert peak <= 200_000, f"{peak} bytes of Python objects built for a request that can never fit"
+    assert _summary_scans() == summary_scans, "the per-slot summary was read"
+    # 30 nodes still fit somewhere: suggestions are offered.
+    assert selectors.suggest_windows(pool=pool, node_count=30, start=start, end=start + timedelta(hours=4),
+                                     earliest=start - timedelta(days=1), latest_end=start + timedelta(days=365),
+                                     search=timedelta(days=60)) != []
