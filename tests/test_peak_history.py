@@ -22,9 +22,9 @@ H = timedelta(hours=1)
 HISTORY = 3000
 
 
-def test_peak_does_not_read_completed_history(world, t0):
-    tenant, pool = world.tenants["alpha"], world.pool
-    with connection.cursor() as cur:  # a year of finished one-hour bookings, long before the window
+def add_completed_history(tenant, pool, t0) -> None:
+    """HISTORY finished one-hour bookings of tenant in pool, ending two days before t0 (a year of them)."""
+    with connection.cursor() as cur:
         cur.execute(
             "INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name, status, status_reason,"
             " missing_nodes, billing, orchestrator, cuda_version, created_at, updated_at)"
@@ -32,6 +32,11 @@ def test_peak_does_not_read_completed_history(world, t0):
             " 'completed', '', 0, 'committed', 'slurm', '12.4', now(), now() FROM generate_series(2, %s) g",
             [tenant.pk, pool.pk, t0 - 48 * H, t0 - 48 * H, HISTORY + 1])
         cur.execute("ANALYZE reservations_reservation")
+
+
+def test_peak_does_not_read_completed_history(world, t0):
+    tenant, pool = world.tenants["alpha"], world.pool
+    add_completed_history(tenant, pool, t0)
     reservation_create(actor=world.users["alpha-lead"], tenant=tenant, pool=pool, node_count=1, start=t0,
                        end=t0 + 2 * H)
     params = {"tenant": tenant.pk, "pool": pool.pk, "start": t0, "end": t0 + 4 * H,
@@ -64,14 +69,7 @@ def test_the_booking_reads_the_peak_with_the_rights_and_the_same_figure(world, t
     from reservations import services
 
     tenant, pool, lead = world.tenants["alpha"], world.pool, world.users["alpha-lead"]
-    with connection.cursor() as cur:  # history, as above
-        cur.execute(
-            "INSERT INTO reservations_reservation (tenant_id, pool_id, node_count, period, name, status, status_reason,"
-            " missing_nodes, billing, orchestrator, cuda_version, created_at, updated_at)"
-            " SELECT %s, %s, 1, tstzrange(%s - g * interval '1 hour', %s - (g - 1) * interval '1 hour'), '',"
-            " 'completed', '', 0, 'committed', 'slurm', '12.4', now(), now() FROM generate_series(2, %s) g",
-            [tenant.pk, pool.pk, t0 - 48 * H, t0 - 48 * H, HISTORY + 1])
-        cur.execute("ANALYZE reservations_reservation")
+    add_completed_history(tenant, pool, t0)
     first = reservation_create(actor=lead, tenant=tenant, pool=pool, node_count=2, start=t0, end=t0 + 2 * H)
     reservation_create(actor=lead, tenant=tenant, pool=pool, node_count=1, start=t0 + H, end=t0 + 3 * H)
     for actor in (lead, world.users["staff"]):
