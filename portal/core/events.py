@@ -158,8 +158,9 @@ def _publish(outbox_id: int) -> bool:
 
 
 def _relay_queued_key() -> str:
-    prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
-    return f"{prefix}:outbox:relay-queued"
+    from .throttle import redis_key
+
+    return redis_key("outbox", "relay-queued")
 
 
 def _wake_relay() -> None:

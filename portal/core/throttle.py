@@ -148,11 +148,15 @@ def redis_client():
     return _client(settings.REDIS_URL)
 
 
+def redis_key(*parts: object) -> str:
+    """A key on REDIS_URL under the deployment's cache KEY_PREFIX (two deployments sharing a Redis stay apart)."""
+    return ":".join(str(part) for part in (settings.CACHES["default"].get("KEY_PREFIX", ""), *parts))
+
+
 def budget_key(scope: str, rate: Rate, ident: str) -> str:
     # The rate is part of the key: changing it starts every client on a fresh budget
     # instead of reading a TAT that was advanced at another pace.
-    prefix = settings.CACHES["default"].get("KEY_PREFIX", "")
-    return f"{prefix}:throttle:{scope}:{rate}:{ident}"
+    return redis_key("throttle", scope, rate, ident)
 
 
 class RedisRateThrottle(BaseThrottle, ABC):

@@ -25,7 +25,6 @@ is the envelope code the client got (``capacity_unavailable``, ``quota_exceeded`
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -148,20 +147,16 @@ def domain_events_key() -> str:
     return f"{prefix}:metrics:domain_events" if prefix else "metrics:domain_events"
 
 
-@functools.lru_cache(maxsize=4)
-def _redis(url: str):
-    import redis
-
-    # Short timeouts: a stalled Redis costs the emitting request or task milliseconds, never more.
-    return redis.Redis.from_url(url, socket_connect_timeout=0.25, socket_timeout=0.25)
-
-
 def count_event(event: str, payload: dict[str, Any]) -> None:
     """Domain-event subscriber: count every event by name, in Redis, whichever process emitted it."""
     import redis
 
+    from portal.core.throttle import redis_client
+
     try:
-        _redis(settings.REDIS_URL).hincrby(domain_events_key(), event, 1)
+        # The process's pooled client with short timeouts (the throttles' and the outbox wake-up's): a stalled
+        # Redis costs the emitting request or task milliseconds, never more.
+        redis_client().hincrby(domain_events_key(), event, 1)
     except (redis.RedisError, OSError) as exc:
         logger.warning("metrics: could not count event %s: %s", event, exc.__class__.__name__)
 
