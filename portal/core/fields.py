@@ -174,7 +174,14 @@ class ScopedSlugRelatedField(StrictSlugRelatedField):
 
     def to_internal_value(self, data):
         self.check_slug(data)
-        user = getattr(self.context.get("request"), "user", None)
+        obj = self.find(getattr(self.context.get("request"), "user", None), data)
+        if obj is None:
+            self.fail_unknown(data)
+        return obj
+
+    def find(self, user, data: str):
+        """The object named data (a str without NUL, as check_slug leaves it) in user's scope, or None. Reads
+        nothing of the field's context: a fast path may call it on the serializer's declared field."""
         authenticated = bool(getattr(user, "is_authenticated", False))
         staff = authenticated and bool(getattr(user, "is_staff", False))
 
@@ -183,8 +190,5 @@ class ScopedSlugRelatedField(StrictSlugRelatedField):
 
         # A member's scope must bind the user's id; staff scopes may not filter by it at all.
         optional = (0,) if staff or not authenticated or not self.per_user else ()
-        obj = self.lookup.get(build, user.pk if authenticated else 0, data,
-                              shape=(self.scope, self.slug_field, authenticated, staff), optional=optional)
-        if obj is None:
-            self.fail_unknown(data)
-        return obj
+        return self.lookup.get(build, user.pk if authenticated else 0, data,
+                               shape=(self.scope, self.slug_field, authenticated, staff), optional=optional)
