@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.db.models.signals import post_migrate
 
 
 class ReservationsConfig(AppConfig):
@@ -8,6 +9,14 @@ class ReservationsConfig(AppConfig):
         from tenants.services import slug_guard_register
 
         slug_guard_register(_slug_names_bookings)
+        post_migrate.connect(_install_booking_function, sender=self)
+
+
+def _install_booking_function(using: str = "default", **kwargs) -> None:
+    """Every migrate (and a test database's flush) makes sure this release's booking function exists."""
+    from .services import install_booking_function
+
+    install_booking_function(using)
 
 
 def _slug_names_bookings(tenant) -> str | None:

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import IntegrityError, OperationalError, ProgrammingError, connection, transaction
 from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 EXCLUSION_VIOLATION = "23P01"
+UNDEFINED_FUNCTION = "42883"
 # A booking that lost a race: 23P01 arrives as IntegrityError, 40P01 as OperationalError (Django
 # maps psycopg's DeadlockDetected, a TransactionRollback, there). Callers check the SQLSTATE.
 _COLLISIONS = (IntegrityError, OperationalError)
@@ -220,7 +221,7 @@ def request_fingerprint(payload: dict[str, Any]) -> str:
 _QUOTA_LOCK_SQL = (
     "SELECT q.max_nodes, q.burst_nodes, q.max_duration_hours, p.slot_minutes FROM tenants_quota q"
     " JOIN reservations_pool p ON p.id = q.pool_id"
-    " WHERE q.tenant_id = %s AND q.pool_id = %s FOR NO KEY UPDATE OF q FOR KEY SHARE OF p"
+    " WHERE q.tenant_id = %(tenant)s AND q.pool_id = %(pool)s FOR NO KEY UPDATE OF q FOR KEY SHARE OF p"
 )
 # Read after the quota lock, so on a snapshot taken after any wait for it: the tenant's burst flag
 # and the actor's role as they are now. The membership row is share-locked: a removal or downgrade
@@ -275,7 +276,7 @@ def _classify_billing(
     # ordering joins both) would serialise every booking of the pool; the pool row is only key-shared.
     # Plain numbers out — this statement runs on every booking.
     with connection.cursor() as cur:
-        cur.execute(_QUOTA_LOCK_SQL, [tenant.pk, pool.pk])
+        cur.execute(_QUOTA_LOCK_SQL, {"tenant": tenant.pk, "pool": pool.pk})
         row = cur.fetchone()
     if row is None:
         raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.")
@@ -284,6 +285,18 @@ def _classify_billing(
         _raise_if(_grid_errors(start=start, end=end, slot_minutes=slot_minutes))
     burst_enabled, peak = _rights_and_peak(actor=actor, tenant=tenant, pool=pool, start=start, end=end,
                                            exclude_reservation_id=exclude_reservation_id, owner_id=owner_id)
+    return _judge_quota(tenant=tenant, pool=pool, node_count=node_count, start=start, end=end, max_nodes=max_nodes,
+                        burst_nodes=burst_nodes, max_duration_hours=max_duration_hours, burst_enabled=burst_enabled,
+                        peak=peak)
+
+
+def _judge_quota(
+    *, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime, max_nodes: int, burst_nodes: int,
+    max_duration_hours: int | None, burst_enabled: bool, peak: int,
+) -> tuple[str, int]:
+    """Committed or burst, with how many of the nodes are burst, for node_count more nodes on top of the tenant's
+    peak under its quota; or refuse (QuotaExceeded). The booking statement (BOOK_FUNCTION) judges by the same
+    rule in SQL, and says which numbers refused it: this raises the refusal's words."""
     hours = (end - start).total_seconds() / 3600
     if max_duration_hours is not None and hours > max_duration_hours:
         raise QuotaExceeded(f"{hours:g} h is longer than the {max_duration_hours} h allowed in {pool.name}.")
@@ -404,31 +417,173 @@ def _actor_id(actor: Any) -> int | None:
     return getattr(actor, "pk", None)
 
 
-def _insert_booking(
-    *, tenant: Tenant, pool: Pool, node_count: int, period: DateTimeTZRange, name: str, billing: str,
-    burst_part: int, orchestrator: str, cuda_version: str, node_ids: list[int], actor: Any,
-) -> Reservation:
-    """Insert a confirmed reservation holding node_ids for period (the node locks, then one insert); return it.
+# --- the booking statement --------------------------------------------------------------
+#
+# A new booking's decisions under its locks take one round trip: a PL/pgSQL function runs the statements above in
+# the order the services run them — the quota lock (_QUOTA_LOCK_SQL), the rights and the peak (_RIGHTS_SQL, or
+# _BURST_SQL for staff), the judgement (_judge_quota's rule), the pick (selectors.FREE_NODES_SQL), the node locks
+# (_NODE_LOCKS), the writes if every node is still available (_INSERT_BOOKING_SQL), then the audit row and the
+# event's outbox row. Each is a statement of its own inside the function, so under READ COMMITTED each still takes
+# a fresh snapshot after the locks before it, as it did when Python sent them one by one. The function is written
+# from those constants (their %(name)s parameters become the function's arguments and variables), so they stay
+# the one text of each statement; its name carries a hash of its definition, and a migrate (post_migrate, as
+# Django keeps content types) creates it: code of one release never calls another release's function. A refusal
+# comes back as an outcome with the numbers that decided it, for the Python to word (_judge_quota,
+# _capacity_error). A node won by a concurrent booking raises 23P01 out of the function, as out of the insert.
 
-    Raises _NodeTaken when one of the nodes left the available state before its lock was ours.
-    """
+_BOOK_NAMES = {
+    "tenant": "p_tenant", "pool": "p_pool", "actor": "p_actor", "n": "p_n", "lower": "p_lower", "upper": "p_upper",
+    "start": "p_lower", "end": "p_upper", "name": "p_name", "orchestrator": "p_orchestrator", "cuda": "p_cuda",
+    "now": "p_now", "statuses": "p_statuses", "exclude": "0", "limit": "p_n", "nodes": "v_nodes",
+    "billing": "o_billing", "burst_part": "o_burst_part",
+    "available": f"'{NodeState.AVAILABLE}'", "status": f"'{ReservationStatus.CONFIRMED}'",
+    "kind": f"'{AllocationKind.RESERVATION}'",
+}
+
+
+def _plpgsql(sql: str) -> str:
+    """A services statement with its %(name)s parameters as the booking function's names (_BOOK_NAMES)."""
+    def name(match: re.Match[str]) -> str:
+        if match.group(0) == "%%":
+            return "%"
+        return _BOOK_NAMES[match.group(1)]  # a parameter the function does not know: KeyError at import
+    return re.sub(r"%%|%\((\w+)\)s", name, sql).strip()
+
+
+_BOOK_BODY = f"""
+DECLARE
+    v_role text;
+    v_nodes bigint[];
+    v_limit bigint;  -- bigint arithmetic, as Python's: a quota saved before today's limits holds up to 2^31-1
+BEGIN
+    {_plpgsql(_QUOTA_LOCK_SQL)} INTO o_max_nodes, o_burst_nodes, o_max_hours, o_slot_minutes;
+    IF NOT FOUND THEN
+        o_outcome := 'no_quota';
+        RETURN;
+    END IF;
+    IF o_slot_minutes <> p_slot_minutes AND (mod(extract(epoch FROM p_lower), o_slot_minutes * 60) <> 0
+                                             OR mod(extract(epoch FROM p_upper), o_slot_minutes * 60) <> 0) THEN
+        o_outcome := 'grid';
+        RETURN;
+    END IF;
+    IF p_staff THEN
+        {_plpgsql(_BURST_SQL)} INTO o_burst_enabled, v_role, o_peak;
+    ELSE
+        {_plpgsql(_RIGHTS_SQL)} INTO o_burst_enabled, v_role, o_peak;
+        IF v_role IS NULL OR NOT v_role = ANY(p_roles) THEN
+            o_outcome := 'forbidden';
+            RETURN;
+        END IF;
+    END IF;
+    IF o_max_hours IS NOT NULL AND extract(epoch FROM p_upper - p_lower) > o_max_hours::bigint * 3600 THEN
+        o_outcome := 'quota';
+        RETURN;
+    END IF;
+    v_limit := o_max_nodes::bigint + CASE WHEN o_burst_enabled THEN o_burst_nodes ELSE 0 END;
+    IF o_peak::bigint + p_n <= o_max_nodes THEN
+        o_billing := '{Billing.COMMITTED}';
+        o_burst_part := 0;
+    ELSIF o_peak::bigint + p_n <= v_limit THEN
+        o_billing := '{Billing.BURST}';
+        o_burst_part := least(p_n, o_peak + p_n - o_max_nodes);
+    ELSE
+        o_outcome := 'quota';
+        RETURN;
+    END IF;
+    SELECT array_agg(f.id ORDER BY f.id), array_agg(f.hostname ORDER BY f.id) INTO v_nodes, o_hostnames
+    FROM ({_plpgsql(selectors.FREE_NODES_SQL)}) AS f;
+    IF coalesce(cardinality(v_nodes), 0) < p_n THEN
+        o_outcome := 'capacity';
+        RETURN;
+    END IF;
+    PERFORM {_plpgsql(_NODE_LOCKS).removeprefix("SELECT ")};
+    {_plpgsql(_INSERT_BOOKING_SQL)} INTO o_id, o_rate, o_gpus_per_node;
+    IF NOT FOUND THEN
+        o_outcome := 'node_taken';
+        RETURN;
+    END IF;
+    -- Stamped as audit_record stamps its rows: the clock as the row is written, after any wait for the locks.
+    INSERT INTO core_auditlog (created_at, actor_id, action, object_type, object_id, tenant_id, before, after)
+    VALUES (clock_timestamp(), p_actor, 'reservation.create', 'reservations.reservation', o_id::text, p_tenant,
+            '{{}}', p_audit || jsonb_build_object('billing', o_billing));
+    IF p_event IS NOT NULL THEN
+        INSERT INTO core_outboxevent (event, payload, created_at, available_at, attempts)
+        VALUES (p_event, jsonb_build_object('reservation_id', o_id, 'tenant_id', p_tenant), clock_timestamp(),
+                clock_timestamp(), 0)
+        RETURNING id INTO o_outbox_id;
+    END IF;
+    o_outcome := 'booked';
+END
+"""  # noqa: S608 - constant fragments only, no input
+_BOOK_SIGNATURE = """(
+    p_tenant bigint, p_pool bigint, p_actor integer, p_staff boolean, p_roles text[], p_n integer,
+    p_lower timestamptz, p_upper timestamptz, p_slot_minutes integer, p_name text, p_orchestrator text, p_cuda text,
+    p_now timestamptz, p_statuses text[], p_audit jsonb, p_event text,
+    OUT o_outcome text, OUT o_id bigint, OUT o_rate numeric, OUT o_gpus_per_node integer, OUT o_billing text,
+    OUT o_burst_part integer, OUT o_hostnames text[], OUT o_outbox_id bigint, OUT o_max_nodes integer,
+    OUT o_burst_nodes integer, OUT o_max_hours integer, OUT o_slot_minutes integer, OUT o_burst_enabled boolean,
+    OUT o_peak integer)"""
+BOOK_FUNCTION = "reservations_book_" + hashlib.sha256((_BOOK_SIGNATURE + _BOOK_BODY).encode()).hexdigest()[:12]
+BOOK_FUNCTION_SQL = (f"CREATE OR REPLACE FUNCTION {BOOK_FUNCTION}{_BOOK_SIGNATURE} LANGUAGE plpgsql VOLATILE"
+                     f" AS $book$ {_BOOK_BODY} $book$")
+_BOOK_CALL = (
+    f"SELECT * FROM {BOOK_FUNCTION}(%(tenant)s, %(pool)s, %(actor)s, %(staff)s, %(roles)s, %(n)s, %(lower)s,"  # noqa: S608
+    " %(upper)s, %(slot_minutes)s, %(name)s, %(orchestrator)s, %(cuda)s, %(now)s, %(statuses)s, %(audit)s::jsonb,"
+    " %(event)s)"
+)
+
+
+def install_booking_function(using: str = "default") -> None:
+    """Create this release's booking function (BOOK_FUNCTION) unless the database has it (post_migrate)."""
+    from django.db import connections
+
+    # Under a lock of its own name: two processes creating it at once (bookers meeting it missing, a migrate) would
+    # otherwise both write its catalog row ("tuple concurrently updated").
+    with transaction.atomic(using=using), connections[using].cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [BOOK_FUNCTION])
+        cur.execute("SELECT 1 FROM pg_proc WHERE proname = %s", [BOOK_FUNCTION])
+        if cur.fetchone() is None:
+            cur.execute(BOOK_FUNCTION_SQL)
+
+
+def _book_statement(
+    *, actor: Any, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime, name: str,
+    orchestrator: str, cuda_version: str,
+) -> Reservation:
+    """Book in one statement (BOOK_FUNCTION): the confirmed reservation holding its nodes, its audit row and its
+    event, or the refusal raised as the services raise it. Raises _NodeTaken when a chosen node left the available
+    state before its lock was ours, and 23P01 (IntegrityError) when a concurrent booking won one."""
     now = timezone.now()
-    nodes = sorted(node_ids)
+    staff = actor is None or getattr(actor, "is_staff", False)
+    event = "reservation.confirmed"
+    audit = {"start": format_utc(start), "end": format_utc(end), "node_count": node_count,
+             "status": ReservationStatus.CONFIRMED, "name": name}
     with connection.cursor() as cur:
-        cur.execute(_NODE_LOCKS, {"nodes": nodes})
-        cur.execute(_INSERT_BOOKING_SQL, {
-            "tenant": tenant.pk, "pool": pool.pk, "n": node_count, "lower": period.lower, "upper": period.upper,
-            "name": name,
-            "status": ReservationStatus.CONFIRMED, "billing": billing, "burst_part": burst_part,
-            "orchestrator": orchestrator,
-            "cuda": cuda_version, "actor": _actor_id(actor), "now": now, "kind": AllocationKind.RESERVATION,
-            "nodes": nodes,
+        cur.execute(_BOOK_CALL, {
+            "tenant": tenant.pk, "pool": pool.pk, "actor": _actor_id(actor), "staff": staff,
+            "roles": sorted(BOOKING_ROLES), "n": node_count, "lower": start, "upper": end,
+            "slot_minutes": pool.slot_minutes, "name": name, "orchestrator": orchestrator, "cuda": cuda_version,
+            "now": now, "statuses": list(selectors.HOLDING_STATUSES), "audit": json.dumps(audit),
+            "event": event if events.outbox_wanted(event) else None,
         })
-        row = cur.fetchone()
-    if row is None:
-        raise _NodeTaken(nodes)
-    # The rate and GPUs per node it is billed at: the pool's as the insert found them (migration 0013's trigger).
-    reservation_id, rate, gpus_per_node = row
+        (outcome, reservation_id, rate, gpus_per_node, billing, burst_part, hostnames, outbox_id, max_nodes,
+         burst_nodes, max_hours, slot_minutes, burst_enabled, peak) = cur.fetchone()
+    if outcome == "no_quota":
+        raise QuotaExceeded(f"Tenant {tenant.slug} has no quota for pool {pool.name}.")
+    if outcome == "grid":  # the pool's slot changed since the window was checked: judged on the grid now
+        _raise_if(_grid_errors(start=start, end=end, slot_minutes=slot_minutes))
+    if outcome == "forbidden":
+        _judge_role(None, roles=BOOKING_ROLES)
+    if outcome == "quota":
+        _judge_quota(tenant=tenant, pool=pool, node_count=node_count, start=start, end=end, max_nodes=max_nodes,
+                     burst_nodes=burst_nodes, max_duration_hours=max_hours, burst_enabled=burst_enabled, peak=peak)
+    if outcome == "capacity":
+        raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
+    if outcome == "node_taken":
+        raise _NodeTaken(sorted(hostnames))
+    if outcome != "booked":
+        raise RuntimeError(f"booking statement answered {outcome!r}")  # a judgement above that let it through
+    period = DateTimeTZRange(start, end, "[)")
     reservation = Reservation(
         id=reservation_id, tenant=tenant, pool=pool, node_count=node_count, period=period, name=name,
         status=ReservationStatus.CONFIRMED, billing=billing, burst_part_nodes=burst_part, on_demand_rate=rate,
@@ -437,6 +592,9 @@ def _insert_booking(
     )
     reservation._state.adding = False
     reservation._state.db = connection.alias
+    # Handed to the caller so the response needs no second read of what was just written.
+    reservation.node_hostnames = sorted(hostnames)
+    events.announce(event, {"reservation_id": reservation_id, "tenant_id": tenant.pk}, outbox_id)
     return reservation
 
 
@@ -567,34 +725,39 @@ def reservation_create(
     raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
 
 
-def _book_once(
+def _book_once(**attempt: Any) -> Reservation:
+    """One attempt (_book_attempt). A database this release's migrate has not run on yet (its migrations all
+    applied by an earlier release, so no migrate was called for) lacks this release's booking function: it is
+    created here and the attempt, rolled back whole, runs again. Not inside a caller's transaction, which the
+    missing function has aborted."""
+    try:
+        return _book_attempt(**attempt)
+    except ProgrammingError as exc:
+        if _sqlstate(exc) != UNDEFINED_FUNCTION or connection.in_atomic_block or BOOK_FUNCTION not in str(exc):
+            raise
+        logger.warning("booking function %s missing (no migrate since this release): creating it", BOOK_FUNCTION)
+        install_booking_function(connection.alias)
+    return _book_attempt(**attempt)
+
+
+def _book_attempt(
     *, actor: Any, tenant: Tenant, pool: Pool, node_count: int, start: datetime, end: datetime, name: str,
     orchestrator: str, cuda_version: str, idempotency_key: str | None, request_hash: str, now: datetime,
 ) -> Reservation:
+    book = {"actor": actor, "tenant": tenant, "pool": pool, "node_count": node_count, "start": start, "end": end,
+            "name": name, "orchestrator": orchestrator, "cuda_version": cuda_version}
+    if not idempotency_key and not connection.in_atomic_block:
+        return _book_statement(**book)  # one statement: its own transaction
+    # With a key, its claim and the booking commit together. Inside a caller's atomic block (a test's), the
+    # durable block is a savepoint that a lost race rolls back to, as the transaction is outside one.
     with transaction.atomic(durable=True):
         if idempotency_key:
             replay = _claim_idempotency_key(user=actor, key=idempotency_key, request_hash=request_hash)
             if replay is not None:
                 return replay
-        billing, burst_part = _classify_billing(actor=actor, tenant=tenant, pool=pool, node_count=node_count,
-                                                start=start, end=end)
-        period = DateTimeTZRange(start, end, "[)")
-        nodes = selectors.free_nodes(pool_id=pool.pk, start=start, end=end, limit=node_count)
-        if len(nodes) < node_count:
-            raise _capacity_error(pool=pool, node_count=node_count, start=start, end=end, now=now)
-        reservation = _insert_booking(
-            tenant=tenant, pool=pool, node_count=node_count, period=period, name=name, billing=billing,
-            burst_part=burst_part,
-            orchestrator=orchestrator, cuda_version=cuda_version, node_ids=[node_id for node_id, _ in nodes],
-            actor=actor,
-        )
-        # Handed to the caller so the response needs no second read of what was just written.
-        reservation.node_hostnames = sorted(hostname for _, hostname in nodes)
+        reservation = _book_statement(**book)
         if idempotency_key:
             IdempotencyKey.objects.filter(user=actor, key=idempotency_key).update(reservation=reservation)
-        audit_record(actor=actor, action="reservation.create", obj=reservation, tenant_id=tenant.pk,
-                     after=_snapshot(reservation))
-        events.emit("reservation.confirmed", reservation_id=reservation.pk, tenant_id=tenant.pk)
     return reservation
 
 
@@ -766,7 +929,7 @@ def _billing_after_shrink(*, reservation: Reservation, start: datetime, end: dat
     it than before (a quota lowered since must not raise the cost of giving capacity back)."""
     held = (reservation.billing, reservation.burst_part_nodes)
     with connection.cursor() as cur:
-        cur.execute(_QUOTA_LOCK_SQL, [reservation.tenant_id, reservation.pool_id])
+        cur.execute(_QUOTA_LOCK_SQL, {"tenant": reservation.tenant_id, "pool": reservation.pool_id})
         row = cur.fetchone()
     if row is None:
         return held

@@ -160,17 +160,12 @@ def wait_for_lock_waiter(table: str, timeout: float = 10) -> None:
     """Wait until another session is queued on a lock while running a statement that names table."""
     import time
 
-    from django.db import connection
+    from .racing import lock_waiters
 
     deadline = time.time() + timeout
     while time.time() < deadline:
-        with connection.cursor() as cur:
-            cur.execute("SELECT pg_stat_clear_snapshot()")  # in a transaction, a fresh view on every call
-            cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND query ILIKE %s AND pid <> pg_backend_pid() AND datname = current_database()",
-                        [f"%{table}%"])
-            if cur.fetchone()[0]:
-                return
+        if lock_waiters(table):
+            return
         time.sleep(0.02)
     raise AssertionError(f"nothing queued on a lock while touching {table}")
 

@@ -9,22 +9,49 @@ raised, comes back.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from django.db import connection, transaction
 
-__all__ = ["behind_a_lock", "demoting", "in_turn", "lock_waiters"]
+__all__ = ["advisory_waits", "behind_a_lock", "demoting", "failing_inserts", "in_turn", "lock_waiters",
+           "pausing_inserts"]
+
+
+def waiting_in(table: str | None) -> tuple[str, list[Any]]:
+    """SQL (and its parameters) for pg_stat_activity's rows running a statement that names table (any, when None).
+    A booking runs its statements inside one function call (reservations.services.BOOK_FUNCTION), the query the
+    server shows while it waits: it counts as naming every table the function's statements name."""
+    from reservations.services import BOOK_FUNCTION, BOOK_FUNCTION_SQL
+
+    if table is None:
+        return "true", []
+    return "(query ILIKE %s OR (%s AND query ILIKE %s))", [
+        f"%{table}%", table.lower() in BOOK_FUNCTION_SQL.lower(), f"%{BOOK_FUNCTION}(%"]
 
 
 def lock_waiters(table: str | None = None) -> int:
     """How many other sessions of this database wait on a lock (in a statement naming table, when given):
     sessions of other databases on the same server (another test run) do not count."""
+    where, params = waiting_in(table)
     with connection.cursor() as cur:
         cur.execute("SELECT pg_stat_clear_snapshot()")  # in a transaction, a fresh view on every call
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
-                    " AND datname = current_database() AND query ILIKE %s", [f"%{table or ''}%"])
+                    f" AND datname = current_database() AND {where}", params)
         return int(cur.fetchone()[0])
+
+
+def advisory_waits(namespace: int) -> list[int]:
+    """The keys other sessions of this database wait for in namespace's advisory locks (two-key form)."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_stat_clear_snapshot()")
+        cur.execute("SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND classid = %s"
+                    " AND objsubid = 2 AND pid <> pg_backend_pid()"
+                    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY 1",
+                    [namespace])
+        return [int(row[0]) for row in cur.fetchall()]
 
 
 def behind_a_lock(hold: Callable[[], Callable[[], None] | None], act: Callable[[], Any], *,
@@ -103,3 +130,94 @@ def demoting(membership_pk: int, role: str | None) -> Callable[[], None]:
             membership.role = role
             membership.save(update_fields=["role"])
     return hold
+
+
+# Pauses and faults inside one statement (the booking statement runs its steps in one PL/pgSQL call, out of a
+# Python hook's reach) come from a trigger the test installs on the table written: an AFTER ROW trigger fires at
+# the end of its statement, inside the writing transaction, with every lock taken before it still held.
+# The tests' own advisory lock: one bigint key (the app's locks all take two int keys, never met by this one).
+_PAUSE_KEY = 72999
+
+
+class Pause:
+    def __init__(self) -> None:
+        self.held = True
+
+    def reached(self) -> int:
+        """How many sessions wait at the pause now."""
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_stat_clear_snapshot()")
+            cur.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND classid = 0"
+                        " AND objid = %s AND objsubid = 1"
+                        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                        [_PAUSE_KEY])
+            return int(cur.fetchone()[0])
+
+    def wait_reached(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.reached():
+            assert time.monotonic() < deadline, "no insert reached the pause"
+            time.sleep(0.02)
+
+    def advisory_keys(self, namespace: int) -> list[int]:
+        """The keys of namespace's advisory locks (two-key form) the sessions waiting at the pause hold."""
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_stat_clear_snapshot()")
+            cur.execute("SELECT DISTINCT held.objid FROM pg_locks waiting JOIN pg_locks held ON held.pid = waiting.pid"
+                        " WHERE waiting.locktype = 'advisory' AND NOT waiting.granted AND waiting.classid = 0"
+                        " AND waiting.objid = %s AND waiting.objsubid = 1 AND held.locktype = 'advisory'"
+                        " AND held.granted AND held.classid = %s AND held.objsubid = 2 ORDER BY 1",
+                        [_PAUSE_KEY, namespace])
+            return [int(row[0]) for row in cur.fetchall()]
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            with connection.cursor() as cur:
+                cur.execute("SELECT pg_advisory_unlock(%s::bigint)", [_PAUSE_KEY])
+
+
+@contextmanager
+def pausing_inserts(table: str, *, when: str = "true") -> Iterator[Pause]:
+    """Every row inserted into table (where `when`, an SQL condition on NEW, holds) waits at the end of its
+    statement, in its transaction, until pause.release() (or the block's end). Only for transaction=True tests:
+    the trigger must be committed for other sessions to meet it. Holds the pause in this thread's connection."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_advisory_lock(%s::bigint)", [_PAUSE_KEY])
+        cur.execute("CREATE OR REPLACE FUNCTION test_pause_row() RETURNS trigger LANGUAGE plpgsql AS $$"
+                    f" BEGIN PERFORM pg_advisory_xact_lock_shared({_PAUSE_KEY}::bigint); RETURN NULL; END $$")
+        cur.execute(f"CREATE TRIGGER test_pause AFTER INSERT ON {table} FOR EACH ROW WHEN ({when})"
+                    " EXECUTE FUNCTION test_pause_row()")
+    pause = Pause()
+    try:
+        yield pause
+    finally:
+        pause.release()
+        with connection.cursor() as cur:
+            cur.execute(f"DROP TRIGGER IF EXISTS test_pause ON {table}")
+            cur.execute("DROP FUNCTION IF EXISTS test_pause_row()")
+
+
+@contextmanager
+def failing_inserts(table: str, *, sqlstate: str, message: str, times: int = 1) -> Iterator[Callable[[], int]]:
+    """The first `times` statements inserting into table fail with the server's own error sqlstate (as a deadlock
+    victim gets 40P01); yields a function answering how many inserts were tried. Undone at the block's end (in a
+    test's transaction, with it)."""
+    with connection.cursor() as cur:
+        cur.execute("CREATE SEQUENCE test_failing_inserts")
+        cur.execute("CREATE OR REPLACE FUNCTION test_fail_row() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                    f" IF nextval('test_failing_inserts') <= {int(times)} THEN"
+                    f" RAISE EXCEPTION '{message}' USING ERRCODE = '{sqlstate}'; END IF; RETURN NULL; END $$")
+        cur.execute(f"CREATE TRIGGER test_fail AFTER INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION test_fail_row()")
+
+    def tried() -> int:
+        with connection.cursor() as cur:
+            cur.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM test_failing_inserts")
+            return int(cur.fetchone()[0])
+    try:
+        yield tried
+    finally:
+        with connection.cursor() as cur:
+            cur.execute(f"DROP TRIGGER IF EXISTS test_fail ON {table}")
+            cur.execute("DROP FUNCTION IF EXISTS test_fail_row()")
+            cur.execute("DROP SEQUENCE IF EXISTS test_failing_inserts")

@@ -302,14 +302,16 @@ def test_booking_statements_are_prepared_on_the_connection(world, t0):
     """Server-side binding: the booking path's statements are parsed and planned once per connection."""
     from django.db import connection
 
+    from reservations import services
+
     for i in range(3):
         assert book(world, "alpha-lead", t0, n=1, hours=1, offset=i).status_code == 201
     with connection.cursor() as cur:
         cur.execute("SELECT statement FROM pg_prepared_statements WHERE NOT from_sql")
         prepared = [row[0] for row in cur.fetchall()]
-    assert any("FROM tenants_quota" in sql and "FOR NO KEY UPDATE" in sql for sql in prepared), prepared
+    # The booking statement (its own statements' plans PL/pgSQL keeps per connection too).
+    assert any(f"FROM {services.BOOK_FUNCTION}(" in sql for sql in prepared), prepared
     assert any('FROM "tenants_apitoken"' in sql for sql in prepared), prepared  # an ORM-built one too
-    assert any("INSERT INTO reservations_reservation" in sql for sql in prepared), prepared
     # Parameters are bound by the server, not quoted into the text.
     assert all("'alpha'" not in sql for sql in prepared)
 
@@ -340,11 +342,11 @@ def test_booking_reads_the_role_and_pool_size_with_the_tenant_and_pool(world, t0
     statements = [q["sql"].lstrip() for q in captured.captured_queries]
     assert not any(s.startswith('SELECT "tenants_membership"') for s in statements), statements
     assert not any(s.startswith("SELECT COUNT(") for s in statements), statements
-    # token, pool (+ size), tenant (+ role), quota lock, the role and burst flag again under it with the peak,
-    # free nodes, node locks, insert (if the nodes are still available), audit (the tests run events inline,
-    # so no outbox row)
+    # token, pool (+ size), tenant (+ role), then the booking statement: the quota lock, the role and burst flag
+    # again under it with the peak, free nodes, node locks, insert (if the nodes are still available), audit (the
+    # tests run events inline, so no outbox row) in one call.
     reads_and_writes = [s[:60] for s in statements if s.split()[0].upper() in ("SELECT", "WITH", "INSERT")]
-    assert len(reads_and_writes) == 9, reads_and_writes
+    assert len(reads_and_writes) == 4, reads_and_writes
 
 
 def test_role_annotation_answers_only_for_the_user_it_was_read_for(world):

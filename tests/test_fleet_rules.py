@@ -11,13 +11,15 @@ import pytest
 from django.db import connection, transaction
 
 from portal.core.exceptions import InvalidInput, InvalidState
-from reservations import selectors, services
+from provisioning.constants import LOCK_BOOKING_NODE
+from reservations import services
 from reservations.choices import AllocationKind
 from reservations.models import Allocation, Node, Reservation
 from reservations.services import pool_update, reservation_create
 from reservations.timeutil import is_aligned
 
 from .conftest import make_world
+from .racing import lock_waiters
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -81,34 +83,55 @@ def test_a_booking_that_chose_its_nodes_holds_off_a_slot_length_change(half_hour
     world = half_hour_world
     pool = world.pool  # read once, as the API's serializer reads it: slot 30
     start = t0 + timedelta(minutes=30)  # on the 30-minute grid, off the 60-minute one
-    chosen, updated = threading.Event(), threading.Event()
-    real_free_nodes = selectors.free_nodes
-
-    def free_nodes_then_wait(**kwargs):
-        nodes = real_free_nodes(**kwargs)
-        chosen.set()
-        # The slot change runs now: unfixed it commits here; fixed it queues behind this booking.
-        _wait_for(updated)
-        return nodes
+    result: dict = {}
 
     def book():
-        with mock.patch.object(selectors, "free_nodes", side_effect=free_nodes_then_wait):
-            return reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=pool,
-                                      node_count=1, start=start, end=start + timedelta(hours=1))
+        return reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=pool,
+                                  node_count=1, start=start, end=start + timedelta(hours=1))
 
     def change_slot():
-        chosen.wait(10)
-        try:
-            return pool_update(actor=world.users["staff"], pool=pool, slot_minutes=60)
-        finally:
-            updated.set()
+        return pool_update(actor=world.users["staff"], pool=pool, slot_minutes=60)
 
-    booked, changed = _in_threads(book, change_slot)
+    # The booking has judged its quota and chosen its nodes, and waits to lock them: every node's booking lock
+    # (services._NODE_LOCKS) is held here. The slot change runs meanwhile: unfixed it commits now; fixed it queues
+    # behind the booking.
+    keys = [(LOCK_BOOKING_NODE, node.pk) for node in world.nodes]
+    with connection.cursor() as cur:
+        for key in keys:
+            cur.execute("SELECT pg_advisory_lock(%s, %s)", key)
+    booking = threading.Thread(target=_into, args=(result, "booked", book))
+    booking.start()
+    _until(lambda: not booking.is_alive() or lock_waiters() >= 1)
+    changing = threading.Thread(target=_into, args=(result, "changed", change_slot))
+    changing.start()
+    _until(lambda: not changing.is_alive() or lock_waiters() >= 2)
+    with connection.cursor() as cur:
+        for key in keys:
+            cur.execute("SELECT pg_advisory_unlock(%s, %s)", key)
+    booking.join(30)
+    changing.join(30)
+    booked, changed = result["booked"], result["changed"]
     # was: both succeeded: the change saw no open booking (it had not committed yet) and the booking,
     # validated against the old 30-minute grid, committed 10:30-11:30 into a 60-minute pool
     assert isinstance(booked, Reservation), booked
     assert isinstance(changed, InvalidState), changed
     assert _off_grid_bookings(pool) == []
+
+
+def _into(result: dict, key: str, fn) -> None:
+    try:
+        result[key] = fn()
+    except BaseException as exc:  # asserted on by the caller
+        result[key] = exc
+    finally:
+        connection.close()
+
+
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the race never reached its point"
+        time.sleep(0.02)
 
 
 def test_a_booking_waits_for_a_slot_length_change_and_is_judged_on_the_new_grid(half_hour_world, t0):

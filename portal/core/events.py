@@ -42,8 +42,8 @@ from .conf import setting_bool
 from .locks import LOCK_OUTBOX_EVENT, advisory_lock
 
 __all__ = [
-    "subscribe", "unsubscribe", "emit", "clear_subscribers", "dispatch_background", "outbox_dispatch", "outbox_relay",
-    "outbox_requeue",
+    "subscribe", "unsubscribe", "emit", "outbox_wanted", "announce", "clear_subscribers", "dispatch_background",
+    "outbox_dispatch", "outbox_relay", "outbox_requeue",
 ]
 
 logger = logging.getLogger(__name__)
@@ -224,20 +224,31 @@ def _after_commit(event: str, payload: dict[str, Any], outbox_id: int | None, ba
         dispatch_background(event, json.loads(_jsonable(payload)))
 
 
+def outbox_wanted(event: str) -> bool:
+    """Whether announcing event needs an outbox row written in the caller's transaction: it has background
+    subscribers and they run in a worker (not inline, as PORTAL_EVENTS_INLINE has them)."""
+    return bool(_handlers(_background, event)) and not setting_bool("PORTAL_EVENTS_INLINE", False)
+
+
+def announce(event: str, payload: dict[str, Any], outbox_id: int | None) -> None:
+    """After the caller's commit (at once outside a transaction): the inline subscribers, and the relay's wake-up
+    for outbox_id, the row the caller wrote for event (when outbox_wanted said so; else None)."""
+    background_inline = bool(_handlers(_background, event)) and setting_bool("PORTAL_EVENTS_INLINE", False)
+    transaction.on_commit(lambda: _after_commit(event, payload, outbox_id, background_inline))
+
+
 def emit(event: str, **payload: Any) -> None:
     """Announce event with a JSON-able payload: inline subscribers after the commit, background ones in a worker.
 
     With background subscribers the event is written to the outbox now, in the caller's
     transaction (so it commits or rolls back with the change it announces).
     """
-    background = bool(_handlers(_background, event))
-    background_inline = background and setting_bool("PORTAL_EVENTS_INLINE", False)
     outbox_id = None
-    if background and not background_inline:
+    if outbox_wanted(event):
         with connection.cursor() as cur:
             cur.execute(_OUTBOX_INSERT, [event, _jsonable(payload)])
             outbox_id = cur.fetchone()[0]
-    transaction.on_commit(lambda: _after_commit(event, payload, outbox_id, background_inline))
+    announce(event, payload, outbox_id)
 
 
 def outbox_dispatch(outbox_id: int) -> str:

@@ -8,9 +8,10 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 
-from reservations import selectors
+from provisioning.constants import LOCK_BOOKING_NODE
 from reservations.models import Allocation, Node
 from reservations.services import node_replace_allocations, node_update, reservation_create
+from tests.racing import advisory_waits, pausing_inserts
 
 
 def drain_in_other_session(node_id: int, out: dict) -> None:
@@ -24,56 +25,72 @@ def drain_in_other_session(node_id: int, out: dict) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_drain_committed_between_choice_and_insert_sends_the_booking_elsewhere(fleet, tomorrow, eager, monkeypatch):
-    real = selectors.free_nodes
-    victim = {}
-
-    def free_nodes_then_drain(**kw):
-        rows = real(**kw)
-        if not victim:
-            victim["id"] = rows[0][0]
-            t = threading.Thread(target=drain_in_other_session, args=(rows[0][0], victim))
-            t.start()
-            t.join(30)
-        return rows
-
-    monkeypatch.setattr(selectors, "free_nodes", free_nodes_then_drain)
-    r = reservation_create(actor=fleet.users["alpha-lead"], tenant=fleet.tenants["alpha"], pool=fleet.pool,
-                           node_count=1, start=tomorrow, end=tomorrow + timedelta(hours=2))
-    node = Node.objects.get(pk=victim["id"])
-    assert node.state == "draining"
+def test_a_drain_committed_between_choice_and_insert_sends_the_booking_elsewhere(fleet, tomorrow, eager):
+    # Every node's booking lock is held here: the booking, having chosen its node, waits for its lock. This
+    # session (another than the booking's; advisory locks are its own again) drains that node and commits.
+    keys = [(LOCK_BOOKING_NODE, node.pk) for node in fleet.nodes]
+    with connection.cursor() as cur:
+        for key in keys:
+            cur.execute("SELECT pg_advisory_lock(%s, %s)", key)
+    out: dict = {}
+    booking = threading.Thread(target=_book, args=(fleet, tomorrow, out))
+    booking.start()
+    _until(lambda: not booking.is_alive() or advisory_waits(LOCK_BOOKING_NODE))
+    victim = advisory_waits(LOCK_BOOKING_NODE)[0]
+    node = node_update(actor=None, node=Node.objects.get(pk=victim), state="draining", reason="xid 79")
+    moved = node_replace_allocations(node=node, reason="xid 79")
+    with connection.cursor() as cur:
+        for key in keys:
+            cur.execute("SELECT pg_advisory_unlock(%s, %s)", key)
+    booking.join(30)
+    r = out["booking"]
+    assert Node.objects.get(pk=victim).state == "draining"
     held = Allocation.objects.filter(reservation=r, active=True).values_list("node__hostname", "node__state")
     # The new booking must not hold a node drained for failing health.
     assert ("draining" not in {s for _, s in held}), list(held)
-    assert len(held) == 1 and victim["moved"] == []  # it booked another node; nothing was on the drained one
+    assert len(held) == 1 and moved == []  # it booked another node; nothing was on the drained one
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_drain_during_the_booking_waits_for_it_then_moves_it_off(fleet, tomorrow, eager, monkeypatch):
-    from reservations import services
-
-    real_audit = services.audit_record
-    drain = {}
-
-    def audit_then_drain(**kw):
-        # The booking has inserted its allocation and holds its node's lock, uncommitted.
-        if kw["action"] == "reservation.create" and not drain:
-            node_id = Allocation.objects.get(reservation_id=kw["obj"].pk).node_id
-            drain["node"] = node_id
-            drain["thread"] = threading.Thread(target=drain_in_other_session, args=(node_id, drain))
-            drain["thread"].start()
-            time.sleep(0.5)
-            assert "done_at" not in drain  # the state change waits for the booking
-            drain["committing_at"] = time.monotonic()
-        return real_audit(**kw)
-
-    monkeypatch.setattr(services, "audit_record", audit_then_drain)
-    r = reservation_create(actor=fleet.users["alpha-lead"], tenant=fleet.tenants["alpha"], pool=fleet.pool,
-                           node_count=1, start=tomorrow, end=tomorrow + timedelta(hours=2))
+def test_a_drain_during_the_booking_waits_for_it_then_moves_it_off(fleet, tomorrow, eager):
+    drain: dict = {}
+    out: dict = {}
+    # The booking has inserted its allocation and holds its node's lock, uncommitted.
+    with pausing_inserts("reservations_reservation") as pause:
+        booking = threading.Thread(target=_book, args=(fleet, tomorrow, out))
+        booking.start()
+        pause.wait_reached()
+        (node_id,) = pause.advisory_keys(LOCK_BOOKING_NODE)
+        drain["node"] = node_id
+        drain["thread"] = threading.Thread(target=drain_in_other_session, args=(node_id, drain))
+        drain["thread"].start()
+        time.sleep(0.5)
+        assert "done_at" not in drain  # the state change waits for the booking
+        drain["committing_at"] = time.monotonic()
+        pause.release()
+        booking.join(30)
     drain["thread"].join(30)
+    r = out["booking"]
     assert drain["done_at"] >= drain["committing_at"]
     # Moved off the drained node: by the drain itself or by node_changed (run eagerly here) before it.
     from portal.core.models import AuditLog
     assert AuditLog.objects.filter(action="reservation.replace_node", object_id=str(r.pk)).count() == 1
     held = list(Allocation.objects.filter(reservation=r, active=True).values_list("node_id", "node__state"))
     assert len(held) == 1 and held[0][0] != drain["node"] and held[0][1] == "available"
+
+
+def _book(fleet, start, out: dict) -> None:
+    try:
+        out["booking"] = reservation_create(actor=fleet.users["alpha-lead"], tenant=fleet.tenants["alpha"],
+                                            pool=fleet.pool, node_count=1, start=start, end=start + timedelta(hours=2))
+    except Exception as exc:  # noqa: BLE001 - asserted on by the caller
+        out["booking"] = exc
+    finally:
+        connection.close()
+
+
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the race never reached its point"
+        time.sleep(0.02)
