@@ -36,6 +36,8 @@ logconfig_dict = {
     },
 }
 proc_name = "portal-web"
+# gunicorn's logger, except that it builds no access line its WARNING-level access logger would drop.
+logger_class = "portal.ops.weblog.WebLogger"
 
 # Prometheus multiprocess mode: every worker writes its counters under this directory and the
 # worker answering /metrics sums them. It must be set before a worker imports prometheus_client,
