@@ -75,13 +75,20 @@ def _wait_for_the_server_to_finish(timeout: float = 20) -> None:
     params.pop("context", None)
     params.pop("server_side_binding", None)
     params.pop("prepare_threshold", None)
+    # Quiet for a while, not at one glance: a request between two of its statements (autocommit) reads as idle,
+    # and one the browser sent last may reach the server a moment after the look (seen under load: the flush
+    # deadlocked with a request that began its next statement just after the server had looked quiet).
+    quiet_for = 0.25
     with psycopg.connect(**params, autocommit=True) as conn:
         deadline = time.monotonic() + timeout
+        quiet_since = None
         while time.monotonic() < deadline:
             busy = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
                 " AND state IN ('active', 'idle in transaction') AND backend_type = 'client backend'").fetchone()[0]
-            if not busy:
+            now = time.monotonic()
+            quiet_since = None if busy else (quiet_since or now)
+            if quiet_since is not None and now - quiet_since >= quiet_for:
                 return
             time.sleep(0.05)
 
