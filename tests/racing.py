@@ -16,8 +16,8 @@ from typing import Any
 
 from django.db import connection, transaction
 
-__all__ = ["advisory_waits", "behind_a_lock", "demoting", "failing_inserts", "in_turn", "lock_waiters",
-           "pausing_inserts"]
+__all__ = ["advisory_waits", "behind_a_lock", "demoting", "failing_inserts", "in_thread", "in_turn", "lock_waiters",
+           "pausing_inserts", "until"]
 
 
 def waiting_in(table: str | None) -> tuple[str, list[Any]]:
@@ -41,6 +41,29 @@ def lock_waiters(table: str | None = None) -> int:
         cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
                     f" AND datname = current_database() AND {where}", params)
         return int(cur.fetchone()[0])
+
+
+def in_thread(result: dict, key: str, fn: Callable[[], Any]) -> threading.Thread:
+    """Start fn in a thread of its own; what it returns, or the exception it raises, lands in result[key]."""
+    def run() -> None:
+        try:
+            result[key] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+            result[key] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run, name=key)
+    thread.start()
+    return thread
+
+
+def until(condition: Callable[[], Any], timeout: float = 30) -> None:
+    """Wait until condition() holds (a race has reached its point); fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the race never reached its point"
+        time.sleep(0.02)
 
 
 def advisory_waits(namespace: int) -> list[int]:

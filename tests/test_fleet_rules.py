@@ -19,7 +19,7 @@ from reservations.services import pool_update, reservation_create
 from reservations.timeutil import is_aligned
 
 from .conftest import make_world
-from .racing import lock_waiters
+from .racing import in_thread, lock_waiters, until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -99,12 +99,10 @@ def test_a_booking_that_chose_its_nodes_holds_off_a_slot_length_change(half_hour
     with connection.cursor() as cur:
         for key in keys:
             cur.execute("SELECT pg_advisory_lock(%s, %s)", key)
-    booking = threading.Thread(target=_into, args=(result, "booked", book))
-    booking.start()
-    _until(lambda: not booking.is_alive() or lock_waiters() >= 1)
-    changing = threading.Thread(target=_into, args=(result, "changed", change_slot))
-    changing.start()
-    _until(lambda: not changing.is_alive() or lock_waiters() >= 2)
+    booking = in_thread(result, "booked", book)
+    until(lambda: not booking.is_alive() or lock_waiters() >= 1)
+    changing = in_thread(result, "changed", change_slot)
+    until(lambda: not changing.is_alive() or lock_waiters() >= 2)
     with connection.cursor() as cur:
         for key in keys:
             cur.execute("SELECT pg_advisory_unlock(%s, %s)", key)
@@ -116,22 +114,6 @@ def test_a_booking_that_chose_its_nodes_holds_off_a_slot_length_change(half_hour
     assert isinstance(booked, Reservation), booked
     assert isinstance(changed, InvalidState), changed
     assert _off_grid_bookings(pool) == []
-
-
-def _into(result: dict, key: str, fn) -> None:
-    try:
-        result[key] = fn()
-    except BaseException as exc:  # asserted on by the caller
-        result[key] = exc
-    finally:
-        connection.close()
-
-
-def _until(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the race never reached its point"
-        time.sleep(0.02)
 
 
 def test_a_booking_waits_for_a_slot_length_change_and_is_judged_on_the_new_grid(half_hour_world, t0):

@@ -11,7 +11,7 @@ from django.db import connection
 from provisioning.constants import LOCK_BOOKING_NODE
 from reservations.models import Allocation, Node
 from reservations.services import node_replace_allocations, node_update, reservation_create
-from tests.racing import advisory_waits, pausing_inserts
+from tests.racing import advisory_waits, in_thread, pausing_inserts, until
 
 
 def drain_in_other_session(node_id: int, out: dict) -> None:
@@ -33,9 +33,8 @@ def test_a_drain_committed_between_choice_and_insert_sends_the_booking_elsewhere
         for key in keys:
             cur.execute("SELECT pg_advisory_lock(%s, %s)", key)
     out: dict = {}
-    booking = threading.Thread(target=_book, args=(fleet, tomorrow, out))
-    booking.start()
-    _until(lambda: not booking.is_alive() or advisory_waits(LOCK_BOOKING_NODE))
+    booking = _booking(fleet, tomorrow, out)
+    until(lambda: not booking.is_alive() or advisory_waits(LOCK_BOOKING_NODE))
     victim = advisory_waits(LOCK_BOOKING_NODE)[0]
     node = node_update(actor=None, node=Node.objects.get(pk=victim), state="draining", reason="xid 79")
     moved = node_replace_allocations(node=node, reason="xid 79")
@@ -57,8 +56,7 @@ def test_a_drain_during_the_booking_waits_for_it_then_moves_it_off(fleet, tomorr
     out: dict = {}
     # The booking has inserted its allocation and holds its node's lock, uncommitted.
     with pausing_inserts("reservations_reservation") as pause:
-        booking = threading.Thread(target=_book, args=(fleet, tomorrow, out))
-        booking.start()
+        booking = _booking(fleet, tomorrow, out)
         pause.wait_reached()
         (node_id,) = pause.advisory_keys(LOCK_BOOKING_NODE)
         drain["node"] = node_id
@@ -79,18 +77,7 @@ def test_a_drain_during_the_booking_waits_for_it_then_moves_it_off(fleet, tomorr
     assert len(held) == 1 and held[0][0] != drain["node"] and held[0][1] == "available"
 
 
-def _book(fleet, start, out: dict) -> None:
-    try:
-        out["booking"] = reservation_create(actor=fleet.users["alpha-lead"], tenant=fleet.tenants["alpha"],
-                                            pool=fleet.pool, node_count=1, start=start, end=start + timedelta(hours=2))
-    except Exception as exc:  # noqa: BLE001 - asserted on by the caller
-        out["booking"] = exc
-    finally:
-        connection.close()
-
-
-def _until(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the race never reached its point"
-        time.sleep(0.02)
+def _booking(fleet, start, out: dict):
+    return in_thread(out, "booking", lambda: reservation_create(
+        actor=fleet.users["alpha-lead"], tenant=fleet.tenants["alpha"], pool=fleet.pool, node_count=1, start=start,
+        end=start + timedelta(hours=2)))
