@@ -43,7 +43,7 @@ def lock_waiters(table: str | None = None) -> int:
         return int(cur.fetchone()[0])
 
 
-def in_thread(result: dict, key: str, fn: Callable[[], Any]) -> threading.Thread:
+def in_thread(result: dict, key: Any, fn: Callable[[], Any]) -> threading.Thread:
     """Start fn in a thread of its own; what it returns, or the exception it raises, lands in result[key]."""
     def run() -> None:
         try:
@@ -53,7 +53,7 @@ def in_thread(result: dict, key: str, fn: Callable[[], Any]) -> threading.Thread
         finally:
             connection.close()
 
-    thread = threading.Thread(target=run, name=key)
+    thread = threading.Thread(target=run, name=str(key))
     thread.start()
     return thread
 
@@ -108,14 +108,6 @@ def in_turn(hold: Callable[[], Callable[[], None] | None], calls: list[Callable[
         finally:
             connection.close()
 
-    def runner(index: int, call: Callable[[], Any]) -> None:
-        try:
-            outcome[index] = call()
-        except Exception as exc:  # noqa: BLE001 - the caller asserts on it
-            outcome[index] = exc
-        finally:
-            connection.close()
-
     holding = threading.Thread(target=holder)
     holding.start()
     assert locked.wait(timeout / 3), "the holding transaction never took its locks"
@@ -123,8 +115,7 @@ def in_turn(hold: Callable[[], Callable[[], None] | None], calls: list[Callable[
         raise outcome["hold"]
     threads: list[threading.Thread] = []
     for index, call in enumerate(calls):
-        thread = threading.Thread(target=runner, args=(index, call))
-        thread.start()
+        thread = in_thread(outcome, index, call)
         threads.append(thread)
         # Either it queues on a lock (then the holder commits first), or it ran past it.
         while thread.is_alive() and lock_waiters(waits_on) < sum(t.is_alive() for t in threads):
