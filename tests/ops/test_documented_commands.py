@@ -30,8 +30,12 @@ def documented() -> list[tuple[str, str, list[str]]]:
 
 
 def variants(rest: str) -> list[list[str]]:
-    """The argument lists a synopsis stands for: each [optional part] left out and put in."""
-    joined = " ".join(shlex.split(re.sub(r"\b[A-Z]+\b", lambda m: SAMPLES.get(m.group(), m.group()), rest)))
+    """The argument lists a synopsis stands for: each [optional part] left out and put in. A line without one
+    is split as the shell splits it (a quoted argument, `shell -c "…"`, stays one)."""
+    sampled = re.sub(r"\b[A-Z]+\b", lambda m: SAMPLES.get(m.group(), m.group()), rest)
+    if "[" not in sampled:
+        return [shlex.split(sampled)]
+    joined = " ".join(shlex.split(sampled))
     optional = re.findall(r"\[([^\]]*)\]", joined)
     bare = re.sub(r"\s*\[[^\]]*\]", "", joined).split()
     full = re.sub(r"\[([^\]]*)\]", r"\1", joined).split()
