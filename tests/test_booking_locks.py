@@ -7,13 +7,14 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from reservations.models import Allocation, Reservation
 from reservations.services import reservation_create
+from tenants.models import Membership
 
 from .conftest import make_world
-from .racing import failing_inserts, lock_waiters, pausing_inserts
+from .racing import failing_inserts, in_thread, lock_waiters, pausing_inserts, until
 
 
 @pytest.mark.django_db(transaction=True)
@@ -26,32 +27,30 @@ def test_bookings_of_two_tenants_in_one_pool_do_not_wait_for_each_other(t0):
     world = make_world(nodes=4, max_nodes=2, burst_nodes=0)
     results: dict[str, object] = {}
 
-    def book(who: str) -> None:
-        try:
-            results[who] = reservation_create(actor=world.users[f"{who}-lead"], tenant=world.tenants[who],
-                                              pool=world.pool, node_count=1, start=t0, end=t0 + timedelta(hours=2))
-        except BaseException as exc:  # asserted below
-            results[who] = exc
-        finally:
-            connection.close()
+    def book(who: str):
+        return in_thread(results, who, lambda: reservation_create(
+            actor=world.users[f"{who}-lead"], tenant=world.tenants[who], pool=world.pool, node_count=1, start=t0,
+            end=t0 + timedelta(hours=2)))
 
-    # Alpha's booking waits after its insert, before its commit: its quota row (and everything else) locked.
-    with pausing_inserts("reservations_reservation", when=f"NEW.tenant_id = {world.tenants['alpha'].pk}") as pause:
-        alpha = threading.Thread(target=book, args=("alpha",), name="alpha")
-        alpha.start()
-        pause.wait_reached()
-        beta = threading.Thread(target=book, args=("beta",), name="beta")
-        beta.start()
-        # Until beta finishes or is seen queued on a lock besides alpha's pause: a fixed 15 s join failed a
-        # correct booking that a loaded machine ran slower than that.
+    # Alpha's booking takes its quota row, then waits in its next statement: the rights read share-locks the
+    # booker's membership row, held here FOR UPDATE. Mid-transaction, its quota row locked, before it has picked
+    # (and locked) any node, so beta cannot meet it on a node either.
+    membership = Membership.objects.get(user=world.users["alpha-lead"], tenant=world.tenants["alpha"])
+    with transaction.atomic():
+        Membership.objects.select_for_update().get(pk=membership.pk)
+        alpha = book("alpha")
+        until(lambda: not alpha.is_alive() or lock_waiters() >= 1)
+        assert alpha.is_alive(), results  # waiting on the membership row, holding its quota row
+        beta = book("beta")
+        # Until beta finishes or is seen queued on a lock besides alpha: a fixed 15 s join failed a correct
+        # booking that a loaded machine ran slower than that.
         deadline = time.monotonic() + 120
         while beta.is_alive() and lock_waiters() < 2 and time.monotonic() < deadline:
             beta.join(0.02)
         finished_while_alpha_held_its_lock = not beta.is_alive()
-        assert alpha.is_alive()  # still paused
-        pause.release()
-        alpha.join(30)
-        beta.join(30)
+        assert alpha.is_alive()  # still waiting
+    alpha.join(30)
+    beta.join(30)
     assert finished_while_alpha_held_its_lock, "beta's booking waited for alpha's transaction"
     assert isinstance(results["alpha"], Reservation) and isinstance(results["beta"], Reservation)
     assert Allocation.objects.filter(active=True).count() == 2
