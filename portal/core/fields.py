@@ -49,22 +49,28 @@ class AwareDateTimeField(serializers.DateTimeField):
     # "+" (DESIGN §6: ISO 8601 with an offset, one spelling); named, so the 400 says what to do.
     PLUS_AS_SPACE = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)? \d{2}(?::?\d{2})?")
 
-    def to_internal_value(self, value):
+    @classmethod
+    def parse(cls, value) -> tuple[datetime | None, str | None]:
+        """(the value in UTC, None) for a value this field takes, else (None, the key of its error message)."""
         # Python's ISO parser lets a trailing NUL through ("…00Z\x00"): control characters are
         # refused outright, not parsed around.
         if not isinstance(value, str) or any(ord(c) < 32 for c in value):
-            self.fail("invalid")
+            return None, "invalid"
         try:
             parsed = parse_datetime(value.strip())
         except ValueError:
             parsed = None
         if parsed is None:
-            self.fail("plus_as_space" if self.PLUS_AS_SPACE.fullmatch(value.strip()) else "invalid")
+            return None, "plus_as_space" if cls.PLUS_AS_SPACE.fullmatch(value.strip()) else "invalid"
         if parsed.tzinfo is None or parsed.utcoffset() is None:
-            self.fail("naive")
+            return None, "naive"
         utc = in_supported_range(parsed)
-        if utc is None:
-            self.fail("range")
+        return (utc, None) if utc is not None else (None, "range")
+
+    def to_internal_value(self, value):
+        utc, error = self.parse(value)
+        if error:
+            self.fail(error)
         return utc
 
     def to_representation(self, value):

@@ -16,9 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from django.utils.dateparse import parse_datetime
-
-from portal.core.fields import in_supported_range
+from portal.core.fields import AwareDateTimeField
 
 from .serializers import ClusterSpecSerializer, ReservationCreateSerializer
 
@@ -29,23 +27,14 @@ HANDLED = ("tenant", "pool", "node_count", "start", "end", "name", "cluster")
 _REQUIRED = frozenset({"tenant", "pool", "node_count", "start", "end"})
 _KNOWN = frozenset(HANDLED)
 _COUNT, _NAME = _FIELDS["node_count"], _FIELDS["name"]
-# What AwareDateTimeField refuses before parsing; and what a name may not hold after trimming (DRF refuses
-# NUL and lone surrogates; other control characters are left to the serializer rather than judged here).
-_CONTROL = re.compile(r"[\x00-\x1f]")
+# What a name may not hold after trimming (DRF refuses NUL and lone surrogates; other control characters are
+# left to the serializer rather than judged here).
 _ODD_IN_NAME = re.compile(r"[\x00-\x1f\ud800-\udfff]")
 
 
 def _aware(value: Any):
     """AwareDateTimeField's value (UTC) for a value it takes, else None."""
-    if type(value) is not str or _CONTROL.search(value):
-        return None
-    try:
-        parsed = parse_datetime(value.strip())
-    except ValueError:
-        return None
-    if parsed is None or parsed.tzinfo is None or parsed.utcoffset() is None:
-        return None
-    return in_supported_range(parsed)
+    return AwareDateTimeField.parse(value)[0]
 
 
 def _cluster(spec: Any) -> dict | None:
