@@ -54,12 +54,20 @@ def make_world(*, nodes: int = 4, max_nodes: int = 3, burst_nodes: int = 1, burs
     return world
 
 
+# The longest margin now_clear_of_the_hour takes: it may sleep that long, and a test has pytest-timeout's 300 s
+# (pyproject.toml) for everything, its fixtures included. A scenario that needs longer books a longer window.
+CLEAR_OF_THE_HOUR_MAX_MARGIN_S = 120.0
+
+
 def now_clear_of_the_hour(margin_s: float = 60.0) -> datetime:
     """Return now, first sleeping into the next hourly slot if under margin_s are left of this one.
 
     A scenario that books from the slot running now (slot_floor(now, 60)) must finish inside it:
     once the hour rolls over that start is in the past, and booking rightly refuses it.
     """
+    if margin_s > CLEAR_OF_THE_HOUR_MAX_MARGIN_S:
+        raise ValueError(f"a margin of {margin_s} s may sleep past the test's timeout "
+                         f"(at most {CLEAR_OF_THE_HOUR_MAX_MARGIN_S} s)")
     now = timezone.now()
     left = (slot_floor(now, 60) + timedelta(hours=1) - now).total_seconds()
     if left < margin_s:
