@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import zlib
 from datetime import UTC, date, datetime, timedelta
+from urllib.parse import urlencode
 
 from django.conf import settings
 from django.contrib import messages
@@ -79,6 +80,9 @@ CLUSTER_TEMPLATES = ["provisioning/_reservation_cluster.html", "reservations/_cl
 # the Nodes card and the timeline (sent only when they changed), until the booking is no longer active.
 ACTIVE_POLL_SECONDS = 15
 CLUSTER_POLL_TEMPLATES = ["provisioning/_reservation_cluster_poll.html", "reservations/_cluster_placeholder.html"]
+# The calendar's side panel polls the booking it shows (its status, nodes and cluster) as the page does: every 3 s
+# while it moves on quickly (booked, provisioning, ending), every ACTIVE_POLL_SECONDS while under way, never once over.
+PANEL_POLL_SECONDS = 3
 CLUSTER_BADGE_TEMPLATES = ["provisioning/_cluster_badge.html", "reservations/_cluster_badge_placeholder.html"]
 
 
@@ -629,12 +633,59 @@ def reservation_detail(request, pk: int):
     return render_page(request, "reservations/detail.html", context)
 
 
+def _cluster_status(reservation) -> str | None:
+    """The status of the booking's cluster, when an app adds one and the booking has it (by the relation's name
+    only, as _with_cluster: this app does not import the one that provides it)."""
+    return getattr(getattr(reservation, "cluster", None), "status", None)  # no row (yet): Django's AttributeError
+
+
+def _panel_context(request, reservation) -> dict:
+    """The page's context, and what the calendar's panel polls with: markers of what its live part (status, window,
+    nodes, cluster), its actions and the calendar's event show, sent back with each poll (see reservation_panel)."""
+    context = _detail_context(request, reservation)
+    status = reservation.status
+    live = _fingerprint(status, reservation.status_reason, reservation.start, reservation.end, reservation.node_count,
+                        reservation.billing, context["held_nodes"], reservation.missing_nodes,
+                        _cluster_status(reservation))
+    actions = _fingerprint(context["changeable"], context["extendable"], context["shown_end"], context["shown_name"])
+    event = _fingerprint(status, reservation.start, reservation.end, reservation.name)
+    every = None
+    if status not in FINAL_STATUSES:
+        every = ACTIVE_POLL_SECONDS if status == ReservationStatus.ACTIVE else PANEL_POLL_SECONDS
+    query = urlencode({"live": live, "actions": actions, "event": event})
+    return {
+        **context,
+        "cluster_badge_template": select_template(CLUSTER_BADGE_TEMPLATES).template.name,
+        "panel_live_shown": live,
+        "panel_actions_shown": actions,
+        "panel_event_shown": event,
+        "panel_poll_url": f"{reverse('reservation-panel', args=[reservation.pk])}?{query}",
+        "panel_poll_every": f"{every}s" if every else None,
+    }
+
+
 @require_safe
+@vary_on_headers("HX-Request")  # one URL, two answers: the poll's fragment is not the panel
 @portal_view
 def reservation_panel(request, pk: int):
-    """The calendar's side panel for one event."""
-    reservation = get_object_or_404(_own_reservations(request), pk=pk)
-    return render_page(request, "reservations/_panel.html", _detail_context(request, reservation))
+    """The calendar's side panel for one event.
+
+    Its live part polls this URL, saying what it shows (?live=&actions=&event=): nothing changed is a 204 (htmx swaps
+    nothing, and the part goes on polling); else the part again, with the booking's actions out-of-band only when
+    they changed (a name or an end being typed there is not wiped by a node or a status moving on), and the calendar
+    told to fetch its events again when the booking's event no longer looks as it did."""
+    reservation = get_object_or_404(_with_cluster(_own_reservations(request)), pk=pk)
+    context = _panel_context(request, reservation)
+    if request.headers.get("HX-Request") and "live" in request.GET:
+        live_moved = request.GET["live"] != context["panel_live_shown"]
+        actions_moved = request.GET.get("actions") != context["panel_actions_shown"]
+        if not live_moved and not actions_moved:
+            return HttpResponse(status=204)
+        response = render_page(request, "reservations/_panel_poll.html", {**context, "actions_moved": actions_moved})
+        if request.GET.get("event") != context["panel_event_shown"]:
+            response = trigger_client_event(response, "reservation-changed", {"id": reservation.pk})
+        return response
+    return render_page(request, "reservations/_panel.html", context)
 
 
 def _extend_form(reservation, data=None) -> ExtendForm:
@@ -723,8 +774,8 @@ def reservation_cancel(request, pk: int):
         ok, text = True, f"Reservation #{reservation.pk} cancelled; its nodes are free again."
     if _is_partial(request):
         # The panel says it itself: a queued message would surface on whatever page loads next.
-        reservation = get_object_or_404(_own_reservations(request), pk=pk)
-        context = {**_detail_context(request, reservation), "panel_message": text, "panel_ok": ok}
+        reservation = get_object_or_404(_with_cluster(_own_reservations(request)), pk=pk)
+        context = {**_panel_context(request, reservation), "panel_message": text, "panel_ok": ok}
         response = render_page(request, "reservations/_panel.html", context)
         return trigger_client_event(response, "reservation-changed", {"id": reservation.pk}) if ok else response
     (messages.success if ok else messages.error)(request, text)

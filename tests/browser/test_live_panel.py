@@ -1,0 +1,84 @@
+"""The calendar's side panel follows the booking it shows while it is open: its status, its nodes' states and its
+cluster change in the panel (and the event's status on the calendar) without a reload, and what the user is doing in
+the panel (a name being typed, focus on the cluster's link) is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+from reservations import services
+
+from .conftest import at, open_day
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+def test_the_calendars_panel_follows_its_booking_without_a_reload(world, live_server, new_page, sign_in, day,
+                                                                  monkeypatch):
+    """A lead who opened a booking in the calendar's side panel saw its hostnames only, and the same status, nodes
+    and no cluster until a reload: the panel never polled. It now polls (every 3 s; 1 s here) and shows each change,
+    and stops once the booking is over."""
+    from provisioning.models import VirtualCluster
+    from provisioning.services import cluster_create_for_reservation
+    from reservations import views
+    from reservations.models import Reservation
+
+    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
+    monkeypatch.setattr(views, "ACTIVE_POLL_SECONDS", 1)
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=at(day, 10), end=at(day, 12), name="live run")
+    VirtualCluster.objects.filter(reservation=r).delete()  # not created yet (here the commit created it at once)
+    (node,) = [a.node for a in r.allocations.filter(active=True).select_related("node")]
+
+    page = sign_in(new_page(), "alpha-lead")
+    console_errors: list[str] = []
+    page.on("console", lambda msg: console_errors.append(msg.text) if msg.type == "error" else None)
+    open_day(page, live_server, day)
+    event = page.locator(f".fc-event[data-reservation-id='{r.pk}']")
+    expect(event.locator(".ev-status")).to_have_text("Confirmed")
+    event.click()
+    panel = page.locator("#side-panel")
+    expect(panel.locator("h2")).to_contain_text("live run")
+    live = panel.locator(f"#panel-live-{r.pk}")
+    expect(live.locator(".badge").first).to_have_text("Confirmed")
+    expect(live).to_have_attribute("hx-trigger", "every 1s")
+    expect(live.locator("li")).to_have_text([node.hostname])
+    expect(live.locator(f"#cluster-badge-{r.pk}")).to_have_count(0)
+    name = panel.get_by_label("Name", exact=True)
+    name.fill("half-typed new na")  # a rename being typed while the booking moves on
+
+    # the booking is being provisioned, its node drained, its cluster row appears
+    Reservation.objects.filter(pk=r.pk).update(status="provisioning")
+    services.node_update(actor=world.users["staff"], node=node, state="draining", reason="health check failed")
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    expect(live.locator(".badge").first).to_have_text("Provisioning", timeout=10_000)
+    expect(live.locator("li")).to_have_text([f"{node.hostname} Draining"], timeout=10_000)
+    badge = live.locator(f"#cluster-badge-{r.pk}")
+    expect(badge).to_have_text("Pending", timeout=10_000)
+    expect(event.locator(".ev-status")).to_have_text("Provisioning", timeout=10_000)  # the calendar refetched
+    # what was being typed is still there, and still has focus
+    expect(name).to_have_value("half-typed new na")
+    expect(name).to_be_focused()
+
+    # focus on the cluster's link survives the part being replaced under it
+    badge.focus()
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="installing_drivers")
+    expect(badge).to_have_text("Installing drivers", timeout=10_000)
+    expect(badge).to_be_focused()
+
+    # over: the panel says so, no longer offers a change, and stops polling
+    Reservation.objects.filter(pk=r.pk).update(status="completed")
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="deleted")
+    expect(live.locator(".badge").first).to_have_text("Completed", timeout=10_000)
+    assert live.get_attribute("hx-trigger") is None and live.get_attribute("hx-get") is None
+    expect(panel.locator("[data-cancel]")).to_have_count(0)
+    expect(panel.get_by_label("Name", exact=True)).to_have_count(0)
+    requests: list[str] = []
+    page.on("request", lambda req: requests.append(req.url) if "/panel/" in req.url else None)
+    page.wait_for_timeout(2500)
+    assert requests == []
+    expect(panel.locator("h2")).to_contain_text("live run")
+    assert page.errors == []
+    assert console_errors == []
+

@@ -1,0 +1,154 @@
+"""The calendar's side panel stays current without a reload.
+
+The panel showed a booking's hostnames only and never polled: a lead watching it after booking saw the status
+(confirmed → provisioning → active), a node drained or swapped and the cluster coming up only on a reload."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import pytest
+
+from reservations.models import Reservation
+
+pytestmark = pytest.mark.django_db
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+def _live(body: str, pk: int) -> str:
+    """The panel's live part (its opening tag and contents)."""
+    match = re.search(rf'<div id="panel-live-{pk}"[^>]*>.*?</dl>\s*</div>', body, re.S)
+    assert match, body
+    return match.group(0)
+
+
+def _poll(body: str, pk: int) -> tuple[str | None, str | None]:
+    """The URL the live part polls (as the browser reads it) and how often, or (None, None)."""
+    tag = re.search(rf'<div id="panel-live-{pk}"[^>]*>', body).group(0)
+    url = re.search(r'hx-get="([^"]*)"', tag)
+    every = re.search(r'hx-trigger="every (\d+s)"', tag)
+    assert bool(url) == bool(every), tag
+    return (html.unescape(url.group(1)), every.group(1)) if url else (None, None)
+
+
+def _nodes(body: str, pk: int) -> list[str]:
+    """The live part's node list as it reads: "h100-001", "h100-002 Draining"."""
+    dd = re.search(r"<dt>Nodes</dt><dd>(.*?)</dd>", _live(body, pk), re.S).group(1)
+    return [" ".join(re.sub(r"<[^>]+>", " ", li).split()) for li in re.findall(r"<li>(.*?)</li>", dd, re.S)]
+
+
+def test_the_panel_shows_the_nodes_states_the_cluster_and_polls_while_the_booking_can_change(world, web, book, t0):
+    from reservations.services import node_update
+
+    r = book("alpha-lead", t0, nodes=2, name="pretrain")
+    held = sorted(r.allocations.filter(active=True).values_list("node__hostname", flat=True))
+    node_update(actor=world.users["staff"], node=world.nodes[[n.hostname for n in world.nodes].index(held[0])],
+                state="draining", reason="health check failed")
+    body = web("alpha-viewer").get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode()
+    assert _nodes(body, r.pk) == [f"{held[0]} Draining", held[1]]
+    live = _live(body, r.pk)
+    assert 'class="badge st-confirmed"' in live and "<dt>Cluster</dt>" in live
+    url, every = _poll(body, r.pk)
+    assert every == "3s"
+    assert re.fullmatch(rf"/reservations/{r.pk}/panel/\?live=[0-9a-f]{{8}}&actions=[0-9a-f]{{8}}&event=[0-9a-f]{{8}}",
+                        url), url
+    # the live part is a polite live region of its own; the panel around it is not one (its forms would be read out)
+    assert re.search(rf'<div aria-live="polite"><div id="panel-live-{r.pk}"', body)
+    assert body.count("aria-live") == 1
+    # the heading focus goes to and the actions are outside the polled part
+    assert "panel-title" not in live and "data-cancel" not in live
+    assert f'<div id="panel-actions-{r.pk}">' in body
+
+
+def test_the_panels_poll_answers_only_when_something_changed_and_leaves_the_actions_alone(world, web, book, t0):
+    from provisioning.models import VirtualCluster
+    from provisioning.services import cluster_create_for_reservation
+    from reservations.services import node_update
+
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    url, _ = _poll(client.get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode(), r.pk)
+
+    same = client.get(url, **HTMX)
+    assert same.status_code == 204 and same.content == b"" and "HX-Request" in same["Vary"]
+
+    # the booking moves on: the live part comes again (saying so), the calendar is told to refetch its events,
+    # and the actions (a name being typed) are left alone, as they did not change
+    Reservation.objects.filter(pk=r.pk).update(status="provisioning")
+    moved = client.get(url, **HTMX)
+    assert moved.status_code == 200 and "reservation-changed" in moved["HX-Trigger"]
+    body = moved.content.decode()
+    assert 'class="badge st-provisioning"' in _live(body, r.pk)
+    assert "panel-actions" not in body and "<h2" not in body and "<section" not in body
+    url, every = _poll(body, r.pk)
+    assert every == "3s"
+    assert client.get(url, **HTMX).status_code == 204  # the next poll says what it now shows
+
+    # its cluster row appears and comes up: the panel shows its status (no calendar refetch: the event looks the same)
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    with_cluster = client.get(url, **HTMX)
+    assert with_cluster.status_code == 200 and "HX-Trigger" not in with_cluster
+    badge = re.search(r"<dt>Cluster</dt><dd>(.*?)</dd>", with_cluster.content.decode(), re.S).group(1)
+    assert f'href="/clusters/{cluster.pk}/"' in badge and "Pending" in badge, badge
+    url, _ = _poll(with_cluster.content.decode(), r.pk)
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="installing_drivers")
+    drivers = client.get(url, **HTMX).content.decode()
+    assert "Installing drivers" in _live(drivers, r.pk)
+    url, _ = _poll(drivers, r.pk)
+
+    # under way: still watched (a node can fail and be swapped), more slowly
+    Reservation.objects.filter(pk=r.pk).update(status="active")
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="ready")
+    active = client.get(url, **HTMX).content.decode()
+    url, every = _poll(active, r.pk)
+    assert every == "15s" and "panel-actions" not in active
+
+    (node,) = [a.node for a in r.allocations.filter(active=True).select_related("node")]
+    node_update(actor=world.users["staff"], node=node, state="draining", reason="health check failed")
+    draining = client.get(url, **HTMX)
+    assert _nodes(draining.content.decode(), r.pk) == [f"{node.hostname} Draining"]
+    assert "HX-Trigger" not in draining and "panel-actions" not in draining.content.decode()
+    url, _ = _poll(draining.content.decode(), r.pk)
+
+    # ending: it can no longer be extended, so the actions come again (out-of-band), without the extend forms
+    Reservation.objects.filter(pk=r.pk).update(status="ending")
+    ending = client.get(url, **HTMX).content.decode()
+    actions = re.search(rf'<div id="panel-actions-{r.pk}" hx-swap-oob="true">(.*?)</div>\s*$', ending, re.S)
+    assert actions and "data-cancel" in actions.group(1) and "+1 slot" not in actions.group(1), ending
+    url, every = _poll(ending, r.pk)
+    assert every == "3s"
+
+    # over: the last answer no longer polls, and offers no change
+    Reservation.objects.filter(pk=r.pk).update(status="completed")
+    done = client.get(url, **HTMX).content.decode()
+    assert _poll(done, r.pk) == (None, None) and 'class="badge st-completed"' in done
+    actions = re.search(rf'<div id="panel-actions-{r.pk}" hx-swap-oob="true">(.*?)</div>\s*$', done, re.S)
+    assert actions and "data-cancel" not in actions.group(1), done
+
+
+@pytest.mark.parametrize("status", ["completed", "cancelled", "failed"])
+def test_the_panel_of_a_booking_that_is_over_does_not_poll(world, web, book, t0, status):
+    r = book("alpha-lead", t0)
+    Reservation.objects.filter(pk=r.pk).update(status=status)
+    body = web("alpha-lead").get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode()
+    assert _poll(body, r.pk) == (None, None) and "hx-trigger" not in body
+    assert f'class="badge st-{status}"' in _live(body, r.pk)
+
+
+def test_the_panel_a_cancel_answers_with_no_longer_polls(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    body = web("alpha-lead").post(f"/reservations/{r.pk}/cancel/", **HTMX).content.decode()
+    assert "cancelled; its nodes are free again" in body
+    assert _poll(body, r.pk) == (None, None) and 'class="badge st-cancelled"' in _live(body, r.pk)
+
+
+def test_another_tenants_panel_and_its_poll_are_404(world, web, book, t0):
+    r = book("beta-lead", t0, name="beta-secret")
+    url, _ = _poll(web("beta-lead").get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode(), r.pk)
+    client = web("alpha-lead")
+    for path in (f"/reservations/{r.pk}/panel/", url):
+        response = client.get(path, **HTMX)
+        assert response.status_code == 404 and b"beta-secret" not in response.content
+
