@@ -625,7 +625,10 @@ def reservation_detail(request, pk: int):
         # The cluster card's poll: the card, and the parts that follow the booking's status when it moved on
         # from the one the page shows (not every time: a form being filled in beside them is left alone).
         # The Nodes card and the timeline likewise, when they no longer show what the page has (a node swapped).
+        # The cluster's placeholder polls likewise until the cluster's row exists (cluster=none): it gets the
+        # whole cluster block, the card once there is one.
         context.update(cluster_poll_template=select_template(CLUSTER_POLL_TEMPLATES).template.name,
+                       cluster_shown=request.GET.get("cluster") != "none",
                        status_moved=request.GET["shown"] != reservation.status,
                        nodes_moved=request.GET.get("nodes") != context["nodes_shown"],
                        timeline_moved=request.GET.get("timeline") != context["timeline_shown"])

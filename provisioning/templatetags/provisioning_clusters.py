@@ -19,7 +19,8 @@ def _reservation_panel(context, reservation) -> dict:
     user = getattr(request, "user", None)
     cluster = clusters_for_user(user=user).filter(reservation_id=reservation.pk).first() if user else None
     if cluster is None:
-        return {"cluster": None, "reservation": reservation}
+        # The reservation app's placeholder, which polls the page (its own URL) until the cluster row exists.
+        return {"cluster": None, "reservation": reservation, "cluster_poll_url": context.get("cluster_poll_url")}
     from ..views import panel_context
 
     panel = {**panel_context(user, cluster), "reservation": reservation, "csrf_token": context.get("csrf_token")}

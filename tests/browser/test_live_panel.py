@@ -82,3 +82,32 @@ def test_the_calendars_panel_follows_its_booking_without_a_reload(world, live_se
     assert page.errors == []
     assert console_errors == []
 
+
+def test_a_bookings_page_shows_its_cluster_once_the_row_exists_without_a_reload(world, live_server, new_page, sign_in,
+                                                                              day):
+    """A booking's page opened before its cluster row existed (a worker creates it just after the booking commits)
+    showed the placeholder until a reload: it never polled. It now polls until the row exists; then the cluster's
+    card comes, and its own poll follows the cluster from there (the placeholder's poll is gone)."""
+    from provisioning.models import VirtualCluster
+    from provisioning.services import cluster_create_for_reservation
+
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=at(day, 10), end=at(day, 12), name="page run")
+    # Here the booking's commit runs its subscribers at once: its cluster row is taken away again, as it is
+    # until the worker has run.
+    VirtualCluster.objects.filter(reservation=r).delete()
+    page = sign_in(new_page(), "alpha-lead")
+    page.goto(f"{live_server.url}/reservations/{r.pk}/")
+    expect(page.locator("[data-placeholder='cluster-phases']")).to_be_visible()
+
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    status = page.locator("#cluster-status")
+    expect(status).to_contain_text("Pending", timeout=10_000)
+    expect(page.locator("[data-placeholder]")).to_have_count(0)
+    expect(page.get_by_role("heading", name=f"Virtual cluster #{cluster.pk}")).to_be_visible()
+    waits: list[str] = []
+    page.on("request", lambda req: waits.append(req.url) if "cluster=none" in req.url else None)
+    VirtualCluster.objects.filter(pk=cluster.pk).update(status="installing_drivers")
+    expect(status).to_contain_text("Installing drivers", timeout=10_000)
+    assert waits == []
+    assert page.errors == []

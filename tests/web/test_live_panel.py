@@ -1,7 +1,9 @@
-"""The calendar's side panel stays current without a reload.
+"""The calendar's side panel and the reservation page stay current without a reload.
 
 The panel showed a booking's hostnames only and never polled: a lead watching it after booking saw the status
-(confirmed → provisioning → active), a node drained or swapped and the cluster coming up only on a reload."""
+(confirmed → provisioning → active), a node drained or swapped and the cluster coming up only on a reload. A booking
+whose cluster row did not exist yet (a worker creates it just after the booking commits) showed a placeholder that
+did not poll, so its page never showed the cluster either."""
 
 from __future__ import annotations
 
@@ -152,3 +154,54 @@ def test_another_tenants_panel_and_its_poll_are_404(world, web, book, t0):
         response = client.get(path, **HTMX)
         assert response.status_code == 404 and b"beta-secret" not in response.content
 
+
+def _cluster_block(body: str) -> str:
+    return re.search(r'<section class="card" aria-labelledby="cluster-title" id="cluster"[^>]*>', body).group(0)
+
+
+def test_the_page_polls_while_its_cluster_row_does_not_exist_and_the_cluster_card_takes_over(world, web, book, t0):
+    """A booking's page opened before its cluster row existed showed the placeholder, which never polled: the
+    cluster and its phases appeared only on a reload. The placeholder now polls the page (saying it shows no
+    cluster); the answer is the placeholder again until the row exists, then the cluster's card, whose own poll
+    takes over."""
+    from provisioning.services import cluster_create_for_reservation
+
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    block = _cluster_block(page)
+    assert 'hx-trigger="every 3s"' in block and 'hx-swap="outerHTML"' in block, block
+    url = html.unescape(re.search(r'hx-get="([^"]*)"', block).group(1))
+    assert url.startswith(f"/reservations/{r.pk}/?shown=confirmed&nodes=") and url.endswith("&cluster=none"), url
+    assert 'data-placeholder="cluster-phases"' in page
+
+    still = client.get(url, **HTMX).content.decode()
+    assert html.unescape(re.search(r'hx-get="([^"]*)"', _cluster_block(still)).group(1)) == url
+    assert 'data-placeholder="cluster-phases"' in still and "<h1" not in still
+    assert "reservation-status-badge" not in still  # the status did not move
+
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    Reservation.objects.filter(pk=r.pk).update(status="provisioning")
+    card = client.get(url, **HTMX).content.decode()
+    assert re.search(rf'<h2 id="cluster-title">Virtual cluster <a href="/clusters/{cluster.pk}/">', card), card
+    assert "data-placeholder" not in card
+    status = re.search(r'<section class="card" id="cluster-status"[^>]*>', card).group(0)
+    poll = html.unescape(re.search(r'hx-get="([^"]*)"', status).group(1))
+    assert poll.startswith(f"/reservations/{r.pk}/?shown=provisioning&") and "cluster=none" not in poll, poll
+    assert 'hx-trigger="every 3s"' in status
+    assert 'id="reservation-status-badge" hx-swap-oob="true"' in card  # the status moved on: said as ever
+
+
+def test_the_pages_placeholder_stops_polling_once_the_booking_is_over(world, web, book, t0):
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    url = html.unescape(re.search(r'hx-get="([^"]*)"',
+                                  _cluster_block(client.get(f"/reservations/{r.pk}/").content.decode())).group(1))
+    Reservation.objects.filter(pk=r.pk).update(status="cancelled")
+    over = client.get(url, **HTMX).content.decode()
+    assert "hx-get" not in _cluster_block(over) and 'data-placeholder="no-cluster"' in over
+    assert 'id="reservation-status-badge" hx-swap-oob="true"' in over
+    page = client.get(f"/reservations/{r.pk}/").content.decode()
+    assert "hx-trigger" not in page
+    # another tenant's poll learns nothing
+    assert web("beta-lead").get(url, **HTMX).status_code == 404
