@@ -13,7 +13,7 @@ from portal.core.exceptions import QuotaExceeded
 from reservations import selectors, services
 from reservations.forms import parse_zoned
 from reservations.models import Reservation
-from tests.conftest import iso
+from tests.conftest import iso, next_fall_back
 
 pytestmark = pytest.mark.django_db
 
@@ -53,15 +53,25 @@ def test_booking_through_the_form_uses_the_service(world, web, t0):
     assert response.status_code == 302 and response["Location"] == f"/reservations/{plain.pk}/"
 
 
-def test_local_wall_clock_input_is_converted_to_utc(world, web, t0):
+@pytest.mark.parametrize("on", ["t0", "fall-back day"])
+def test_local_wall_clock_input_is_converted_to_utc(world, web, t0, settings, on):
+    """Noon New York time, typed as the form's wall-clock fields, is booked as its UTC instant. The window was
+    t0's own hour in New York: run at 05:00 or 06:00 UTC the day before New York's clocks went back (or 06:00
+    before they went forward) t0 fell in the repeated (or skipped) hour, the typed time was refused as
+    ambiguous, and the test failed. Noon is never in a clock change, on that day or any other."""
+    ny = zoneinfo.ZoneInfo("America/New_York")
+    if on == "t0":
+        day = t0.astimezone(ny).date()  # t0 is a day ahead: noon that day is at least half a day ahead
+    else:
+        settings.PORTAL_BOOKING_HORIZON_DAYS = 400  # the next fall-back day may be a year and a few days away
+        day = next_fall_back(ny)
     client = web("alpha-lead")
     client.post("/account/", {"tz": "America/New_York"})
-    ny = zoneinfo.ZoneInfo("America/New_York")
-    start_local = t0.astimezone(ny)
+    start_local = datetime(day.year, day.month, day.day, 12, tzinfo=ny)
     client.post("/reservations/new/", _data(world, t0, start=f"{start_local:%Y-%m-%dT%H:%M}",
                                              end=f"{start_local + timedelta(hours=1):%Y-%m-%dT%H:%M}", name="ny"))
     r = Reservation.objects.get(name="ny")
-    assert r.start == t0
+    assert (r.start, r.end) == (start_local.astimezone(UTC), start_local.astimezone(UTC) + timedelta(hours=1))
 
 
 def test_a_capacity_refusal_gives_its_window_as_the_rest_of_the_page_does(world, web, book, t0):
