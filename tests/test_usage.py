@@ -365,7 +365,7 @@ def test_a_running_booking_extended_then_shortened_counts_the_window_it_holds(wo
     from reservations.timeutil import slot_floor
 
     alpha, lead, pool = world.tenants["alpha"], world.users["alpha-lead"], world.pool
-    now = timezone.now()
+    now = now_clear_of_the_hour()  # the shortening below ends it at the next hour: refused once that has begun
     start = slot_floor(now, 60) - 2 * HOUR
     running = _reservation(alpha, pool, list(pool.nodes.order_by("pk")[:1]), start, start + 4 * HOUR,
                            status=ReservationStatus.ACTIVE)
