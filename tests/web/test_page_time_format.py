@@ -5,7 +5,7 @@ reader's zone, and no template spells the format out by hand (a copy that would 
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -44,3 +44,45 @@ def test_pages_show_a_bookings_times_in_the_sites_format_in_the_readers_zone(wor
     # An extension button's new end, on the reservation's page.
     html = client.get(f"/reservations/{r.pk}/").content.decode()
     assert f"(ends {page_time(r.end + timedelta(hours=4), zone)})" in html, "the +4 hours button's new end"
+
+
+def test_the_end_of_a_window_that_crosses_new_year_names_its_year(world, web, book, t0):
+    # The reservation list wrote a booking from New Year's Eve as "Thu 31 Dec 2026 22:00 UTC – Fri 1 Jan 02:00 UTC":
+    # the start with its year, the end without, as if it were in the start's year. A window's end names its year
+    # when it is not the start's, in the reader's zone (a window crossing midnight UTC on New Year's Eve does not
+    # cross the year in Tokyo until 09:00 UTC).
+    from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+
+    from reservations.models import Reservation
+
+    r = book("alpha-lead", t0, hours=3, name="new-year-run")
+    year = t0.year + 1
+    start, end = datetime(year - 1, 12, 31, 22, tzinfo=UTC), datetime(year, 1, 1, 2, tzinfo=UTC)
+    Reservation.objects.filter(pk=r.pk).update(period=DateTimeTZRange(start, end, "[)"))
+    client = web("alpha-lead")
+    html = client.get("/reservations/").content.decode()
+    assert f"Thu 31 Dec {year - 1} 22:00 UTC" in html or f"31 Dec {year - 1} 22:00 UTC" in html, html
+    assert f" 1 Jan {year} 02:00 UTC</time>" in html, "the end names its year"
+    for path in (f"/reservations/{r.pk}/panel/", f"/reservations/{r.pk}/cancel/"):
+        assert f" 1 Jan {year} 02:00 UTC" in client.get(path).content.decode(), path
+    # in Tokyo the same window is 07:00–11:00 on 1 January: one year, written once
+    session = client.session
+    session["portal_tz"] = "Asia/Tokyo"
+    session.save()
+    html = client.get(f"/reservations/{r.pk}/panel/").content.decode()
+    assert " 1 Jan 07:00 JST – " in html and " 1 Jan 11:00 JST" in html and f"Jan {year} 11:00" not in html, html
+
+
+def test_when_end_adds_the_year_only_when_the_window_crosses_one():
+    from django.template import Context, Template
+
+    tmpl = Template("{% load times %}{{ end|when_end:start }}")
+
+    def render(start, end):
+        return tmpl.render(Context({"start": start, "end": end}))
+
+    start = datetime(2026, 12, 31, 22, tzinfo=UTC)
+    assert render(start, datetime(2027, 1, 1, 2, tzinfo=UTC)) == "Fri 1 Jan 2027 02:00 UTC"
+    assert render(start, datetime(2026, 12, 31, 23, tzinfo=UTC)) == "Thu 31 Dec 23:00 UTC"
+    assert render(None, datetime(2026, 12, 31, 23, tzinfo=UTC)) == "Thu 31 Dec 23:00 UTC"
+    assert render(start, None) == ""
