@@ -8,6 +8,7 @@ Every read goes through the tenant scope (`for_user`, or `for_tenant` behind the
 from __future__ import annotations
 
 import bisect
+import re
 import zlib
 from datetime import UTC, date, datetime, timedelta
 from urllib.parse import urlencode
@@ -83,6 +84,8 @@ CLUSTER_POLL_TEMPLATES = ["provisioning/_reservation_cluster_poll.html", "reserv
 # The calendar's side panel polls the booking it shows (its status, nodes and cluster) as the page does: every 3 s
 # while it moves on quickly (booked, provisioning, ending), every ACTIVE_POLL_SECONDS while under way, never once over.
 PANEL_POLL_SECONDS = 3
+# What a panel's poll says it shows (_fingerprint's digests); an answer names the actions it replaces by theirs.
+PANEL_MARK = re.compile(r"[0-9a-f]{8}")
 CLUSTER_BADGE_TEMPLATES = ["provisioning/_cluster_badge.html", "reservations/_cluster_badge_placeholder.html"]
 
 
@@ -684,7 +687,13 @@ def reservation_panel(request, pk: int):
         actions_moved = request.GET.get("actions") != context["panel_actions_shown"]
         if not live_moved and not actions_moved:
             return HttpResponse(status=204)
-        response = render_page(request, "reservations/_panel_poll.html", {**context, "actions_moved": actions_moved})
+        # The actions it sends replace those this poll's panel shows, named by what they show: an answer that
+        # comes after the panel was loaded again (its booking cancelled there, or picked again) leaves the new
+        # panel's alone. A marker that is no digest names no actions on any panel.
+        actions_was = request.GET.get("actions", "")
+        response = render_page(request, "reservations/_panel_poll.html", {
+            **context, "actions_moved": actions_moved,
+            "actions_was": actions_was if PANEL_MARK.fullmatch(actions_was) else None})
         if request.GET.get("event") != context["panel_event_shown"]:
             response = trigger_client_event(response, "reservation-changed", {"id": reservation.pk})
         return response

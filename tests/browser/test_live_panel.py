@@ -111,3 +111,53 @@ def test_a_bookings_page_shows_its_cluster_once_the_row_exists_without_a_reload(
     expect(status).to_contain_text("Installing drivers", timeout=10_000)
     assert waits == []
     assert page.errors == []
+
+
+def test_a_poll_answer_that_lands_after_a_cancel_does_not_bring_back_the_old_actions(world, live_server, new_page,
+                                                                                     sign_in, day, monkeypatch):
+    """A poll the panel sent before its booking was cancelled, answered after the cancel's panel came: its
+    out-of-band actions (by the reservation's id) found the new panel's and put the old ones back (the Cancel link
+    and the rename form of a cancelled booking). An answer now replaces only the actions it knew the panel showed."""
+    from reservations import views
+    from reservations.models import Reservation
+
+    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=at(day, 10), end=at(day, 12), name="racing run")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    page.locator(f".fc-event[data-reservation-id='{r.pk}']").click()
+    panel = page.locator("#side-panel")
+    expect(panel.locator(f"#panel-live-{r.pk}")).to_have_attribute("hx-trigger", "every 1s")
+
+    # The next poll is answered while the booking (renamed elsewhere) still offers its changes; the answer is held
+    # back, as a slow network would, until the cancel's panel has come.
+    held: list = []
+
+    def hold(route):
+        if held:
+            route.continue_()  # the polls after it (none until it is answered: htmx waits for it)
+        else:
+            held.append((route, route.fetch()))
+
+    page.route("**/panel/?live=*", hold)
+    Reservation.objects.filter(pk=r.pk).update(name="renamed elsewhere")
+    for _ in range(50):  # the next poll comes within a second
+        if held:
+            break
+        page.wait_for_timeout(100)
+    assert held, "the panel did not poll"
+    route, answer = held[0]
+    assert "data-cancel" in answer.text()  # the answer carries the actions, as they were before the cancel
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    panel.locator("[data-cancel]").click()
+    expect(panel.get_by_role("status")).to_contain_text("cancelled", timeout=10_000)
+    expect(panel.locator("[data-cancel]")).to_have_count(0)
+
+    route.fulfill(response=answer)
+    page.wait_for_timeout(1500)
+    expect(panel.locator("[data-cancel]")).to_have_count(0)
+    expect(panel.get_by_label("Name", exact=True)).to_have_count(0)
+    expect(panel.locator(".badge").first).to_have_text("Cancelled")
+    assert page.errors == []

@@ -41,6 +41,15 @@ def _nodes(body: str, pk: int) -> list[str]:
     return [" ".join(re.sub(r"<[^>]+>", " ", li).split()) for li in re.findall(r"<li>(.*?)</li>", dd, re.S)]
 
 
+def _oob_actions(body: str, pk: int, *, replacing: str) -> re.Match | None:
+    """The answer's out-of-band actions (what they show, their contents), replacing those the polled URL said the
+    panel shows, and no others."""
+    was = re.search(r"actions=([0-9a-f]{8})", replacing).group(1)
+    return re.search(rf'<div id="panel-actions-{pk}" data-actions="([0-9a-f]{{8}})" '
+                     rf"""hx-swap-oob="outerHTML:#panel-actions-{pk}\[data-actions='{was}'\]">(.*?)</div>\s*$""",
+                     body, re.S)
+
+
 def test_the_panel_shows_the_nodes_states_the_cluster_and_polls_while_the_booking_can_change(world, web, book, t0):
     from reservations.services import node_update
 
@@ -61,7 +70,8 @@ def test_the_panel_shows_the_nodes_states_the_cluster_and_polls_while_the_bookin
     assert body.count("aria-live") == 1
     # the heading focus goes to and the actions are outside the polled part
     assert "panel-title" not in live and "data-cancel" not in live
-    assert f'<div id="panel-actions-{r.pk}">' in body
+    actions = re.search(r"actions=([0-9a-f]{8})", url).group(1)
+    assert f'<div id="panel-actions-{r.pk}" data-actions="{actions}">' in body
 
 
 def test_the_panels_poll_answers_only_when_something_changed_and_leaves_the_actions_alone(world, web, book, t0):
@@ -114,20 +124,38 @@ def test_the_panels_poll_answers_only_when_something_changed_and_leaves_the_acti
     assert "HX-Trigger" not in draining and "panel-actions" not in draining.content.decode()
     url, _ = _poll(draining.content.decode(), r.pk)
 
-    # ending: it can no longer be extended, so the actions come again (out-of-band), without the extend forms
+    # ending: it can no longer be extended, so the actions come again (out-of-band, replacing those the panel said
+    # it shows, and saying what they now show, as the next poll does), without the extend forms
     Reservation.objects.filter(pk=r.pk).update(status="ending")
     ending = client.get(url, **HTMX).content.decode()
-    actions = re.search(rf'<div id="panel-actions-{r.pk}" hx-swap-oob="true">(.*?)</div>\s*$', ending, re.S)
-    assert actions and "data-cancel" in actions.group(1) and "+1 slot" not in actions.group(1), ending
+    actions = _oob_actions(ending, r.pk, replacing=url)
+    assert actions and "data-cancel" in actions.group(2) and "+1 slot" not in actions.group(2), ending
     url, every = _poll(ending, r.pk)
-    assert every == "3s"
+    assert every == "3s" and f"actions={actions.group(1)}&" in url
 
     # over: the last answer no longer polls, and offers no change
     Reservation.objects.filter(pk=r.pk).update(status="completed")
     done = client.get(url, **HTMX).content.decode()
     assert _poll(done, r.pk) == (None, None) and 'class="badge st-completed"' in done
-    actions = re.search(rf'<div id="panel-actions-{r.pk}" hx-swap-oob="true">(.*?)</div>\s*$', done, re.S)
-    assert actions and "data-cancel" not in actions.group(1), done
+    actions = _oob_actions(done, r.pk, replacing=url)
+    assert actions and "data-cancel" not in actions.group(2), done
+
+
+@pytest.mark.parametrize("actions", ["", "zzzzzzzz", "4e6998d0']", "'],body", "a" * 5000])
+def test_a_poll_whose_actions_marker_is_no_digest_gets_no_actions_and_never_its_words_back(world, web, book, t0,
+                                                                                          actions):
+    """The answer's out-of-band actions name those they replace by the digest the poll sent: a marker that is no
+    digest (hand-made, cut short, a selector of its own) names none, and is never written into the answer."""
+    r = book("alpha-lead", t0)
+    client = web("alpha-lead")
+    url, _ = _poll(client.get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode(), r.pk)
+    bad = re.sub(r"actions=[0-9a-f]{8}", "actions=" + actions, url)
+    response = client.get(bad, **HTMX)
+    body = response.content.decode()
+    assert response.status_code == 200 and f'<div id="panel-live-{r.pk}"' in body
+    assert "panel-actions" not in body and "hx-swap-oob" not in body, body
+    if actions:
+        assert actions not in body
 
 
 @pytest.mark.parametrize("status", ["completed", "cancelled", "failed"])
