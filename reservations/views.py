@@ -549,12 +549,18 @@ def _held_nodes(reservation) -> list[tuple[str, str, str]]:
                   for a in reservation.active_allocations)
 
 
-def _detail_context(request, reservation) -> dict:
-    portal = request.portal
+def _changeable(request, reservation, now: datetime) -> bool:
+    """Whether the viewer may still change the booking (extend, rename, cancel)."""
+    return (request.portal.can_change(reservation)
+            and reservation.status not in FINAL_STATUSES and reservation.end > now)
+
+
+def _booking_context(request, reservation) -> dict:
+    """What the reservation page and the calendar's side panel both show: the booking, its nodes and its actions
+    (not its timeline, which the page alone shows: see _detail_context)."""
     pool = reservation.pool
     now = timezone.now()
-    changeable = (portal.can_change(reservation)
-                  and reservation.status not in FINAL_STATUSES and reservation.end > now)
+    changeable = _changeable(request, reservation, now)
     slot = timedelta(minutes=pool.slot_minutes)
     # (label, the new end as the form posts it, the new end to show beside the label in the reader's zone)
     extend_options = [
@@ -563,22 +569,10 @@ def _detail_context(request, reservation) -> dict:
         if delta >= slot and delta % slot == timedelta(0)
     ]
     held = _held_nodes(reservation)
-    history = _history(reservation)
-    # What the Nodes card and the timeline show, in a few characters: the poll says them back (see
-    # reservation_detail). The timeline is the booking's audit trail, which only grows: its length and last entry
-    # say whether it did, keyed with the site's secret, as the audit's ids are one sequence for the whole portal
-    # (the page must not let a tenant count what everyone else did between two of its own changes).
-    nodes_shown = _fingerprint(held, reservation.missing_nodes)
-    timeline_shown = salted_hmac("reservation-timeline", f"{len(history)}-{history[-1].pk if history else 0}",
-                                 algorithm="sha256").hexdigest()[:16]
-    page_url = reverse("reservation-page", args=[reservation.pk])
     return {
         "reservation": reservation,
         "nodes": [hostname for hostname, _, _ in held],
         "held_nodes": held,
-        "history": history,
-        "nodes_shown": nodes_shown,
-        "timeline_shown": timeline_shown,
         "changeable": changeable,
         # Its cluster torn down early, an ending booking can still be cancelled but never given a new end.
         "extendable": changeable and reservation.status != ReservationStatus.ENDING,
@@ -589,13 +583,33 @@ def _detail_context(request, reservation) -> dict:
         "shown_name": reservation.name,  # the rename form sends it back: a stale page is refused
         "gpus": reservation.node_count * pool.gpus_per_node,
         "hours": (reservation.end - reservation.start).total_seconds() / 3600,
+        "now": now,
+    }
+
+
+def _detail_context(request, reservation) -> dict:
+    context = _booking_context(request, reservation)
+    now = context["now"]
+    history = _history(reservation)
+    # What the Nodes card and the timeline show, in a few characters: the poll says them back (see
+    # reservation_detail). The timeline is the booking's audit trail, which only grows: its length and last entry
+    # say whether it did, keyed with the site's secret, as the audit's ids are one sequence for the whole portal
+    # (the page must not let a tenant count what everyone else did between two of its own changes).
+    nodes_shown = _fingerprint(context["held_nodes"], reservation.missing_nodes)
+    timeline_shown = salted_hmac("reservation-timeline", f"{len(history)}-{history[-1].pk if history else 0}",
+                                 algorithm="sha256").hexdigest()[:16]
+    page_url = reverse("reservation-page", args=[reservation.pk])
+    return {
+        **context,
+        "history": history,
+        "nodes_shown": nodes_shown,
+        "timeline_shown": timeline_shown,
         "cluster_template": select_template(CLUSTER_TEMPLATES).template.name,
         # The cluster card polls the page itself, saying which status, nodes and timeline the page shows (see
         # reservation_detail); an active booking's page goes on polling, slowly, while its nodes can change.
         "cluster_poll_url": f"{page_url}?shown={reservation.status}&nodes={nodes_shown}&timeline={timeline_shown}",
         "cluster_watch_every": (f"{ACTIVE_POLL_SECONDS}s" if reservation.status == ReservationStatus.ACTIVE
                                 and reservation.end > now else None),
-        "now": now,
     }
 
 
@@ -645,27 +659,38 @@ def _cluster_status(reservation) -> str | None:
     return getattr(getattr(reservation, "cluster", None), "status", None)  # no row (yet): Django's AttributeError
 
 
-def _panel_context(request, reservation) -> dict:
-    """The page's context, and what the calendar's panel polls with: markers of what its live part (status, window,
-    nodes, cluster), its actions and the calendar's event show, sent back with each poll (see reservation_panel)."""
-    context = _detail_context(request, reservation)
+def _panel_marks(request, reservation) -> dict[str, str]:
+    """What the calendar's panel shows, as the markers its poll sends back (see reservation_panel): its live part
+    (status, window, nodes, cluster), its actions and the calendar's event. Read off the booking, its held nodes and
+    its cluster alone: a poll that finds nothing changed answers from these, and an open panel polls every few
+    seconds."""
     status = reservation.status
-    live = _fingerprint(status, reservation.status_reason, reservation.start, reservation.end, reservation.node_count,
-                        reservation.billing, context["held_nodes"], reservation.missing_nodes,
-                        _cluster_status(reservation))
-    actions = _fingerprint(context["changeable"], context["extendable"], context["shown_end"], context["shown_name"])
-    event = _fingerprint(status, reservation.start, reservation.end, reservation.name)
+    changeable = _changeable(request, reservation, timezone.now())
+    extendable = changeable and status != ReservationStatus.ENDING
+    return {
+        "live": _fingerprint(status, reservation.status_reason, reservation.start, reservation.end,
+                             reservation.node_count, reservation.billing, _held_nodes(reservation),
+                             reservation.missing_nodes, _cluster_status(reservation)),
+        "actions": _fingerprint(changeable, extendable, format_utc(reservation.end), reservation.name),
+        "event": _fingerprint(status, reservation.start, reservation.end, reservation.name),
+    }
+
+
+def _panel_context(request, reservation, marks: dict[str, str] | None = None) -> dict:
+    """The panel's context (not the page's: no timeline, so no audit read), and the URL its live part polls with
+    the markers of what it shows."""
+    marks = marks or _panel_marks(request, reservation)
+    status = reservation.status
     every = None
     if status not in FINAL_STATUSES:
         every = ACTIVE_POLL_SECONDS if status == ReservationStatus.ACTIVE else PANEL_POLL_SECONDS
-    query = urlencode({"live": live, "actions": actions, "event": event})
     return {
-        **context,
+        **_booking_context(request, reservation),
         "cluster_badge_template": select_template(CLUSTER_BADGE_TEMPLATES).template.name,
-        "panel_live_shown": live,
-        "panel_actions_shown": actions,
-        "panel_event_shown": event,
-        "panel_poll_url": f"{reverse('reservation-panel', args=[reservation.pk])}?{query}",
+        "panel_live_shown": marks["live"],
+        "panel_actions_shown": marks["actions"],
+        "panel_event_shown": marks["event"],
+        "panel_poll_url": f"{reverse('reservation-panel', args=[reservation.pk])}?{urlencode(marks)}",
         "panel_poll_every": f"{every}s" if every else None,
     }
 
@@ -681,12 +706,13 @@ def reservation_panel(request, pk: int):
     they changed (a name or an end being typed there is not wiped by a node or a status moving on), and the calendar
     told to fetch its events again when the booking's event no longer looks as it did."""
     reservation = get_object_or_404(_with_cluster(_own_reservations(request)), pk=pk)
-    context = _panel_context(request, reservation)
+    marks = _panel_marks(request, reservation)
     if request.headers.get("HX-Request") and "live" in request.GET:
-        live_moved = request.GET["live"] != context["panel_live_shown"]
-        actions_moved = request.GET.get("actions") != context["panel_actions_shown"]
+        live_moved = request.GET["live"] != marks["live"]
+        actions_moved = request.GET.get("actions") != marks["actions"]
         if not live_moved and not actions_moved:
             return HttpResponse(status=204)
+        context = _panel_context(request, reservation, marks)
         # The actions it sends replace those this poll's panel shows, named by what they show: an answer that
         # comes after the panel was loaded again (its booking cancelled there, or picked again) leaves the new
         # panel's alone. A marker that is no digest names no actions on any panel.
@@ -697,7 +723,7 @@ def reservation_panel(request, pk: int):
         if request.GET.get("event") != context["panel_event_shown"]:
             response = trigger_client_event(response, "reservation-changed", {"id": reservation.pk})
         return response
-    return render_page(request, "reservations/_panel.html", context)
+    return render_page(request, "reservations/_panel.html", _panel_context(request, reservation, marks))
 
 
 def _extend_form(reservation, data=None) -> ExtendForm:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
@@ -394,3 +395,40 @@ def test_metrics_node_health_reads_each_nodes_latest_check_from_an_index():
     assert scans, plan
     for i in scans:
         assert re.search(r"Index Cond: .*node_id = ", lines[i + 1]), plan
+
+
+# --- the calendar's side panel: its poll reads what its digests need, and nothing for a timeline it does not show ---
+
+
+def _tables(ctx) -> list[str]:
+    return [re.search(r'FROM "(\w+)"', q["sql"]).group(1) for q in ctx.captured_queries]
+
+
+def test_the_panels_poll_reads_only_what_its_digests_need(t0):
+    """An open side panel polls every 3 s (per user, per panel): each poll ran the reservation page's whole context,
+    the booking's audit trail included (6 queries), for a 204 most of the time, and for a panel that shows no
+    timeline. Nothing changed now reads the session, the user, their memberships, the booking (its cluster in the
+    same query) and its held nodes; the panel and a poll that answers never read the audit log."""
+    import html
+
+    from reservations import services
+    from reservations.models import Reservation
+
+    world = make_world()
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=2, start=t0, end=t0 + timedelta(hours=2), name="watched")
+    client = _client(world, "alpha-lead")
+    htmx = {"HTTP_HX_REQUEST": "true"}
+    client.get(f"/reservations/{r.pk}/panel/", **htmx)
+    with CaptureQueriesContext(connection) as panel:
+        body = client.get(f"/reservations/{r.pk}/panel/", **htmx).content.decode()
+    url = html.unescape(re.search(rf'<div id="panel-live-{r.pk}"[^>]*hx-get="([^"]*)"', body).group(1))
+    with CaptureQueriesContext(connection) as same:
+        assert client.get(url, **htmx).status_code == 204
+    assert _tables(same) == ["django_session", "auth_user", "tenants_membership", "reservations_reservation",
+                             "reservations_allocation"], [q["sql"][:120] for q in same.captured_queries]
+    assert "core_auditlog" not in _tables(panel), _tables(panel)
+    Reservation.objects.filter(pk=r.pk).update(status="provisioning")
+    with CaptureQueriesContext(connection) as moved:
+        assert client.get(url, **htmx).status_code == 200
+    assert "core_auditlog" not in _tables(moved), _tables(moved)
