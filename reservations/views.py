@@ -815,7 +815,12 @@ def reservation_cancel(request, pk: int):
         reservation = get_object_or_404(_with_cluster(_own_reservations(request)), pk=pk)
         context = {**_panel_context(request, reservation), "panel_message": text, "panel_ok": ok}
         response = render_page(request, "reservations/_panel.html", context)
-        return trigger_client_event(response, "reservation-changed", {"id": reservation.pk}) if ok else response
+        # Said after the swap: htmx dispatches HX-Trigger's events on the Cancel link that sent this, which a poll
+        # answered meanwhile may have replaced (new actions), and an event on a detached element reaches no
+        # listener; after the swap, htmx dispatches it on the page's body then (the calendar listens there).
+        if ok:
+            response = trigger_client_event(response, "reservation-changed", {"id": reservation.pk}, after="swap")
+        return response
     (messages.success if ok else messages.error)(request, text)
     return HttpResponseRedirect(reverse("reservation-page", args=[pk]))
 

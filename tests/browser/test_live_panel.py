@@ -161,3 +161,41 @@ def test_a_poll_answer_that_lands_after_a_cancel_does_not_bring_back_the_old_act
     expect(panel.get_by_label("Name", exact=True)).to_have_count(0)
     expect(panel.locator(".badge").first).to_have_text("Cancelled")
     assert page.errors == []
+
+
+def test_a_cancel_answered_after_a_poll_replaced_the_actions_still_updates_the_calendar(world, live_server, new_page,
+                                                                                       sign_in, day, monkeypatch):
+    """The panel's Cancel link sent the cancel; a poll answered meanwhile with new actions (the booking renamed
+    elsewhere), replacing the link. The cancel's answer then told its detached link that the booking changed:
+    htmx dispatches HX-Trigger's events on the element that sent the request, so the calendar never heard it and
+    went on showing the cancelled booking. The cancel now says it after the swap, which htmx dispatches on the
+    page's body when that element is gone."""
+    from reservations import views
+    from reservations.models import Reservation
+
+    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=at(day, 10), end=at(day, 12), name="slow cancel")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    event = page.locator(f".fc-event[data-reservation-id='{r.pk}']")
+    event.click()
+    panel = page.locator("#side-panel")
+    expect(panel.locator(f"#panel-live-{r.pk}")).to_have_attribute("hx-trigger", "every 1s")
+
+    held: list = []
+    page.route("**/cancel/", lambda route: held.append(route))  # a slow cancel: held until released below
+    page.once("dialog", lambda dialog: dialog.accept())
+    panel.locator("[data-cancel]").click()
+    for _ in range(50):
+        if held:
+            break
+        page.wait_for_timeout(100)
+    assert held, "the cancel was not sent"
+
+    Reservation.objects.filter(pk=r.pk).update(name="renamed elsewhere")
+    expect(panel.locator("input[name=shown_name]")).to_have_value("renamed elsewhere", timeout=10_000)
+    held[0].continue_()
+    expect(panel.get_by_role("status")).to_contain_text("cancelled", timeout=10_000)
+    expect(event).to_have_count(0, timeout=10_000)  # the calendar fetched its events again
+    assert page.errors == []
