@@ -126,6 +126,11 @@
     var box = target && target.isConnected ? target : document.getElementById("main");
     if (!box) { window.alert(text); return; }
     var old = box.querySelector("[data-htmx-error]");
+    // Focus follows only what the user did (a submit, a click), never a poll or the live preview.
+    var cause = detail.requestConfig && detail.requestConfig.triggeringEvent;
+    var byUser = cause && (cause.type === "submit" || cause.type === "click");
+    // A poll failing again the same way has said so already: a new alert would be read out at every poll.
+    if (old && !byUser && old.textContent === text) { return; }
     if (old) { old.remove(); }
     var p = document.createElement("p");
     p.className = "error";
@@ -134,9 +139,17 @@
     p.setAttribute("tabindex", "-1");
     p.textContent = text;
     box.insertBefore(p, box.firstChild);
-    // Focus follows only what the user did (a submit, a click), never a poll or the live preview.
-    var cause = detail.requestConfig && detail.requestConfig.triggeringEvent;
-    if (cause && (cause.type === "submit" || cause.type === "click")) { p.focus({ preventScroll: false }); }
+    if (byUser) { p.focus({ preventScroll: false }); }
+  }
+
+  // A request to the same place that is answered again takes the error away: a poll answered 204 swaps
+  // nothing, so the error said while it failed would otherwise stay on a part that works again.
+  function onAfterRequest(event) {
+    var detail = event.detail || {};
+    var target = detail.target;
+    if (!detail.successful || !target || !target.isConnected) { return; }
+    var old = target.querySelector(":scope > [data-htmx-error]");
+    if (old) { old.remove(); }
   }
 
   // Plain forms ask first through data-confirm (on the form or its submit button), never an inline
@@ -153,6 +166,7 @@
   document.addEventListener("submit", onSubmit);
   document.addEventListener("htmx:responseError", onHtmxError);
   document.addEventListener("htmx:sendError", onHtmxError);
+  document.addEventListener("htmx:afterRequest", onAfterRequest);
   document.addEventListener("click", onClick);
   document.addEventListener("keydown", onKeyDown);
   document.addEventListener("htmx:beforeRequest", onBeforeRequest);

@@ -199,3 +199,48 @@ def test_a_cancel_answered_after_a_poll_replaced_the_actions_still_updates_the_c
     expect(panel.get_by_role("status")).to_contain_text("cancelled", timeout=10_000)
     expect(event).to_have_count(0, timeout=10_000)  # the calendar fetched its events again
     assert page.errors == []
+
+
+def test_a_failing_poll_says_so_once_and_clears_when_it_answers_again(world, live_server, new_page, sign_in, day,
+                                                                     monkeypatch):
+    """A poll that kept failing (the portal down, a 500) took its error out and put it back every few seconds as a
+    new role=alert paragraph: a screen reader read "Something went wrong" again at every poll. The same error is now
+    said once while the poll keeps failing, and taken away once a poll answers again (a 204 swaps nothing, so the
+    error stayed on a panel that worked again)."""
+    from reservations import views
+
+    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=at(day, 10), end=at(day, 12), name="flaky poll")
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    page.locator(f".fc-event[data-reservation-id='{r.pk}']").click()
+    live = page.locator(f"#panel-live-{r.pk}")
+    expect(live).to_have_attribute("hx-trigger", "every 1s")
+    page.evaluate("""() => {
+        window.alertsAdded = 0;
+        new MutationObserver((records) => {
+            for (const rec of records) for (const n of rec.addedNodes)
+                if (n.nodeType === 1 && n.matches("[data-htmx-error]")) window.alertsAdded += 1;
+        }).observe(document.body, {childList: true, subtree: true});
+    }""")
+    polls: list[str] = []
+
+    def fail(route):
+        polls.append(route.request.url)
+        route.fulfill(status=500, body="boom")
+
+    page.route("**/panel/?live=*", fail)
+    expect(live.locator("[data-htmx-error]")).to_have_text(
+        "Something went wrong (HTTP 500). Try again, or reload the page.", timeout=10_000)
+    deadline = 30
+    while len(polls) < 4 and deadline:
+        page.wait_for_timeout(500)
+        deadline -= 1
+    assert len(polls) >= 4, polls
+    assert page.evaluate("window.alertsAdded") == 1, "the same error was said again at each failing poll"
+    assert live.locator("[data-htmx-error]").count() == 1
+
+    page.unroute("**/panel/?live=*")
+    expect(live.locator("[data-htmx-error]")).to_have_count(0, timeout=10_000)  # answered (204): error gone
+    expect(page.locator("[data-htmx-error]")).to_have_count(0)
