@@ -86,3 +86,23 @@ def test_when_end_adds_the_year_only_when_the_window_crosses_one():
     assert render(start, datetime(2026, 12, 31, 23, tzinfo=UTC)) == "Thu 31 Dec 23:00 UTC"
     assert render(None, datetime(2026, 12, 31, 23, tzinfo=UTC)) == "Thu 31 Dec 23:00 UTC"
     assert render(start, None) == ""
+
+
+def test_a_clusters_window_names_its_ends_year_when_it_crosses_new_year(world, web, book, t0):
+    # The cluster list and a cluster's page wrote a New Year's Eve booking's window as
+    # "Thu 31 Dec 22:00 UTC → Fri 1 Jan 02:00 UTC": the end without its year, as the reservation pages did before.
+    from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+
+    from provisioning.services import cluster_create_for_reservation
+    from reservations.models import Reservation
+
+    r = book("alpha-lead", t0, hours=3, name="new-year-cluster")
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    year = t0.year + 1
+    start, end = datetime(year - 1, 12, 31, 22, tzinfo=UTC), datetime(year, 1, 1, 2, tzinfo=UTC)
+    Reservation.objects.filter(pk=r.pk).update(period=DateTimeTZRange(start, end, "[)"))
+    client = web("alpha-lead")
+    for path in ("/clusters/", f"/clusters/{cluster.pk}/"):
+        html = client.get(path).content.decode()
+        assert f"Thu 31 Dec 22:00 UTC → Fri 1 Jan {year} 02:00 UTC" in html, (path, html)
+
