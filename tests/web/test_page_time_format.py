@@ -106,3 +106,33 @@ def test_a_clusters_window_names_its_ends_year_when_it_crosses_new_year(world, w
         html = client.get(path).content.decode()
         assert f"Thu 31 Dec 22:00 UTC → Fri 1 Jan {year} 02:00 UTC" in html, (path, html)
 
+
+def test_when_end_reads_the_start_in_the_zone_the_end_is_written_in():
+    # The end is written in the zone the template engine put it in; the start must be read in that same zone.
+    # Inside {% localtime off %} (or for an end handed over in another zone) the filter compared the start's
+    # year in the reader's zone with the end's in UTC: in Tokyo a window 31 Dec 16:00 – 1 Jan 02:00 UTC starts
+    # on 1 January there, so "… – Fri 1 Jan 02:00 UTC" lost its year beside "Thu 31 Dec 16:00 UTC".
+    from zoneinfo import ZoneInfo
+
+    from django.template import Context, Template
+    from django.utils import timezone
+
+    tmpl = Template("{% load tz times %}{% localtime off %}"
+                    "{{ start|when }} – {{ end|when_end:start }}{% endlocaltime %}")
+    start, end = datetime(2026, 12, 31, 16, tzinfo=UTC), datetime(2027, 1, 1, 2, tzinfo=UTC)
+    with timezone.override(ZoneInfo("Asia/Tokyo")):
+        assert tmpl.render(Context({"start": start, "end": end})) == "Thu 31 Dec 16:00 UTC – Fri 1 Jan 2027 02:00 UTC"
+
+
+def test_when_end_takes_a_naive_or_a_date_start():
+    # A naive start (no zone to convert) is read as it is; a date start by its year. The filter dropped the year
+    # for a naive start and raised AttributeError ('date' has no 'utcoffset') for a date: a 500 for the page.
+    from datetime import date
+
+    from django.template import Context, Template
+
+    tmpl = Template("{% load times %}{{ end|when_end:start }}")
+    end = datetime(2027, 1, 1, 2, tzinfo=UTC)
+    assert tmpl.render(Context({"start": datetime(2026, 12, 31, 22), "end": end})) == "Fri 1 Jan 2027 02:00 UTC"
+    assert tmpl.render(Context({"start": date(2026, 12, 31), "end": end})) == "Fri 1 Jan 2027 02:00 UTC"
+    assert tmpl.render(Context({"start": date(2027, 1, 1), "end": end})) == "Fri 1 Jan 02:00 UTC"

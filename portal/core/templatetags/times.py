@@ -7,6 +7,8 @@ the site's one way to show a time, in the reader's zone (the active one), always
 
 from __future__ import annotations
 
+from datetime import date, datetime
+
 from django import template
 from django.template.defaultfilters import date as date_filter
 from django.utils import timezone
@@ -28,9 +30,22 @@ def when(value, precision: str = ""):
 def when_end(value, start=None):
     if value in (None, ""):
         return ""
-    if start and timezone.is_aware(start) and timezone.localtime(start).year != value.year:
+    if _year_as_written_with(start, value) not in (None, value.year):
         return when(value, "year")
     return when(value)
+
+
+def _year_as_written_with(start, value) -> int | None:
+    """The start's year in the zone the end is written in: the one the template engine put the end in (the
+    reader's, but none inside {% localtime off %}), not the reader's whatever it was. A naive start or a date is
+    read as it is; anything else (None, "") has no year."""
+    if isinstance(start, datetime):
+        if timezone.is_naive(start):
+            return start.year
+        if isinstance(value, datetime) and timezone.is_aware(value):
+            return start.astimezone(value.tzinfo).year
+        return timezone.localtime(start).year
+    return start.year if isinstance(start, date) else None
 
 
 @register.filter
