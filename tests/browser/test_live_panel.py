@@ -14,6 +14,21 @@ from .conftest import at, open_day
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
+def open_polling_panel(world, live_server, new_page, sign_in, day, monkeypatch, name: str):
+    """alpha-lead's booking called name, opened in the calendar's side panel, whose live part polls every second
+    (3 s as shipped): (the page, the reservation)."""
+    from reservations import views
+
+    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
+    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
+                                    node_count=1, start=at(day, 10), end=at(day, 12), name=name)
+    page = sign_in(new_page(), "alpha-lead")
+    open_day(page, live_server, day)
+    page.locator(f".fc-event[data-reservation-id='{r.pk}']").click()
+    expect(page.locator(f"#side-panel #panel-live-{r.pk}")).to_have_attribute("hx-trigger", "every 1s")
+    return page, r
+
+
 def test_the_calendars_panel_follows_its_booking_without_a_reload(world, live_server, new_page, sign_in, day,
                                                                   monkeypatch):
     """A lead who opened a booking in the calendar's side panel saw its hostnames only, and the same status, nodes
@@ -118,17 +133,10 @@ def test_a_poll_answer_that_lands_after_a_cancel_does_not_bring_back_the_old_act
     """A poll the panel sent before its booking was cancelled, answered after the cancel's panel came: its
     out-of-band actions (by the reservation's id) found the new panel's and put the old ones back (the Cancel link
     and the rename form of a cancelled booking). An answer now replaces only the actions it knew the panel showed."""
-    from reservations import views
     from reservations.models import Reservation
 
-    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
-    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
-                                    node_count=1, start=at(day, 10), end=at(day, 12), name="racing run")
-    page = sign_in(new_page(), "alpha-lead")
-    open_day(page, live_server, day)
-    page.locator(f".fc-event[data-reservation-id='{r.pk}']").click()
+    page, r = open_polling_panel(world, live_server, new_page, sign_in, day, monkeypatch, "racing run")
     panel = page.locator("#side-panel")
-    expect(panel.locator(f"#panel-live-{r.pk}")).to_have_attribute("hx-trigger", "every 1s")
 
     # The next poll is answered while the booking (renamed elsewhere) still offers its changes; the answer is held
     # back, as a slow network would, until the cancel's panel has come.
@@ -170,18 +178,11 @@ def test_a_cancel_answered_after_a_poll_replaced_the_actions_still_updates_the_c
     htmx dispatches HX-Trigger's events on the element that sent the request, so the calendar never heard it and
     went on showing the cancelled booking. The cancel now says it after the swap, which htmx dispatches on the
     page's body when that element is gone."""
-    from reservations import views
     from reservations.models import Reservation
 
-    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
-    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
-                                    node_count=1, start=at(day, 10), end=at(day, 12), name="slow cancel")
-    page = sign_in(new_page(), "alpha-lead")
-    open_day(page, live_server, day)
+    page, r = open_polling_panel(world, live_server, new_page, sign_in, day, monkeypatch, "slow cancel")
     event = page.locator(f".fc-event[data-reservation-id='{r.pk}']")
-    event.click()
     panel = page.locator("#side-panel")
-    expect(panel.locator(f"#panel-live-{r.pk}")).to_have_attribute("hx-trigger", "every 1s")
 
     held: list = []
     page.route("**/cancel/", lambda route: held.append(route))  # a slow cancel: held until released below
@@ -207,16 +208,8 @@ def test_a_failing_poll_says_so_once_and_clears_when_it_answers_again(world, liv
     new role=alert paragraph: a screen reader read "Something went wrong" again at every poll. The same error is now
     said once while the poll keeps failing, and taken away once a poll answers again (a 204 swaps nothing, so the
     error stayed on a panel that worked again)."""
-    from reservations import views
-
-    monkeypatch.setattr(views, "PANEL_POLL_SECONDS", 1)
-    r = services.reservation_create(actor=world.users["alpha-lead"], tenant=world.tenants["alpha"], pool=world.pool,
-                                    node_count=1, start=at(day, 10), end=at(day, 12), name="flaky poll")
-    page = sign_in(new_page(), "alpha-lead")
-    open_day(page, live_server, day)
-    page.locator(f".fc-event[data-reservation-id='{r.pk}']").click()
+    page, r = open_polling_panel(world, live_server, new_page, sign_in, day, monkeypatch, "flaky poll")
     live = page.locator(f"#panel-live-{r.pk}")
-    expect(live).to_have_attribute("hx-trigger", "every 1s")
     page.evaluate("""() => {
         window.alertsAdded = 0;
         new MutationObserver((records) => {
