@@ -14,6 +14,7 @@ from tenants.querysets import TenantScopedQuerySet
 
 from .choices import (
     DEFAULT_CUDA_VERSION,
+    FINAL_STATUSES,
     AllocationKind,
     Billing,
     NodeState,
@@ -169,6 +170,11 @@ class Reservation(models.Model):
     @property
     def end(self):
         return self.period.upper
+
+    @property
+    def is_over(self) -> bool:
+        """Completed, cancelled or failed: nothing about it changes any more."""
+        return self.status in FINAL_STATUSES
 
 
 class AllocationQuerySet(TenantScopedQuerySet):

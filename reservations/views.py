@@ -551,8 +551,7 @@ def _held_nodes(reservation) -> list[tuple[str, str, str]]:
 
 def _changeable(request, reservation, now: datetime) -> bool:
     """Whether the viewer may still change the booking (extend, rename, cancel)."""
-    return (request.portal.can_change(reservation)
-            and reservation.status not in FINAL_STATUSES and reservation.end > now)
+    return request.portal.can_change(reservation) and not reservation.is_over and reservation.end > now
 
 
 def _booking_context(request, reservation) -> dict:
@@ -682,7 +681,7 @@ def _panel_context(request, reservation, marks: dict[str, str] | None = None) ->
     marks = marks or _panel_marks(request, reservation)
     status = reservation.status
     every = None
-    if status not in FINAL_STATUSES:
+    if not reservation.is_over:
         every = ACTIVE_POLL_SECONDS if status == ReservationStatus.ACTIVE else PANEL_POLL_SECONDS
     return {
         **_booking_context(request, reservation),
