@@ -523,9 +523,18 @@ _BOOK_SIGNATURE = """(
     OUT o_burst_part integer, OUT o_hostnames text[], OUT o_outbox_id bigint, OUT o_max_nodes integer,
     OUT o_burst_nodes integer, OUT o_max_hours integer, OUT o_slot_minutes integer, OUT o_burst_enabled boolean,
     OUT o_peak integer)"""
-BOOK_FUNCTION = "reservations_book_" + hashlib.sha256((_BOOK_SIGNATURE + _BOOK_BODY).encode()).hexdigest()[:12]
+# The function's plans: each statement is planned once per connection (a generic plan, not planned again at every
+# call as PostgreSQL's default may settle on), and through its indexes. A plan is kept until the statistics of its
+# tables change, so one made while the tables were nearly empty (a fresh deployment, statistics taken just after a
+# clean-up) would otherwise scan every allocation of the fleet at each booking: in bench/booking.py, one run in two
+# spent 2-3 ms more PostgreSQL CPU per booking that way (bench/RESULTS.md, session 19). Every statement here has an
+# index for what it looks up (tests/test_booking_statement.py reads the counters). The setting also covers the
+# triggers the function's inserts fire; the deferred foreign-key checks run at the commit, outside it.
+_BOOK_OPTIONS = "SET plan_cache_mode = force_generic_plan SET enable_seqscan = off"
+BOOK_FUNCTION = "reservations_book_" + hashlib.sha256(
+    (_BOOK_SIGNATURE + _BOOK_OPTIONS + _BOOK_BODY).encode()).hexdigest()[:12]
 BOOK_FUNCTION_SQL = (f"CREATE OR REPLACE FUNCTION {BOOK_FUNCTION}{_BOOK_SIGNATURE} LANGUAGE plpgsql VOLATILE"
-                     f" AS $book$ {_BOOK_BODY} $book$")
+                     f" {_BOOK_OPTIONS} AS $book$ {_BOOK_BODY} $book$")
 _BOOK_CALL = (
     f"SELECT * FROM {BOOK_FUNCTION}(%(tenant)s, %(pool)s, %(actor)s, %(staff)s, %(roles)s, %(n)s, %(lower)s,"  # noqa: S608
     " %(upper)s, %(slot_minutes)s, %(name)s, %(orchestrator)s, %(cuda)s, %(now)s, %(statuses)s, %(audit)s::jsonb,"
