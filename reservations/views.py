@@ -28,7 +28,7 @@ from django.utils.formats import date_format
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST, require_safe
 from django.views.decorators.vary import vary_on_headers
-from django_htmx.http import trigger_client_event
+from django_htmx.http import HttpResponseStopPolling, trigger_client_event
 
 from portal.core.exceptions import Busy, CapacityUnavailable, DomainError, InvalidInput
 from portal.core.fields import DATETIME_MAX, DATETIME_MIN
@@ -704,9 +704,18 @@ def reservation_panel(request, pk: int):
     nothing, and the part goes on polling); else the part again, with the booking's actions out-of-band only when
     they changed (a name or an end being typed there is not wiped by a node or a status moving on), and the calendar
     told to fetch its events again when the booking's event no longer looks as it did."""
-    reservation = get_object_or_404(_with_cluster(_own_reservations(request)), pk=pk)
+    polling = bool(request.headers.get("HX-Request")) and "live" in request.GET
+    reservation = _with_cluster(_own_reservations(request)).filter(pk=pk).first()
+    if reservation is None:
+        if not polling:
+            raise Http404
+        # A booking the user can no longer see (their place in its team ended, or someone else signed in in this
+        # browser) does not come back by polling: the part says so and htmx stops polling it (286). The answer is
+        # the same for an id that never existed.
+        return render_page(request, "reservations/_panel_gone.html", {"pk": pk},
+                           status=HttpResponseStopPolling.status_code)
     marks = _panel_marks(request, reservation)
-    if request.headers.get("HX-Request") and "live" in request.GET:
+    if polling:
         live_moved = request.GET["live"] != marks["live"]
         actions_moved = request.GET.get("actions") != marks["actions"]
         if not live_moved and not actions_moved:

@@ -237,3 +237,24 @@ def test_a_failing_poll_says_so_once_and_clears_when_it_answers_again(world, liv
     page.unroute("**/panel/?live=*")
     expect(live.locator("[data-htmx-error]")).to_have_count(0, timeout=10_000)  # answered (204): error gone
     expect(page.locator("[data-htmx-error]")).to_have_count(0)
+
+
+def test_a_panel_whose_booking_is_out_of_sight_says_so_and_stops_polling(world, live_server, new_page, sign_in, day,
+                                                                        monkeypatch):
+    """A panel left open after the user's place in the team ended got a 404 at every poll: it said "Something went
+    wrong (HTTP 404)" and went on asking every 3 s for as long as the page stayed open. The poll is now answered 286:
+    the part says why and htmx stops polling it."""
+    from tenants.models import Membership
+
+    page, r = open_polling_panel(world, live_server, new_page, sign_in, day, monkeypatch, "gone from view")
+    live = page.locator(f"#panel-live-{r.pk}")
+    Membership.objects.filter(user=world.users["alpha-lead"]).delete()
+    expect(live).to_contain_text("You can no longer see this booking", timeout=10_000)
+    expect(live.locator("[data-htmx-error]")).to_have_count(0)
+    assert live.get_attribute("hx-trigger") is None
+    polls: list[str] = []
+    page.on("request", lambda req: polls.append(req.url) if "/panel/" in req.url else None)
+    page.wait_for_timeout(2500)  # 1 s polls: two or three would have gone by
+    assert polls == []
+    expect(page.locator("#side-panel h2")).to_contain_text("gone from view")  # the heading stays where it was
+    assert page.errors == []

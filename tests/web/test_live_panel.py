@@ -174,13 +174,37 @@ def test_the_panel_a_cancel_answers_with_no_longer_polls(world, web, book, t0):
     assert _poll(body, r.pk) == (None, None) and 'class="badge st-cancelled"' in _live(body, r.pk)
 
 
-def test_another_tenants_panel_and_its_poll_are_404(world, web, book, t0):
+def test_another_tenants_panel_is_404_and_its_poll_stops_as_for_a_booking_that_never_was(world, web, book, t0):
+    """Another tenant's panel is 404. Its poll (a panel left open after the user's place in the team ended, or after
+    someone else signed in in this browser) was a 404 too, and htmx went on polling it every 3 s, for good. It is now
+    answered 286, which stops htmx polling, with the part saying why: the same answer as for an id that never
+    existed, so it tells nothing of the booking."""
     r = book("beta-lead", t0, name="beta-secret")
     url, _ = _poll(web("beta-lead").get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode(), r.pk)
     client = web("alpha-lead")
-    for path in (f"/reservations/{r.pk}/panel/", url):
-        response = client.get(path, **HTMX)
-        assert response.status_code == 404 and b"beta-secret" not in response.content
+    response = client.get(f"/reservations/{r.pk}/panel/", **HTMX)
+    assert response.status_code == 404 and b"beta-secret" not in response.content
+    poll = client.get(url, **HTMX)
+    never = client.get(url.replace(f"/reservations/{r.pk}/", "/reservations/987654/"), **HTMX)
+    assert poll.status_code == never.status_code == 286
+    assert poll.content == never.content.replace(b"987654", str(r.pk).encode())
+    body = poll.content.decode()
+    assert "You can no longer see this booking" in body and "beta-secret" not in body
+    assert re.fullmatch(rf'\s*<div id="panel-live-{r.pk}" class="panel-live">\s*<p class="warn">[^<]*</p>\s*</div>\s*',
+                        body), body  # the live part alone, with nothing left that polls
+
+
+def test_the_panels_poll_stops_once_its_booking_is_out_of_the_users_sight(world, web, book, t0):
+    from tenants.models import Membership
+
+    r = book("alpha-lead", t0, name="pretrain")
+    client = web("alpha-viewer")
+    url, every = _poll(client.get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode(), r.pk)
+    assert every and client.get(url, **HTMX).status_code == 204  # polling, nothing changed
+    Membership.objects.filter(user=world.users["alpha-viewer"]).delete()
+    response = client.get(url, **HTMX)
+    assert response.status_code == 286 and b"pretrain" not in response.content
+    assert b"You can no longer see this booking" in response.content
 
 
 def _cluster_block(body: str) -> str:
