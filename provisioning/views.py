@@ -9,7 +9,7 @@ from django.views.decorators.http import require_POST, require_safe
 from django.views.decorators.vary import vary_on_headers
 
 from portal.core.exceptions import DomainError
-from tenants.views import portal_view, render_page
+from tenants.views import portal_view, render_page, stops_polling_when_gone
 
 from . import selectors, services
 from .choices import LIVE_STATUSES, PROVISION_PHASES, TERMINAL_STATUSES, ClusterStatus, CredentialKind
@@ -58,6 +58,7 @@ def cluster_list(request):
 @require_safe
 @vary_on_headers("HX-Request")  # one URL, two answers: a browser must not cache the polled fragment as the page
 @portal_view
+@stops_polling_when_gone("cluster")  # its htmx GET is the page's own poll
 def cluster_detail(request, pk: int):
     cluster = _cluster(request, pk)
     template = "provisioning/_cluster_poll.html" if request.headers.get("HX-Request") else \

@@ -28,7 +28,7 @@ from django.utils.formats import date_format
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_GET, require_http_methods, require_POST, require_safe
 from django.views.decorators.vary import vary_on_headers
-from django_htmx.http import HttpResponseStopPolling, trigger_client_event
+from django_htmx.http import trigger_client_event
 
 from portal.core.exceptions import Busy, CapacityUnavailable, DomainError, InvalidInput
 from portal.core.fields import DATETIME_MAX, DATETIME_MIN
@@ -37,7 +37,7 @@ from portal.core.views import page_query
 from portal.core.words import count_of
 from tenants.models import Membership, Quota, Tenant
 from tenants.selectors import ical_feed_tenant, ical_feed_token
-from tenants.views import portal_json, portal_view, render_page
+from tenants.views import portal_json, portal_view, render_page, stops_polling_when_gone
 
 from . import selectors, services
 from .choices import FINAL_STATUSES, NodeState, ReservationStatus
@@ -634,6 +634,7 @@ def reservation_list(request):
 @require_safe
 @vary_on_headers("HX-Request")  # one URL, two answers: a browser must not cache the polled fragment as the page
 @portal_view
+@stops_polling_when_gone("booking", poll=lambda request: "shown" in request.GET)
 def reservation_detail(request, pk: int):
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
     context = _detail_context(request, reservation)
@@ -697,6 +698,7 @@ def _panel_context(request, reservation, marks: dict[str, str] | None = None) ->
 @require_safe
 @vary_on_headers("HX-Request")  # one URL, two answers: the poll's fragment is not the panel
 @portal_view
+@stops_polling_when_gone("booking", poll=lambda request: "live" in request.GET)
 def reservation_panel(request, pk: int):
     """The calendar's side panel for one event.
 
@@ -704,18 +706,9 @@ def reservation_panel(request, pk: int):
     nothing, and the part goes on polling); else the part again, with the booking's actions out-of-band only when
     they changed (a name or an end being typed there is not wiped by a node or a status moving on), and the calendar
     told to fetch its events again when the booking's event no longer looks as it did."""
-    polling = bool(request.headers.get("HX-Request")) and "live" in request.GET
-    reservation = _with_cluster(_own_reservations(request)).filter(pk=pk).first()
-    if reservation is None:
-        if not polling:
-            raise Http404
-        # A booking the user can no longer see (their place in its team ended, or someone else signed in in this
-        # browser) does not come back by polling: the part says so and htmx stops polling it (286). The answer is
-        # the same for an id that never existed.
-        return render_page(request, "reservations/_panel_gone.html", {"pk": pk},
-                           status=HttpResponseStopPolling.status_code)
+    reservation = get_object_or_404(_with_cluster(_own_reservations(request)), pk=pk)
     marks = _panel_marks(request, reservation)
-    if polling:
+    if request.headers.get("HX-Request") and "live" in request.GET:
         live_moved = request.GET["live"] != marks["live"]
         actions_moved = request.GET.get("actions") != marks["actions"]
         if not live_moved and not actions_moved:

@@ -7,7 +7,9 @@ a signed-in user, resolves the current tenant and role (from the session, within
 
 from __future__ import annotations
 
+import re
 import zoneinfo
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any
@@ -19,14 +21,14 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.db.models import OuterRef, Subquery
-from django.http import HttpResponseRedirect, JsonResponse
+from django.http import Http404, HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST, require_safe
-from django_htmx.http import HttpResponseClientRedirect
+from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
 from portal.core.exceptions import DomainError
 
@@ -49,6 +51,7 @@ __all__ = [
     "portal_view",
     "portal_json",
     "render_page",
+    "stops_polling_when_gone",
     "LoginView",
     "tenant_switch",
     "account",
@@ -190,6 +193,33 @@ def render_page(request, template: str, context: dict[str, Any] | None = None, *
     ctx = {"portal": getattr(request, "portal", None)}
     ctx.update(context or {})
     return render(request, template, ctx, status=status)
+
+
+_ELEMENT_ID = re.compile(r"[A-Za-z][\w-]{0,99}")
+
+
+def stops_polling_when_gone(what: str, *, poll: Callable[[Any], bool] = lambda request: True):
+    """Decorate a view that a part of a page polls (an htmx request that poll(request) recognises): when its object
+    is out of the user's sight (Http404: their place in its team ended, someone else signed in in this browser), the
+    poll is answered 286, which stops htmx polling, with the polled part (HX-Target) replaced by a notice. A 404 was
+    said once and asked for again every few seconds for as long as the page stayed open. The answer names no object:
+    the same for one that never existed. Any other request gets the 404 as before."""
+
+    def decorate(fn):
+        @wraps(fn)
+        def wrapper(request, *args, **kwargs):
+            try:
+                return fn(request, *args, **kwargs)
+            except Http404:
+                target = request.headers.get("HX-Target", "")
+                if not (request.headers.get("HX-Request") and poll(request) and _ELEMENT_ID.fullmatch(target)):
+                    raise
+                return render_page(request, "_poll_gone.html", {"target": target, "what": what},
+                                   status=HttpResponseStopPolling.status_code)
+
+        return wrapper
+
+    return decorate
 
 
 class LoginView(auth_views.LoginView):

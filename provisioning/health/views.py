@@ -19,7 +19,7 @@ from django.views.decorators.http import require_GET, require_POST
 from portal.core.exceptions import DomainError
 from portal.core.words import count_of
 from reservations.models import Node
-from tenants.views import portal_view, render_page
+from tenants.views import portal_view, render_page, stops_polling_when_gone
 
 from . import selectors, services
 from .choices import CheckLevel, RepairState, Verdict
@@ -208,6 +208,7 @@ def cluster_health(request, pk: int):
 
 @require_GET
 @portal_view
+@stops_polling_when_gone("cluster")
 def cluster_health_results(request, pk: int):
     """The results partial alone (htmx polls it while checks run)."""
     return render_page(request, "health/_results.html", _cluster_context(request, _cluster(request, pk)))

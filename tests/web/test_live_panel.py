@@ -184,14 +184,19 @@ def test_another_tenants_panel_is_404_and_its_poll_stops_as_for_a_booking_that_n
     client = web("alpha-lead")
     response = client.get(f"/reservations/{r.pk}/panel/", **HTMX)
     assert response.status_code == 404 and b"beta-secret" not in response.content
-    poll = client.get(url, **HTMX)
-    never = client.get(url.replace(f"/reservations/{r.pk}/", "/reservations/987654/"), **HTMX)
+    target = {"HTTP_HX_TARGET": f"panel-live-{r.pk}"}  # what htmx sends: the id of the part it polls
+    poll = client.get(url, **HTMX, **target)
+    never = client.get(url.replace(f"/reservations/{r.pk}/", "/reservations/987654/"), **HTMX, **target)
     assert poll.status_code == never.status_code == 286
-    assert poll.content == never.content.replace(b"987654", str(r.pk).encode())
+    assert poll.content == never.content
     body = poll.content.decode()
     assert "You can no longer see this booking" in body and "beta-secret" not in body
-    assert re.fullmatch(rf'\s*<div id="panel-live-{r.pk}" class="panel-live">\s*<p class="warn">[^<]*</p>\s*</div>\s*',
+    assert re.fullmatch(rf'\s*<div id="panel-live-{r.pk}">\s*<p class="warn">[^<]*</p>\s*</div>\s*',
                         body), body  # the live part alone, with nothing left that polls
+    # Without a plausible part to replace, it is the 404 it was.
+    for headers in ({}, {"HTTP_HX_TARGET": ""}, {"HTTP_HX_TARGET": '"><script>'}):
+        assert client.get(url, **HTMX, **headers).status_code == 404
+    assert client.get(url).status_code == 404  # not htmx at all
 
 
 def test_the_panels_poll_stops_once_its_booking_is_out_of_the_users_sight(world, web, book, t0):
@@ -202,7 +207,7 @@ def test_the_panels_poll_stops_once_its_booking_is_out_of_the_users_sight(world,
     url, every = _poll(client.get(f"/reservations/{r.pk}/panel/", **HTMX).content.decode(), r.pk)
     assert every and client.get(url, **HTMX).status_code == 204  # polling, nothing changed
     Membership.objects.filter(user=world.users["alpha-viewer"]).delete()
-    response = client.get(url, **HTMX)
+    response = client.get(url, **HTMX, HTTP_HX_TARGET=f"panel-live-{r.pk}")
     assert response.status_code == 286 and b"pretrain" not in response.content
     assert b"You can no longer see this booking" in response.content
 
@@ -257,3 +262,30 @@ def test_the_pages_placeholder_stops_polling_once_the_booking_is_over(world, web
     assert "hx-trigger" not in page
     # another tenant's poll learns nothing
     assert web("beta-lead").get(url, **HTMX).status_code == 404
+
+
+@pytest.mark.parametrize("part", ["booking page", "cluster page", "cluster health"])
+def test_the_other_polled_parts_stop_as_the_panel_does_once_out_of_sight(world, web, book, t0, part):
+    """The booking page's cluster card, the cluster page's status and its health results poll too: the same 286 and
+    notice for another tenant's object as for one that never existed, and the 404 as before for anything else."""
+    from provisioning.services import cluster_create_for_reservation
+
+    r = book("beta-lead", t0, name="beta-secret")
+    cluster = cluster_create_for_reservation(reservation_id=r.pk)
+    url, missing, target, what = {
+        "booking page": (f"/reservations/{r.pk}/?shown=confirmed&nodes=x&timeline=y",
+                         "/reservations/987654/?shown=confirmed&nodes=x&timeline=y", "cluster-status", "booking"),
+        "cluster page": (f"/clusters/{cluster.pk}/", "/clusters/987654/", "cluster-status", "cluster"),
+        "cluster health": (f"/health/clusters/{cluster.pk}/results/", "/health/clusters/987654/results/",
+                           f"health-results-{cluster.pk}", "cluster"),
+    }[part]
+    assert web("beta-lead").get(url, **HTMX, HTTP_HX_TARGET=target).status_code == 200  # beta's own: polled as ever
+    client = web("alpha-lead")
+    poll = client.get(url, **HTMX, HTTP_HX_TARGET=target)
+    never = client.get(missing, **HTMX, HTTP_HX_TARGET=target)
+    assert poll.status_code == never.status_code == 286 and poll.content == never.content
+    assert f"You can no longer see this {what}:" in poll.content.decode()
+    assert f'<div id="{target}">' in poll.content.decode() and b"beta-secret" not in poll.content
+    assert client.get(url).status_code == 404
+    if part == "booking page":  # the page itself, fetched by htmx but not as its poll
+        assert client.get(f"/reservations/{r.pk}/", **HTMX, HTTP_HX_TARGET=target).status_code == 404
