@@ -549,9 +549,21 @@ def _held_nodes(reservation) -> list[tuple[str, str, str]]:
                   for a in reservation.active_allocations)
 
 
-def _changeable(request, reservation, now: datetime) -> bool:
-    """Whether the viewer may still change the booking (extend, rename, cancel)."""
-    return request.portal.can_change(reservation) and not reservation.is_over and reservation.end > now
+def _changeable(request, reservation, now: datetime) -> tuple[bool, bool]:
+    """Whether the viewer may still change the booking (rename, cancel), and give it a new end: its cluster torn down
+    early, an ending booking can still be cancelled but never given a new end."""
+    changeable = request.portal.can_change(reservation) and not reservation.is_over and reservation.end > now
+    return changeable, changeable and reservation.status != ReservationStatus.ENDING
+
+
+def _polls_page(request) -> bool:
+    """The reservation page's own poll (its cluster card's, or the placeholder's): see reservation_detail."""
+    return bool(request.headers.get("HX-Request")) and "shown" in request.GET
+
+
+def _polls_panel(request) -> bool:
+    """The calendar's side panel's poll of its live part: see reservation_panel."""
+    return bool(request.headers.get("HX-Request")) and "live" in request.GET
 
 
 def _booking_context(request, reservation) -> dict:
@@ -559,7 +571,7 @@ def _booking_context(request, reservation) -> dict:
     (not its timeline, which the page alone shows: see _detail_context)."""
     pool = reservation.pool
     now = timezone.now()
-    changeable = _changeable(request, reservation, now)
+    changeable, extendable = _changeable(request, reservation, now)
     slot = timedelta(minutes=pool.slot_minutes)
     # (label, the new end as the form posts it, the new end to show beside the label in the reader's zone)
     extend_options = [
@@ -573,8 +585,7 @@ def _booking_context(request, reservation) -> dict:
         "nodes": [hostname for hostname, _, _ in held],
         "held_nodes": held,
         "changeable": changeable,
-        # Its cluster torn down early, an ending booking can still be cancelled but never given a new end.
-        "extendable": changeable and reservation.status != ReservationStatus.ENDING,
+        "extendable": extendable,
         "extend_form": _extend_form(reservation),
         "extend_options": extend_options,
         "shown_end": format_utc(reservation.end),  # the extend forms send it back: a stale page is refused
@@ -634,11 +645,11 @@ def reservation_list(request):
 @require_safe
 @vary_on_headers("HX-Request")  # one URL, two answers: a browser must not cache the polled fragment as the page
 @portal_view
-@stops_polling_when_gone("booking", poll=lambda request: "shown" in request.GET)
+@stops_polling_when_gone("booking", poll=_polls_page)
 def reservation_detail(request, pk: int):
     reservation = get_object_or_404(_own_reservations(request), pk=pk)
     context = _detail_context(request, reservation)
-    if request.headers.get("HX-Request") and "shown" in request.GET:
+    if _polls_page(request):
         # The cluster card's poll: the card, and the parts that follow the booking's status when it moved on
         # from the one the page shows (not every time: a form being filled in beside them is left alone).
         # The Nodes card and the timeline likewise, when they no longer show what the page has (a node swapped).
@@ -665,8 +676,7 @@ def _panel_marks(request, reservation) -> dict[str, str]:
     its cluster alone: a poll that finds nothing changed answers from these, and an open panel polls every few
     seconds."""
     status = reservation.status
-    changeable = _changeable(request, reservation, timezone.now())
-    extendable = changeable and status != ReservationStatus.ENDING
+    changeable, extendable = _changeable(request, reservation, timezone.now())
     return {
         "live": _fingerprint(status, reservation.status_reason, reservation.start, reservation.end,
                              reservation.node_count, reservation.billing, _held_nodes(reservation),
@@ -698,7 +708,7 @@ def _panel_context(request, reservation, marks: dict[str, str] | None = None) ->
 @require_safe
 @vary_on_headers("HX-Request")  # one URL, two answers: the poll's fragment is not the panel
 @portal_view
-@stops_polling_when_gone("booking", poll=lambda request: "live" in request.GET)
+@stops_polling_when_gone("booking", poll=_polls_panel)
 def reservation_panel(request, pk: int):
     """The calendar's side panel for one event.
 
@@ -708,7 +718,7 @@ def reservation_panel(request, pk: int):
     told to fetch its events again when the booking's event no longer looks as it did."""
     reservation = get_object_or_404(_with_cluster(_own_reservations(request)), pk=pk)
     marks = _panel_marks(request, reservation)
-    if request.headers.get("HX-Request") and "live" in request.GET:
+    if _polls_panel(request):
         live_moved = request.GET["live"] != marks["live"]
         actions_moved = request.GET.get("actions") != marks["actions"]
         if not live_moved and not actions_moved:
